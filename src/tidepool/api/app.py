@@ -1,0 +1,193 @@
+"""Routes of the HTTP API: JSON in and out, every error as {"error": {"code", "message"}}."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import anyio
+from aiohttp import web
+from anyio.abc import TaskStatus
+from pydantic import BaseModel, ValidationError
+
+from ..errors import Conflict, InvalidRequest, QueueFull, StoreUnavailable, TaskNotFound
+from ..model import State
+from .schemas import MAX_LIST_LIMIT, PoolPatch, SubmitBatch, SubmitTask, task_json
+
+if TYPE_CHECKING:
+    from ..service import Daemon
+
+M = TypeVar("M", bound=BaseModel)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+DAEMON = web.AppKey("daemon", "Daemon")
+
+
+def error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error(exc.status, exc.code, str(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {413: "body_too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
+        message = exc.reason if exc.status != 413 else f"request body is over {request.app[DAEMON].max_body_kb} KiB"
+        return error(exc.status, code, message)
+    except InvalidRequest as exc:
+        return error(400, "invalid_request", str(exc))
+    except TaskNotFound as exc:
+        return error(404, "not_found", str(exc))
+    except Conflict as exc:
+        return error(409, "conflict", str(exc))
+    except QueueFull as exc:
+        return error(429, "queue_full", str(exc))
+    except StoreUnavailable as exc:
+        return error(503, "store_unavailable", str(exc))
+
+
+async def parse(request: web.Request, model: type[M]) -> M:
+    """The request body validated against `model`; 415 when not JSON, 400 naming the bad field."""
+    if request.content_type != "application/json":
+        raise _http(415, "unsupported_media_type", "send the body as application/json")
+    raw = await request.read()
+    try:
+        data = json.loads(raw or b"null")
+    except ValueError as exc:
+        raise _http(400, "invalid_json", f"body is not valid JSON: {exc}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "body"
+        raise _http(400, "invalid_request", f"{field}: {first['msg']}") from None
+
+
+class ApiError(Exception):
+    """A request the API refuses, with its status and error code."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def _http(status: int, code: str, message: str) -> ApiError:
+    return ApiError(status, code, message)
+
+
+async def submit(request: web.Request) -> web.Response:
+    daemon = request.app[DAEMON]
+    body = await parse(request, SubmitTask)
+    task, created = await daemon.submit(body.to_new(default_max_attempts=daemon.default_max_attempts))
+    return web.json_response(task_json(task), status=201 if created else 200)
+
+
+async def submit_batch(request: web.Request) -> web.Response:
+    daemon = request.app[DAEMON]
+    body = await parse(request, SubmitBatch)
+    news = [t.to_new(default_max_attempts=daemon.default_max_attempts) for t in body.tasks]
+    ids = await daemon.submit_many(news)
+    return web.json_response({"ids": ids}, status=201)
+
+
+async def get_task(request: web.Request) -> web.Response:
+    task = await request.app[DAEMON].store.get(request.match_info["id"])
+    return web.json_response(task_json(task))
+
+
+async def list_tasks(request: web.Request) -> web.Response:
+    q = request.query
+    state = None
+    if q.get("state"):
+        try:
+            state = State(q["state"])
+        except ValueError:
+            raise _http(400, "invalid_request", f"state: unknown state {q['state']!r}") from None
+    try:
+        limit = int(q.get("limit", 50))
+    except ValueError:
+        raise _http(400, "invalid_request", "limit: expected an integer") from None
+    if not 1 <= limit <= MAX_LIST_LIMIT:
+        raise _http(400, "invalid_request", f"limit: must be between 1 and {MAX_LIST_LIMIT}")
+    page = await request.app[DAEMON].store.list_tasks(state=state, type=q.get("type") or None, limit=limit,
+                                                      cursor=q.get("cursor") or None)
+    return web.json_response({"tasks": [task_json(t, results=False) for t in page.tasks],
+                              "next_cursor": page.next_cursor})
+
+
+async def cancel(request: web.Request) -> web.Response:
+    state = await request.app[DAEMON].cancel(request.match_info["id"])
+    return web.json_response({"state": state.value}, status=202)
+
+
+async def retry(request: web.Request) -> web.Response:
+    task = await request.app[DAEMON].retry(request.match_info["id"])
+    return web.json_response({"state": task.state.value, "task": task_json(task, results=False)}, status=202)
+
+
+async def get_pool(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[DAEMON].pool_view())
+
+
+async def patch_pool(request: web.Request) -> web.Response:
+    daemon = request.app[DAEMON]
+    body = await parse(request, PoolPatch)
+    try:
+        daemon.resize(**body.model_dump(exclude_none=True))
+    except ValueError as exc:
+        raise _http(400, "invalid_request", str(exc)) from None
+    return web.json_response(await daemon.pool_view())
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    reason = await request.app[DAEMON].not_ready_reason()
+    if reason:
+        return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+def build_app(daemon: Daemon) -> web.Application:
+    app = web.Application(middlewares=[errors_as_json], client_max_size=daemon.max_body_kb * 1024)
+    app[DAEMON] = daemon
+    app.router.add_post("/v1/tasks", submit)
+    app.router.add_post("/v1/tasks/batch", submit_batch)
+    app.router.add_get("/v1/tasks", list_tasks)
+    app.router.add_get("/v1/tasks/{id}", get_task)
+    app.router.add_post("/v1/tasks/{id}/cancel", cancel)
+    app.router.add_post("/v1/tasks/{id}/retry", retry)
+    app.router.add_get("/v1/pool", get_pool)
+    app.router.add_patch("/v1/pool", patch_pool)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app
+
+
+async def serve_api(daemon: Daemon, listen: str, *,
+                    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    """Bind `listen` ("host:port" or "unix:/path"), report started once bound, serve until cancelled."""
+    runner = web.AppRunner(build_app(daemon), access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        site: web.BaseSite
+        if listen.startswith("unix:"):
+            site = web.UnixSite(runner, listen.removeprefix("unix:"))
+        else:
+            host, _, port = listen.rpartition(":")
+            site = web.TCPSite(runner, host.strip("[]") or "127.0.0.1", int(port), reuse_address=True)
+        await site.start()
+        task_status.started()
+        await anyio.sleep_forever()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runner.cleanup()
+
+

@@ -1,0 +1,74 @@
+"""Request and response shapes of the HTTP API, and the task JSON of SPEC §8."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..model import Attempt, NewTask, ResultBatch, Task, rfc3339
+
+MAX_LIST_LIMIT = 1000
+
+
+class SubmitTask(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: str = Field(min_length=1, max_length=200)
+    payload: dict[str, Any] = {}
+    priority: int = Field(0, ge=-1_000_000, le=1_000_000)
+    max_attempts: int | None = Field(None, ge=1, le=1000)
+    timeout_s: float | None = Field(None, gt=0, le=7 * 86400)
+    required_tags: list[str] = Field([], max_length=64)
+    idempotency_key: str | None = Field(None, min_length=1, max_length=512)
+    available_at: datetime | None = None
+
+    def to_new(self, *, default_max_attempts: int) -> NewTask:
+        available = None
+        if self.available_at is not None:
+            at = self.available_at if self.available_at.tzinfo else self.available_at.replace(tzinfo=UTC)
+            available = at.timestamp()
+        return NewTask(self.type, self.payload, self.priority, self.max_attempts or default_max_attempts,
+                       self.timeout_s, tuple(sorted(set(self.required_tags))), self.idempotency_key, available)
+
+
+class SubmitBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tasks: list[SubmitTask] = Field(min_length=1, max_length=10_000)
+
+
+class PoolPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    min_workers: int | None = Field(None, ge=0, le=10_000)
+    max_workers: int | None = Field(None, ge=1, le=10_000)
+    idle_timeout_s: float | None = Field(None, gt=0)
+
+
+def attempt_json(a: Attempt) -> dict[str, Any]:
+    return {"id": a.id, "number": a.number, "node_id": a.node_id, "worker_id": a.worker_id,
+            "status": a.status.value, "started_at": rfc3339(a.started_at), "finished_at": rfc3339(a.finished_at),
+            "error": None if a.error is None else a.error.to_json(), "exit_status": a.exit_status,
+            "stderr_tail": a.stderr_tail}
+
+
+def result_json(r: ResultBatch) -> dict[str, Any]:
+    return {"plugin": r.plugin, "sequence": r.sequence, "idempotency_key": r.idempotency_key,
+            "sha256": r.sha256, "final": r.final, "payload": r.payload}
+
+
+def task_json(t: Task, *, results: bool = True) -> dict[str, Any]:
+    body = {
+        "id": t.id, "type": t.type, "payload": t.payload, "priority": t.priority, "state": t.state.value,
+        "phase": None if t.phase is None else t.phase.value, "progress": t.progress, "attempt": t.attempt,
+        "max_attempts": t.max_attempts, "timeout_s": t.timeout_s, "required_tags": list(t.required_tags),
+        "idempotency_key": t.idempotency_key, "node_id": t.node_id,
+        "error": None if t.error is None else t.error.to_json(), "created_at": rfc3339(t.created_at),
+        "updated_at": rfc3339(t.updated_at), "available_at": rfc3339(t.available_at),
+        "finished_at": rfc3339(t.finished_at), "attempts": [attempt_json(a) for a in t.attempts],
+    }
+    if results:
+        body["results"] = [result_json(r) for r in t.results]
+    return body

@@ -1,0 +1,110 @@
+"""A small async client of the tidepool HTTP API, for producers and the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+TERMINAL = frozenset({"completed", "failed", "timed_out", "cancelled"})
+
+
+class ApiError(Exception):
+    """The daemon answered with an error."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.message = status, code, message
+
+
+class Unreachable(Exception):
+    """No daemon answered at the address."""
+
+
+class Client:
+    """`async with Client("http://127.0.0.1:8470") as c: task = await c.submit("sleep", {"seconds": 1})`.
+
+    A unix socket is given as "unix:/run/tidepool/api.sock".
+    """
+
+    def __init__(self, url: str = "http://127.0.0.1:8470", *, token: str | None = None,
+                 timeout_s: float = 30.0) -> None:
+        self.url = url
+        connector = None
+        if url.startswith("unix:"):
+            connector = aiohttp.UnixConnector(path=url.removeprefix("unix:"))
+            self._base = "http://localhost"
+        else:
+            self._base = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._session = aiohttp.ClientSession(connector=connector, headers=headers,
+                                              timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def request(self, method: str, path: str, body: Any = None) -> Any:
+        try:
+            async with self._session.request(method, self._base + path, json=body) as response:
+                data = await response.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
+            raise Unreachable(f"no tidepool daemon answered at {self.url}: {exc}") from None
+        if response.status >= 400:
+            err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
+            raise ApiError(response.status, err.get("code", "error"), err.get("message", str(data)))
+        return data
+
+    async def submit(self, type: str, payload: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
+        body = {"type": type, "payload": payload or {}, **{k: v for k, v in options.items() if v is not None}}
+        task: dict[str, Any] = await self.request("POST", "/v1/tasks", body)
+        return task
+
+    async def submit_many(self, tasks: Sequence[dict[str, Any]]) -> list[str]:
+        ids: list[str] = (await self.request("POST", "/v1/tasks/batch", {"tasks": list(tasks)}))["ids"]
+        return ids
+
+    async def get(self, task_id: str) -> dict[str, Any]:
+        task: dict[str, Any] = await self.request("GET", f"/v1/tasks/{task_id}")
+        return task
+
+    async def list(self, *, state: str | None = None, type: str | None = None, limit: int = 50,
+                   cursor: str | None = None) -> dict[str, Any]:
+        query = "&".join(f"{k}={v}" for k, v in (("state", state), ("type", type), ("limit", limit),
+                                                 ("cursor", cursor)) if v is not None)
+        page: dict[str, Any] = await self.request("GET", f"/v1/tasks?{query}")
+        return page
+
+    async def cancel(self, task_id: str) -> str:
+        state: str = (await self.request("POST", f"/v1/tasks/{task_id}/cancel"))["state"]
+        return state
+
+    async def retry(self, task_id: str) -> str:
+        state: str = (await self.request("POST", f"/v1/tasks/{task_id}/retry"))["state"]
+        return state
+
+    async def pool(self) -> dict[str, Any]:
+        pool: dict[str, Any] = await self.request("GET", "/v1/pool")
+        return pool
+
+    async def wait(self, task_id: str, *, poll_s: float = 0.2,
+                   on_change: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Until the task is terminal; on_change sees each new state/phase/progress."""
+        last = None
+        while True:
+            task = await self.get(task_id)
+            seen = (task["state"], task["phase"], str(task["progress"]))
+            if seen != last and on_change is not None:
+                on_change(task)
+            last = seen
+            if task["state"] in TERMINAL:
+                return task
+            await asyncio.sleep(poll_s)

@@ -1,0 +1,61 @@
+"""TaskContext: what a Python plugin sees of its task, and how it reports back."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio.lowlevel
+
+from .model import ResultBatch, Task, sha256_of
+
+
+class TaskContext:
+    """Handed to every plugin of one attempt.
+
+    `scope` is shared by the attempt's plugins: what an earlier one puts there, later ones see.
+    """
+
+    def __init__(self, task: Task, *, attempt_id: str, workdir: str, resource: object = None,
+                 report_progress: Callable[[float, str], None],
+                 store_result: Callable[[ResultBatch], Awaitable[ResultBatch]]) -> None:
+        self.task = task
+        self.attempt_id = attempt_id
+        self.workdir = workdir
+        self.resource = resource
+        self.scope: dict[str, Any] = {}
+        self.plugin = ""
+        self.log: logging.LoggerAdapter[logging.Logger] = _task_logger(task.id, "")
+        self._report_progress = report_progress
+        self._store_result = store_result
+        self._sequence: dict[str, int] = {}
+        self.exit_status: int | None = None   # set by command plugins, kept on the attempt
+        self.stderr_tail: str | None = None
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        return self.task.payload
+
+    def enter_plugin(self, name: str) -> None:
+        self.plugin = name
+        self.log = _task_logger(self.task.id, name)
+
+    async def checkpoint(self) -> None:
+        """A safe point: raises the attempt's cancellation here if a cancel or timeout is pending."""
+        await anyio.lowlevel.checkpoint()
+
+    def progress(self, fraction: float, message: str = "") -> None:
+        self._report_progress(min(1.0, max(0.0, float(fraction))), message)
+
+    async def emit(self, result: Any, *, final: bool = False, key: str | None = None) -> ResultBatch:
+        """Store a result batch; the same key and content twice is acknowledged once (rule 7)."""
+        sequence = self._sequence.get(self.plugin, 0)
+        self._sequence[self.plugin] = sequence + 1
+        batch = ResultBatch(self.plugin, sequence, key or f"{self.attempt_id}:{self.plugin}:{sequence}",
+                            sha256_of(result), final, result)
+        return await self._store_result(batch)
+
+
+def _task_logger(task_id: str, plugin: str) -> logging.LoggerAdapter[logging.Logger]:
+    return logging.LoggerAdapter(logging.getLogger("tidepool.plugin"), {"task_id": task_id, "plugin": plugin})

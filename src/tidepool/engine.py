@@ -1,0 +1,195 @@
+"""Runs one claimed task through its phases: initialize -> prepare -> run plugins -> stop.
+
+Each attempt runs in its own cancel scope (cancel, shutdown interrupt and lost leases fire it);
+the run phase is bounded by the task's timeout and each plugin by its own; the stop phase always
+runs, shielded and bounded by stop_timeout_s. The outcome is written once, fenced by the lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+from .context import TaskContext
+from .errors import LeaseLost, PluginError, StoreUnavailable
+from .events import EventBus
+from .leases import Held, LeaseKeeper
+from .lifecycle import RetryPolicy
+from .model import AttemptStatus, Claimed, Outcome, Phase, ResultBatch, State, Task, TaskError
+from .plugins import PluginDef, Registry
+from .plugins.builtin import remove_workdir
+from .store import Store
+
+log = logging.getLogger("tidepool.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    timeout_s: float = 600.0
+    stop_timeout_s: float = 30.0
+    keep_workdirs: bool = False
+
+
+class Engine:
+    def __init__(self, store: Store, registry: Registry, leases: LeaseKeeper, events: EventBus, *,
+                 config: EngineConfig, policy: RetryPolicy, work_root: Path,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self.registry = registry
+        self._leases = leases
+        self._events = events
+        self.config = config
+        self.policy = policy
+        self._work_root = work_root
+        self._clock = clock
+
+    async def run_batch(self, claimed: list[Claimed], worker_id: str, *, keep_going: Callable[[], bool]) -> None:
+        """Run claimed tasks one after another; once keep_going() is false, give the rest back at once."""
+        helds = [self._leases.hold(c.lease) for c in claimed]  # renewed together while they wait
+        for c, held in zip(claimed, helds, strict=True):
+            if keep_going():
+                await self.run(c, worker_id, held=held)
+            else:
+                self._leases.release(held)
+                outcome = Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "released unstarted"))
+                await self._finish(c.task, held, outcome, worker_id)
+
+    async def run(self, claimed: Claimed, worker_id: str, *, held: Held | None = None) -> State | None:
+        """Execute one attempt and record how it ended; the task's new state, None if the lease was lost."""
+        task, lease = claimed.task, claimed.lease
+        held = held or self._leases.hold(lease)
+        ctx = TaskContext(task, attempt_id=lease.attempt_id, workdir=str(self._work_root / lease.attempt_id),
+                          report_progress=lambda f, m: self._progress(ctx, held, worker_id, f, m),
+                          store_result=lambda b: self._result(held, worker_id, b))
+        try:
+            outcome = await self._attempt(ctx, held, worker_id)
+        finally:
+            self._leases.release(held)
+        return await self._finish(task, held, outcome, worker_id)
+
+    async def _attempt(self, ctx: TaskContext, held: Held, worker_id: str) -> Outcome | None:
+        outcome = None
+        with held.scope:
+            try:
+                outcome = await self._phases(ctx, held, worker_id)
+            finally:
+                with anyio.move_on_after(self.config.stop_timeout_s, shield=True):
+                    await self._stop(ctx, held, worker_id)
+        if outcome is not None:
+            return outcome
+        if held.why == "cancel":
+            return Outcome(AttemptStatus.CANCELLED, TaskError("cancelled", "cancelled on request", False))
+        if held.why == "interrupt":
+            return Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "interrupted by shutdown"))
+        return None  # the lease is gone: nothing of this attempt may be written
+
+    async def _phases(self, ctx: TaskContext, held: Held, worker_id: str) -> Outcome:
+        task = ctx.task
+        self._enter(ctx, held, worker_id, Phase.INITIALIZE)
+        try:
+            plugins = self.registry.plugins_for(task.type)
+            self._enter(ctx, held, worker_id, Phase.PREPARE)
+            await ctx.checkpoint()
+            self._enter(ctx, held, worker_id, Phase.RUN)
+            timeout_s = task.timeout_s or self._type_timeout(task) or self.config.timeout_s
+            with anyio.move_on_after(timeout_s) as run_scope:
+                for plugin in plugins:
+                    await self._run_plugin(ctx, plugin, worker_id)
+            if run_scope.cancelled_caught:
+                return self._timed_out(task, f"run phase timed out after {timeout_s}s")
+            return Outcome(AttemptStatus.SUCCEEDED, exit_status=ctx.exit_status, stderr_tail=ctx.stderr_tail)
+        except _PluginTimedOut as exc:
+            return self._timed_out(task, str(exc))
+        except PluginError as exc:
+            log.warning("task %s attempt %s failed: %s (%s)", task.id, held.lease.attempt_id, exc, exc.code)
+            return Outcome(AttemptStatus.FAILED, TaskError(exc.code, str(exc), exc.retryable),
+                           ctx.exit_status, ctx.stderr_tail)
+        except Exception as exc:
+            log.exception("task %s attempt %s: plugin %s raised", task.id, held.lease.attempt_id, ctx.plugin)
+            return Outcome(AttemptStatus.FAILED, TaskError("plugin_error", f"{type(exc).__name__}: {exc}"),
+                           ctx.exit_status, ctx.stderr_tail)
+
+    async def _run_plugin(self, ctx: TaskContext, plugin: PluginDef, worker_id: str) -> None:
+        await ctx.checkpoint()
+        if not self.registry.allowed(plugin.name):  # allow/deny apply at run time too
+            raise PluginError(f"plugin {plugin.name!r} is denied", code="plugin_denied", retryable=False)
+        ctx.enter_plugin(plugin.name)
+        self._events.publish("plugin.started", task_id=ctx.task.id, worker_id=worker_id, plugin=plugin.name)
+        started = time.monotonic()
+        if plugin.timeout_s is None:
+            await plugin.run(ctx)
+        else:
+            with anyio.move_on_after(plugin.timeout_s) as scope:
+                await plugin.run(ctx)
+            if scope.cancelled_caught:
+                raise _PluginTimedOut(f"plugin {plugin.name} timed out after {plugin.timeout_s}s")
+        self._events.publish("plugin.finished", task_id=ctx.task.id, worker_id=worker_id, plugin=plugin.name,
+                             duration_s=round(time.monotonic() - started, 6))
+
+    async def _stop(self, ctx: TaskContext, held: Held, worker_id: str) -> None:
+        self._enter(ctx, held, worker_id, Phase.STOP)
+        if not self.config.keep_workdirs and os.path.isdir(ctx.workdir):
+            await anyio.to_thread.run_sync(remove_workdir, ctx.workdir)
+
+    def _enter(self, ctx: TaskContext, held: Held, worker_id: str, phase: Phase) -> None:
+        self._leases.note(held, phase)
+        self._events.publish("task.phase", task_id=ctx.task.id, worker_id=worker_id, phase=phase.value,
+                             attempt_id=held.lease.attempt_id)
+
+    def _progress(self, ctx: TaskContext, held: Held, worker_id: str, fraction: float, message: str) -> None:
+        progress = {"fraction": fraction, "message": message}
+        self._leases.note(held, Phase.RUN, progress)
+        self._events.publish("task.progress", task_id=ctx.task.id, worker_id=worker_id, plugin=ctx.plugin,
+                             **progress)
+
+    async def _result(self, held: Held, worker_id: str, batch: ResultBatch) -> ResultBatch:
+        ack = await self._store.record_result(held.lease, batch, now=self._clock())
+        self._events.publish("task.result", task_id=held.lease.task_id, worker_id=worker_id, plugin=ack.plugin,
+                             sequence=ack.sequence, idempotency_key=ack.idempotency_key, final=ack.final)
+        return ack
+
+    async def _finish(self, task: Task, held: Held, outcome: Outcome | None, worker_id: str) -> State | None:
+        attempt_id = held.lease.attempt_id
+        if outcome is None:
+            log.warning("task %s attempt %s abandoned: lease lost, outcome not recorded", task.id, attempt_id)
+            return None
+        try:
+            state = await self._store.finish(held.lease, outcome, now=self._clock(), policy=self.policy)
+        except LeaseLost as exc:
+            log.warning("task %s attempt %s outcome %s rejected: %s", task.id, attempt_id, outcome.status, exc)
+            return None
+        except StoreUnavailable as exc:
+            log.error("task %s attempt %s outcome %s not recorded: %s", task.id, attempt_id, outcome.status, exc)
+            return None
+        error = None if outcome.error is None else outcome.error.to_json()
+        if state is State.RETRY_WAIT:
+            self._events.publish("task.retry_scheduled", task_id=task.id, worker_id=worker_id, error=error,
+                                 attempt=task.attempt)
+            log.info("task %s attempt %s %s -> retry_wait (%s)", task.id, attempt_id, outcome.status,
+                     outcome.error.message if outcome.error else "")
+        elif state.terminal:
+            self._events.publish("task.finished", task_id=task.id, worker_id=worker_id, state=state.value,
+                                 error=error)
+            log.info("task %s attempt %s -> %s", task.id, attempt_id, state.value)
+        else:
+            log.info("task %s attempt %s %s -> %s", task.id, attempt_id, outcome.status, state.value)
+        return state
+
+    def _type_timeout(self, task: Task) -> float | None:
+        settings = self.registry.types.get(task.type)
+        return None if settings is None else settings.timeout_s
+
+    def _timed_out(self, task: Task, message: str) -> Outcome:
+        settings = self.registry.types.get(task.type)
+        retry = settings is not None and settings.retry_on_timeout
+        return Outcome(AttemptStatus.TIMED_OUT, TaskError("timeout", message, retry))
+
+
+class _PluginTimedOut(Exception):
+    pass

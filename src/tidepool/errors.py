@@ -1,0 +1,105 @@
+"""The one exception tree of tidepool.
+
+    TidepoolError
+    ├── ConfigError              a setting is missing, unknown or inconsistent (exit 2)
+    ├── InvalidTransition        the lifecycle table forbids this move (nothing changed)
+    ├── InvalidRequest           a submission names an unknown type or unserviceable tags (HTTP 400)
+    ├── StoreError
+    │   ├── StoreUnavailable     the store cannot be reached; retry later (HTTP 503, exit 3)
+    │   ├── TaskNotFound         no task with this id (HTTP 404)
+    │   ├── Conflict             a write contradicts an earlier one (HTTP 409)
+    │   ├── QueueFull            pending + retry_wait is at pool.max_queued (HTTP 429)
+    │   └── LeaseLost            the attempt's lease is stale, expired or taken over
+    │       └── TaskCancelling   the lease ended because a cancel was committed
+    └── PluginError              a plugin failed; `code` says how, `retryable` whether to try again
+        ├── InvalidArgument      a template value was refused before anything ran (not retried)
+        └── LimitExceeded        a plugin breached memory_mb, cpu_s, nofile or max_output_kb
+"""
+
+from __future__ import annotations
+
+
+class TidepoolError(Exception):
+    """Base of every error tidepool raises on purpose."""
+
+
+class ConfigError(TidepoolError):
+    """The configuration is invalid; the message names the key."""
+
+
+class InvalidTransition(TidepoolError):
+    def __init__(self, state: str, event: str) -> None:
+        super().__init__(f"no transition from state {state!r} on {event!r}")
+        self.state = state
+        self.event = event
+
+
+class InvalidRequest(TidepoolError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class StoreError(TidepoolError):
+    """Base of the errors a store adapter raises."""
+
+
+class StoreUnavailable(StoreError):
+    pass
+
+
+class TaskNotFound(StoreError):
+    def __init__(self, task_id: str) -> None:
+        super().__init__(f"task {task_id} not found")
+        self.task_id = task_id
+
+
+class Conflict(StoreError):
+    pass
+
+
+class QueueFull(StoreError):
+    pass
+
+
+class LeaseLost(StoreError):
+    def __init__(self, task_id: str, attempt_id: str, why: str = "lease is stale or expired") -> None:
+        super().__init__(f"task {task_id} attempt {attempt_id}: {why}")
+        self.task_id = task_id
+        self.attempt_id = attempt_id
+
+
+class TaskCancelling(LeaseLost):
+    def __init__(self, task_id: str, attempt_id: str) -> None:
+        super().__init__(task_id, attempt_id, "cancel requested")
+
+
+class PluginError(TidepoolError):
+    """A plugin failed. `code` goes into the task's error; `retryable` decides retry vs failed."""
+
+    code = "plugin_error"
+    retryable = True
+
+    def __init__(self, message: str, *, code: str | None = None, retryable: bool | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        if retryable is not None:
+            self.retryable = retryable
+
+
+class InvalidArgument(PluginError):
+    code = "invalid_argument"
+    retryable = False
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class LimitExceeded(PluginError):
+    code = "limit_exceeded"
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(f"{limit} exceeded: {message}")
+        self.limit = limit

@@ -1,0 +1,131 @@
+"""This node's live leases: batched renewals, phase notes written behind, and lost leases noticed.
+
+Renewal runs here, off the tasks' own code path, so a busy plugin cannot starve it (PITFALLS). One
+write renews every lease of the node. A lease that cannot be renewed before its own monotonic
+deadline is given up: the task's cancel scope fires rather than work on for someone else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+from anyio.abc import TaskStatus
+
+from .errors import LeaseLost, StoreUnavailable, TaskCancelling
+from .model import Lease, Phase
+from .store import PhaseNote, Store
+
+log = logging.getLogger("tidepool.leases")
+
+
+@dataclass(eq=False)
+class Held:
+    """One attempt this node is executing; `why` says why its scope was cancelled."""
+
+    lease: Lease
+    scope: anyio.CancelScope
+    deadline: float                       # monotonic: past this without a renewal, the lease is gone
+    why: str | None = None                # "cancel", "lost", "interrupt"
+    note: PhaseNote | None = field(default=None)
+
+    def stop(self, why: str) -> None:
+        if self.why is None:
+            self.why = why
+        self.scope.cancel()
+
+
+class LeaseKeeper:
+    def __init__(self, store: Store, *, lease_s: float, renew_every_s: float, flush_every_s: float = 0.1,
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._store = store
+        self.lease_s = lease_s
+        self.renew_every_s = renew_every_s
+        self._flush_every_s = flush_every_s
+        self._clock = clock
+        self._monotonic = monotonic
+        self._held: dict[str, Held] = {}
+        self._dirty: set[str] = set()
+
+    def configure(self, *, lease_s: float, renew_every_s: float) -> None:
+        self.lease_s, self.renew_every_s = lease_s, renew_every_s
+
+    def hold(self, lease: Lease) -> Held:
+        remaining = lease.expires_at - self._clock()
+        held = Held(lease, anyio.CancelScope(), self._monotonic() + remaining)
+        self._held[lease.attempt_id] = held
+        return held
+
+    def release(self, held: Held) -> None:
+        self._held.pop(held.lease.attempt_id, None)
+        self._dirty.discard(held.lease.attempt_id)
+
+    def note(self, held: Held, phase: Phase, progress: dict[str, object] | None = None) -> None:
+        """Record a phase or progress change; written with the next flush unless the task ends first."""
+        if progress is None and held.note is not None and held.note.phase is phase:
+            return
+        if progress is None and held.note is not None:
+            progress = held.note.progress
+        held.note = PhaseNote(held.lease, phase, progress)
+        self._dirty.add(held.lease.attempt_id)
+
+    def held(self) -> list[Held]:
+        return list(self._held.values())
+
+    def find(self, task_id: str) -> Held | None:
+        return next((h for h in self._held.values() if h.lease.task_id == task_id), None)
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        next_renewal = self._monotonic() + self.renew_every_s
+        while True:
+            await anyio.sleep(self._flush_every_s)
+            await self.flush()
+            if self._monotonic() >= next_renewal:
+                next_renewal = self._monotonic() + self.renew_every_s
+                await self.renew()
+            self._give_up_overdue()
+
+    async def flush(self) -> None:
+        notes = [h.note for a in self._dirty if (h := self._held.get(a)) and h.note]
+        self._dirty.clear()
+        if notes:
+            await self._apply(self._store.set_phase(notes, now=self._clock()), "phase")
+
+    async def renew(self) -> None:
+        held = list(self._held.values())
+        if not held:
+            return
+        started = self._monotonic()
+        lost = await self._apply(self._store.renew([h.lease for h in held], now=self._clock(),
+                                                   lease_s=self.lease_s), "renewal")
+        if lost is not None:
+            for h in held:
+                if h.lease.attempt_id not in lost:
+                    h.deadline = started + self.lease_s
+
+    async def _apply(self, write: object, what: str) -> dict[str, LeaseLost] | None:
+        try:
+            lost: dict[str, LeaseLost] = await write  # type: ignore[misc]
+        except StoreUnavailable as exc:
+            log.warning("lease %s failed, will retry: %s", what, exc)
+            return None
+        for attempt_id, reason in lost.items():
+            held = self._held.get(attempt_id)
+            if held is not None:
+                why = "cancel" if isinstance(reason, TaskCancelling) else "lost"
+                if why == "lost":
+                    log.warning("task %s attempt %s lease lost: %s", held.lease.task_id, attempt_id, reason)
+                held.stop(why)
+        return lost
+
+    def _give_up_overdue(self) -> None:
+        now = self._monotonic()
+        for held in list(self._held.values()):
+            if held.deadline <= now and held.why is None:
+                log.warning("task %s attempt %s lease not renewed in time; stopping the attempt",
+                            held.lease.task_id, held.lease.attempt_id)
+                held.stop("lost")

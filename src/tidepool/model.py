@@ -1,0 +1,228 @@
+"""Plain data of the domain: tasks, attempts, leases, result batches. No I/O."""
+
+from __future__ import annotations
+
+import base64
+import enum
+import hashlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+
+class State(enum.StrEnum):
+    PENDING = "pending"
+    LEASED = "leased"
+    RUNNING = "running"
+    RETRY_WAIT = "retry_wait"
+    CANCELLING = "cancelling"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+    @property
+    def active(self) -> bool:
+        """Held by a worker: a lease is live."""
+        return self in ACTIVE
+
+
+TERMINAL = frozenset({State.COMPLETED, State.FAILED, State.TIMED_OUT, State.CANCELLED})
+ACTIVE = frozenset({State.LEASED, State.RUNNING, State.CANCELLING})
+QUEUED = frozenset({State.PENDING, State.RETRY_WAIT})
+
+
+class Phase(enum.StrEnum):
+    INITIALIZE = "initialize"
+    PREPARE = "prepare"
+    RUN = "run"
+    STOP = "stop"
+
+
+class AttemptStatus(enum.StrEnum):
+    LEASED = "leased"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+    INTERRUPTED = "interrupted"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskError:
+    code: str
+    message: str
+    retryable: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message}
+
+
+@dataclass(frozen=True, slots=True)
+class NewTask:
+    """A validated submission, before the store gives it an id."""
+
+    type: str
+    payload: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    max_attempts: int = 3
+    timeout_s: float | None = None
+    required_tags: tuple[str, ...] = ()
+    idempotency_key: str | None = None
+    available_at: float | None = None
+
+    def fingerprint(self) -> str:
+        """What makes two submits with one idempotency key "the same body"."""
+        body = [self.type, self.payload, self.priority, self.max_attempts, self.timeout_s,
+                sorted(self.required_tags)]
+        return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    id: str
+    task_id: str
+    number: int
+    node_id: str
+    worker_id: str
+    status: AttemptStatus
+    started_at: float
+    finished_at: float | None = None
+    error: TaskError | None = None
+    exit_status: int | None = None
+    stderr_tail: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResultBatch:
+    plugin: str
+    sequence: int
+    idempotency_key: str
+    sha256: str
+    final: bool
+    payload: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    id: str
+    type: str
+    payload: dict[str, Any]
+    priority: int
+    state: State
+    phase: Phase | None
+    progress: dict[str, Any] | None
+    attempt: int
+    max_attempts: int
+    interruptions: int
+    timeout_s: float | None
+    required_tags: tuple[str, ...]
+    idempotency_key: str | None
+    node_id: str | None
+    error: TaskError | None
+    created_at: float
+    updated_at: float
+    available_at: float
+    finished_at: float | None
+    attempts: tuple[Attempt, ...] = ()
+    results: tuple[ResultBatch, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """The right to execute one attempt; every worker write carries it (SPEC rule 3)."""
+
+    task_id: str
+    attempt_id: str
+    token: str
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    task: Task
+    lease: Lease
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """Who claims: identifies the node, its process and the worker coroutine."""
+
+    node_id: str
+    instance_id: str
+    worker_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimFilter:
+    """What this node can run: type globs and the tag sets of its free resource slots."""
+
+    type_globs: tuple[str, ...] = ("*",)
+    tag_sets: tuple[frozenset[str], ...] = ()
+
+    def accepts_type(self, task_type: str) -> bool:
+        from fnmatch import fnmatchcase
+
+        return any(fnmatchcase(task_type, g) for g in self.type_globs)
+
+    def satisfies(self, required: tuple[str, ...]) -> bool:
+        return not required or any(set(required) <= tags for tags in self.tag_sets)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How an attempt ended, as the engine reports it to the store."""
+
+    status: AttemptStatus
+    error: TaskError | None = None
+    exit_status: int | None = None
+    stderr_tail: str | None = None
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def sha256_of(payload: Any) -> str:
+    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
+
+
+def rfc3339(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+# base32 with Crockford's alphabet: ascending in ASCII, so the text sorts like the number.
+_CROCKFORD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", b"0123456789ABCDEFGHJKMNPQRSTVWXYZ")
+_ulid_lock = threading.Lock()
+_ulid_last = (0, 0)
+
+
+def new_id(now: float | None = None) -> str:
+    """A ULID-like id: 48-bit milliseconds + 80 random bits, monotonic within a millisecond."""
+    global _ulid_last
+    ms = int((time.time() if now is None else now) * 1000)
+    with _ulid_lock:
+        last_ms, last_rand = _ulid_last
+        if ms <= last_ms:
+            ms, rand = last_ms, (last_rand + 1) & ((1 << 80) - 1)
+        else:
+            rand = int.from_bytes(os.urandom(10), "big")
+        _ulid_last = (ms, rand)
+    raw = ((ms << 80) | rand).to_bytes(16, "big")
+    return base64.b32encode(raw)[:26].translate(_CROCKFORD).decode()
+
+
+def new_token() -> str:
+    return os.urandom(16).hex()

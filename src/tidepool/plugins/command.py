@@ -1,0 +1,359 @@
+"""Running one external command for a command plugin, and nothing it starts outliving it.
+
+This module owns the child process's whole life: the argument list rendered from a template
+(values that could be read as options are refused), a scrubbed environment, CPU and open-file
+rlimits, bounded capture of stdout and stderr, the RSS budget of the whole process tree, and
+killing that tree - on a breached limit, on cancellation (timeouts and cancels arrive that way)
+and after a normal exit, so that nothing the command left behind keeps running. What the exit
+status means, retries and results belong to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import resource
+import signal
+import string
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import psutil  # type: ignore[import-untyped]
+
+from tidepool.errors import InvalidArgument, LimitExceeded, PluginError
+
+# Placeholders the caller fills in; every other name is a top-level payload field.
+_CALLER_FIELDS = frozenset({"task_id", "attempt", "workdir"})
+_INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "HOME", "TZ")
+_STDERR_TAIL = 4096
+_GONE_POLL_S = 0.02  # how often a dying tree is looked at
+_CLEANUP_SLACK_S = 5.0  # cleanup may take kill_grace_s plus this, never longer
+_MAX_FREEZE_ROUNDS = 50
+_FORMATTER = string.Formatter()
+
+
+def render_argv(template: Sequence[str], values: Mapping[str, object]) -> list[str]:
+    """Fill `{name}` placeholders of each element; refuse values a program could read as options."""
+    return [_render_element(index, element, values) for index, element in enumerate(template)]
+
+
+def _render_element(index: int, element: str, values: Mapping[str, object]) -> str:
+    where = f"command[{index}]"
+    try:
+        parts = list(_FORMATTER.parse(element))
+    except ValueError as exc:
+        raise InvalidArgument(where, f"bad template {element!r}: {exc}") from None
+    out: list[str] = []
+    for literal, name, spec, conversion in parts:
+        out.append(literal)
+        if name is None:
+            continue
+        # Attribute/index lookups and format specs would let a payload reach into objects.
+        if not name.isidentifier() or spec or conversion:
+            raise InvalidArgument(where, f"placeholder in {element!r} must be a plain {{name}}")
+        out.append(_template_value(name, values))
+    return "".join(out)
+
+
+def _template_value(name: str, values: Mapping[str, object]) -> str:
+    field = name if name in _CALLER_FIELDS else f"payload.{name}"
+    value = values.get(name)
+    if value is None:
+        raise InvalidArgument(field, "no value for this placeholder")
+    if isinstance(value, bool) or not isinstance(value, str | int | float | os.PathLike):
+        raise InvalidArgument(field, f"a {type(value).__name__} cannot be a command argument")
+    text = str(value)
+    # shell=False does not stop argument injection: "-oN /etc/cron.d/x" is an option to nmap.
+    if text.startswith("-"):
+        raise InvalidArgument(field, "a value may not start with '-'")
+    if "\x00" in text:
+        raise InvalidArgument(field, "a value may not contain NUL")
+    return text
+
+
+def scrubbed_env(extra: Mapping[str, str], *, source: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A minimal environment: locale, PATH, HOME and TZ of the daemon, plus the plugin's own `extra`.
+
+    Everything else stays behind - NOTIFY_SOCKET, WATCHDOG_*, LISTEN_*, CREDENTIALS_DIRECTORY,
+    TIDEPOOL_*, tokens, DSNs - so a plugin can neither talk to systemd for us nor read our secrets.
+    """
+    base = os.environ if source is None else source
+    env = {key: base[key] for key in _INHERITED_ENV if key in base}
+    env.update(extra)
+    return env
+
+
+@dataclass(frozen=True)
+class CommandLimits:
+    memory_mb: int | None = None
+    cpu_s: float | None = None
+    nofile: int | None = None
+    max_output_kb: int = 10240
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    exit_status: int  # negative: killed by that signal
+    stdout: bytes  # at most max_output_kb KiB
+    stdout_dropped: int
+    stderr_tail: str  # the last 4 KiB
+    stderr_dropped: int
+
+    def result_payload(self) -> object:
+        """stdout parsed as JSON if it is JSON, else {"text": stdout}."""
+        try:
+            # NaN/Infinity are not JSON: no store or client could take them back.
+            return json.loads(self.stdout, parse_constant=_refuse_constant)
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
+            return {"text": self.stdout.decode(errors="replace")}
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+async def run_command(
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    workdir: Path,
+    limits: CommandLimits,
+    kill_grace_s: float,
+    poll_interval_s: float = 0.2,
+) -> CommandResult:
+    """Run argv in its own session; a non-zero exit is a result, a breached limit a LimitExceeded."""
+    capture = _Capture(stdout_cap=limits.max_output_kb * 1024)
+    # Shielded so an anyio cancel cannot strike between fork and the cleanup below owning the tree.
+    with anyio.CancelScope(shield=True):
+        transport = await _spawn(argv, capture, env=env, workdir=workdir)
+    tree = _Tree(transport.get_pid())
+    breach: LimitExceeded | None = None
+    try:
+        _apply_rlimits(tree.pgid, limits)
+        breach = await _supervise(capture, tree, limits, poll_interval_s=poll_interval_s)
+    finally:
+        # Exit, breach or cancellation alike: nothing the command started may outlive it.
+        deadline = anyio.current_time() + kill_grace_s + _CLEANUP_SLACK_S
+        with anyio.CancelScope(shield=True, deadline=deadline):
+            await tree.kill(grace_s=kill_grace_s)
+            await capture.closed.wait()  # reaped, and both pipes read to the end
+        transport.close()
+    exit_status = transport.get_returncode()
+    if breach is not None:
+        raise breach
+    if exit_status is None:
+        raise PluginError(f"{argv[0]} did not exit after SIGKILL", code="unkillable")
+    if _cpu_limit_hit(exit_status, tree, limits):
+        raise LimitExceeded("cpu_s", f"{argv[0]} used its {limits.cpu_s} s of CPU")
+    return capture.result(exit_status)
+
+
+async def _spawn(
+    argv: list[str], capture: _Capture, *, env: dict[str, str], workdir: Path
+) -> asyncio.SubprocessTransport:
+    # loop.subprocess_exec (what create_subprocess_exec wraps) hands the output to _Capture as it
+    # arrives, so nothing is buffered beyond the caps, and gives a transport we may close.
+    loop = asyncio.get_running_loop()
+    try:
+        transport, _ = await loop.subprocess_exec(
+            lambda: capture,
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=str(workdir),
+            env=env,
+            start_new_session=True,  # own session and process group; never preexec_fn (threads exist)
+        )
+    except OSError as exc:
+        raise PluginError(f"cannot start {argv[0]!r}: {exc}", code="spawn_failed") from exc
+    return transport
+
+
+def _apply_rlimits(pid: int, limits: CommandLimits) -> None:
+    # Never RLIMIT_AS/RLIMIT_DATA: Go scanners reserve huge address ranges; RSS is watched instead.
+    if limits.cpu_s is not None:
+        soft = max(math.ceil(limits.cpu_s), 1)
+        # SIGXCPU at the soft limit lets a program stop itself; the kernel SIGKILLs a second later.
+        _lower_rlimit(pid, resource.RLIMIT_CPU, soft, soft + 1)
+    if limits.nofile is not None:
+        _lower_rlimit(pid, resource.RLIMIT_NOFILE, limits.nofile, limits.nofile)
+
+
+def _lower_rlimit(pid: int, which: int, soft: int, hard: int) -> None:
+    try:
+        _, current_hard = resource.prlimit(pid, which)
+        if current_hard != resource.RLIM_INFINITY:  # an unprivileged process cannot raise it
+            soft, hard = min(soft, current_hard), min(hard, current_hard)
+        resource.prlimit(pid, which, (soft, hard))
+    except ProcessLookupError:
+        pass  # already gone; its exit status tells the rest
+
+
+async def _supervise(
+    capture: _Capture, tree: _Tree, limits: CommandLimits, *, poll_interval_s: float
+) -> LimitExceeded | None:
+    """Wait for the child to exit; return the limit it breached first, if any."""
+    memory_cap = None if limits.memory_mb is None else limits.memory_mb * 2**20
+    while True:
+        if capture.stdout_dropped:
+            return LimitExceeded("max_output_kb", f"stdout passed {limits.max_output_kb} KiB")
+        if capture.exited:
+            return None
+        rss = tree.refresh()
+        if memory_cap is not None and rss > memory_cap:
+            return LimitExceeded("memory_mb", f"the process tree used {rss >> 20} MiB of {limits.memory_mb}")
+        with anyio.move_on_after(poll_interval_s):
+            await capture.wake.wait()
+
+
+def _cpu_limit_hit(exit_status: int, tree: _Tree, limits: CommandLimits) -> bool:
+    if limits.cpu_s is None:
+        return False
+    if exit_status == -signal.SIGXCPU:
+        return True
+    # Past the hard limit the kernel sends SIGKILL; only the CPU time we saw tells it from others.
+    return exit_status == -signal.SIGKILL and tree.leader_cpu_s >= limits.cpu_s
+
+
+class _Capture(asyncio.SubprocessProtocol):
+    """Keeps the head of stdout and the tail of stderr, however much the child writes."""
+
+    def __init__(self, *, stdout_cap: int) -> None:
+        self.stdout_cap = stdout_cap
+        self.stdout = bytearray()
+        self.stdout_dropped = 0
+        self.stderr = bytearray()
+        self.stderr_dropped = 0
+        self.exited = False
+        self.wake = anyio.Event()  # the child exited or stdout overflowed
+        self.closed = anyio.Event()  # the child exited and both pipes are at their end
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        # Everything is read as it arrives, so the child never blocks on a full pipe.
+        if fd == 1:
+            room = max(self.stdout_cap - len(self.stdout), 0)
+            self.stdout += data[:room]
+            if len(data) > room:
+                self.stdout_dropped += len(data) - room
+                self.wake.set()
+        else:
+            self.stderr_dropped += max(len(data) - _STDERR_TAIL, 0)
+            self.stderr += data[-_STDERR_TAIL:]
+            excess = len(self.stderr) - _STDERR_TAIL
+            if excess > 0:
+                del self.stderr[:excess]
+                self.stderr_dropped += excess
+
+    def process_exited(self) -> None:
+        self.exited = True
+        self.wake.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed.set()
+
+    def result(self, exit_status: int) -> CommandResult:
+        return CommandResult(
+            exit_status=exit_status,
+            stdout=bytes(self.stdout),
+            stdout_dropped=self.stdout_dropped,
+            stderr_tail=self.stderr.decode(errors="replace"),
+            stderr_dropped=self.stderr_dropped,
+        )
+
+
+class _Tree:
+    """The child's process group plus every descendant seen alive.
+
+    A grandchild that calls setsid() leaves the group, and once its parent dies it is no longer
+    anyone's descendant either; only having seen it earlier lets us kill it.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pgid = pid  # start_new_session made the child the leader of its own group
+        self.leader_cpu_s = 0.0
+        self.known: dict[int, psutil.Process] = {}
+        with contextlib.suppress(psutil.NoSuchProcess):  # a quick command may already be reaped
+            self.known[pid] = psutil.Process(pid)
+
+    def refresh(self) -> int:
+        """Look for new descendants; return the RSS of the whole tree in bytes."""
+        self._discover()
+        rss = 0
+        for proc in self._alive():
+            with contextlib.suppress(psutil.Error):
+                rss += int(proc.memory_info().rss)
+        if (leader := self.known.get(self.pgid)) is not None:
+            with contextlib.suppress(psutil.Error):
+                times = leader.cpu_times()
+                self.leader_cpu_s = float(times.user + times.system)
+        return rss
+
+    async def kill(self, *, grace_s: float) -> None:
+        """SIGTERM the tree, give it grace_s to exit, then SIGKILL it until nothing is left."""
+        self._discover()
+        self._signal_all(signal.SIGTERM)
+        with anyio.move_on_after(grace_s):
+            # Descendants are not our children: no event tells us when they exit, so look.
+            while self._alive():  # noqa: ASYNC110
+                await anyio.sleep(_GONE_POLL_S)
+        while True:
+            self._freeze()
+            alive = self._alive()
+            self._signal_all(signal.SIGKILL)
+            if not alive:
+                return
+            await anyio.sleep(_GONE_POLL_S)
+
+    def _freeze(self) -> None:
+        # A stopped process cannot fork, so stop all and look again until no new child turns up;
+        # killing a parent first would orphan children we have not seen yet.
+        for _ in range(_MAX_FREEZE_ROUNDS):
+            for proc in self._alive():
+                _send(proc, signal.SIGSTOP)
+            if not self._discover():
+                return
+
+    def _signal_all(self, sig: signal.Signals) -> None:
+        # A group id is not reused while any member lives (and not until pids wrap after that).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pgid, sig)
+        for proc in self._alive():  # the ones that left the group
+            _send(proc, sig)
+
+    def _discover(self) -> bool:
+        """Add every live descendant of a known live process to `known`; True if any was new."""
+        self.known = {proc.pid: proc for proc in self._alive()}  # the dead have no more to tell
+        by_parent: defaultdict[int | None, list[psutil.Process]] = defaultdict(list)
+        for proc in psutil.process_iter(["ppid"]):  # one pass over /proc, orphans' children too
+            by_parent[proc.info["ppid"]].append(proc)
+        queue = list(self.known)
+        found = False
+        while queue:
+            for child in by_parent[queue.pop()]:
+                if child.pid not in self.known:
+                    self.known[child.pid] = child
+                    queue.append(child.pid)
+                    found = True
+        return found
+
+    def _alive(self) -> list[psutil.Process]:
+        return [proc for proc in self.known.values() if _running(proc)]
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:  # a zombie has exited; only its parent's wait() is missing
+        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
+def _send(proc: psutil.Process, sig: signal.Signals) -> None:
+    with contextlib.suppress(psutil.Error):  # psutil refuses a pid that was reused meanwhile
+        proc.send_signal(sig)

@@ -1,0 +1,237 @@
+"""The pool supervisor: baseline and demand workers, the busy counter, idle retirement, wake-ups.
+
+Workers are long-lived coroutines (a task spawned per job costs too much, PITFALLS). They sleep
+on a Waker until a submit, a retry promotion or the safety-net poll wakes them. When a claim makes
+every live worker busy and the pool is below max_workers, one demand worker starts at once; a
+demand worker that finds no work for idle_timeout_s retires.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import TaskGroup, TaskStatus
+
+from .engine import Engine
+from .errors import StoreUnavailable
+from .events import EventBus
+from .leases import LeaseKeeper
+from .model import Claimed, ClaimFilter, Worker
+from .store import Store
+
+log = logging.getLogger("tidepool.pool")
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    min_workers: int
+    max_workers: int
+    idle_timeout_s: float
+    workers: int
+    busy: int
+    baseline: int
+    demand: int
+    claiming: bool
+
+
+@dataclass
+class PoolConfig:
+    min_workers: int = 2
+    max_workers: int = 16
+    idle_timeout_s: float = 30.0
+    poll_interval_s: float = 2.0
+    claim_batch: int = 1
+
+
+class Waker:
+    """Wakes sleeping workers one per unit of new work; a wake nobody waits for is kept as a permit."""
+
+    def __init__(self) -> None:
+        self._waiters: collections.deque[anyio.Event] = collections.deque()
+        self._permits = 0
+        self.max_permits = 1
+
+    def wake(self, n: int = 1) -> None:
+        while n > 0 and self._waiters:
+            self._waiters.popleft().set()
+            n -= 1
+        self._permits = min(self.max_permits, self._permits + n)
+
+    def wake_all(self) -> None:
+        self.wake(len(self._waiters) + self.max_permits)
+
+    async def wait(self, timeout_s: float) -> None:
+        if self._permits:
+            self._permits -= 1
+            return
+        event = anyio.Event()
+        self._waiters.append(event)
+        try:
+            with anyio.move_on_after(timeout_s):
+                await event.wait()
+        finally:
+            if not event.is_set():
+                self._waiters.remove(event)
+
+
+@dataclass(eq=False)
+class _WorkerState:
+    id: str
+    kind: str  # "baseline" | "demand"
+    busy: bool = False
+    retire: bool = False
+
+
+class Pool:
+    def __init__(self, store: Store, engine: Engine, leases: LeaseKeeper, events: EventBus, *,
+                 config: PoolConfig, node_id: str, instance_id: str, claim_filter: Callable[[], ClaimFilter],
+                 may_claim: Callable[[], bool] = lambda: True, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._store = store
+        self._engine = engine
+        self._leases = leases
+        self._events = events
+        self.config = config
+        self._node_id = node_id
+        self._instance_id = instance_id
+        self._claim_filter = claim_filter
+        self._may_claim = may_claim
+        self._clock = clock
+        self._monotonic = monotonic
+        self.waker = Waker()
+        self._workers: dict[str, _WorkerState] = {}
+        self._ids = itertools.count(1)
+        self._busy = 0
+        self._claiming = True
+        self._tg: TaskGroup | None = None
+        self._idle = anyio.Event()
+        self.last_tick = monotonic()
+
+    # supervision
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            self._reconcile_baseline()
+            task_status.started()
+            while True:  # the supervisor's tick: proof for the watchdog that the loop runs
+                self.last_tick = self._monotonic()
+                await anyio.sleep(min(1.0, self.config.poll_interval_s))
+
+    def statistics(self) -> PoolStats:
+        baseline = sum(1 for w in self._workers.values() if w.kind == "baseline")
+        return PoolStats(self.config.min_workers, self.config.max_workers, self.config.idle_timeout_s,
+                         len(self._workers), self._busy, baseline, len(self._workers) - baseline, self._claiming)
+
+    def wake(self, n: int = 1) -> None:
+        self.waker.wake(n)
+
+    def resize(self, *, min_workers: int | None = None, max_workers: int | None = None,
+               idle_timeout_s: float | None = None) -> None:
+        """Change sizes live: grows at once, shrinks by retiring idle workers, never touches running tasks."""
+        c = self.config
+        new_min = c.min_workers if min_workers is None else min_workers
+        new_max = c.max_workers if max_workers is None else max_workers
+        if new_max < new_min:
+            raise ValueError(f"pool.max_workers ({new_max}) is below pool.min_workers ({new_min})")
+        c.min_workers, c.max_workers = new_min, new_max
+        if idle_timeout_s is not None:
+            c.idle_timeout_s = idle_timeout_s
+        self._reconcile_baseline()
+        self._events.publish("pool.resized", min_workers=new_min, max_workers=new_max,
+                             idle_timeout_s=c.idle_timeout_s)
+        self.waker.wake_all()  # so workers over the new sizes notice and retire
+
+    def stop_claiming(self) -> None:
+        self._claiming = False
+        for worker in self._workers.values():
+            worker.retire = True
+        self.waker.wake_all()
+
+    async def wait_idle(self) -> None:
+        """Until no worker runs a task."""
+        while self._busy:
+            self._idle = anyio.Event()
+            await self._idle.wait()
+
+    # workers
+
+    def _reconcile_baseline(self) -> None:
+        workers = list(self._workers.values())
+        baseline = [w for w in workers if w.kind == "baseline"]
+        for worker in baseline[self.config.min_workers:]:
+            worker.kind = "demand"  # over the new minimum: retires like a demand worker
+        for worker in workers[self.config.max_workers:]:
+            worker.retire = True
+        for _ in range(self.config.min_workers - len(baseline)):
+            self._spawn("baseline")
+
+    def _spawn(self, kind: str) -> None:
+        if self._tg is None or not self._claiming or len(self._workers) >= self.config.max_workers:
+            return
+        worker = _WorkerState(f"{self._node_id}/w{next(self._ids)}", kind)
+        self._workers[worker.id] = worker
+        self._tg.start_soon(self._work, worker, name=worker.id)
+        self._events.publish("worker.started", worker_id=worker.id, kind=kind)
+
+    async def _work(self, worker: _WorkerState) -> None:
+        reason = "stopped"
+        identity = Worker(self._node_id, self._instance_id, worker.id)
+        idle_since = self._monotonic()
+        try:
+            while self._claiming and not worker.retire:
+                claimed = await self._claim(identity) if self._may_claim() else []
+                if claimed:
+                    await self._execute(worker, claimed)
+                    idle_since = self._monotonic()
+                    continue
+                idle_s = self._monotonic() - idle_since
+                if worker.kind == "demand" and idle_s >= self.config.idle_timeout_s:
+                    reason = "idle"
+                    break
+                await self.waker.wait(self._sleep_s(worker, idle_s))
+            else:
+                reason = "retired" if self._claiming else "shutdown"
+        finally:
+            del self._workers[worker.id]
+            self._events.publish("worker.stopped", worker_id=worker.id, kind=worker.kind, reason=reason)
+
+    def _sleep_s(self, worker: _WorkerState, idle_s: float) -> float:
+        if worker.kind == "demand":
+            return max(0.0, min(self.config.poll_interval_s, self.config.idle_timeout_s - idle_s))
+        return self.config.poll_interval_s
+
+    async def _claim(self, identity: Worker) -> list[Claimed]:
+        try:
+            claimed = await self._store.claim(identity, self._claim_filter(), limit=self.config.claim_batch,
+                                              now=self._clock(), lease_s=self._leases.lease_s)
+        except StoreUnavailable as exc:
+            log.warning("worker %s cannot claim: %s", identity.worker_id, exc)
+            await anyio.sleep(self.config.poll_interval_s)
+            return []
+        for c in claimed:
+            self._events.publish("task.leased", task_id=c.task.id, worker_id=identity.worker_id,
+                                 attempt_id=c.lease.attempt_id, attempt=c.task.attempt)
+        return claimed
+
+    async def _execute(self, worker: _WorkerState, claimed: list[Claimed]) -> None:
+        self._busy += 1
+        worker.busy = True
+        if self._busy >= len(self._workers) and len(self._workers) < self.config.max_workers:
+            self._spawn("demand")
+        try:
+            if len(claimed) == 1:
+                await self._engine.run(claimed[0], worker.id)
+            else:
+                await self._engine.run_batch(claimed, worker.id, keep_going=lambda: self._claiming)
+        finally:
+            self._busy -= 1
+            worker.busy = False
+            if not self._busy:
+                self._idle.set()

@@ -1,0 +1,319 @@
+"""The composition root: builds a node from settings, runs it, drains it on SIGTERM, reloads on SIGHUP."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+
+from . import __version__, logs
+from . import settings as settings_mod
+from .api import serve_api
+from .engine import Engine, EngineConfig
+from .errors import ConfigError, InvalidRequest, StoreUnavailable
+from .events import EventBus
+from .leases import LeaseKeeper
+from .lifecycle import retry_policy
+from .model import QUEUED, ClaimFilter, NewTask, State, Task, new_id
+from .plugins import Registry
+from .pool import Pool, PoolConfig
+from .reconciler import Reconciler, ReconcilerConfig
+from .settings import Settings
+from .store import Store, open_store
+from .systemd import Notifier, StatusReporter, run_watchdog
+
+log = logging.getLogger("tidepool.service")
+RESTART_KEYS = ("store.url", "api.listen", "node.id", "node.state_dir", "api.token_file")
+QUEUE_STATES = ("pending", "leased", "running", "retry_wait", "cancelling")
+
+
+class Daemon:
+    """One node: store, pool, engine, leases, reconciler and API, wired from one Settings."""
+
+    def __init__(self, settings: Settings, *, config_path: Path | None = None,
+                 notifier: Notifier | None = None) -> None:
+        self.settings = settings
+        self.config_path = config_path
+        self.notifier = notifier or Notifier()
+        self.node_id = settings.node.node_id
+        self.instance_id = new_id()
+        self.draining = False
+        self.pending_restart: list[str] = []
+        self.store: Store = open_store(settings.store.url)
+        self.events = EventBus()
+        self.registry = _registry(settings)
+        self.leases = LeaseKeeper(self.store, lease_s=settings.lease.duration_s,
+                                  renew_every_s=settings.lease.renew_every_s)
+        self.engine = Engine(self.store, self.registry, self.leases, self.events, config=_engine_config(settings),
+                             policy=retry_policy(settings.retry), work_root=settings.node.state_dir / "work")
+        self.pool = Pool(self.store, self.engine, self.leases, self.events, config=_pool_config(settings),
+                         node_id=self.node_id, instance_id=self.instance_id, claim_filter=self._claim_filter)
+        self.reconciler = Reconciler(self.store, self.events, config=_reconciler_config(settings),
+                                     policy=lambda: self.engine.policy, wake=self.pool.wake)
+        self._shutdown = anyio.Event()
+        self._forced = False
+
+    @property
+    def max_body_kb(self) -> int:
+        return self.settings.api.max_body_kb
+
+    @property
+    def default_max_attempts(self) -> int:
+        return self.settings.retry.max_attempts
+
+    # running
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        with self._node_lock():
+            await self.store.open(migrate=self.settings.store.migrate)
+            try:
+                await self.reconciler.recover(node_id=self.node_id, instance_id=self.instance_id)
+                async with anyio.create_task_group() as tg:
+                    await tg.start(self.leases.run)
+                    await tg.start(self.pool.run)
+                    await tg.start(self.reconciler.run)
+                    await tg.start(serve_api, self, self.settings.api.listen)
+                    tg.start_soon(self._handle_signals)
+                    tg.start_soon(self._report_status)
+                    tg.start_soon(self._watchdog)
+                    self.notifier.ready()
+                    log.info("node %s ready: tidepool %s, store %s, api %s, workers %d..%d", self.node_id,
+                             __version__, _redact(self.settings.store.url), self.settings.api.listen,
+                             self.pool.config.min_workers, self.pool.config.max_workers)
+                    task_status.started()
+                    await self._shutdown.wait()
+                    await self._drain()
+                    tg.cancel_scope.cancel()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self.store.close()
+        log.info("node %s stopped", self.node_id)
+
+    def shutdown(self) -> None:
+        self._shutdown.set()
+
+    async def _drain(self) -> None:
+        """Stop claiming, let running tasks finish within drain_timeout_s, then interrupt the rest."""
+        self.draining = True
+        self.notifier.stopping()
+        busy = self.pool.statistics().busy
+        log.info("draining: %d tasks running, waiting up to %.1fs", busy, self.settings.pool.drain_timeout_s)
+        self.pool.stop_claiming()
+        with anyio.move_on_after(0 if self._forced else self.settings.pool.drain_timeout_s):
+            await self.pool.wait_idle()
+        held = self.leases.held()
+        if held:
+            log.info("drain deadline: interrupting %d tasks", len(held))
+            for h in held:
+                h.stop("interrupt")
+            with anyio.move_on_after(1.0 if self._forced else self.settings.execution.stop_timeout_s + 1.0):
+                await self.pool.wait_idle()
+        self.events.close()
+
+    async def _handle_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    await self.reload()
+                elif self._shutdown.is_set() and signum == signal.SIGINT:
+                    log.warning("second SIGINT: interrupting running tasks now")
+                    self._forced = True
+                    for h in self.leases.held():
+                        h.stop("interrupt")
+                else:
+                    log.info("received %s: shutting down", signal.Signals(signum).name)
+                    self._shutdown.set()
+
+    async def _report_status(self) -> None:
+        reporter = StatusReporter(self.notifier)
+        while True:
+            stats = self.pool.statistics()
+            try:
+                counts = await self.store.counts()
+                queued = sum(counts.get(s, 0) for s in QUEUED)
+            except StoreUnavailable:
+                queued = -1
+            text = f"workers {stats.workers}/{stats.max_workers} busy {stats.busy} queued {queued}"
+            reporter.report(text, now=time.monotonic())
+            await anyio.sleep(1.0)
+
+    async def _watchdog(self) -> None:
+        allowed_lag = max(5.0, self.pool.config.poll_interval_s * 3)
+        await run_watchdog(self.notifier, is_alive=lambda: time.monotonic() - self.pool.last_tick < allowed_lag)
+
+    @contextlib.contextmanager
+    def _node_lock(self) -> Iterator[None]:
+        """One daemon per node id and SQLite file: a lock file beside the database."""
+        db = self.settings.db_path()
+        if db is None:
+            yield
+            return
+        db.parent.mkdir(parents=True, exist_ok=True)
+        path = db.with_name(f"{db.name}.{re.sub(r'[^A-Za-z0-9_.-]', '_', self.node_id)}.lock")
+        with open(path, "a+") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                other = handle.read().strip() or "unknown"
+                raise ConfigError(f"node {self.node_id} already runs on {db} (pid {other}, lock {path}); "
+                                  "stop it or give this daemon another node.id") from None
+            handle.truncate(0)
+            handle.write(str(os.getpid()))
+            handle.flush()
+            yield
+
+    # what the API asks for
+
+    def check(self, new: NewTask) -> None:
+        if not self.registry.knows_type(new.type):
+            raise InvalidRequest("type", f"unknown task type {new.type!r}")
+        if new.required_tags and not self._claim_filter().satisfies(new.required_tags) and \
+                not any(set(new.required_tags) <= set(r.tags) for r in self.settings.resources.values()):
+            raise InvalidRequest("required_tags", f"no resource of this fleet has tags {list(new.required_tags)}")
+
+    async def submit(self, new: NewTask) -> tuple[Task, bool]:
+        self.check(new)
+        task, created = await self.store.add(new, now=time.time(), max_queued=self.settings.pool.max_queued)
+        if created:
+            self.events.publish("task.created", task_id=task.id, worker_id=None, type=task.type,
+                                priority=task.priority)
+            self.pool.wake(1)
+        return task, created
+
+    async def submit_many(self, news: list[NewTask]) -> list[str]:
+        for i, new in enumerate(news):
+            try:
+                self.check(new)
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"tasks.{i}.{exc.field}", str(exc).split(": ", 1)[1]) from None
+        ids = await self.store.add_many(news, now=time.time(), max_queued=self.settings.pool.max_queued)
+        for task_id, new in zip(ids, news, strict=True):
+            self.events.publish("task.created", task_id=task_id, worker_id=None, type=new.type,
+                                priority=new.priority)
+        self.pool.wake(len(ids))
+        return ids
+
+    async def cancel(self, task_id: str) -> State:
+        state = await self.store.request_cancel(task_id, now=time.time())
+        if state is State.CANCELLING:
+            self.events.publish("task.cancel_requested", task_id=task_id, worker_id=None)
+            held = self.leases.find(task_id)
+            if held is not None:
+                held.stop("cancel")
+        elif state is State.CANCELLED:
+            self.events.publish("task.finished", task_id=task_id, worker_id=None, state=state.value, error=None)
+        log.info("task %s cancel requested -> %s", task_id, state.value)
+        return state
+
+    async def retry(self, task_id: str) -> Task:
+        task = await self.store.retry(task_id, now=time.time())
+        self.events.publish("task.created", task_id=task_id, worker_id=None, type=task.type, retry=True)
+        self.pool.wake(1)
+        log.info("task %s retried by request -> %s", task_id, task.state.value)
+        return task
+
+    def resize(self, **sizes: Any) -> None:
+        self.pool.resize(**sizes)
+        log.info("pool resized: min %d max %d idle %.1fs", self.pool.config.min_workers,
+                 self.pool.config.max_workers, self.pool.config.idle_timeout_s)
+
+    async def pool_view(self) -> dict[str, Any]:
+        stats = self.pool.statistics()
+        counts = await self.store.counts()
+        return {
+            "node_id": self.node_id, "min_workers": stats.min_workers, "max_workers": stats.max_workers,
+            "idle_timeout_s": stats.idle_timeout_s, "workers": stats.workers, "busy": stats.busy,
+            "baseline": stats.baseline, "demand": stats.demand, "claiming": stats.claiming,
+            "draining": self.draining, "queue": {s: counts.get(State(s), 0) for s in QUEUE_STATES},
+            "guards": {"tripped": [], "min_free_memory_mb": self.settings.guards.min_free_memory_mb,
+                       "min_free_disk_mb": self.settings.guards.min_free_disk_mb},
+            "pending_restart": self.pending_restart,
+        }
+
+    async def not_ready_reason(self) -> str | None:
+        if self.draining:
+            return "draining"
+        try:
+            with anyio.fail_after(2.0):
+                await self.store.counts()
+        except (StoreUnavailable, TimeoutError) as exc:
+            return f"store unavailable: {exc}"
+        return None
+
+    # reload
+
+    async def reload(self) -> None:
+        """SIGHUP: apply what can change live; keep the old config when the new file is invalid."""
+        self.notifier.reloading()
+        try:
+            new = settings_mod.load(self.config_path)
+            registry = _registry(new)
+        except ConfigError as exc:
+            log.error("reload rejected, keeping the running config: %s", exc)
+            return
+        finally:
+            self.notifier.ready()
+        self.pending_restart = [k for k in RESTART_KEYS if _get(new, k) != _get(self.settings, k)]
+        if self.pending_restart:
+            log.warning("reload: %s need a restart to change", ", ".join(self.pending_restart))
+        logs.setup(new.log.level, new.log.format)
+        self.engine.registry = registry
+        self.engine.config = _engine_config(new)
+        self.engine.policy = retry_policy(new.retry)
+        self.leases.configure(lease_s=new.lease.duration_s, renew_every_s=new.lease.renew_every_s)
+        self.reconciler.config = _reconciler_config(new)
+        self.pool.config.poll_interval_s = new.pool.poll_interval_s
+        self.pool.config.claim_batch = new.pool.claim_batch
+        self.pool.resize(min_workers=new.pool.min_workers, max_workers=new.pool.max_workers,
+                         idle_timeout_s=new.pool.idle_timeout_s)
+        self.settings = new
+        log.info("reloaded %s", self.config_path or "defaults")
+
+    def _claim_filter(self) -> ClaimFilter:
+        return ClaimFilter(self.settings.pool.task_types,
+                           tuple(frozenset(r.tags) for r in self.settings.resources.values()))
+
+
+async def serve(settings: Settings, *, config_path: Path | None = None, notifier: Notifier | None = None,
+                task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    await Daemon(settings, config_path=config_path, notifier=notifier).run(task_status=task_status)
+
+
+def _registry(settings: Settings) -> Registry:
+    return Registry.from_settings(settings.plugins, settings.all_types, kill_grace_s=settings.execution.kill_grace_s)
+
+
+def _engine_config(settings: Settings) -> EngineConfig:
+    return EngineConfig(timeout_s=settings.execution.timeout_s, stop_timeout_s=settings.execution.stop_timeout_s)
+
+
+def _pool_config(settings: Settings) -> PoolConfig:
+    p = settings.pool
+    return PoolConfig(p.min_workers, p.max_workers, p.idle_timeout_s, p.poll_interval_s, p.claim_batch)
+
+
+def _reconciler_config(settings: Settings) -> ReconcilerConfig:
+    return ReconcilerConfig(settings.reconciler.interval_s, settings.execution.cancel_deadline_s,
+                            settings.reconciler.retention_days)
+
+
+def _get(settings: Settings, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(settings, section), key)
+
+
+def _redact(url: str) -> str:
+    return re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
+
+

@@ -1,0 +1,268 @@
+"""Configuration: one pydantic model per section, read from TOML and TIDEPOOL_<SECTION>__<KEY>."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from .errors import ConfigError
+
+DEFAULT_PATHS = (Path("config/tidepool.toml"), Path("/etc/tidepool/tidepool.toml"))
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NodeSettings(Section):
+    id: str = ""
+    state_dir: Path = Path("./var")
+
+    @property
+    def node_id(self) -> str:
+        return self.id or socket.gethostname()
+
+
+class StoreSettings(Section):
+    url: str = "sqlite:///./var/tidepool.db"
+    migrate: bool = True
+
+
+class PoolSettings(Section):
+    min_workers: int = Field(2, ge=0)
+    max_workers: int = Field(16, ge=1)
+    idle_timeout_s: float = Field(30.0, gt=0)
+    poll_interval_s: float = Field(2.0, gt=0)
+    claim_batch: int = Field(1, ge=1, le=1000)
+    task_types: tuple[str, ...] = ("*",)
+    max_queued: int = Field(100_000, ge=1)
+    drain_timeout_s: float = Field(30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _sizes(self) -> PoolSettings:
+        if self.max_workers < self.min_workers:
+            raise ValueError(
+                f"pool.max_workers ({self.max_workers}) is below pool.min_workers ({self.min_workers})"
+            )
+        return self
+
+
+class LeaseSettings(Section):
+    duration_s: float = Field(30.0, gt=0)
+    renew_every_s: float = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _renew_in_time(self) -> LeaseSettings:
+        if self.renew_every_s * 2 > self.duration_s:
+            raise ValueError(
+                f"lease.renew_every_s ({self.renew_every_s}) must be at most half of "
+                f"lease.duration_s ({self.duration_s}); a third is safest"
+            )
+        return self
+
+
+class RetrySettings(Section):
+    max_attempts: int = Field(3, ge=1)
+    backoff_base_s: float = Field(2.0, ge=0)
+    backoff_max_s: float = Field(300.0, ge=0)
+    jitter: float = Field(0.1, ge=0, le=1)
+    max_interruptions: int = Field(10, ge=0)
+
+
+class ExecutionSettings(Section):
+    timeout_s: float = Field(600.0, gt=0)
+    prepare_timeout_s: float = Field(60.0, gt=0)
+    stop_timeout_s: float = Field(30.0, gt=0)
+    cancel_deadline_s: float = Field(60.0, gt=0)
+    kill_grace_s: float = Field(5.0, ge=0)
+
+
+class ReconcilerSettings(Section):
+    interval_s: float = Field(5.0, gt=0)
+    retention_days: float = Field(14, ge=0)
+
+
+class GuardSettings(Section):
+    min_free_memory_mb: int = Field(256, ge=0)
+    min_free_disk_mb: int = Field(512, ge=0)
+
+
+class ApiSettings(Section):
+    listen: str = "127.0.0.1:8470"
+    token_file: str = ""
+    max_body_kb: int = Field(1024, ge=1)
+
+
+class LogSettings(Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["text", "json"] = "text"
+
+
+class PluginSpec(Section):
+    """A configured plugin: a command (argument list) or a Python callable by dotted path."""
+
+    command: tuple[str, ...] | None = None
+    python: str | None = None
+    timeout_s: float | None = Field(None, gt=0)
+    env: dict[str, str] = {}
+    memory_mb: int | None = Field(None, gt=0)
+    cpu_s: float | None = Field(None, gt=0)
+    nofile: int | None = Field(None, gt=0)
+    max_output_kb: int = Field(10240, gt=0)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> PluginSpec:
+        if (self.command is None) == (self.python is None):
+            raise ValueError("set exactly one of command or python")
+        if self.command is not None and not self.command:
+            raise ValueError("command must not be empty")
+        return self
+
+
+class PluginsSettings(Section):
+    allow: tuple[str, ...] = ("*",)
+    deny: tuple[str, ...] = ()
+    defs: dict[str, PluginSpec] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_definitions(cls, data: Any) -> Any:
+        """`[plugins.NAME]` tables sit beside allow/deny in the file; gather them under defs."""
+        if isinstance(data, dict):
+            data = dict(data)
+            defs = dict(data.pop("defs", {}))
+            for name in [k for k in data if k not in ("allow", "deny")]:
+                defs[name] = data.pop(name)
+            data["defs"] = defs
+        return data
+
+
+class TypeSettings(Section):
+    plugins: tuple[str, ...]
+    timeout_s: float | None = Field(None, gt=0)
+    max_attempts: int | None = Field(None, ge=1)
+    retry_on_timeout: bool = False
+    required_tags: tuple[str, ...] = ()
+
+
+class ResourceSettings(Section):
+    tags: tuple[str, ...] = ()
+    count: int = Field(1, ge=1)
+    plugin: str | None = None
+
+
+class ScheduleSettings(Section):
+    name: str
+    type: str
+    payload: dict[str, Any] = {}
+    cron: str | None = None
+    every_s: float | None = Field(None, gt=0)
+    timezone: str = "UTC"
+    jitter_s: float = Field(0.0, ge=0)
+    catch_up: Literal["none", "last", "all"] = "last"
+    overlap: Literal["allow", "skip"] = "allow"
+    priority: int = 0
+
+
+BUILTIN_TYPES: dict[str, TypeSettings] = {
+    "noop": TypeSettings(plugins=("noop",)),
+    "sleep": TypeSettings(plugins=("sleep",)),
+    "scan": TypeSettings(plugins=("tcp_connect", "http_probe")),
+}
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="TIDEPOOL_", env_nested_delimiter="__", extra="forbid", frozen=True,
+        case_sensitive=False,
+    )
+
+    node: NodeSettings = NodeSettings()
+    store: StoreSettings = StoreSettings()
+    pool: PoolSettings = PoolSettings()
+    lease: LeaseSettings = LeaseSettings()
+    retry: RetrySettings = RetrySettings()
+    execution: ExecutionSettings = ExecutionSettings()
+    reconciler: ReconcilerSettings = ReconcilerSettings()
+    guards: GuardSettings = GuardSettings()
+    api: ApiSettings = ApiSettings()
+    log: LogSettings = LogSettings()
+    plugins: PluginsSettings = PluginsSettings()
+    types: dict[str, TypeSettings] = {}
+    resources: dict[str, ResourceSettings] = {}
+    schedules: tuple[ScheduleSettings, ...] = ()
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # env beats file beats default; the file's content arrives as init arguments.
+        return env_settings, init_settings
+
+    @property
+    def all_types(self) -> dict[str, TypeSettings]:
+        return {**BUILTIN_TYPES, **self.types}
+
+    def db_path(self) -> Path | None:
+        """The SQLite file of store.url, or None for another backend."""
+        url = self.store.url
+        return Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
+
+
+def find_config(path: str | os.PathLike[str] | None) -> Path | None:
+    if path is not None:
+        return Path(path)
+    return next((p for p in DEFAULT_PATHS if p.is_file()), None)
+
+
+def load(path: str | os.PathLike[str] | None = None) -> Settings:
+    """Read the config file (explicit path, else the default places) and the env overrides."""
+    config_path = find_config(path)
+    data: dict[str, Any] = {}
+    if config_path is not None:
+        try:
+            data = tomllib.loads(config_path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config: file {config_path} not found") from None
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config: cannot read {config_path}: {exc}") from None
+    return parse(data)
+
+
+def parse(data: dict[str, Any]) -> Settings:
+    """Validate a config mapping merged with the environment's TIDEPOOL_* overrides."""
+    try:
+        settings = Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+    _check_references(settings)
+    return settings
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"] if p != "defs")
+        if err["type"] == "extra_forbidden":
+            lines.append(f"config: unknown key {key}")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            names_itself = not key or msg.startswith(key.split(".")[0] + ".")
+            lines.append(f"config: {msg}" if names_itself else f"config: {key}: {msg}")
+    return "\n".join(lines)
+
+
+def _check_references(settings: Settings) -> None:
+    for sched in settings.schedules:
+        if sched.type not in settings.all_types:
+            raise ConfigError(f"config: schedules.{sched.name}.type: unknown task type {sched.type!r}")
+        if (sched.cron is None) == (sched.every_s is None):
+            raise ConfigError(f"config: schedules.{sched.name}: set exactly one of cron or every_s")

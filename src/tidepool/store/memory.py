@@ -1,0 +1,288 @@
+"""An in-process store: the reference fake that passes the same contract as the durable adapters."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import Conflict, LeaseLost, QueueFull, TaskCancelling, TaskNotFound
+from ..lifecycle import Ending, Event, RetryPolicy, decide_end, step
+from ..model import (
+    QUEUED,
+    Attempt,
+    AttemptStatus,
+    Claimed,
+    ClaimFilter,
+    Lease,
+    NewTask,
+    Outcome,
+    ResultBatch,
+    State,
+    Task,
+    TaskError,
+    Worker,
+    new_id,
+    new_token,
+)
+from . import Expired, Page, PhaseNote, cancel_step, retry_step
+
+
+@dataclasses.dataclass
+class _Row:
+    task: Task
+    fingerprint: str
+    lease: Lease | None = None
+    lease_instance: str | None = None
+    cancel_requested_at: float | None = None
+    attempts: list[Attempt] = dataclasses.field(default_factory=list)
+    results: list[ResultBatch] = dataclasses.field(default_factory=list)
+
+    def update(self, **changes: Any) -> None:
+        self.task = dataclasses.replace(self.task, **changes)
+
+    def set_attempt(self, attempt_id: str, **changes: Any) -> None:
+        self.attempts = [dataclasses.replace(a, **changes) if a.id == attempt_id else a
+                         for a in self.attempts]
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self._rows: dict[str, _Row] = {}
+        self._keys: dict[str, str] = {}
+
+    async def open(self, *, migrate: bool = True) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    # producers
+
+    async def add(self, new: NewTask, *, now: float, max_queued: int | None = None) -> tuple[Task, bool]:
+        existing = self._existing(new)
+        if existing is not None:
+            return existing, False
+        self._check_room(1, max_queued)
+        return self._insert(new, now), True
+
+    async def add_many(self, batch: Sequence[NewTask], *, now: float,
+                       max_queued: int | None = None) -> list[str]:
+        keys = [n.idempotency_key for n in batch if n.idempotency_key]
+        if len(keys) != len(set(keys)):
+            raise Conflict("idempotency_key repeats within the batch")
+        if any(n.idempotency_key and n.idempotency_key in self._keys for n in batch):
+            raise Conflict("an idempotency_key of the batch is already used")
+        self._check_room(len(batch), max_queued)
+        return [self._insert(n, now).id for n in batch]
+
+    async def get(self, task_id: str) -> Task:
+        row = self._row(task_id)
+        return dataclasses.replace(row.task, attempts=tuple(row.attempts), results=tuple(row.results))
+
+    async def list_tasks(self, *, state: State | None = None, type: str | None = None, limit: int = 50,
+                   cursor: str | None = None) -> Page:
+        ids = sorted(self._rows, reverse=True)
+        picked = [self._rows[i] for i in ids if (cursor is None or i < cursor)
+                  and (state is None or self._rows[i].task.state is state)
+                  and (type is None or self._rows[i].task.type == type)][: limit + 1]
+        tasks = [dataclasses.replace(r.task, attempts=tuple(r.attempts)) for r in picked[:limit]]
+        return Page(tasks, tasks[-1].id if len(picked) > limit else None)
+
+    async def counts(self) -> dict[State, int]:
+        counts: dict[State, int] = {}
+        for row in self._rows.values():
+            if not row.task.state.terminal:
+                counts[row.task.state] = counts.get(row.task.state, 0) + 1
+        return counts
+
+    async def request_cancel(self, task_id: str, *, now: float) -> State:
+        row = self._row(task_id)
+        state = cancel_step(row.task.state)
+        if state is State.CANCELLED and row.task.state is not State.CANCELLED:
+            row.update(state=state, finished_at=now, updated_at=now, phase=None)
+        elif state is State.CANCELLING and row.task.state is not State.CANCELLING:
+            row.update(state=state, updated_at=now)
+            row.cancel_requested_at = now
+        return state
+
+    async def retry(self, task_id: str, *, now: float) -> Task:
+        row = self._row(task_id)
+        state = retry_step(row.task.state)
+        # A new budget: attempt counts from zero again; attempts[].number keeps counting every row.
+        row.update(state=state, attempt=0, interruptions=0, available_at=now, updated_at=now,
+                   finished_at=None, error=None)
+        return row.task
+
+    # workers
+
+    async def claim(self, worker: Worker, where: ClaimFilter, *, limit: int, now: float,
+                    lease_s: float) -> list[Claimed]:
+        ready = [r for r in self._rows.values() if r.task.state in QUEUED and r.task.available_at <= now
+                 and r.task.attempt < r.task.max_attempts and where.accepts_type(r.task.type)
+                 and where.satisfies(r.task.required_tags)]
+        ready.sort(key=lambda r: (-r.task.priority, r.task.created_at, r.task.id))
+        return [self._lease(row, worker, now, lease_s) for row in ready[:limit]]
+
+    async def renew(self, leases: Sequence[Lease], *, now: float, lease_s: float) -> dict[str, LeaseLost]:
+        lost: dict[str, LeaseLost] = {}
+        for lease in leases:
+            try:
+                row = self._fenced(lease, now)
+            except LeaseLost as exc:
+                lost[lease.attempt_id] = exc
+                continue
+            row.lease = dataclasses.replace(lease, expires_at=now + lease_s)
+        return lost
+
+    async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
+        lost: dict[str, LeaseLost] = {}
+        for note in notes:
+            try:
+                row = self._fenced(note.lease, now)
+            except LeaseLost as exc:
+                lost[note.lease.attempt_id] = exc
+                continue
+            if row.task.state is State.LEASED:
+                row.update(state=step(State.LEASED, Event.START))
+                row.set_attempt(note.lease.attempt_id, status=AttemptStatus.RUNNING)
+            progress = note.progress if note.progress is not None else row.task.progress
+            row.update(phase=note.phase, progress=progress, updated_at=now)
+        return lost
+
+    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
+        row = self._fenced(lease, now)
+        for rows in self._rows.values():
+            for earlier in rows.results:
+                if earlier.idempotency_key == batch.idempotency_key:
+                    if earlier.sha256 != batch.sha256:
+                        raise Conflict(f"result key {batch.idempotency_key} was stored with another sha256")
+                    return earlier
+        row.results.append(batch)
+        return batch
+
+    async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
+        row = self._fenced(lease, now, ending=True)
+        self._end(row, outcome, now, policy)
+        return row.task.state
+
+    # the reconciler
+
+    async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
+                            keep_instance: str | None = None) -> list[Expired]:
+        expired = []
+        for row in self._rows.values():
+            lease = row.lease
+            if lease is None or not row.task.state.active:
+                continue
+            mine = node_id is not None and row.task.node_id == node_id and row.lease_instance != keep_instance
+            if mine or (node_id is None and lease.expires_at <= now):
+                error = TaskError("lease_expired", "the lease expired before the worker renewed it")
+                self._end(row, Outcome(AttemptStatus.EXPIRED, error), now, policy)
+                expired.append(Expired(row.task.id, lease.attempt_id, row.task.state))
+        return expired
+
+    async def promote_due(self, *, now: float) -> int:
+        due = [r for r in self._rows.values() if r.task.state is State.RETRY_WAIT and r.task.available_at <= now]
+        for row in due:
+            row.update(state=step(State.RETRY_WAIT, Event.PROMOTE), updated_at=now)
+        return len(due)
+
+    async def finish_cancels(self, *, now: float, deadline_s: float) -> list[str]:
+        done = []
+        for row in self._rows.values():
+            if row.task.state is State.CANCELLING and (row.cancel_requested_at or now) + deadline_s <= now:
+                error = TaskError("cancel_deadline", f"the worker did not stop within {deadline_s}s")
+                if row.lease is not None:
+                    row.set_attempt(row.lease.attempt_id, status=AttemptStatus.CANCELLED, finished_at=now,
+                                    error=error)
+                row.update(state=step(State.CANCELLING, Event.CANCEL_ACK), finished_at=now, updated_at=now,
+                           phase=None)
+                row.lease = None
+                done.append(row.task.id)
+        return done
+
+    async def prune(self, *, before: float) -> int:
+        old = [i for i, r in self._rows.items()
+               if r.task.state.terminal and r.task.finished_at is not None and r.task.finished_at < before]
+        for task_id in old:
+            row = self._rows.pop(task_id)
+            if row.task.idempotency_key:
+                self._keys.pop(row.task.idempotency_key, None)
+        return len(old)
+
+    # internals
+
+    def _row(self, task_id: str) -> _Row:
+        try:
+            return self._rows[task_id]
+        except KeyError:
+            raise TaskNotFound(task_id) from None
+
+    def _existing(self, new: NewTask) -> Task | None:
+        if not new.idempotency_key or new.idempotency_key not in self._keys:
+            return None
+        row = self._rows[self._keys[new.idempotency_key]]
+        if row.fingerprint != new.fingerprint():
+            raise Conflict(f"idempotency_key {new.idempotency_key!r} was used with another body")
+        return row.task
+
+    def _check_room(self, n: int, max_queued: int | None) -> None:
+        if max_queued is None:
+            return
+        queued = sum(1 for r in self._rows.values() if r.task.state in QUEUED)
+        if queued + n > max_queued:
+            raise QueueFull(f"{queued} tasks are queued; pool.max_queued is {max_queued}")
+
+    def _insert(self, new: NewTask, now: float) -> Task:
+        task = Task(
+            id=new_id(now), type=new.type, payload=new.payload, priority=new.priority, state=State.PENDING,
+            phase=None, progress=None, attempt=0, max_attempts=new.max_attempts, interruptions=0,
+            timeout_s=new.timeout_s, required_tags=tuple(sorted(new.required_tags)),
+            idempotency_key=new.idempotency_key, node_id=None, error=None, created_at=now, updated_at=now,
+            available_at=new.available_at if new.available_at is not None else now, finished_at=None,
+        )
+        self._rows[task.id] = _Row(task, new.fingerprint())
+        if new.idempotency_key:
+            self._keys[new.idempotency_key] = task.id
+        return task
+
+    def _lease(self, row: _Row, worker: Worker, now: float, lease_s: float) -> Claimed:
+        lease = Lease(row.task.id, new_id(now), new_token(), now + lease_s)
+        row.attempts.append(Attempt(lease.attempt_id, row.task.id, len(row.attempts) + 1, worker.node_id,
+                                    worker.worker_id, AttemptStatus.LEASED, now))
+        row.update(state=step(row.task.state, Event.CLAIM), attempt=row.task.attempt + 1,
+                   node_id=worker.node_id, phase=None, progress=None, updated_at=now)
+        row.lease, row.lease_instance = lease, worker.instance_id
+        return Claimed(row.task, lease)
+
+    def _fenced(self, lease: Lease, now: float, *, ending: bool = False) -> _Row:
+        row = self._rows.get(lease.task_id)
+        if row is None or row.lease is None or row.lease.attempt_id != lease.attempt_id \
+                or row.lease.token != lease.token:
+            raise LeaseLost(lease.task_id, lease.attempt_id)
+        if row.task.state is State.CANCELLING:
+            if ending:
+                return row
+            raise TaskCancelling(lease.task_id, lease.attempt_id)
+        if not row.task.state.active or row.lease.expires_at <= now:
+            raise LeaseLost(lease.task_id, lease.attempt_id)
+        return row
+
+    def _end(self, row: _Row, outcome: Outcome, now: float, policy: RetryPolicy) -> None:
+        assert row.lease is not None
+        t = row.task
+        end: Ending = decide_end(t.state, outcome, attempt=t.attempt, max_attempts=t.max_attempts,
+                                 interruptions=t.interruptions, policy=policy, now=now)
+        row.set_attempt(row.lease.attempt_id, status=end.attempt_status, finished_at=now, error=end.error,
+                        exit_status=outcome.exit_status, stderr_tail=outcome.stderr_tail)
+        queued = end.state in QUEUED
+        row.update(
+            state=end.state, error=end.error, updated_at=now, phase=None,
+            attempt=t.attempt - 1 if end.uncount_attempt else t.attempt,
+            interruptions=t.interruptions + 1 if end.uncount_attempt else t.interruptions,
+            available_at=end.available_at if end.available_at is not None else t.available_at,
+            finished_at=None if queued else now,
+        )
+        row.lease = None
+

@@ -1,0 +1,421 @@
+"""Command plugin runner: real subprocesses, real signals, real rlimits.
+
+Children report readiness by writing "role pid" lines to a file in their workdir, so no test
+sleeps to let a child start; the same files tell the test which pids must be gone afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil  # type: ignore[import-untyped]
+import pytest
+import uvloop
+
+from tidepool.errors import InvalidArgument, LimitExceeded, PluginError
+from tidepool.plugins.command import (
+    CommandLimits,
+    CommandResult,
+    render_argv,
+    run_command,
+    scrubbed_env,
+)
+
+pytestmark = pytest.mark.timeout(20)
+
+PY = sys.executable
+GRACE_S = 0.5
+POLL_S = 0.05
+
+# Writes one "role pid" line per process; O_APPEND keeps each short write whole.
+RECORD = """
+import os, sys, time
+def record(role):
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{role} {os.getpid()}\\n")
+"""
+
+# leader -> middle -> {escaper (calls setsid), sleeper}; all sleep forever.
+TREE = (
+    RECORD
+    + """
+def fork(body):
+    if os.fork() == 0:
+        try:
+            body()
+        finally:
+            os._exit(0)
+def sleep_forever(role):
+    record(role)
+    while True:
+        time.sleep(3600)
+def escaper():
+    os.setsid()  # leaves the process group: killpg alone cannot reach it
+    sleep_forever("escaper")
+def middle():
+    fork(escaper)
+    fork(lambda: sleep_forever("sleeper"))
+    sleep_forever("middle")
+fork(middle)
+sleep_forever("leader")
+"""
+)
+
+IGNORE_TERM = (
+    RECORD
+    + """
+import signal
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+record("leader")
+time.sleep(60)
+"""
+)
+
+# The allocation happens in a forked child: the budget is the whole tree's, not the leader's.
+ALLOCATE = (
+    RECORD
+    + """
+record("leader")
+if os.fork() == 0:
+    record("allocator")
+    blocks = []
+    for _ in range(256):  # 2 GiB at most, should the watcher not work
+        blocks.append(b"x" * (8 << 20))
+        time.sleep(0.01)
+    time.sleep(60)
+os.wait()
+"""
+)
+
+FLOOD = (
+    RECORD
+    + """
+record("leader")
+chunk = b"y" * 65536
+for _ in range(800):  # 50 MiB
+    sys.stdout.buffer.write(chunk)
+"""
+)
+
+LEAVES_BACKGROUND = (
+    RECORD
+    + """
+import json, subprocess
+record("leader")
+# Inherits stdout: while it lives, the pipe never reaches its end.
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+with open(sys.argv[1], "a") as f:
+    f.write(f"background {child.pid}\\n")
+print(json.dumps({"done": True}))
+"""
+)
+
+
+def _script(tmp_path: Path, body: str) -> list[str]:
+    path = tmp_path / "child.py"
+    path.write_text(body)
+    return [PY, str(path), str(tmp_path / "pids")]
+
+
+def _pids(tmp_path: Path) -> dict[str, int]:
+    try:
+        text = (tmp_path / "pids").read_text()
+    except FileNotFoundError:
+        return {}
+    complete = text.split("\n")[:-1]  # a last line without newline is still being written
+    return {role: int(pid) for role, pid in (line.split() for line in complete)}
+
+
+async def _wait_for_pids(tmp_path: Path, count: int) -> dict[str, int]:
+    with anyio.fail_after(5):
+        while True:
+            if len(pids := _pids(tmp_path)) >= count:
+                return pids
+            await anyio.sleep(0.01)
+
+
+def _gone(pid: int) -> bool:
+    try:  # a zombie has exited; reaping an orphan is init's business
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def _assert_gone_by(pids: dict[str, int], deadline: float) -> None:
+    while True:
+        alive = {role: pid for role, pid in pids.items() if not _gone(pid)}
+        if not alive or anyio.current_time() >= deadline:
+            break
+        await anyio.sleep(0.01)
+    assert alive == {}
+
+
+async def _run(argv: list[str], tmp_path: Path, **limits: Any) -> CommandResult:
+    return await run_command(
+        argv,
+        env=scrubbed_env({}),
+        workdir=tmp_path,
+        limits=CommandLimits(**limits),
+        kill_grace_s=GRACE_S,
+        poll_interval_s=POLL_S,
+    )
+
+
+# --- render_argv ---------------------------------------------------------------------------
+
+
+def test_render_substitutes_names_and_leaves_literals_alone() -> None:
+    template = ["nmap", "-oX", "-", "-p{port}", "{target}", "{workdir}/out-{task_id}-{attempt}", "{{x}}"]
+    values = {"target": "10.0.0.1", "port": 443, "workdir": Path("/w"), "task_id": "t1", "attempt": 2}
+    assert render_argv(template, values) == ["nmap", "-oX", "-", "-p443", "10.0.0.1", "/w/out-t1-2", "{x}"]
+
+
+@pytest.mark.parametrize(
+    ("template", "values", "field"),
+    [
+        (["{target}"], {"target": "-oN /etc/cron.d/x"}, "payload.target"),
+        (["--host={target}"], {"target": "-x"}, "payload.target"),
+        (["{port}"], {"port": -1}, "payload.port"),
+        (["{target}"], {"target": "a\x00b"}, "payload.target"),
+        (["{target}"], {}, "payload.target"),
+        (["{target}"], {"target": None}, "payload.target"),
+        (["{task_id}"], {}, "task_id"),
+        (["{target}"], {"target": ["a", "b"]}, "payload.target"),
+        (["{target}"], {"target": {"a": 1}}, "payload.target"),
+        (["{flag}"], {"flag": True}, "payload.flag"),
+        (["{target.__class__}"], {"target": "a"}, "command[0]"),
+        (["x", "{0}"], {"0": "a"}, "command[1]"),
+        (["{target!r}"], {"target": "a"}, "command[0]"),
+        (["{target:>9}"], {"target": "a"}, "command[0]"),
+        (["{target"], {"target": "a"}, "command[0]"),
+    ],
+)
+def test_render_refuses_with_the_field_named(
+    template: list[str], values: dict[str, object], field: str
+) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        render_argv(template, values)
+    assert caught.value.field == field
+    assert caught.value.code == "invalid_argument"
+    assert caught.value.retryable is False
+
+
+# --- scrubbed_env ----------------------------------------------------------------------------
+
+
+def test_scrubbed_env_keeps_only_the_basics_and_the_plugin_env() -> None:
+    daemon_env = {
+        "PATH": "/usr/bin",
+        "HOME": "/var/lib/tidepool",
+        "LANG": "C.UTF-8",
+        "TZ": "UTC",
+        "NOTIFY_SOCKET": "@sd",
+        "WATCHDOG_USEC": "1000",
+        "WATCHDOG_PID": "1",
+        "LISTEN_FDS": "1",
+        "CREDENTIALS_DIRECTORY": "/run/cred",
+        "TIDEPOOL_X": "1",
+        "TIDEPOOL_API__TOKEN": "secret",
+        "DATABASE_URL": "postgres://u:p@h/db",
+    }
+    env = scrubbed_env({"NMAP_PRIVILEGED": "1"}, source=daemon_env)
+    assert env == {
+        "PATH": "/usr/bin",
+        "HOME": "/var/lib/tidepool",
+        "LANG": "C.UTF-8",
+        "TZ": "UTC",
+        "NMAP_PRIVILEGED": "1",
+    }
+
+
+def test_scrubbed_env_reads_the_daemon_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/opt/bin:/usr/bin")
+    monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
+    monkeypatch.setenv("WATCHDOG_USEC", "1000")
+    monkeypatch.setenv("TIDEPOOL_X", "1")
+    env = scrubbed_env({"EXTRA": "yes"})
+    assert env["PATH"] == "/opt/bin:/usr/bin"
+    assert env["EXTRA"] == "yes"
+    assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "TIDEPOOL_X"} & env.keys()
+
+
+# --- results ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stdout", "payload"),
+    [
+        (b'{"open": [22, 443]}\n', {"open": [22, 443]}),
+        (b"[1, 2]", [1, 2]),
+        (b"42", 42),
+        (b"host is up\n", {"text": "host is up\n"}),
+        (b"", {"text": ""}),
+        (b"NaN", {"text": "NaN"}),  # Python would parse it; no JSON store could take it back
+        (b"\xff\xfe{", {"text": "\ufffd\ufffd{"}),
+    ],
+)
+def test_result_payload_is_json_or_text(stdout: bytes, payload: object) -> None:
+    result = CommandResult(exit_status=0, stdout=stdout, stdout_dropped=0, stderr_tail="", stderr_dropped=0)
+    assert result.result_payload() == payload
+
+
+async def test_stdout_json_env_and_workdir_reach_the_result(tmp_path: Path) -> None:
+    code = "import json, os; print(json.dumps({'cwd': os.getcwd(), 'env': dict(os.environ)}))"
+    result = await run_command(
+        [PY, "-c", code],
+        env=scrubbed_env({"PLUGIN_ENV": "1"}, source={"PATH": "/usr/bin", "NOTIFY_SOCKET": "x"}),
+        workdir=tmp_path,
+        limits=CommandLimits(),
+        kill_grace_s=GRACE_S,
+    )
+    payload = result.result_payload()
+    assert isinstance(payload, dict)
+    assert result.exit_status == 0
+    assert payload["cwd"] == str(tmp_path)
+    assert payload["env"]["PLUGIN_ENV"] == "1"
+    assert "NOTIFY_SOCKET" not in payload["env"]
+
+
+async def test_nonzero_exit_is_a_result_with_the_stderr_tail(tmp_path: Path) -> None:
+    # 1 MiB of stderr, far more than a pipe holds: it must be drained while the child writes.
+    code = "import sys; sys.stderr.write('e' * (1 << 20) + 'the end'); print('partial'); sys.exit(3)"
+    result = await _run([PY, "-c", code], tmp_path)
+    assert result.exit_status == 3
+    assert result.result_payload() == {"text": "partial\n"}
+    assert result.stderr_tail.endswith("the end")
+    assert len(result.stderr_tail) == 4096
+    assert result.stderr_dropped == (1 << 20) + len("the end") - 4096
+
+
+async def test_a_missing_program_is_a_plugin_error(tmp_path: Path) -> None:
+    with pytest.raises(PluginError) as caught:
+        await _run([str(tmp_path / "no-such-program")], tmp_path)
+    assert caught.value.code == "spawn_failed"
+
+
+async def test_what_the_command_leaves_running_is_killed_after_it_exits(tmp_path: Path) -> None:
+    result = await _run(_script(tmp_path, LEAVES_BACKGROUND), tmp_path)
+    assert result.result_payload() == {"done": True}
+    await _assert_gone_by(_pids(tmp_path), anyio.current_time() + 1)
+
+
+# --- killing the tree ------------------------------------------------------------------------
+
+
+async def test_timeout_kills_the_whole_tree_even_a_setsid_grandchild(tmp_path: Path) -> None:
+    pids: dict[str, int] = {}
+
+    async def observe() -> None:
+        pids.update(await _wait_for_pids(tmp_path, 4))
+        assert os.getpgid(pids["sleeper"]) == pids["leader"]
+        assert os.getpgid(pids["escaper"]) != pids["leader"]  # really left the group
+
+    started = anyio.current_time()
+    with pytest.raises(TimeoutError), anyio.fail_after(1):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(observe)
+            await _run(_script(tmp_path, TREE), tmp_path)
+    assert set(pids) == {"leader", "middle", "escaper", "sleeper"}
+    await _assert_gone_by(pids, started + 1 + GRACE_S + 1)
+
+
+async def test_a_child_ignoring_sigterm_is_sigkilled_after_the_grace(tmp_path: Path) -> None:
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_run, _script(tmp_path, IGNORE_TERM), tmp_path)
+        pids = await _wait_for_pids(tmp_path, 1)
+        cancelled_at = anyio.current_time()
+        tg.cancel_scope.cancel()
+    assert anyio.current_time() - cancelled_at >= GRACE_S * 0.9  # it did get its grace
+    await _assert_gone_by(pids, cancelled_at + GRACE_S + 1)
+
+
+async def test_asyncio_native_timeout_kills_the_child(tmp_path: Path) -> None:
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.5):
+            await _run(_script(tmp_path, RECORD + "record('leader'); time.sleep(60)"), tmp_path)
+    await _assert_gone_by(_pids(tmp_path), anyio.current_time() + GRACE_S + 1)
+
+
+# --- limits ----------------------------------------------------------------------------------
+
+
+async def test_memory_over_budget_kills_the_tree(tmp_path: Path) -> None:
+    with pytest.raises(LimitExceeded) as caught:
+        await _run(_script(tmp_path, ALLOCATE), tmp_path, memory_mb=64)
+    assert caught.value.limit == "memory_mb"
+    assert caught.value.code == "limit_exceeded"
+    pids = _pids(tmp_path)
+    assert set(pids) == {"leader", "allocator"}
+    await _assert_gone_by(pids, anyio.current_time() + 1)
+
+
+async def test_stdout_flood_is_capped_with_bounded_parent_memory(tmp_path: Path) -> None:
+    me = psutil.Process()
+    baseline = me.memory_info().rss
+    peak = baseline
+
+    async def sample() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, me.memory_info().rss)
+            await anyio.sleep(0.005)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sample)
+        with pytest.raises(LimitExceeded) as caught:
+            await _run(_script(tmp_path, FLOOD), tmp_path, max_output_kb=1024)
+        tg.cancel_scope.cancel()
+    assert caught.value.limit == "max_output_kb"
+    assert peak - baseline < 20 << 20
+    await _assert_gone_by(_pids(tmp_path), anyio.current_time() + 1)
+
+
+async def test_cpu_time_limit(tmp_path: Path) -> None:
+    with pytest.raises(LimitExceeded) as caught:
+        await _run([PY, "-c", "while True: pass"], tmp_path, cpu_s=1)
+    assert caught.value.limit == "cpu_s"
+
+
+async def test_cpu_time_limit_when_the_program_ignores_sigxcpu(tmp_path: Path) -> None:
+    # The kernel then SIGKILLs it one CPU second later, at the hard limit.
+    code = "import signal; signal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass"
+    with pytest.raises(LimitExceeded) as caught:
+        await _run([PY, "-c", code], tmp_path, cpu_s=1)
+    assert caught.value.limit == "cpu_s"
+
+
+async def test_nofile_limit_shows_as_the_program_failing(tmp_path: Path) -> None:
+    code = "import os; files = [open(os.devnull) for _ in range(64)]"
+    result = await _run([PY, "-c", code], tmp_path, nofile=16)
+    assert result.exit_status != 0
+    assert "Too many open files" in result.stderr_tail
+
+
+# --- uvloop ----------------------------------------------------------------------------------
+
+Scenario = Callable[[Path], Coroutine[Any, Any, None]]
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        test_nonzero_exit_is_a_result_with_the_stderr_tail,
+        test_what_the_command_leaves_running_is_killed_after_it_exits,
+        test_timeout_kills_the_whole_tree_even_a_setsid_grandchild,
+        test_a_child_ignoring_sigterm_is_sigkilled_after_the_grace,
+        test_asyncio_native_timeout_kills_the_child,
+        test_memory_over_budget_kills_the_tree,
+        test_stdout_flood_is_capped_with_bounded_parent_memory,
+        test_cpu_time_limit,
+    ],
+    ids=lambda scenario: scenario.__name__.removeprefix("test_"),
+)
+def test_under_uvloop(scenario: Scenario, tmp_path: Path) -> None:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario(tmp_path))
