@@ -106,8 +106,12 @@ def open_store(url: str) -> Store:
         from .sqlite import SqliteStore
 
         return SqliteStore(url.removeprefix("sqlite:///"))
+    if url.startswith(("postgresql://", "postgres://")):
+        from .postgres import PostgresStore
+
+        return PostgresStore(url)
     if url == "memory://":
         from .memory import MemoryStore
 
         return MemoryStore()
-    raise ConfigError(f"config: store.url: unsupported URL {url!r} (use sqlite:///path)")
+    raise ConfigError(f"config: store.url: unsupported URL {url!r} (use sqlite:///path or postgresql://user:pass@host/db)")
