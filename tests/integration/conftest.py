@@ -1,0 +1,98 @@
+"""An in-process node (store, leases, engine, pool, reconciler) with plugins the test defines."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from tidepool.engine import Engine, EngineConfig
+from tidepool.events import Event, EventBus
+from tidepool.leases import LeaseKeeper
+from tidepool.lifecycle import RetryPolicy
+from tidepool.model import ClaimFilter, NewTask, State, Task
+from tidepool.plugins import Plugin, PluginDef, Registry
+from tidepool.pool import Pool, PoolConfig
+from tidepool.reconciler import Reconciler, ReconcilerConfig
+from tidepool.settings import TypeSettings
+from tidepool.store import Store
+from tidepool.store.sqlite import SqliteStore
+
+
+@dataclass
+class Node:
+    store: Store
+    events: EventBus
+    leases: LeaseKeeper
+    engine: Engine
+    pool: Pool
+    reconciler: Reconciler
+    seen: list[Event] = field(default_factory=list)
+
+    async def submit(self, type: str, payload: dict[str, Any] | None = None, **kw: Any) -> str:
+        task, _ = await self.store.add(NewTask(type, payload or {}, **kw), now=time.time())
+        self.pool.wake(1)
+        return task.id
+
+    async def submit_many(self, type: str, n: int, payload: dict[str, Any] | None = None) -> list[str]:
+        ids = await self.store.add_many([NewTask(type, payload or {}) for _ in range(n)], now=time.time())
+        self.pool.wake(n)
+        return ids
+
+    async def until(self, condition: Callable[[], bool], *, timeout_s: float = 10.0) -> None:
+        with anyio.fail_after(timeout_s):
+            while not condition():
+                await anyio.sleep(0.005)
+
+    async def finished(self, task_id: str, *, timeout_s: float = 10.0) -> Task:
+        with anyio.fail_after(timeout_s):
+            while not (task := await self.store.get(task_id)).state.terminal:
+                await anyio.sleep(0.01)
+        return task
+
+    def names(self, task_id: str) -> list[str]:
+        return [e.name + (f":{e.data['phase']}" if e.name == "task.phase" else "")
+                for e in self.seen if e.data.get("task_id") == task_id]
+
+
+@asynccontextmanager
+async def running_node(store: Store, plugins: dict[str, Plugin], *, types: dict[str, TypeSettings] | None = None,
+                       pool: PoolConfig | None = None, lease_s: float = 30.0, renew_every_s: float = 10.0,
+                       policy: RetryPolicy | None = None, work_root: Path) -> AsyncIterator[Node]:
+    types = types or {name: TypeSettings(plugins=(name,)) for name in plugins}
+    registry = Registry({n: PluginDef(n, fn) for n, fn in plugins.items()}, types)
+    events = EventBus()
+    leases = LeaseKeeper(store, lease_s=lease_s, renew_every_s=renew_every_s, flush_every_s=0.02)
+    engine = Engine(store, registry, leases, events, config=EngineConfig(stop_timeout_s=2.0),
+                    policy=policy or RetryPolicy(base_s=0.0, jitter=0.0), work_root=work_root)
+    the_pool = Pool(store, engine, leases, events, config=pool or PoolConfig(poll_interval_s=0.5),
+                    node_id="test-node", instance_id="i1", claim_filter=ClaimFilter)
+    reconciler = Reconciler(store, events, config=ReconcilerConfig(interval_s=0.05, cancel_deadline_s=5.0),
+                            policy=lambda: engine.policy, wake=the_pool.wake)
+    node = Node(store, events, leases, engine, the_pool, reconciler)
+    events.listen(node.seen.append)
+    await store.open()
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(leases.run)
+            await tg.start(the_pool.run)
+            await tg.start(reconciler.run)
+            yield node
+            tg.cancel_scope.cancel()
+    finally:
+        await store.close()
+
+
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> SqliteStore:
+    return SqliteStore(tmp_path / "tidepool.db")
+
+
+def done_states(*states: State) -> set[str]:
+    return {s.value for s in states}

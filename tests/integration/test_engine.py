@@ -1,0 +1,147 @@
+"""The engine runs each task through its phases and ends it in the state the outcome calls for."""
+
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from tidepool.context import TaskContext
+from tidepool.errors import PluginError
+from tidepool.lifecycle import RetryPolicy
+from tidepool.model import AttemptStatus, State
+from tidepool.settings import TypeSettings
+from tidepool.store.sqlite import SqliteStore
+
+from .conftest import running_node
+
+
+async def noop(ctx: TaskContext) -> None:
+    pass
+
+
+async def forever(ctx: TaskContext) -> None:
+    await anyio.sleep_forever()
+
+
+async def test_phases_run_in_order_with_events(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    async with running_node(sqlite_store, {"noop": noop}, work_root=tmp_path) as node:
+        task = await node.finished(await node.submit("noop"))
+        assert task.state is State.COMPLETED
+        assert [a.status for a in task.attempts] == [AttemptStatus.SUCCEEDED]
+        assert node.names(task.id) == [
+            "task.leased", "task.phase:initialize", "task.phase:prepare", "task.phase:run",
+            "plugin.started", "plugin.finished", "task.phase:stop", "task.finished",
+        ]
+
+
+async def test_scope_enrichment_and_results_reach_the_store(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    async def first(ctx: TaskContext) -> None:
+        ctx.scope["seen"] = ctx.payload["n"] * 2
+        ctx.progress(0.5, "halfway")
+
+    async def second(ctx: TaskContext) -> None:
+        await ctx.emit({"double": ctx.scope["seen"]}, final=True)
+
+    types = {"two": TypeSettings(plugins=("first", "second"))}
+    async with running_node(sqlite_store, {"first": first, "second": second}, types=types,
+                            work_root=tmp_path) as node:
+        task = await node.finished(await node.submit("two", {"n": 21}))
+        assert task.state is State.COMPLETED
+        assert [(r.plugin, r.payload, r.final) for r in task.results] == [("second", {"double": 42}, True)]
+
+
+async def test_run_phase_timeout_ends_timed_out(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    types = {"slow": TypeSettings(plugins=("forever",), timeout_s=0.1)}
+    async with running_node(sqlite_store, {"forever": forever}, types=types, work_root=tmp_path) as node:
+        task = await node.finished(await node.submit("slow"))
+        assert task.state is State.TIMED_OUT
+        assert task.error is not None and task.error.code == "timeout"
+        assert [a.status for a in task.attempts] == [AttemptStatus.TIMED_OUT]
+        assert "task.phase:stop" in node.names(task.id)
+
+
+async def test_a_timeout_is_retried_when_the_type_says_so(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    types = {"slow": TypeSettings(plugins=("forever",), timeout_s=0.05, retry_on_timeout=True)}
+    async with running_node(sqlite_store, {"forever": forever}, types=types, work_root=tmp_path) as node:
+        task = await node.finished(await node.submit("slow", max_attempts=2))
+        assert task.state is State.TIMED_OUT
+        assert [a.status for a in task.attempts] == [AttemptStatus.TIMED_OUT] * 2
+
+
+async def test_an_exception_is_retried_then_fails(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    async def broken(ctx: TaskContext) -> None:
+        raise RuntimeError("scanner crashed")
+
+    async with running_node(sqlite_store, {"broken": broken}, work_root=tmp_path) as node:
+        task = await node.finished(await node.submit("broken", max_attempts=3))
+        assert task.state is State.FAILED
+        assert [a.status for a in task.attempts] == [AttemptStatus.FAILED] * 3
+        assert task.error is not None and "scanner crashed" in task.error.message
+        assert node.names(task.id).count("task.retry_scheduled") == 2
+
+
+async def test_retry_waits_for_the_backoff(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    async def broken(ctx: TaskContext) -> None:
+        raise RuntimeError("flaky")
+
+    policy = RetryPolicy(base_s=60.0, jitter=0.0)
+    async with running_node(sqlite_store, {"broken": broken}, policy=policy, work_root=tmp_path) as node:
+        task_id = await node.submit("broken")
+        await node.until(lambda: "task.retry_scheduled" in node.names(task_id))
+        task = await node.store.get(task_id)
+        assert task.state is State.RETRY_WAIT
+        assert task.available_at - task.attempts[0].finished_at == pytest.approx(60.0, abs=0.01)  # type: ignore
+
+
+async def test_a_non_retryable_plugin_error_fails_at_once(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    async def refuses(ctx: TaskContext) -> None:
+        raise PluginError("target is not allowed", code="forbidden_target", retryable=False)
+
+    async with running_node(sqlite_store, {"refuses": refuses}, work_root=tmp_path) as node:
+        task = await node.finished(await node.submit("refuses"))
+        assert task.state is State.FAILED
+        assert task.error is not None and task.error.code == "forbidden_target"
+        assert len(task.attempts) == 1
+
+
+async def test_cancel_while_running_runs_the_stop_phase_and_ends_cancelled(sqlite_store: SqliteStore,
+                                                                          tmp_path: Path) -> None:
+    stopped = anyio.Event()
+
+    async def watched(ctx: TaskContext) -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            stopped.set()
+
+    async with running_node(sqlite_store, {"watched": watched}, renew_every_s=0.05, lease_s=1.0,
+                            work_root=tmp_path) as node:
+        task_id = await node.submit("watched")
+        await node.until(lambda: "plugin.started" in node.names(task_id))
+        # the cancel lands in the store only, as from another node; the next renewal notices it
+        assert await node.store.request_cancel(task_id, now=time.time()) is State.CANCELLING
+        task = await node.finished(task_id)
+        assert stopped.is_set()
+        assert task.state is State.CANCELLED
+        assert [a.status for a in task.attempts] == [AttemptStatus.CANCELLED]
+        assert node.names(task_id)[-2:] == ["task.phase:stop", "task.finished"]
+
+
+async def test_a_lost_lease_stops_the_plugin_and_its_late_outcome_is_rejected(sqlite_store: SqliteStore,
+                                                                             tmp_path: Path) -> None:
+    release = anyio.Event()
+
+    async def slow(ctx: TaskContext) -> None:
+        await release.wait()
+
+    async with running_node(sqlite_store, {"slow": slow}, renew_every_s=30.0, lease_s=60.0,
+                            work_root=tmp_path) as node:
+        task_id = await node.submit("slow", max_attempts=1)
+        await node.until(lambda: "plugin.started" in node.names(task_id))
+        # another node's reconciler decides this lease is gone (as after a long pause of this node)
+        await node.store.expire_leases(now=time.time() + 120, policy=RetryPolicy())
+        release.set()
+        task = await node.finished(task_id)
+        assert task.state is State.FAILED  # the expiry stands; the late success was rejected
+        assert [a.status for a in task.attempts] == [AttemptStatus.EXPIRED]

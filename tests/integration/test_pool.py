@@ -1,0 +1,97 @@
+"""The pool grows under load up to max_workers, never above, and shrinks back after the idle timeout."""
+
+from pathlib import Path
+
+import anyio
+
+from tidepool.context import TaskContext
+from tidepool.model import State
+from tidepool.pool import PoolConfig, Waker
+from tidepool.store.sqlite import SqliteStore
+
+from .conftest import running_node
+
+
+async def test_pool_grows_from_2_to_8_under_a_burst_and_back_after_idle(sqlite_store: SqliteStore,
+                                                                         tmp_path: Path) -> None:
+    gate = anyio.Event()
+
+    async def blocked(ctx: TaskContext) -> None:
+        await gate.wait()
+
+    config = PoolConfig(min_workers=2, max_workers=8, idle_timeout_s=0.3, poll_interval_s=0.5)
+    async with running_node(sqlite_store, {"blocked": blocked}, pool=config, work_root=tmp_path) as node:
+        assert node.pool.statistics().workers == 2
+        ids = await node.submit_many("blocked", 20)
+        await node.until(lambda: node.pool.statistics().busy == 8)
+        stats = node.pool.statistics()
+        assert (stats.workers, stats.baseline, stats.demand) == (8, 2, 6)
+        gate.set()
+        for task_id in ids:
+            assert (await node.finished(task_id)).state is State.COMPLETED
+        await node.until(lambda: node.pool.statistics().workers == 2)
+        started = [e for e in node.seen if e.name == "worker.started"]
+        stopped = [e for e in node.seen if e.name == "worker.stopped"]
+        assert len(started) == 8  # never above max_workers
+        assert [e.data["reason"] for e in stopped] == ["idle"] * 6
+        assert all(e.data["kind"] == "demand" for e in stopped)
+
+
+async def test_a_demand_worker_starts_when_every_worker_is_busy(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    gate = anyio.Event()
+
+    async def blocked(ctx: TaskContext) -> None:
+        await gate.wait()
+
+    config = PoolConfig(min_workers=1, max_workers=3, idle_timeout_s=5.0, poll_interval_s=0.5)
+    async with running_node(sqlite_store, {"blocked": blocked}, pool=config, work_root=tmp_path) as node:
+        await node.submit("blocked")
+        await node.until(lambda: node.pool.statistics().busy == 1)
+        # the claim saturated the only worker: a demand worker is already there, idle, waiting
+        assert node.pool.statistics().workers == 2
+        gate.set()
+
+
+async def test_resize_live_grows_and_retires_without_touching_running_tasks(sqlite_store: SqliteStore,
+                                                                            tmp_path: Path) -> None:
+    gate = anyio.Event()
+
+    async def blocked(ctx: TaskContext) -> None:
+        await gate.wait()
+
+    config = PoolConfig(min_workers=2, max_workers=4, idle_timeout_s=30.0, poll_interval_s=0.5)
+    async with running_node(sqlite_store, {"blocked": blocked}, pool=config, work_root=tmp_path) as node:
+        running = await node.submit("blocked")
+        await node.until(lambda: node.pool.statistics().busy == 1)
+        node.pool.resize(min_workers=5, max_workers=6)
+        await node.until(lambda: node.pool.statistics().workers == 5)
+        node.pool.resize(min_workers=1, max_workers=1)
+        await node.until(lambda: node.pool.statistics().workers == 1)
+        with anyio.fail_after(5):  # the phase is written behind; it lands within a flush
+            while (await node.store.get(running)).state is not State.RUNNING:
+                await anyio.sleep(0.01)
+        gate.set()
+        assert (await node.finished(running)).state is State.COMPLETED
+
+
+async def test_waker_keeps_a_wake_that_came_before_the_wait() -> None:
+    waker = Waker()
+    waker.wake(1)
+    with anyio.fail_after(1):
+        await waker.wait(timeout_s=30)  # returns at once: the permit was kept
+
+
+async def test_idle_pool_sleeps_instead_of_polling(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    claims = 0
+    original = sqlite_store.claim
+
+    async def counting_claim(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal claims
+        claims += 1
+        return await original(*args, **kwargs)
+
+    sqlite_store.claim = counting_claim  # type: ignore[method-assign]
+    config = PoolConfig(min_workers=4, max_workers=4, poll_interval_s=1.0)
+    async with running_node(sqlite_store, {}, pool=config, work_root=tmp_path):
+        await anyio.sleep(0.5)
+    assert claims <= 4  # one look each at start, then asleep until woken or the 1 s poll

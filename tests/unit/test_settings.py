@@ -1,0 +1,60 @@
+"""Settings: TOML plus TIDEPOOL_<SECTION>__<KEY>; bad keys and values are errors naming the key."""
+
+from pathlib import Path
+
+import pytest
+
+from tidepool import settings
+from tidepool.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "tidepool.toml"
+    path.write_text(text)
+    return path
+
+
+def test_example_config_is_valid_and_equals_the_defaults() -> None:
+    loaded = settings.load(ROOT / "config" / "tidepool.toml")
+    assert loaded == settings.Settings()
+
+
+def test_env_beats_file_beats_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, "[pool]\nmax_workers = 8\nmin_workers = 3\n")
+    monkeypatch.setenv("TIDEPOOL_POOL__MAX_WORKERS", "40")
+    loaded = settings.load(path)
+    assert (loaded.pool.max_workers, loaded.pool.min_workers, loaded.pool.idle_timeout_s) == (40, 3, 30.0)
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ("[pool]\nmin_workers = 4\nmax_workers = 2\n", "pool.max_workers (2) is below pool.min_workers (4)"),
+    ("[pool]\nmax_wrokers = 2\n", "unknown key pool.max_wrokers"),
+    ("[poool]\n", "unknown key poool"),
+    ("[lease]\nrenew_every_s = 20.0\n", "lease.renew_every_s"),
+    ("[pool]\nmax_workers = 'many'\n", "pool.max_workers"),
+    ("[log]\nlevel = 'loud'\n", "log.level"),
+    ("[plugins.scan2]\npython = 'x:y'\ncommand = ['true']\n", "plugins.scan2"),
+    ("[types.t]\nplugins = ['nope']\n", None),  # plugin references are checked when the registry loads
+    ("[pool\n", "cannot read"),
+])
+def test_bad_config_names_the_key(tmp_path: Path, text: str, named: str | None) -> None:
+    path = write(tmp_path, text)
+    if named is None:
+        settings.load(path)
+        return
+    with pytest.raises(ConfigError) as info:
+        settings.load(path)
+    assert named in str(info.value)
+
+
+def test_bad_env_value_names_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDEPOOL_POOL__MIN_WORKERS", "-1")
+    with pytest.raises(ConfigError, match="pool.min_workers"):
+        settings.parse({})
+
+
+def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        settings.load(tmp_path / "nope.toml")
