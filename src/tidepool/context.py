@@ -26,10 +26,11 @@ class TaskContext:
         self.resource = resource
         self.scope: dict[str, Any] = {}
         self.plugin = ""
-        self.log: logging.LoggerAdapter[logging.Logger] = _task_logger(task.id, "")
+        self._log: logging.LoggerAdapter[logging.Logger] | None = None
         self._report_progress = report_progress
         self._store_result = store_result
         self._sequence: dict[str, int] = {}
+        self.workdir_used = False             # set when a plugin creates workdir; the stop phase removes it
         self.exit_status: int | None = None   # set by command plugins, kept on the attempt
         self.stderr_tail: str | None = None
 
@@ -37,9 +38,15 @@ class TaskContext:
     def payload(self) -> dict[str, Any]:
         return self.task.payload
 
+    @property
+    def log(self) -> logging.LoggerAdapter[logging.Logger]:
+        """A logger bound to the task id and the running plugin."""
+        if self._log is None or self._log.extra != {"task_id": self.task.id, "plugin": self.plugin}:
+            self._log = logging.LoggerAdapter(_PLUGIN_LOG, {"task_id": self.task.id, "plugin": self.plugin})
+        return self._log
+
     def enter_plugin(self, name: str) -> None:
         self.plugin = name
-        self.log = _task_logger(self.task.id, name)
 
     async def checkpoint(self) -> None:
         """A safe point: raises the attempt's cancellation here if a cancel or timeout is pending."""
@@ -57,5 +64,4 @@ class TaskContext:
         return await self._store_result(batch)
 
 
-def _task_logger(task_id: str, plugin: str) -> logging.LoggerAdapter[logging.Logger]:
-    return logging.LoggerAdapter(logging.getLogger("tidepool.plugin"), {"task_id": task_id, "plugin": plugin})
+_PLUGIN_LOG = logging.getLogger("tidepool.plugin")

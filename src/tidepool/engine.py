@@ -8,13 +8,14 @@ runs, shielded and bounded by stop_timeout_s. The outcome is written once, fence
 from __future__ import annotations
 
 import logging
-import os
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 
 from .context import TaskContext
 from .errors import LeaseLost, PluginError, StoreUnavailable
@@ -64,7 +65,7 @@ class Engine:
         """Execute one attempt and record how it ended; the task's new state, None if the lease was lost."""
         task, lease = claimed.task, claimed.lease
         held = held or self._leases.hold(lease)
-        ctx = TaskContext(task, attempt_id=lease.attempt_id, workdir=str(self._work_root / lease.attempt_id),
+        ctx = TaskContext(task, attempt_id=lease.attempt_id, workdir=f"{self._work_root}/{lease.attempt_id}",
                           report_progress=lambda f, m: self._progress(ctx, held, worker_id, f, m),
                           store_result=lambda b: self._result(held, worker_id, b))
         try:
@@ -79,14 +80,18 @@ class Engine:
             try:
                 outcome = await self._phases(ctx, held, worker_id)
             finally:
-                with anyio.move_on_after(self.config.stop_timeout_s, shield=True):
-                    await self._stop(ctx, held, worker_id)
+                self._enter(ctx, held, worker_id, Phase.STOP)
+                if self._has_cleanup(ctx):
+                    with anyio.move_on_after(self.config.stop_timeout_s, shield=True):
+                        await self._clean_up(ctx)
         if outcome is not None:
             return outcome
         if held.why == "cancel":
             return Outcome(AttemptStatus.CANCELLED, TaskError("cancelled", "cancelled on request", False))
         if held.why == "interrupt":
             return Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "interrupted by shutdown"))
+        if held.why is None and held.scope.cancelled_caught:  # the run phase's deadline passed
+            return self._timed_out(ctx.task, f"run phase timed out after {self._run_timeout_s(ctx.task)}s")
         return None  # the lease is gone: nothing of this attempt may be written
 
     async def _phases(self, ctx: TaskContext, held: Held, worker_id: str) -> Outcome:
@@ -95,14 +100,13 @@ class Engine:
         try:
             plugins = self.registry.plugins_for(task.type)
             self._enter(ctx, held, worker_id, Phase.PREPARE)
-            await ctx.checkpoint()
+            await _cancelled_yet(held)
             self._enter(ctx, held, worker_id, Phase.RUN)
-            timeout_s = task.timeout_s or self._type_timeout(task) or self.config.timeout_s
-            with anyio.move_on_after(timeout_s) as run_scope:
-                for plugin in plugins:
-                    await self._run_plugin(ctx, plugin, worker_id)
-            if run_scope.cancelled_caught:
-                return self._timed_out(task, f"run phase timed out after {timeout_s}s")
+            # The attempt's own scope carries the run deadline: one scope per task, not two.
+            held.scope.deadline = anyio.current_time() + self._run_timeout_s(task)
+            for plugin in plugins:
+                await self._run_plugin(ctx, held, plugin, worker_id)
+            held.scope.deadline = math.inf
             return Outcome(AttemptStatus.SUCCEEDED, exit_status=ctx.exit_status, stderr_tail=ctx.stderr_tail)
         except _PluginTimedOut as exc:
             return self._timed_out(task, str(exc))
@@ -114,9 +118,11 @@ class Engine:
             log.exception("task %s attempt %s: plugin %s raised", task.id, held.lease.attempt_id, ctx.plugin)
             return Outcome(AttemptStatus.FAILED, TaskError("plugin_error", f"{type(exc).__name__}: {exc}"),
                            ctx.exit_status, ctx.stderr_tail)
+        finally:
+            held.scope.deadline = math.inf
 
-    async def _run_plugin(self, ctx: TaskContext, plugin: PluginDef, worker_id: str) -> None:
-        await ctx.checkpoint()
+    async def _run_plugin(self, ctx: TaskContext, held: Held, plugin: PluginDef, worker_id: str) -> None:
+        await _cancelled_yet(held)
         if not self.registry.allowed(plugin.name):  # allow/deny apply at run time too
             raise PluginError(f"plugin {plugin.name!r} is denied", code="plugin_denied", retryable=False)
         ctx.enter_plugin(plugin.name)
@@ -132,9 +138,12 @@ class Engine:
         self._events.publish("plugin.finished", task_id=ctx.task.id, worker_id=worker_id, plugin=plugin.name,
                              duration_s=round(time.monotonic() - started, 6))
 
-    async def _stop(self, ctx: TaskContext, held: Held, worker_id: str) -> None:
-        self._enter(ctx, held, worker_id, Phase.STOP)
-        if not self.config.keep_workdirs and os.path.isdir(ctx.workdir):
+    def _has_cleanup(self, ctx: TaskContext) -> bool:
+        return ctx.workdir_used and not self.config.keep_workdirs
+
+    async def _clean_up(self, ctx: TaskContext) -> None:
+        """The stop phase's work: runs shielded and bounded, whatever ended the attempt."""
+        if ctx.workdir_used and not self.config.keep_workdirs:
             await anyio.to_thread.run_sync(remove_workdir, ctx.workdir)
 
     def _enter(self, ctx: TaskContext, held: Held, worker_id: str, phase: Phase) -> None:
@@ -181,9 +190,10 @@ class Engine:
             log.info("task %s attempt %s %s -> %s", task.id, attempt_id, outcome.status, state.value)
         return state
 
-    def _type_timeout(self, task: Task) -> float | None:
+    def _run_timeout_s(self, task: Task) -> float:
+        """The task's own timeout, else its type's, else execution.timeout_s (SPEC §9)."""
         settings = self.registry.types.get(task.type)
-        return None if settings is None else settings.timeout_s
+        return task.timeout_s or (settings and settings.timeout_s) or self.config.timeout_s
 
     def _timed_out(self, task: Task, message: str) -> Outcome:
         settings = self.registry.types.get(task.type)
@@ -193,3 +203,9 @@ class Engine:
 
 class _PluginTimedOut(Exception):
     pass
+
+
+async def _cancelled_yet(held: Held) -> None:
+    """A safe point between phases and plugins: deliver a pending cancel, else go on without yielding."""
+    if held.scope.cancel_called:
+        await anyio.lowlevel.checkpoint()

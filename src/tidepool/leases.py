@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio
 from anyio.abc import TaskStatus
@@ -30,7 +30,8 @@ class Held:
     scope: anyio.CancelScope
     deadline: float                       # monotonic: past this without a renewal, the lease is gone
     why: str | None = None                # "cancel", "lost", "interrupt"
-    note: PhaseNote | None = field(default=None)
+    phase: Phase | None = None            # the latest phase and progress, written behind
+    progress: dict[str, object] | None = None
 
     def stop(self, why: str) -> None:
         if self.why is None:
@@ -65,11 +66,9 @@ class LeaseKeeper:
 
     def note(self, held: Held, phase: Phase, progress: dict[str, object] | None = None) -> None:
         """Record a phase or progress change; written with the next flush unless the task ends first."""
-        if progress is None and held.note is not None and held.note.phase is phase:
-            return
-        if progress is None and held.note is not None:
-            progress = held.note.progress
-        held.note = PhaseNote(held.lease, phase, progress)
+        held.phase = phase
+        if progress is not None:
+            held.progress = progress
         self._dirty.add(held.lease.attempt_id)
 
     def held(self) -> list[Held]:
@@ -90,7 +89,8 @@ class LeaseKeeper:
             self._give_up_overdue()
 
     async def flush(self) -> None:
-        notes = [h.note for a in self._dirty if (h := self._held.get(a)) and h.note]
+        notes = [PhaseNote(h.lease, h.phase, h.progress) for a in self._dirty
+                 if (h := self._held.get(a)) is not None and h.phase is not None]
         self._dirty.clear()
         if notes:
             await self._apply(self._store.set_phase(notes, now=self._clock()), "phase")

@@ -62,6 +62,7 @@ class Daemon:
                                      policy=lambda: self.engine.policy, wake=self.pool.wake)
         self._shutdown = anyio.Event()
         self._forced = False
+        self._filter: tuple[Settings, ClaimFilter] | None = None
 
     @property
     def max_body_kb(self) -> int:
@@ -281,8 +282,10 @@ class Daemon:
         log.info("reloaded %s", self.config_path or "defaults")
 
     def _claim_filter(self) -> ClaimFilter:
-        return ClaimFilter(self.settings.pool.task_types,
-                           tuple(frozenset(r.tags) for r in self.settings.resources.values()))
+        if self._filter is None or self._filter[0] is not self.settings:  # rebuilt after a reload
+            tag_sets = tuple(frozenset(r.tags) for r in self.settings.resources.values())
+            self._filter = (self.settings, ClaimFilter(self.settings.pool.task_types, tag_sets))
+        return self._filter[1]
 
 
 async def serve(settings: Settings, *, config_path: Path | None = None, notifier: Notifier | None = None,

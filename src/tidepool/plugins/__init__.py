@@ -36,6 +36,7 @@ class Registry:
         self._plugins = dict(plugins)
         self.types = dict(types)
         self.allow, self.deny = allow, deny
+        self._allowed: dict[str, bool] = {}
 
     @classmethod
     def from_settings(cls, settings: PluginsSettings, types: Mapping[str, TypeSettings], *,
@@ -53,7 +54,10 @@ class Registry:
         return registry
 
     def allowed(self, plugin: str) -> bool:
-        return any(fnmatchcase(plugin, g) for g in self.allow) and not any(fnmatchcase(plugin, g) for g in self.deny)
+        if plugin not in self._allowed:  # a registry lives as long as its config: cache the globs' verdict
+            self._allowed[plugin] = any(fnmatchcase(plugin, g) for g in self.allow) and \
+                not any(fnmatchcase(plugin, g) for g in self.deny)
+        return self._allowed[plugin]
 
     def knows_type(self, type_name: str) -> bool:
         return type_name in self.types

@@ -86,6 +86,7 @@ def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float) -> Plugi
         argv = render_argv(spec.command or (), values)
         workdir = Path(ctx.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
+        ctx.workdir_used = True
         result = await run_command(argv, env=scrubbed_env(spec.env), workdir=workdir, limits=limits,
                                    kill_grace_s=kill_grace_s)
         ctx.exit_status, ctx.stderr_tail = result.exit_status, result.stderr_tail

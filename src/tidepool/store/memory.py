@@ -252,7 +252,7 @@ class MemoryStore:
         row.attempts.append(Attempt(lease.attempt_id, row.task.id, len(row.attempts) + 1, worker.node_id,
                                     worker.worker_id, AttemptStatus.LEASED, now))
         row.update(state=step(row.task.state, Event.CLAIM), attempt=row.task.attempt + 1,
-                   node_id=worker.node_id, phase=None, progress=None, updated_at=now)
+                   node_id=worker.node_id, phase=None, progress=None, error=None, updated_at=now)
         row.lease, row.lease_instance = lease, worker.instance_id
         return Claimed(row.task, lease)
 

@@ -26,10 +26,10 @@ from ..errors import (
     Conflict,
     LeaseLost,
     QueueFull,
-    StoreError,
     StoreUnavailable,
     TaskCancelling,
     TaskNotFound,
+    TidepoolError,
 )
 from ..lifecycle import Event, RetryPolicy, decide_end, step
 from ..model import (
@@ -229,7 +229,7 @@ class SqliteStore:
                     continue
                 try:
                     outcomes.append((group[0][1], op(conn, batch), None))
-                except StoreError as exc:
+                except TidepoolError as exc:  # Conflict, LeaseLost, InvalidTransition: this op only
                     outcomes.append((group[0][1], None, exc))
             conn.execute("COMMIT")
         except Exception as exc:  # the whole transaction is gone: tell every op
@@ -334,6 +334,7 @@ class SqliteStore:
             if target is State.CANCELLED:
                 conn.execute("UPDATE tasks SET state = ?, phase = NULL, finished_at = ?, updated_at = ? "
                              "WHERE id = ?", (target, now, now, task_id))
+                batch.queued = None  # the queue shrank: recount before the next max_queued check
             else:
                 conn.execute("UPDATE tasks SET state = ?, cancel_requested_at = ?, updated_at = ? WHERE id = ?",
                              (target, now, now, task_id))
@@ -352,6 +353,7 @@ class SqliteStore:
             conn.execute("UPDATE tasks SET state = ?, attempt = 0, interruptions = 0, available_at = ?, "
                          "updated_at = ?, finished_at = NULL, error = NULL WHERE id = ?",
                          (target, now, now, task_id))
+            batch.queued = None  # the queue grew: recount before the next max_queued check
             return _task(conn.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE id = ?", (task_id,)).fetchone())
 
         task: Task = await self._write(op)
@@ -421,9 +423,11 @@ class SqliteStore:
         return ack
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
-        if outcome.status is AttemptStatus.SUCCEEDED and outcome.exit_status is None:
-            if await self._write(_CompleteOp(lease, now)):
-                return State.COMPLETED
+        # The fast path writes no attempt output: only a bare success may take it.
+        bare = outcome.status is AttemptStatus.SUCCEEDED and outcome.exit_status is None \
+            and outcome.stderr_tail is None
+        if bare and await self._write(_CompleteOp(lease, now)):
+            return State.COMPLETED
 
         def op(conn: sqlite3.Connection, batch: _Batch) -> State:
             row = conn.execute(
@@ -528,15 +532,17 @@ class _ClaimOp(_Grouped):
     def run_group(cls, conn: sqlite3.Connection, batch: _Batch, ops: list[Any]) -> list[tuple[Any, None]]:
         rows = iter(_claimable(conn, ops[0].where, sum(o.limit for o in ops), min(o.now for o in ops)))
         results: list[tuple[Any, None]] = []
+        leased: list[tuple[Worker, Claimed, float]] = []
         for op in ops:
             mine = [r for _, r in zip(range(op.limit), rows, strict=False)]
             claimed = [Claimed(_task(r, leased_by=op.worker.node_id, now=op.now),
                                Lease(r[0], new_id(op.now), new_token(), op.now + op.lease_s)) for r in mine]
-            if claimed:
-                _lease(conn, op.worker, claimed, op.now)
+            leased.extend((op.worker, c, op.now) for c in claimed)
             results.append((claimed, None))
+        if leased:
+            _lease(conn, leased)
         if batch.queued is not None:
-            batch.queued -= sum(len(r[0]) for r in results)
+            batch.queued -= len(leased)
         return results
 
 
@@ -613,6 +619,7 @@ def _keys_used(conn: sqlite3.Connection, keys: list[str]) -> bool:
 
 def _check_room(conn: sqlite3.Connection, batch: _Batch, n: int, max_queued: int | None) -> None:
     if max_queued is None:
+        batch.queued = None  # an unchecked insert still grows the queue: recount at the next check
         return
     queued = batch.queued_count(conn)
     if queued + n > max_queued:
@@ -654,18 +661,18 @@ def _claimable(conn: sqlite3.Connection, where: ClaimFilter, limit: int, now: fl
     return conn.execute(" ".join(sql), args).fetchall()
 
 
-def _lease(conn: sqlite3.Connection, worker: Worker, claimed: list[Claimed], now: float) -> None:
+def _lease(conn: sqlite3.Connection, leased: list[tuple[Worker, Claimed, float]]) -> None:
     conn.executemany(
         "UPDATE tasks SET state = 'leased', attempt = attempt + 1, node_id = ?, phase = NULL, progress = NULL, "
-        "updated_at = ?, lease_attempt_id = ?, lease_token = ?, lease_expires_at = ?, lease_instance = ? "
-        "WHERE id = ?",
-        [(worker.node_id, now, c.lease.attempt_id, c.lease.token, c.lease.expires_at, worker.instance_id,
-          c.task.id) for c in claimed])
+        "error = NULL, updated_at = ?, lease_attempt_id = ?, lease_token = ?, lease_expires_at = ?, "
+        "lease_instance = ? WHERE id = ?",
+        [(w.node_id, now, c.lease.attempt_id, c.lease.token, c.lease.expires_at, w.instance_id, c.task.id)
+         for w, c, now in leased])
     conn.executemany(
         "INSERT INTO attempts (id, task_id, number, node_id, instance_id, worker_id, status, started_at) "
         "VALUES (?, ?, (SELECT count(*) + 1 FROM attempts WHERE task_id = ?), ?, ?, ?, 'leased', ?)",
-        [(c.lease.attempt_id, c.task.id, c.task.id, worker.node_id, worker.instance_id, worker.worker_id, now)
-         for c in claimed])
+        [(c.lease.attempt_id, c.task.id, c.task.id, w.node_id, w.instance_id, w.worker_id, now)
+         for w, c, now in leased])
 
 
 def _why_lost(conn: sqlite3.Connection, lease: Lease) -> LeaseLost:
