@@ -83,8 +83,8 @@ def sources(event: Event) -> frozenset[State]:
 def backoff_s(attempt: int, *, base_s: float, max_s: float, jitter: float,
               rng: random.Random | None = None) -> float:
     """delay = min(max, base * 2**(attempt-1)) * (1 ± jitter)."""
-    delay = min(max_s, base_s * 2 ** max(0, attempt - 1))
-    spread = (rng or random).uniform(-jitter, jitter)
+    delay = min(max_s, base_s * 2.0 ** max(0, attempt - 1))
+    spread: float = (rng or random).uniform(-jitter, jitter)
     return max(0.0, delay * (1 + spread))
 
 

@@ -51,7 +51,7 @@ def test_bad_config_names_the_key(tmp_path: Path, text: str, named: str | None) 
 
 def test_bad_env_value_names_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIDEPOOL_POOL__MIN_WORKERS", "-1")
-    with pytest.raises(ConfigError, match="pool.min_workers"):
+    with pytest.raises(ConfigError, match=r"pool\.min_workers"):
         settings.parse({})
 
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-DAEMON = web.AppKey("daemon", "Daemon")
+DAEMON: web.AppKey[Daemon] = web.AppKey("daemon")
 
 
 def error(status: int, code: str, message: str) -> web.Response:

@@ -85,7 +85,7 @@ def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float) -> Plugi
                                   "workdir": ctx.workdir}
         argv = render_argv(spec.command or (), values)
         workdir = Path(ctx.workdir)
-        workdir.mkdir(parents=True, exist_ok=True)
+        await anyio.to_thread.run_sync(lambda: workdir.mkdir(parents=True, exist_ok=True))
         ctx.workdir_used = True
         result = await run_command(argv, env=scrubbed_env(spec.env), workdir=workdir, limits=limits,
                                    kill_grace_s=kill_grace_s)
