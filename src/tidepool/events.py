@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -55,12 +54,13 @@ class EventBus:
     def __init__(self, *, ring_size: int = 10_000, clock: Callable[[], float] = time.time) -> None:
         self._ring: collections.deque[Event] = collections.deque(maxlen=ring_size)
         self._subscribers: list[Subscription] = []
-        self._ids = itertools.count(1)
+        self._next_id = 1
         self._clock = clock
         self._listeners: list[Callable[[Event], None]] = []
 
     def publish(self, name: str, **data: Any) -> Event:
-        event = Event(next(self._ids), name, self._clock(), data)
+        event = Event(self._next_id, name, self._clock(), data)
+        self._next_id += 1
         self._ring.append(event)
         for listener in self._listeners:
             listener(event)
@@ -87,6 +87,10 @@ class EventBus:
     def unsubscribe(self, sub: Subscription) -> None:
         if sub in self._subscribers:
             self._subscribers.remove(sub)
+
+    def oldest_id(self) -> int:
+        """The id of the oldest event the ring still holds (the next id when it is empty)."""
+        return self._ring[0].id if self._ring else self._next_id
 
     def since(self, after: int) -> Iterator[Event]:
         return (e for e in self._ring if e.id > after)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import anyio
@@ -11,8 +14,10 @@ from aiohttp import web
 from anyio.abc import TaskStatus
 from pydantic import BaseModel, ValidationError
 
-from ..errors import Conflict, InvalidRequest, QueueFull, StoreUnavailable, TaskNotFound
+from ..errors import ConfigError, Conflict, InvalidRequest, QueueFull, StoreUnavailable, TaskNotFound
 from ..model import State
+from . import openapi, stream
+from .guard import KEEPALIVE_TIMEOUT_S, ConnectionGuard, GuardedSite
 from .schemas import MAX_LIST_LIMIT, PoolPatch, SubmitBatch, SubmitTask, task_json
 
 if TYPE_CHECKING:
@@ -21,6 +26,10 @@ if TYPE_CHECKING:
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DAEMON: web.AppKey[Daemon] = web.AppKey("daemon")
+TOKEN: web.AppKey[str | None] = web.AppKey("token")
+BODY_TIMEOUT_S = 30.0
+STATIC = Path(__file__).parent / "static"
+UNAUTHORIZED = {"error": {"code": "unauthorized", "message": "a valid 'Authorization: Bearer <token>' is required"}}
 
 
 def error(status: int, code: str, message: str) -> web.Response:
@@ -51,11 +60,28 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return error(503, "store_unavailable", str(exc))
 
 
+@web.middleware
+async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every /v1 route needs the bearer token when one is configured; one answer for every failure."""
+    token = request.app[TOKEN]
+    if token is not None and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
+        if not ok:
+            return web.json_response(UNAUTHORIZED, status=401, headers={"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+
 async def parse(request: web.Request, model: type[M]) -> M:
     """The request body validated against `model`; 415 when not JSON, 400 naming the bad field."""
     if request.content_type != "application/json":
         raise _http(415, "unsupported_media_type", "send the body as application/json")
-    raw = await request.read()
+    try:
+        with anyio.fail_after(BODY_TIMEOUT_S):  # a client trickling its body is cut off
+            raw = await request.read()
+    except TimeoutError:
+        raise _http(408, "request_timeout", f"the body did not arrive within {BODY_TIMEOUT_S}s") from None
     try:
         data = json.loads(raw or b"null")
     except ValueError as exc:
@@ -155,9 +181,22 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ready"})
 
 
-def build_app(daemon: Daemon) -> web.Application:
-    app = web.Application(middlewares=[errors_as_json], client_max_size=daemon.max_body_kb * 1024)
+async def events(request: web.Request) -> web.StreamResponse:
+    return await stream.events(request, request.app[DAEMON])
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    return web.json_response(openapi.document())
+
+
+async def dashboard(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC / "index.html")
+
+
+def build_app(daemon: Daemon, *, token: str | None = None) -> web.Application:
+    app = web.Application(middlewares=[errors_as_json, require_token], client_max_size=daemon.max_body_kb * 1024)
     app[DAEMON] = daemon
+    app[TOKEN] = token
     app.router.add_post("/v1/tasks", submit)
     app.router.add_post("/v1/tasks/batch", submit_batch)
     app.router.add_get("/v1/tasks", list_tasks)
@@ -166,28 +205,53 @@ def build_app(daemon: Daemon) -> web.Application:
     app.router.add_post("/v1/tasks/{id}/retry", retry)
     app.router.add_get("/v1/pool", get_pool)
     app.router.add_patch("/v1/pool", patch_pool)
+    app.router.add_get("/v1/events", events)
+    app.router.add_get("/v1/openapi.json", openapi_json)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/", dashboard)
+    app.router.add_static("/static", STATIC)
     return app
 
 
-async def serve_api(daemon: Daemon, listen: str, *,
-                    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-    """Bind `listen` ("host:port" or "unix:/path"), report started once bound, serve until cancelled."""
-    runner = web.AppRunner(build_app(daemon), access_log=None, shutdown_timeout=1.0)
+def load_token(token_file: str, listen: str) -> str | None:
+    """The bearer token, if configured; refuses an off-loopback address without one."""
+    token = None
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"config: api.token_file: cannot read {token_file}: {exc}") from None
+        if not token:
+            raise ConfigError(f"config: api.token_file: {token_file} is empty")
+    if token is None and not _is_local(listen):
+        raise ConfigError(f"config: api.token_file is required when api.listen ({listen}) is not loopback")
+    return token
+
+
+def _is_local(listen: str) -> bool:
+    if listen.startswith("unix:"):
+        return True
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def serve_api(daemon: Daemon, listen: str, *, token: str | None = None,
+                    task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+    """Bind `listen` ("host:port" or "unix:/path"), report the bound address, serve until cancelled."""
+    runner = web.AppRunner(build_app(daemon, token=token), access_log=None, shutdown_timeout=1.0,
+                           keepalive_timeout=KEEPALIVE_TIMEOUT_S)
     await runner.setup()
     try:
-        site: web.BaseSite
-        if listen.startswith("unix:"):
-            site = web.UnixSite(runner, listen.removeprefix("unix:"))
-        else:
-            host, _, port = listen.rpartition(":")
-            site = web.TCPSite(runner, host.strip("[]") or "127.0.0.1", int(port), reuse_address=True)
+        site = GuardedSite(runner, listen, ConnectionGuard())
         await site.start()
-        task_status.started()
+        task_status.started(site.bound)
         await anyio.sleep_forever()
     finally:
         with anyio.CancelScope(shield=True):
             await runner.cleanup()
-
-

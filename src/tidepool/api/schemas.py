@@ -72,3 +72,105 @@ def task_json(t: Task, *, results: bool = True) -> dict[str, Any]:
     if results:
         body["results"] = [result_json(r) for r in t.results]
     return body
+
+
+# Response shapes: the OpenAPI document is generated from these and from the request models above.
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorOut(BaseModel):
+    error: ErrorBody
+
+
+class TaskErrorOut(BaseModel):
+    code: str
+    message: str
+
+
+class AttemptOut(BaseModel):
+    id: str
+    number: int
+    node_id: str
+    worker_id: str
+    status: str
+    started_at: str
+    finished_at: str | None
+    error: TaskErrorOut | None
+    exit_status: int | None
+    stderr_tail: str | None
+
+
+class ResultOut(BaseModel):
+    plugin: str
+    sequence: int
+    idempotency_key: str
+    sha256: str
+    final: bool
+    payload: Any
+
+
+class TaskOut(BaseModel):
+    id: str
+    type: str
+    payload: dict[str, Any]
+    priority: int
+    state: str
+    phase: str | None
+    progress: dict[str, Any] | None
+    attempt: int
+    max_attempts: int
+    timeout_s: float | None
+    required_tags: list[str]
+    idempotency_key: str | None
+    node_id: str | None
+    error: TaskErrorOut | None
+    created_at: str
+    updated_at: str
+    available_at: str
+    finished_at: str | None
+    attempts: list[AttemptOut]
+    results: list[ResultOut] = []
+
+
+class PageOut(BaseModel):
+    tasks: list[TaskOut]
+    next_cursor: str | None
+
+
+class IdsOut(BaseModel):
+    ids: list[str]
+
+
+class StateOut(BaseModel):
+    state: str
+
+
+class RetryOut(BaseModel):
+    state: str
+    task: TaskOut
+
+
+class PoolOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    node_id: str
+    min_workers: int
+    max_workers: int
+    idle_timeout_s: float
+    workers: int
+    busy: int
+    baseline: int
+    demand: int
+    queue: dict[str, int]
+    guards: dict[str, Any]
+    pending_restart: list[str]
+
+
+class HealthOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    status: str

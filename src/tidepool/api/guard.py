@@ -1,0 +1,108 @@
+"""Connection hygiene aiohttp lacks: a deadline for request headers and a cap on open connections.
+
+aiohttp has no deadline for receiving a request's headers, so a client trickling bytes holds its
+connection forever (PITFALLS, slowloris). Each connection is wrapped: if its first request's
+headers are not complete within `header_timeout_s`, or the node already holds `max_connections`,
+the connection is closed. Idle keep-alive connections are closed by aiohttp's keepalive_timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+HEADER_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 512
+KEEPALIVE_TIMEOUT_S = 15.0
+
+
+class ConnectionGuard:
+    def __init__(self, *, header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> None:
+        self.header_timeout_s = header_timeout_s
+        self.max_connections = max_connections
+        self.open = 0
+        self.cut_off = 0
+
+    def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        return lambda: _Guarded(factory(), self)
+
+
+class _Guarded(asyncio.Protocol):
+    """Forwards everything to aiohttp's protocol, watching the first request's headers arrive."""
+
+    def __init__(self, inner: asyncio.Protocol, guard: ConnectionGuard) -> None:
+        self._inner = inner
+        self._guard = guard
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._tail = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's transports don't subclass asyncio's
+        self._guard.open += 1
+        self._inner.connection_made(transport)
+        if self._guard.open > self._guard.max_connections:
+            self._cut_off()
+            return
+        self._timer = asyncio.get_running_loop().call_later(self._guard.header_timeout_s, self._cut_off)
+
+    def data_received(self, data: bytes) -> None:
+        if self._timer is not None:
+            self._tail = (self._tail + data)[-4096:]
+            if b"\r\n\r\n" in self._tail:
+                self._timer.cancel()
+                self._timer, self._tail = None, b""
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._guard.open -= 1
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def _cut_off(self) -> None:
+        self._guard.cut_off += 1
+        if self._transport is not None:
+            self._transport.abort()
+
+
+class GuardedSite(web.BaseSite):
+    """A TCP or unix-socket site whose connections pass through a ConnectionGuard."""
+
+    __slots__ = ("_guard", "_listen", "bound")
+
+    def __init__(self, runner: web.BaseRunner, listen: str, guard: ConnectionGuard) -> None:
+        super().__init__(runner)
+        self._listen = listen
+        self._guard = guard
+        self.bound = listen
+
+    @property
+    def name(self) -> str:
+        return self.bound
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        assert self._runner.server is not None
+        factory: Any = self._guard.wrap(self._runner.server)
+        if self._listen.startswith("unix:"):
+            self._server = await loop.create_unix_server(factory, self._listen.removeprefix("unix:"))
+        else:
+            host, _, port = self._listen.rpartition(":")
+            self._server = await loop.create_server(factory, host.strip("[]") or "127.0.0.1", int(port),
+                                                    reuse_address=True)
+            sock = self._server.sockets[0].getsockname()
+            self.bound = f"{host}:{sock[1]}"

@@ -1,0 +1,108 @@
+"""The OpenAPI 3.1 document of the API, generated from the pydantic models that validate it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from .. import __version__
+from .schemas import (
+    ErrorOut,
+    HealthOut,
+    IdsOut,
+    PageOut,
+    PoolOut,
+    PoolPatch,
+    RetryOut,
+    StateOut,
+    SubmitBatch,
+    SubmitTask,
+    TaskOut,
+)
+
+MODELS: list[type[BaseModel]] = [SubmitTask, SubmitBatch, PoolPatch, TaskOut, PageOut, IdsOut, StateOut,
+                                 RetryOut, PoolOut, ErrorOut, HealthOut]
+ERRORS = {"400": "invalid input, naming the field", "401": "missing or wrong bearer token",
+          "404": "no such task", "409": "conflicts with the task's state or an earlier submit",
+          "413": "body over api.max_body_kb", "415": "body is not application/json",
+          "429": "queue over pool.max_queued", "503": "store unavailable"}
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _json(model: type[BaseModel]) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": _ref(model)}}}
+
+
+def _op(summary: str, ok: dict[str, type[BaseModel]], *, body: type[BaseModel] | None = None,
+        errors: tuple[str, ...] = (), params: list[dict[str, Any]] | None = None,
+        auth: bool = True) -> dict[str, Any]:
+    responses: dict[str, Any] = {code: {"description": summary, **_json(model)} for code, model in ok.items()}
+    for code in (*errors, *(("401",) if auth else ())):
+        responses[code] = {"description": ERRORS[code], **_json(ErrorOut)}
+    op: dict[str, Any] = {"summary": summary, "responses": responses}
+    if body is not None:
+        op["requestBody"] = {"required": True, **_json(body)}
+    if params:
+        op["parameters"] = params
+    if not auth:
+        op["security"] = []
+    return op
+
+
+def _param(name: str, where: str, schema: dict[str, Any], *, required: bool = False) -> dict[str, Any]:
+    return {"name": name, "in": where, "required": required, "schema": schema}
+
+
+TASK_ID = _param("id", "path", {"type": "string"}, required=True)
+
+
+def document() -> dict[str, Any]:
+    _, defs = models_json_schema([(m, "validation") for m in MODELS], ref_template="#/components/schemas/{model}")
+    listing = [_param("state", "query", {"type": "string", "enum": [
+                   "pending", "leased", "running", "retry_wait", "cancelling", "completed", "failed",
+                   "timed_out", "cancelled"]}),
+               _param("type", "query", {"type": "string"}),
+               _param("limit", "query", {"type": "integer", "minimum": 1, "maximum": 1000}),
+               _param("cursor", "query", {"type": "string"})]
+    paths = {
+        "/v1/tasks": {
+            "post": _op("submit a task", {"201": TaskOut, "200": TaskOut}, body=SubmitTask,
+                        errors=("400", "409", "413", "415", "429", "503")),
+            "get": _op("list tasks, newest first", {"200": PageOut}, errors=("400", "503"), params=listing),
+        },
+        "/v1/tasks/batch": {"post": _op("submit tasks in one transaction", {"201": IdsOut}, body=SubmitBatch,
+                                        errors=("400", "409", "413", "415", "429", "503"))},
+        "/v1/tasks/{id}": {"get": _op("a task with attempts and results", {"200": TaskOut},
+                                      errors=("404", "503"), params=[TASK_ID])},
+        "/v1/tasks/{id}/cancel": {"post": _op("cancel a task", {"202": StateOut}, errors=("404", "409", "503"),
+                                              params=[TASK_ID])},
+        "/v1/tasks/{id}/retry": {"post": _op("retry a finished task", {"202": RetryOut},
+                                             errors=("404", "409", "503"), params=[TASK_ID])},
+        "/v1/pool": {
+            "get": _op("pool and queue figures", {"200": PoolOut}, errors=("503",)),
+            "patch": _op("change pool sizes live", {"200": PoolOut}, body=PoolPatch,
+                         errors=("400", "413", "415", "503")),
+        },
+        "/v1/events": {"get": {"summary": "server-sent events; Last-Event-ID resumes",
+                               "parameters": [_param("task_id", "query", {"type": "string"}),
+                                              _param("type", "query", {"type": "string"})],
+                               "responses": {"200": {"description": "text/event-stream",
+                                                     "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                                             "401": {"description": ERRORS["401"], **_json(ErrorOut)}}}},
+        "/healthz": {"get": _op("the process answers", {"200": HealthOut}, auth=False)},
+        "/readyz": {"get": _op("ready to work", {"200": HealthOut, "503": HealthOut}, auth=False)},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "tidepool", "version": __version__,
+                 "description": "The HTTP API of a tidepool node: tasks, pool, events."},
+        "paths": paths,
+        "components": {"schemas": defs["$defs"],
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+    }

@@ -1,0 +1,64 @@
+"""GET /v1/events: the event bus as server-sent events, resumable with Last-Event-ID."""
+
+from __future__ import annotations
+
+import json
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
+
+import anyio
+from aiohttp import web
+
+from ..events import Event
+from ..model import rfc3339
+
+if TYPE_CHECKING:
+    from ..service import Daemon
+
+HEARTBEAT_S = 15.0
+SUBSCRIBER_QUEUE = 10_000
+
+
+def frame(event: Event) -> bytes:
+    data = {"id": event.id, "event": event.name, "ts": rfc3339(event.ts), **event.data}
+    return f"id: {event.id}\nevent: {event.name}\ndata: {json.dumps(data, default=str)}\n\n".encode()
+
+
+def _filter(request: web.Request) -> tuple[str | None, list[str]]:
+    task_id = request.query.get("task_id") or None
+    names = [n for n in request.query.get("type", "").split(",") if n]
+    return task_id, names
+
+
+async def events(request: web.Request, daemon: Daemon) -> web.StreamResponse:
+    task_id, names = _filter(request)
+    raw_last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
+    after = int(raw_last) if raw_last and raw_last.isdigit() else None
+
+    def accept(e: Event) -> bool:
+        return (task_id is None or e.data.get("task_id") == task_id) and \
+            (not names or any(fnmatchcase(e.name, n) for n in names))
+
+    sub = daemon.events.subscribe(maxsize=SUBSCRIBER_QUEUE, accept=accept, after=after)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+    try:
+        await response.prepare(request)
+        if after is not None and daemon.events.oldest_id() > after + 1:
+            await response.write(b"event: stream.gap\ndata: {\"missed\": true}\n\n")
+        await response.write(b": connected\n\n")
+        while True:
+            event = None
+            with anyio.move_on_after(HEARTBEAT_S):
+                event = await sub.get()
+                if event is None:  # dropped for falling behind, or the node is shutting down
+                    reason = "slow subscriber" if sub.dropped else "shutdown"
+                    await response.write(f"event: stream.closed\ndata: {json.dumps({'reason': reason})}\n\n"
+                                         .encode())
+                    break
+            await response.write(b": heartbeat\n\n" if event is None else frame(event))
+    except (ConnectionResetError, ConnectionError):
+        pass
+    finally:
+        daemon.events.unsubscribe(sub)
+    return response
