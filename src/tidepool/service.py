@@ -10,6 +10,7 @@ import re
 import signal
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from anyio.abc import TaskStatus
 from . import __version__, logs
 from . import settings as settings_mod
 from .api import serve_api
+from .api.app import load_token
 from .engine import Engine, EngineConfig
 from .errors import ConfigError, InvalidRequest, StoreUnavailable
 from .events import EventBus
@@ -83,7 +85,8 @@ class Daemon:
                     await tg.start(self.leases.run)
                     await tg.start(self.pool.run)
                     await tg.start(self.reconciler.run)
-                    await tg.start(serve_api, self, self.settings.api.listen)
+                    token = load_token(self.settings.api.token_file, self.settings.api.listen)
+                    await tg.start(partial(serve_api, self, self.settings.api.listen, token=token))
                     tg.start_soon(self._handle_signals)
                     tg.start_soon(self._report_status)
                     tg.start_soon(self._watchdog)
