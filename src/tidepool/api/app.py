@@ -14,11 +14,19 @@ from aiohttp import web
 from anyio.abc import TaskStatus
 from pydantic import BaseModel, ValidationError
 
-from ..errors import ConfigError, Conflict, InvalidRequest, QueueFull, StoreUnavailable, TaskNotFound
+from ..errors import (
+    ConfigError,
+    Conflict,
+    InvalidRequest,
+    QueueFull,
+    ScheduleNotFound,
+    StoreUnavailable,
+    TaskNotFound,
+)
 from ..model import State
 from . import openapi, stream
 from .guard import KEEPALIVE_TIMEOUT_S, ConnectionGuard, GuardedSite
-from .schemas import MAX_LIST_LIMIT, PoolPatch, SubmitBatch, SubmitTask, task_json
+from .schemas import MAX_LIST_LIMIT, PoolPatch, ScheduleIn, SubmitBatch, SubmitTask, task_json
 
 if TYPE_CHECKING:
     from ..service import Daemon
@@ -50,7 +58,7 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return error(exc.status, code, message)
     except InvalidRequest as exc:
         return error(400, "invalid_request", str(exc))
-    except TaskNotFound as exc:
+    except (TaskNotFound, ScheduleNotFound) as exc:
         return error(404, "not_found", str(exc))
     except Conflict as exc:
         return error(409, "conflict", str(exc))
@@ -170,6 +178,27 @@ async def patch_pool(request: web.Request) -> web.Response:
     return web.json_response(await daemon.pool_view())
 
 
+async def list_schedules(request: web.Request) -> web.Response:
+    return web.json_response({"schedules": await request.app[DAEMON].schedules_view()})
+
+
+async def create_schedule(request: web.Request) -> web.Response:
+    body = await parse(request, ScheduleIn)
+    saved = await request.app[DAEMON].save_schedule(body.to_schedule())
+    return web.json_response(saved.to_json(), status=201)
+
+
+async def delete_schedule(request: web.Request) -> web.Response:
+    await request.app[DAEMON].store.delete_schedule(request.match_info["name"])
+    return web.Response(status=204)
+
+
+async def pause_schedule(request: web.Request) -> web.Response:
+    paused = request.match_info["action"] == "pause"
+    saved = await request.app[DAEMON].pause_schedule(request.match_info["name"], paused=paused)
+    return web.json_response(saved.to_json())
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -205,6 +234,10 @@ def build_app(daemon: Daemon, *, token: str | None = None) -> web.Application:
     app.router.add_post("/v1/tasks/{id}/retry", retry)
     app.router.add_get("/v1/pool", get_pool)
     app.router.add_patch("/v1/pool", patch_pool)
+    app.router.add_get("/v1/schedules", list_schedules)
+    app.router.add_post("/v1/schedules", create_schedule)
+    app.router.add_delete("/v1/schedules/{name}", delete_schedule)
+    app.router.add_post(r"/v1/schedules/{name}/{action:pause|resume}", pause_schedule)
     app.router.add_get("/v1/events", events)
     app.router.add_get("/v1/openapi.json", openapi_json)
     app.router.add_get("/healthz", healthz)

@@ -16,6 +16,9 @@ from .schemas import (
     PoolOut,
     PoolPatch,
     RetryOut,
+    ScheduleIn,
+    ScheduleOut,
+    SchedulesOut,
     StateOut,
     SubmitBatch,
     SubmitTask,
@@ -23,7 +26,7 @@ from .schemas import (
 )
 
 MODELS: list[type[BaseModel]] = [SubmitTask, SubmitBatch, PoolPatch, TaskOut, PageOut, IdsOut, StateOut,
-                                 RetryOut, PoolOut, ErrorOut, HealthOut]
+                                 RetryOut, PoolOut, ErrorOut, HealthOut, ScheduleIn, ScheduleOut, SchedulesOut]
 ERRORS = {"400": "invalid input, naming the field", "401": "missing or wrong bearer token",
           "404": "no such task", "409": "conflicts with the task's state or an earlier submit",
           "413": "body over api.max_body_kb", "415": "body is not application/json",
@@ -59,6 +62,7 @@ def _param(name: str, where: str, schema: dict[str, Any], *, required: bool = Fa
 
 
 TASK_ID = _param("id", "path", {"type": "string"}, required=True)
+NAME = _param("name", "path", {"type": "string"}, required=True)
 
 
 def document() -> dict[str, Any]:
@@ -88,6 +92,20 @@ def document() -> dict[str, Any]:
             "patch": _op("change pool sizes live", {"200": PoolOut}, body=PoolPatch,
                          errors=("400", "413", "415", "503")),
         },
+        "/v1/schedules": {
+            "get": _op("schedules with next/last run", {"200": SchedulesOut}, errors=("503",)),
+            "post": _op("create or update a schedule", {"201": ScheduleOut}, body=ScheduleIn,
+                        errors=("400", "413", "415", "503")),
+        },
+        "/v1/schedules/{name}": {"delete": {**_op("delete a schedule", {}, errors=("404", "503"), params=[NAME]),
+                                            "responses": {"204": {"description": "deleted"},
+                                                          "404": {"description": ERRORS["404"], **_json(ErrorOut)},
+                                                          "401": {"description": ERRORS["401"], **_json(ErrorOut)},
+                                                          "503": {"description": ERRORS["503"], **_json(ErrorOut)}}}},
+        "/v1/schedules/{name}/pause": {"post": _op("pause a schedule", {"200": ScheduleOut}, errors=("404", "503"),
+                                                   params=[NAME])},
+        "/v1/schedules/{name}/resume": {"post": _op("resume a schedule at its next tick", {"200": ScheduleOut},
+                                                    errors=("404", "503"), params=[NAME])},
         "/v1/events": {"get": {"summary": "server-sent events; Last-Event-ID resumes",
                                "parameters": [_param("task_id", "query", {"type": "string"}),
                                               _param("type", "query", {"type": "string"})],

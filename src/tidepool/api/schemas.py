@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..model import Attempt, NewTask, ResultBatch, Task, rfc3339
+from ..schedules import Schedule
 
 MAX_LIST_LIMIT = 1000
 
@@ -45,6 +46,46 @@ class PoolPatch(BaseModel):
     min_workers: int | None = Field(None, ge=0, le=10_000)
     max_workers: int | None = Field(None, ge=1, le=10_000)
     idle_timeout_s: float | None = Field(None, gt=0)
+
+
+class ScheduleIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:-]+$")
+    type: str = Field(min_length=1, max_length=200)
+    payload: dict[str, Any] = {}
+    cron: str | None = Field(None, max_length=200)
+    every_s: float | None = Field(None, gt=0, le=366 * 86400)
+    timezone: str = Field("UTC", max_length=100)
+    jitter_s: float = Field(0.0, ge=0, le=86400)
+    catch_up: Literal["none", "last", "all"] = "last"
+    overlap: Literal["allow", "skip"] = "allow"
+    priority: int = Field(0, ge=-1_000_000, le=1_000_000)
+
+    def to_schedule(self) -> Schedule:
+        return Schedule(**self.model_dump())
+
+
+class ScheduleOut(BaseModel):
+    name: str
+    type: str
+    payload: dict[str, Any]
+    cron: str | None
+    every_s: float | None
+    timezone: str
+    jitter_s: float
+    catch_up: str
+    overlap: str
+    priority: int
+    paused: bool
+    next_run_at: str | None
+    last_run_at: str | None
+    last_task_id: str | None
+    last_task_state: str | None
+
+
+class SchedulesOut(BaseModel):
+    schedules: list[ScheduleOut]
 
 
 def attempt_json(a: Attempt) -> dict[str, Any]:

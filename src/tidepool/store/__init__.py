@@ -13,6 +13,7 @@ from typing import Protocol
 from ..errors import ConfigError, Conflict, InvalidTransition, LeaseLost
 from ..lifecycle import Event, RetryPolicy, step
 from ..model import Claimed, ClaimFilter, Lease, NewTask, Outcome, Phase, ResultBatch, State, Task, Worker
+from ..schedules import Fired, Schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,16 @@ class Store(Protocol):
         """Store a result batch once (rule 7); the acknowledged batch comes back."""
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
         """End the attempt; the task's new state."""
+
+    # schedules
+    async def save_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
+        """Create or update a schedule by name; its next tick is recomputed when its timing changed."""
+    async def list_schedules(self) -> list[Schedule]: ...
+    async def delete_schedule(self, name: str) -> None:
+        """ScheduleNotFound if unknown."""
+    async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule: ...
+    async def fire_schedules(self, *, now: float, max_attempts: int) -> list[Fired]:
+        """In one transaction per schedule: create the due ticks' tasks and advance next_run_at."""
 
     # the reconciler
     async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,

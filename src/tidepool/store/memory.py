@@ -6,7 +6,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import Conflict, LeaseLost, QueueFull, TaskCancelling, TaskNotFound
+from .. import schedules
+from ..errors import Conflict, LeaseLost, QueueFull, ScheduleNotFound, TaskCancelling, TaskNotFound
 from ..lifecycle import Ending, Event, RetryPolicy, decide_end, step
 from ..model import (
     QUEUED,
@@ -25,6 +26,7 @@ from ..model import (
     new_id,
     new_token,
 )
+from ..schedules import Fired, Schedule
 from . import Expired, Page, PhaseNote, cancel_step, retry_step
 
 
@@ -50,6 +52,7 @@ class MemoryStore:
     def __init__(self) -> None:
         self._rows: dict[str, _Row] = {}
         self._keys: dict[str, str] = {}
+        self._schedules: dict[str, Schedule] = {}
 
     async def open(self, *, migrate: bool = True) -> None:
         pass
@@ -165,6 +168,39 @@ class MemoryStore:
         row = self._fenced(lease, now, ending=True)
         self._end(row, outcome, now, policy)
         return row.task.state
+
+    # schedules
+
+    async def save_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
+        saved = schedules.merge(self._schedules.get(schedule.name), schedule, now)
+        self._schedules[schedule.name] = saved
+        return saved
+
+    async def list_schedules(self) -> list[Schedule]:
+        return [self._schedules[n] for n in sorted(self._schedules)]
+
+    async def delete_schedule(self, name: str) -> None:
+        if self._schedules.pop(name, None) is None:
+            raise ScheduleNotFound(name)
+
+    async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule:
+        if name not in self._schedules:
+            raise ScheduleNotFound(name)
+        self._schedules[name] = schedules.set_paused(self._schedules[name], paused, now)
+        return self._schedules[name]
+
+    async def fire_schedules(self, *, now: float, max_attempts: int) -> list[Fired]:
+        fired: list[Fired] = []
+        for schedule in list(self._schedules.values()):
+            if schedule.paused or schedule.next_run_at is None or schedule.next_run_at > now:
+                continue
+            outcome, saved = schedules.fire(
+                schedule, now, max_attempts=max_attempts,
+                running=lambda task_id: task_id in self._rows and not self._rows[task_id].task.state.terminal,
+                add=lambda new: None if new.idempotency_key in self._keys else self._insert(new, now).id)
+            self._schedules[schedule.name] = saved
+            fired.extend(outcome)
+        return fired
 
     # the reconciler
 

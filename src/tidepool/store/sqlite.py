@@ -17,15 +17,17 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import anyio
 import anyio.to_thread
 
+from .. import schedules
 from ..errors import (
     Conflict,
     LeaseLost,
     QueueFull,
+    ScheduleNotFound,
     StoreUnavailable,
     TaskCancelling,
     TaskNotFound,
@@ -49,10 +51,23 @@ from ..model import (
     new_id,
     new_token,
 )
+from ..schedules import Fired, Schedule
 from . import Expired, Page, PhaseNote, cancel_step, retry_step
 
 T = TypeVar("T")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+SCHEDULES = """
+CREATE TABLE IF NOT EXISTS schedules (
+    name TEXT PRIMARY KEY,
+    spec TEXT NOT NULL,
+    paused INTEGER NOT NULL DEFAULT 0,
+    next_tick_at REAL,
+    next_run_at REAL,
+    last_run_at REAL,
+    last_task_id TEXT
+);
+CREATE INDEX IF NOT EXISTS schedules_due ON schedules (next_run_at) WHERE paused = 0;
+"""
 SCHEMA = """
 CREATE TABLE tasks (
     id TEXT PRIMARY KEY,
@@ -120,7 +135,7 @@ TASK_COLUMNS = ("id, type, payload, priority, state, phase, progress, attempt, m
                 "available_at, finished_at")
 ACTIVE_SQL = "('leased', 'running')"
 FENCE = "id = ? AND lease_attempt_id = ? AND lease_token = ?"
-Op = "Callable[[sqlite3.Connection, _Batch], Any] | _Grouped"
+Op: TypeAlias = "Callable[[sqlite3.Connection, _Batch], Any] | _Grouped"
 
 
 @dataclass
@@ -175,8 +190,9 @@ class SqliteStore:
             if version < SCHEMA_VERSION and not migrate:
                 raise StoreUnavailable(f"store {self.path} has schema {version}, needs {SCHEMA_VERSION}: "
                                        "run `tidepool migrate`")
-            if version < SCHEMA_VERSION:
-                conn.executescript(f"BEGIN; {SCHEMA}; PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
+            if version < SCHEMA_VERSION:  # each step upgrades one version; all in one transaction
+                steps = [SCHEMA, SCHEDULES][version:]
+                conn.executescript(f"BEGIN; {' '.join(steps)}; PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
             return conn
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"store {self.path}: {exc}") from exc
@@ -224,7 +240,7 @@ class SqliteStore:
             for group in _groups(ops):
                 op = group[0][0]
                 if isinstance(op, _Grouped):
-                    results = op.run_group(conn, batch, [o for o, _ in group])  # type: ignore[arg-type]
+                    results = op.run_group(conn, batch, [o for o, _ in group])
                     outcomes.extend((future, *r) for (_, future), r in zip(group, results, strict=True))
                     continue
                 try:
@@ -440,6 +456,64 @@ class SqliteStore:
         state: State = await self._write(op)
         return state
 
+    # schedules
+
+    async def save_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
+        def op(conn: sqlite3.Connection, batch: _Batch) -> Schedule:
+            row = conn.execute(f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE name = ?", (schedule.name,)).fetchone()
+            saved = schedules.merge(None if row is None else _schedule(row), schedule, now)
+            conn.execute("INSERT OR REPLACE INTO schedules VALUES (?, ?, ?, ?, ?, ?, ?)", _schedule_row(saved))
+            return saved
+
+        saved: Schedule = await self._write(op)
+        return saved
+
+    async def list_schedules(self) -> list[Schedule]:
+        def read(conn: sqlite3.Connection) -> list[Schedule]:
+            rows = conn.execute(f"SELECT {SCHEDULE_COLUMNS} FROM schedules ORDER BY name").fetchall()
+            return [_schedule(r) for r in rows]
+
+        return await self._read(read)
+
+    async def delete_schedule(self, name: str) -> None:
+        def op(conn: sqlite3.Connection, batch: _Batch) -> None:
+            if conn.execute("DELETE FROM schedules WHERE name = ?", (name,)).rowcount == 0:
+                raise ScheduleNotFound(name)
+
+        await self._write(op)
+
+    async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule:
+        def op(conn: sqlite3.Connection, batch: _Batch) -> Schedule:
+            row = conn.execute(f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE name = ?", (name,)).fetchone()
+            if row is None:
+                raise ScheduleNotFound(name)
+            saved = schedules.set_paused(_schedule(row), paused, now)
+            conn.execute("INSERT OR REPLACE INTO schedules VALUES (?, ?, ?, ?, ?, ?, ?)", _schedule_row(saved))
+            return saved
+
+        saved: Schedule = await self._write(op)
+        return saved
+
+    async def fire_schedules(self, *, now: float, max_attempts: int) -> list[Fired]:
+        """Fire every due tick in one transaction: tasks created and next_run_at advanced together."""
+        def op(conn: sqlite3.Connection, batch: _Batch) -> list[Fired]:
+            rows = conn.execute(f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE paused = 0 AND next_run_at <= ?",
+                                (now,)).fetchall()
+            fired: list[Fired] = []
+            for row in rows:
+                schedule = _schedule(row)
+                outcome, saved = schedules.fire(schedule, now, max_attempts=max_attempts,
+                                                running=lambda task_id: _is_active(conn, task_id),
+                                                add=lambda new: _add_once(conn, new, now))
+                conn.execute("INSERT OR REPLACE INTO schedules VALUES (?, ?, ?, ?, ?, ?, ?)", _schedule_row(saved))
+                fired.extend(outcome)
+            if fired:
+                batch.queued = None
+            return fired
+
+        fired: list[Fired] = await self._write(op)
+        return fired
+
     # the reconciler
 
     async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
@@ -584,6 +658,31 @@ def _groups(ops: list[tuple[Op, asyncio.Future[Any]]]) -> list[list[tuple[Op, as
             runs.append([item])
         key = this
     return runs
+
+
+SCHEDULE_COLUMNS = "name, spec, paused, next_tick_at, next_run_at, last_run_at, last_task_id"
+
+
+def _schedule(row: Any) -> Schedule:
+    return Schedule(name=row[0], **json.loads(row[1]), paused=bool(row[2]), next_tick_at=row[3],
+                    next_run_at=row[4], last_run_at=row[5], last_task_id=row[6])
+
+
+def _schedule_row(s: Schedule) -> tuple[Any, ...]:
+    return (s.name, json.dumps(schedules.spec_of(s)), int(s.paused), s.next_tick_at, s.next_run_at, s.last_run_at,
+            s.last_task_id)
+
+
+def _is_active(conn: sqlite3.Connection, task_id: str) -> bool:
+    row = conn.execute("SELECT state FROM tasks WHERE id = ?", (task_id,)).fetchone()
+    return row is not None and not State(row[0]).terminal
+
+
+def _add_once(conn: sqlite3.Connection, new: NewTask, now: float) -> str | None:
+    """The new task's id, or None when a task for this key exists already (a tick fires once)."""
+    if _keys_used(conn, [new.idempotency_key or ""]):
+        return None
+    return _insert_many(conn, [new], now)[0]
 
 
 def _settle(outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:

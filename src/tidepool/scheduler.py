@@ -1,0 +1,69 @@
+"""The scheduler loop: fires due schedule ticks through the store, which makes each tick fire once."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import anyio
+from anyio.abc import TaskStatus
+
+from .errors import StoreUnavailable
+from .events import EventBus
+from .model import rfc3339
+from .schedules import Fired, Schedule, validate
+from .settings import ScheduleSettings
+from .store import Store
+
+log = logging.getLogger("tidepool.scheduler")
+
+
+class Scheduler:
+    def __init__(self, store: Store, events: EventBus, *, max_attempts: Callable[[], int],
+                 wake: Callable[[int], None], interval_s: float = 0.5,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._events = events
+        self._max_attempts = max_attempts
+        self._wake = wake
+        self.interval_s = interval_s
+        self._clock = clock
+
+    async def sync_config(self, configured: Sequence[ScheduleSettings]) -> None:
+        """Save the config file's schedules; their state (next/last run, paused) survives restarts."""
+        for item in configured:
+            await self._store.save_schedule(validate(from_settings(item)), now=self._clock())
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            try:
+                await self.tick()
+            except StoreUnavailable as exc:
+                log.warning("scheduler pass skipped: %s", exc)
+            await anyio.sleep(self.interval_s)
+
+    async def tick(self) -> list[Fired]:
+        fired = await self._store.fire_schedules(now=self._clock(), max_attempts=self._max_attempts())
+        created = 0
+        for f in fired:
+            if f.task_id is not None:
+                created += 1
+                self._events.publish("schedule.fired", task_id=f.task_id, worker_id=None, schedule=f.schedule,
+                                     tick=rfc3339(f.tick))
+                log.info("schedule %s fired for %s: task %s", f.schedule, rfc3339(f.tick), f.task_id)
+            else:
+                self._events.publish("schedule.skipped", task_id=None, worker_id=None, schedule=f.schedule,
+                                     tick=rfc3339(f.tick), reason=f.reason, count=f.count)
+                log.info("schedule %s skipped %d tick(s) up to %s: %s", f.schedule, f.count, rfc3339(f.tick),
+                         f.reason)
+        if created:
+            self._wake(created)
+        return fired
+
+
+def from_settings(item: ScheduleSettings) -> Schedule:
+    return Schedule(name=item.name, type=item.type, payload=dict(item.payload), cron=item.cron, every_s=item.every_s,
+                    timezone=item.timezone, jitter_s=item.jitter_s, catch_up=item.catch_up, overlap=item.overlap,
+                    priority=item.priority)
