@@ -21,7 +21,7 @@ from .errors import InvalidRequest
 from .model import NewTask, rfc3339
 
 MAX_CATCH_UP = 10          # catch_up = "all" fires at most this many missed ticks at once
-ON_TIME_GRACE_S = 5.0      # catch_up = "none" still fires a tick that is at most this late
+ON_TIME_GRACE_S = 5.0      # catch_up = "none" still fires a tick this late (at most half a period)
 CatchUp = Literal["none", "last", "all"]
 Overlap = Literal["allow", "skip"]
 
@@ -131,9 +131,14 @@ def plan(schedule: Schedule, now: float) -> Firing:
     elif schedule.catch_up == "last":
         fire = due[-1:]
     else:
-        fire = [t for t in due[-1:] if now - (t + jitter_of(schedule, t)) <= ON_TIME_GRACE_S]
+        fire = [t for t in due[-1:] if now - (t + jitter_of(schedule, t)) <= _grace_s(schedule, t)]
     skipped = [t for t in due if t not in fire]
     return Firing(fire, skipped, tick, tick + jitter_of(schedule, tick))
+
+
+def _grace_s(schedule: Schedule, tick: float) -> float:
+    """How late a tick may fire and still count as on time: never more than half its period."""
+    return min(ON_TIME_GRACE_S, (next_tick(schedule, tick) - tick) / 2)
 
 
 def rewound(schedule: Schedule, now: float) -> bool:
