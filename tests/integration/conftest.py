@@ -1,4 +1,9 @@
-"""An in-process node (store, leases, engine, pool, reconciler) with plugins the test defines."""
+"""An in-process node (store, leases, engine, pool, reconciler) with plugins the test defines.
+
+Optional parts come in as keyword arguments: a ready Registry (e.g. from Registry.from_settings),
+a ResourcePool (its free slots then shape the claim filter, as in the daemon) and Guards (asked
+before every claim, run in the node's task group, waking the pool when they clear).
+"""
 
 from __future__ import annotations
 
@@ -14,12 +19,14 @@ import pytest
 
 from tidepool.engine import Engine, EngineConfig
 from tidepool.events import Event, EventBus
+from tidepool.guards import Guards
 from tidepool.leases import LeaseKeeper
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import ClaimFilter, NewTask, State, Task
 from tidepool.plugins import Plugin, PluginDef, Registry
 from tidepool.pool import Pool, PoolConfig
 from tidepool.reconciler import Reconciler, ReconcilerConfig
+from tidepool.resources import ResourcePool
 from tidepool.settings import TypeSettings
 from tidepool.store import Store
 from tidepool.store.sqlite import SqliteStore
@@ -64,15 +71,32 @@ class Node:
 @asynccontextmanager
 async def running_node(store: Store, plugins: dict[str, Plugin], *, types: dict[str, TypeSettings] | None = None,
                        pool: PoolConfig | None = None, lease_s: float = 30.0, renew_every_s: float = 10.0,
-                       policy: RetryPolicy | None = None, work_root: Path) -> AsyncIterator[Node]:
-    types = types or {name: TypeSettings(plugins=(name,)) for name in plugins}
-    registry = Registry({n: PluginDef(n, fn) for n, fn in plugins.items()}, types)
-    events = EventBus()
+                       policy: RetryPolicy | None = None, work_root: Path, registry: Registry | None = None,
+                       resources: ResourcePool | None = None, guards: Guards | None = None,
+                       engine_config: EngineConfig | None = None, events: EventBus | None = None,
+                       ) -> AsyncIterator[Node]:
+    if registry is None:
+        types = types or {name: TypeSettings(plugins=(name,)) for name in plugins}
+        registry = Registry({n: PluginDef(n, fn) for n, fn in plugins.items()}, types)
+    events = events or EventBus()
     leases = LeaseKeeper(store, lease_s=lease_s, renew_every_s=renew_every_s, flush_every_s=0.02)
-    engine = Engine(store, registry, leases, events, config=EngineConfig(stop_timeout_s=2.0),
-                    policy=policy or RetryPolicy(base_s=0.0, jitter=0.0), work_root=work_root)
+    engine = Engine(store, registry, leases, events, config=engine_config or EngineConfig(stop_timeout_s=2.0),
+                    policy=policy or RetryPolicy(base_s=0.0, jitter=0.0), work_root=work_root,
+                    resources=resources)
+    claim_filter: Callable[[], ClaimFilter] = ClaimFilter
+    if resources is not None:
+        slots = resources
+
+        def claim_filter() -> ClaimFilter:
+            return ClaimFilter(("*",), slots.free_tag_sets())
+
     the_pool = Pool(store, engine, leases, events, config=pool or PoolConfig(poll_interval_s=0.5),
-                    node_id="test-node", instance_id="i1", claim_filter=ClaimFilter)
+                    node_id="test-node", instance_id="i1", claim_filter=claim_filter,
+                    may_claim=guards.ok if guards is not None else lambda: True)
+    if resources is not None:
+        resources.on_free = lambda: the_pool.wake(1)
+    if guards is not None:
+        guards.on_clear = lambda: the_pool.wake(the_pool.config.max_workers)
     reconciler = Reconciler(store, events, config=ReconcilerConfig(interval_s=0.05, cancel_deadline_s=5.0),
                             policy=lambda: engine.policy, wake=the_pool.wake)
     node = Node(store, events, leases, engine, the_pool, reconciler)
@@ -81,6 +105,8 @@ async def running_node(store: Store, plugins: dict[str, Plugin], *, types: dict[
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(leases.run)
+            if guards is not None:
+                await tg.start(guards.run)
             await tg.start(the_pool.run)
             await tg.start(reconciler.run)
             yield node

@@ -1,5 +1,6 @@
 """Tick arithmetic of schedules: on time, across DST, catch-up after downtime, no bursts."""
 
+import itertools
 from dataclasses import replace
 from datetime import datetime
 from zoneinfo import ZoneInfo
@@ -7,8 +8,8 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from tidepool.errors import InvalidRequest
-from tidepool.schedules import MAX_CATCH_UP, Schedule, fire, jitter_of, next_tick, plan, start, validate
 from tidepool.model import NewTask
+from tidepool.schedules import MAX_CATCH_UP, Schedule, fire, jitter_of, next_tick, plan, start, validate
 
 BERLIN = ZoneInfo("Europe/Berlin")
 
@@ -60,7 +61,7 @@ def test_hourly_cron_runs_both_repeated_hours_of_fall_back() -> None:
     for _ in range(4):
         t = next_tick(schedule, t)
         ticks.append(t)
-    assert [b - a for a, b in zip(ticks, ticks[1:], strict=False)] == [3600.0] * 3  # evenly spaced in real time
+    assert [b - a for a, b in itertools.pairwise(ticks)] == [3600.0] * 3  # evenly spaced in real time
 
 
 @pytest.mark.parametrize(("catch_up", "fired"), [("all", 5), ("last", 1), ("none", 0)])
