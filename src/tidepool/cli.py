@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import faulthandler
 import json
 import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Column, Table
+from rich.text import Text
 
 from . import settings as settings_mod
 from .client import ApiError, Client, Unreachable
@@ -89,25 +93,38 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
 
     from . import logs
     from .service import serve
-    from .systemd import Notifier
+    from .systemd import Notifier, enable_faulthandler
 
     logs.setup(settings.log.level, settings.log.format)
-    faulthandler.enable()
+    enable_faulthandler()  # a watchdog abort (SIGABRT) leaves every thread's traceback in the journal
     notifier = Notifier.from_environ(os.environ)
     config_path = settings_mod.find_config(args.config)
     try:
         anyio.run(lambda: serve(settings, config_path=config_path, notifier=notifier),
                   backend_options={"use_uvloop": _have_uvloop()})
-    except ConfigError as exc:
-        print(f"tidepool: {exc}", file=sys.stderr)
-        return USAGE
-    except StoreUnavailable as exc:
-        print(f"tidepool: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"tidepool: cannot start: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:  # sorted into exit codes below; the unexpected is re-raised
+        return _run_failed(exc)
     return OK
+
+
+def _run_failed(exc: Exception) -> int:
+    """One line on stderr and the exit code for what stopped the daemon; anything unexpected is re-raised.
+    What a part raised inside the daemon's task group arrives wrapped in an ExceptionGroup."""
+    leaves = [exc]
+    while len(leaves) == 1 and isinstance(leaves[0], BaseExceptionGroup):
+        leaves = list(leaves[0].exceptions)  # type: ignore[arg-type]
+    for leaf in leaves:
+        if isinstance(leaf, ConfigError):
+            print(f"tidepool: {leaf}", file=sys.stderr)
+            return USAGE
+    for leaf in leaves:
+        if isinstance(leaf, StoreUnavailable):
+            print(f"tidepool: {leaf}", file=sys.stderr)
+            return 1
+        if isinstance(leaf, OSError):
+            print(f"tidepool: cannot start: {leaf}", file=sys.stderr)
+            return 1
+    raise exc
 
 
 def _have_uvloop() -> bool:
@@ -184,27 +201,71 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         print(task["id"])
         if not args.wait:
             return OK
-        final = await client.wait(task["id"], on_change=_progress_line)
-        print(file=sys.stderr)
-        print(f"{final['id']} {final['state']}" + (f": {final['error']['message']}" if final["error"] else ""),
-              file=sys.stderr)
+        progress = _Progress(task["id"])
+        with Live(progress.render(), console=_ERR, transient=True, refresh_per_second=8) as live:
+            final = await client.wait(task["id"], on_change=lambda seen: live.update(progress.see(seen)))
+        error = f": {final['error']['message']}" if final["error"] else ""
+        _ERR.print(f"{final['id']} [{_STYLE.get(final['state'], '')}]{final['state']}[/]{error}", highlight=False)
         return OK if final["state"] == "completed" else TASK_FAILED
 
     return _with_client(args, settings, body)
 
 
-def _progress_line(task: dict[str, Any]) -> None:
-    progress = task.get("progress") or {}
-    fraction = f" {progress['fraction'] * 100:5.1f}%" if "fraction" in progress else ""
-    message = f" {progress.get('message', '')}" if progress else ""
-    line = f"{task['id']} {task['state']:<10} {task['phase'] or '':<10}{fraction}{message}"
-    print(f"\r{line[:120]:<120}", end="", file=sys.stderr, flush=True)
+_ERR = Console(stderr=True)
+_STYLE = {"completed": "green", "failed": "red", "timed_out": "red", "cancelled": "yellow", "running": "cyan"}
+
+
+class _Progress:
+    """The live line of `submit --wait`: state, phase, plugin and fraction, from the task's events."""
+
+    def __init__(self, task_id: str) -> None:
+        self.task_id, self.state, self.phase, self.plugin = task_id, "pending", "", ""
+        self.fraction: float | None = None
+        self.message = ""
+
+    def see(self, seen: dict[str, Any]) -> Text:
+        event = seen.get("event")
+        if event is None:  # the task itself
+            self.state, self.phase = seen["state"], seen["phase"] or ""
+        elif event == "task.leased":
+            self.state = "leased"
+        elif event == "task.phase":
+            self.state, self.phase = "running", seen["phase"]
+        elif event == "plugin.started":
+            self.plugin = seen["plugin"]
+        elif event == "task.progress":
+            self.fraction, self.message = seen["fraction"], seen.get("message", "")
+        elif event == "task.retry_scheduled":
+            self.state = "retry_wait"
+        return self.render()
+
+    def render(self) -> Text:
+        fraction = "" if self.fraction is None else f" {self.fraction * 100:5.1f}%"
+        line = f"{self.task_id} {self.state:<10} {self.phase:<10} {self.plugin:<14}{fraction} {self.message}"
+        return Text(line[:160], style=_STYLE.get(self.state, ""))
 
 
 def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
     async def body(client: Client) -> int:
         task = await client.get(args.task_id)
-        print(json.dumps(task, indent=2))
+        if args.json:
+            print(json.dumps(task, indent=2))
+            return OK
+        console = Console()
+        facts = Table.grid(padding=(0, 2))
+        for key in ("id", "type", "state", "phase", "progress", "attempt", "max_attempts", "priority", "node_id",
+                    "error", "payload", "created_at", "finished_at"):
+            value = task[key]
+            facts.add_row(key, json.dumps(value) if isinstance(value, dict | list) else str(value))
+        console.print(facts)
+        attempts = Table("#", "status", "node", "worker", "started", "finished", "error", title="attempts")
+        for a in task["attempts"]:
+            attempts.add_row(str(a["number"]), a["status"], a["node_id"], a["worker_id"], a["started_at"],
+                             a["finished_at"] or "-", (a["error"] or {}).get("message", ""))
+        console.print(attempts)
+        for r in task["results"]:
+            console.print(f"result {r['plugin']}#{r['sequence']}{' (final)' if r['final'] else ''}: "
+                          f"{json.dumps(r['payload'])[:2000]}", highlight=False)
         return OK
 
     return _with_client(args, settings, body)
@@ -216,10 +277,14 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
         if args.json:
             print(json.dumps(page, indent=2))
             return OK
-        print(f"{'ID':<26}  {'TYPE':<12} {'STATE':<10} {'PHASE':<10} {'ATTEMPT':>7}  CREATED")
+        table = Table("type", "state", "phase", "progress", "attempt", "node", "created")
+        table.columns.insert(0, Column("id", no_wrap=True, min_width=26))
         for t in page["tasks"]:
-            print(f"{t['id']:<26}  {t['type'][:12]:<12} {t['state']:<10} {t['phase'] or '-':<10} "
-                  f"{t['attempt']:>3}/{t['max_attempts']:<3}  {t['created_at']}")
+            progress = t["progress"] or {}
+            fraction = f"{progress['fraction'] * 100:.0f}%" if "fraction" in progress else ""
+            table.add_row(t["id"], t["type"], Text(t["state"], style=_STYLE.get(t["state"], "")), t["phase"] or "",
+                          fraction, f"{t['attempt']}/{t['max_attempts']}", t["node_id"] or "", t["created_at"])
+        Console().print(table)
         return OK
 
     return _with_client(args, settings, body)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -95,16 +97,48 @@ class Client:
         pool: dict[str, Any] = await self.request("GET", "/v1/pool")
         return pool
 
-    async def wait(self, task_id: str, *, poll_s: float = 0.2,
-                   on_change: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        """Until the task is terminal; on_change sees each new state/phase/progress."""
-        last = None
-        while True:
+    async def events(self, *, task_id: str | None = None, types: str | None = None,
+                     last_event_id: int | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Follow GET /v1/events: each event's JSON data, as it happens."""
+        query = "&".join(f"{k}={v}" for k, v in (("task_id", task_id), ("type", types)) if v)
+        headers = {"Last-Event-ID": str(last_event_id)} if last_event_id is not None else {}
+        try:
+            async with self._session.get(f"{self._base}/v1/events?{query}", headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=None, sock_read=60)) as response:
+                if response.status >= 400:
+                    body = await response.json(content_type=None)
+                    err = body.get("error", {}) if isinstance(body, dict) else {}
+                    raise ApiError(response.status, err.get("code", "error"), err.get("message", ""))
+                data: list[str] = []
+                async for raw in response.content:
+                    line = raw.decode().rstrip("\r\n")
+                    if line == ": connected":  # from here on no event of ours can be missed
+                        yield {"event": "stream.connected"}
+                    elif line.startswith("data: "):
+                        data.append(line[6:])
+                    elif not line and data:
+                        yield json.loads("\n".join(data))
+                        data = []
+        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
+            raise Unreachable(f"event stream from {self.url} broke: {exc}") from None
+
+    async def wait(self, task_id: str, *, on_change: Callable[[dict[str, Any]], None] | None = None,
+                   poll_s: float = 2.0) -> dict[str, Any]:
+        """Until the task is terminal, following its events; on_change sees the task and each event."""
+        task = await self.get(task_id)
+        if on_change is not None:
+            on_change(task)
+        while task["state"] not in TERMINAL:
+            with contextlib.suppress(asyncio.TimeoutError):
+                async with asyncio.timeout(poll_s * 10):  # the stream is the fast path; re-read now and then
+                    async for event in self.events(task_id=task_id):
+                        if event["event"] == "stream.connected":  # it may have ended before we listened
+                            if (task := await self.get(task_id))["state"] in TERMINAL:
+                                break
+                            continue
+                        if on_change is not None:
+                            on_change(event)
+                        if event["event"] == "task.finished":
+                            break
             task = await self.get(task_id)
-            seen = (task["state"], task["phase"], str(task["progress"]))
-            if seen != last and on_change is not None:
-                on_change(task)
-            last = seen
-            if task["state"] in TERMINAL:
-                return task
-            await asyncio.sleep(poll_s)
+        return task
