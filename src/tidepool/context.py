@@ -9,15 +9,17 @@ from typing import Any
 import anyio.lowlevel
 
 from .model import ResultBatch, Task, sha256_of
+from .resources import Slot
 
 
 class TaskContext:
     """Handed to every plugin of one attempt.
 
     `scope` is shared by the attempt's plugins: what an earlier one puts there, later ones see.
+    `resource` is the slot acquired in the prepare phase, None for a task that needs no tags.
     """
 
-    def __init__(self, task: Task, *, attempt_id: str, workdir: str, resource: object = None,
+    def __init__(self, task: Task, *, attempt_id: str, workdir: str, resource: Slot | None = None,
                  report_progress: Callable[[float, str], None],
                  store_result: Callable[[ResultBatch], Awaitable[ResultBatch]]) -> None:
         self.task = task

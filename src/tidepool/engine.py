@@ -1,8 +1,10 @@
 """Runs one claimed task through its phases: initialize -> prepare -> run plugins -> stop.
 
 Each attempt runs in its own cancel scope (cancel, shutdown interrupt and lost leases fire it);
-the run phase is bounded by the task's timeout and each plugin by its own; the stop phase always
-runs, shielded and bounded by stop_timeout_s. The outcome is written once, fenced by the lease.
+prepare acquires a resource slot when the task needs tags (tasks that need none skip it at no
+cost); the run phase is bounded by the task's timeout and each plugin by its own; the stop phase
+always runs, shielded and bounded by stop_timeout_s, and releases the slot whatever happened.
+The outcome is written once, fenced by the lease.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from .events import EventBus
 from .leases import Held, LeaseKeeper
 from .lifecycle import RetryPolicy
 from .model import AttemptStatus, Claimed, Outcome, Phase, ResultBatch, State, Task, TaskError
-from .plugins import PluginDef, Registry
+from .plugins import PluginDef, Registry, denied
 from .plugins.builtin import remove_workdir
+from .resources import ResourcePool, Slot
 from .store import Store
 
 log = logging.getLogger("tidepool.engine")
@@ -33,6 +36,7 @@ log = logging.getLogger("tidepool.engine")
 @dataclass(frozen=True)
 class EngineConfig:
     timeout_s: float = 600.0
+    prepare_timeout_s: float = 60.0
     stop_timeout_s: float = 30.0
     keep_workdirs: bool = False
 
@@ -40,7 +44,7 @@ class EngineConfig:
 class Engine:
     def __init__(self, store: Store, registry: Registry, leases: LeaseKeeper, events: EventBus, *,
                  config: EngineConfig, policy: RetryPolicy, work_root: Path,
-                 clock: Callable[[], float] = time.time) -> None:
+                 resources: ResourcePool | None = None, clock: Callable[[], float] = time.time) -> None:
         self._store = store
         self.registry = registry
         self._leases = leases
@@ -48,18 +52,43 @@ class Engine:
         self.config = config
         self.policy = policy
         self._work_root = work_root
+        self.resources = resources
         self._clock = clock
+        self._unstarted: dict[str, tuple[Claimed, Held, str]] = {}  # batch-claimed, waiting their turn
 
     async def run_batch(self, claimed: list[Claimed], worker_id: str, *, keep_going: Callable[[], bool]) -> None:
-        """Run claimed tasks one after another; once keep_going() is false, give the rest back at once."""
-        helds = [self._leases.hold(c.lease) for c in claimed]  # renewed together while they wait
-        for c, held in zip(claimed, helds, strict=True):
-            if keep_going():
-                await self.run(c, worker_id, held=held)
-            else:
-                self._leases.release(held)
-                outcome = Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "released unstarted"))
-                await self._finish(c.task, held, outcome, worker_id)
+        """Run claimed tasks one after another, their leases renewed together while they wait.
+
+        Once keep_going() is false, or release_unstarted() was called, the rest go back unstarted.
+        """
+        batch = [c.lease.attempt_id for c in claimed]
+        self._unstarted.update((c.lease.attempt_id, (c, self._leases.hold(c.lease), worker_id)) for c in claimed)
+        try:
+            for attempt_id in batch:
+                item = self._unstarted.pop(attempt_id, None)
+                if item is None:
+                    continue  # already given back by release_unstarted()
+                if keep_going():
+                    await self.run(item[0], worker_id, held=item[1])
+                else:
+                    await self._give_back(*item)
+        finally:
+            for attempt_id in batch:  # cancelled midway: stop renewing what will not run here
+                if (item := self._unstarted.pop(attempt_id, None)) is not None:
+                    self._leases.release(item[1])
+
+    async def release_unstarted(self) -> None:
+        """Shutdown: give back every batch-claimed task not started yet, at once (SPEC rule 6)."""
+        items = list(self._unstarted.values())
+        self._unstarted.clear()
+        with anyio.move_on_after(self.config.stop_timeout_s, shield=True):
+            for item in items:
+                await self._give_back(*item)
+
+    async def _give_back(self, claimed: Claimed, held: Held, worker_id: str) -> None:
+        self._leases.release(held)
+        outcome = Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "released unstarted"))
+        await self._finish(claimed.task, held, outcome, worker_id)
 
     async def run(self, claimed: Claimed, worker_id: str, *, held: Held | None = None) -> State | None:
         """Execute one attempt and record how it ended; the task's new state, None if the lease was lost."""
@@ -100,6 +129,9 @@ class Engine:
         try:
             plugins = self.registry.plugins_for(task.type)
             self._enter(ctx, held, worker_id, Phase.PREPARE)
+            tags = self._required_tags(task)
+            if tags:  # the host-only fast path skips this: no await, no scope
+                ctx.resource = await self._acquire(task, tags)
             await _cancelled_yet(held)
             self._enter(ctx, held, worker_id, Phase.RUN)
             # The attempt's own scope carries the run deadline: one scope per task, not two.
@@ -124,7 +156,7 @@ class Engine:
     async def _run_plugin(self, ctx: TaskContext, held: Held, plugin: PluginDef, worker_id: str) -> None:
         await _cancelled_yet(held)
         if not self.registry.allowed(plugin.name):  # allow/deny apply at run time too
-            raise PluginError(f"plugin {plugin.name!r} is denied", code="plugin_denied", retryable=False)
+            raise denied(plugin.name, ctx.task.type)
         ctx.enter_plugin(plugin.name)
         self._events.publish("plugin.started", task_id=ctx.task.id, worker_id=worker_id, plugin=plugin.name)
         started = time.monotonic()
@@ -138,11 +170,28 @@ class Engine:
         self._events.publish("plugin.finished", task_id=ctx.task.id, worker_id=worker_id, plugin=plugin.name,
                              duration_s=round(time.monotonic() - started, 6))
 
+    def _required_tags(self, task: Task) -> frozenset[str]:
+        type_tags = self.registry.required_tags(task.type)
+        return type_tags.union(task.required_tags) if task.required_tags else type_tags
+
+    async def _acquire(self, task: Task, tags: frozenset[str]) -> Slot:
+        if self.resources is None:
+            raise PluginError(f"task needs tags {sorted(tags)} but this node has no resources",
+                              code="unserviceable", retryable=False)
+        slot = await self.resources.acquire(tags, timeout_s=self.config.prepare_timeout_s)
+        log.debug("task %s holds resource %s", task.id, slot)
+        return slot
+
     def _has_cleanup(self, ctx: TaskContext) -> bool:
-        return ctx.workdir_used and not self.config.keep_workdirs
+        return ctx.resource is not None or (ctx.workdir_used and not self.config.keep_workdirs)
 
     async def _clean_up(self, ctx: TaskContext) -> None:
         """The stop phase's work: runs shielded and bounded, whatever ended the attempt."""
+        if ctx.resource is not None and self.resources is not None:
+            try:
+                await self.resources.stop(ctx.resource)
+            finally:  # released even when the stop hook overran stop_timeout_s
+                self.resources.release(ctx.resource)
         if ctx.workdir_used and not self.config.keep_workdirs:
             await anyio.to_thread.run_sync(remove_workdir, ctx.workdir)
 
@@ -167,11 +216,15 @@ class Engine:
         attempt_id = held.lease.attempt_id
         if outcome is None:
             log.warning("task %s attempt %s abandoned: lease lost, outcome not recorded", task.id, attempt_id)
+            self._events.publish("task.lease_lost", task_id=task.id, worker_id=worker_id, attempt_id=attempt_id,
+                                 type=task.type)
             return None
         try:
             state = await self._store.finish(held.lease, outcome, now=self._clock(), policy=self.policy)
         except LeaseLost as exc:
             log.warning("task %s attempt %s outcome %s rejected: %s", task.id, attempt_id, outcome.status, exc)
+            self._events.publish("task.lease_lost", task_id=task.id, worker_id=worker_id, attempt_id=attempt_id,
+                                 type=task.type)
             return None
         except StoreUnavailable as exc:
             log.error("task %s attempt %s outcome %s not recorded: %s", task.id, attempt_id, outcome.status, exc)
@@ -179,12 +232,12 @@ class Engine:
         error = None if outcome.error is None else outcome.error.to_json()
         if state is State.RETRY_WAIT:
             self._events.publish("task.retry_scheduled", task_id=task.id, worker_id=worker_id, error=error,
-                                 attempt=task.attempt)
+                                 attempt=task.attempt, type=task.type)
             log.info("task %s attempt %s %s -> retry_wait (%s)", task.id, attempt_id, outcome.status,
                      outcome.error.message if outcome.error else "")
         elif state.terminal:
             self._events.publish("task.finished", task_id=task.id, worker_id=worker_id, state=state.value,
-                                 error=error)
+                                 error=error, type=task.type)
             log.info("task %s attempt %s -> %s", task.id, attempt_id, state.value)
         else:
             log.info("task %s attempt %s %s -> %s", task.id, attempt_id, outcome.status, state.value)

@@ -1,34 +1,62 @@
-"""Log output: one line per event on stderr, text or JSON, with journald priority prefixes."""
+"""Log output: one line per event on stderr, text or JSON, with journald priority prefixes.
+
+Lines about a task start with `task <id>` (the stable wording the whole code base uses), so a
+JSON line carries `task_id` (and `attempt_id`) as fields even where the call site passed none.
+When stderr is the journal (systemd sets JOURNAL_STREAM to its device:inode), each line starts
+with `<N>`, the syslog priority journald reads and strips, and the timestamp is left to journald.
+`lifecycle` is an event bus listener that writes the steps of tasks the engine does not log itself
+(created, leased, each phase, each plugin) at debug level, and worker starts and stops at info.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 import sys
 from datetime import UTC, datetime
+from typing import Any
+
+from .events import Event
 
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+_ID = r"[0-9A-Z]{26}\b"  # model.new_id(): 26 characters of Crockford's base32
+_TASK_LINE = re.compile(rf"task (?P<task_id>{_ID})(?: attempt (?P<attempt_id>{_ID}))?")
+_CONTEXT = ("task_id", "attempt_id", "worker_id", "plugin")
+
+task_log = logging.getLogger("tidepool.task")
+worker_log = logging.getLogger("tidepool.worker")
 
 
 def stderr_is_journal() -> bool:
     """systemd sets JOURNAL_STREAM to the device:inode of the stream it connected."""
     expected = os.environ.get("JOURNAL_STREAM", "")
+    if not expected:
+        return False
     try:
         st = os.fstat(sys.stderr.fileno())
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         return False
     return expected == f"{st.st_dev}:{st.st_ino}"
 
 
+def _priority(record: logging.LogRecord) -> str:
+    return f"<{_PRIORITY.get(record.levelno, 6)}>"
+
+
 class TextFormatter(logging.Formatter):
     def __init__(self, *, journal: bool) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        # journald stamps and ranks every line itself: no time, and the priority prefix for the level.
+        super().__init__("%(name)s: %(message)s" if journal else "%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.journal = journal
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
-        return f"<{_PRIORITY.get(record.levelno, 6)}>{line}" if self.journal else line
+        text = super().format(record)
+        if not self.journal:
+            return text
+        prefix = _priority(record)  # every line of a traceback too, or journald files it at info
+        return "\n".join(prefix + line for line in text.split("\n"))
 
 
 class JsonFormatter(logging.Formatter):
@@ -37,15 +65,19 @@ class JsonFormatter(logging.Formatter):
         self.journal = journal
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"ts": datetime.fromtimestamp(record.created, UTC).isoformat(), "level": record.levelname.lower(),
-                 "logger": record.name, "message": record.getMessage()}
-        for key in ("task_id", "plugin"):
-            if hasattr(record, key):
-                entry[key] = getattr(record, key)
+        message = record.getMessage()
+        entry: dict[str, Any] = {"ts": datetime.fromtimestamp(record.created, UTC).isoformat(),
+                                 "level": record.levelname.lower(), "logger": record.name, "message": message}
+        for key in _CONTEXT:
+            value = getattr(record, key, None)
+            if value is not None:
+                entry[key] = value
+        if "task_id" not in entry and (match := _TASK_LINE.match(message)) is not None:
+            entry.update((k, v) for k, v in match.groupdict().items() if v is not None)
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        line = json.dumps(entry, ensure_ascii=False)
-        return f"<{_PRIORITY.get(record.levelno, 6)}>{line}" if self.journal else line
+        line = json.dumps(entry, ensure_ascii=False, default=str)  # one line: json escapes newlines
+        return _priority(record) + line if self.journal else line
 
 
 def setup(level: str, fmt: str) -> None:
@@ -59,3 +91,32 @@ def setup(level: str, fmt: str) -> None:
     root.addHandler(handler)
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def lifecycle(event: Event) -> None:
+    """Event bus listener: one line per step. At info level a task step costs one level check."""
+    name, d = event.name, event.data
+    if name.startswith(("task.", "plugin.")):
+        if not task_log.isEnabledFor(logging.DEBUG):
+            return
+        task_id = d.get("task_id")
+        extra = {"task_id": task_id, "worker_id": d.get("worker_id")}
+        if name == "task.created":
+            task_log.debug("task %s created: type %s priority %s", task_id, d.get("type"), d.get("priority", 0),
+                           extra=extra)
+        elif name == "task.leased":
+            task_log.debug("task %s attempt %s leased by %s (attempt %s)", task_id, d.get("attempt_id"),
+                           d.get("worker_id"), d.get("attempt"), extra=extra)
+        elif name == "task.phase":
+            task_log.debug("task %s attempt %s phase %s", task_id, d.get("attempt_id"), d.get("phase"), extra=extra)
+        elif name == "plugin.started":
+            task_log.debug("task %s plugin %s started", task_id, d.get("plugin"), extra=extra)
+        elif name == "plugin.finished":
+            task_log.debug("task %s plugin %s finished in %.3fs", task_id, d.get("plugin"), d.get("duration_s", 0),
+                           extra=extra)
+    elif name == "worker.started":
+        worker_log.info("worker %s started (%s)", d.get("worker_id"), d.get("kind"),
+                        extra={"worker_id": d.get("worker_id")})
+    elif name == "worker.stopped":
+        worker_log.info("worker %s stopped (%s, %s)", d.get("worker_id"), d.get("kind"), d.get("reason"),
+                        extra={"worker_id": d.get("worker_id")})

@@ -153,6 +153,8 @@ class Pool:
         for worker in self._workers.values():
             worker.retire = True
         self.waker.wake_all()
+        if self._tg is not None:  # batch-claimed tasks not started yet go back now, not after the drain
+            self._tg.start_soon(self._engine.release_unstarted)
 
     async def wait_idle(self) -> None:
         """Until no worker runs a task."""
@@ -217,7 +219,8 @@ class Pool:
             return []
         for c in claimed:
             self._events.publish("task.leased", task_id=c.task.id, worker_id=identity.worker_id,
-                                 attempt_id=c.lease.attempt_id, attempt=c.task.attempt)
+                                 attempt_id=c.lease.attempt_id, attempt=c.task.attempt, type=c.task.type,
+                                 available_at=c.task.available_at)
         return claimed
 
     async def _execute(self, worker: _WorkerState, claimed: list[Claimed]) -> None:

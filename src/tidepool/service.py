@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import fcntl
@@ -28,19 +29,20 @@ from .events import EventBus
 from .guards import Guards
 from .leases import LeaseKeeper
 from .lifecycle import retry_policy
+from .metrics import Metrics
 from .model import QUEUED, ClaimFilter, NewTask, State, Task, new_id
 from .plugins import Registry
 from .pool import Pool, PoolConfig
 from .reconciler import Reconciler, ReconcilerConfig
+from .resources import ResourcePool
 from .scheduler import Scheduler
 from .schedules import Schedule, validate
-from .resources import ResourcePool
 from .settings import Settings
 from .store import Store, open_store
 from .systemd import Notifier, StatusReporter, run_watchdog
 
 log = logging.getLogger("tidepool.service")
-RESTART_KEYS = ("store.url", "api.listen", "node.id", "node.state_dir", "api.token_file")
+RESTART_KEYS = ("store.url", "api.listen", "node.id", "node.state_dir", "api.token_file", "api.max_body_kb")
 QUEUE_STATES = ("pending", "leased", "running", "retry_wait", "cancelling")
 
 
@@ -54,12 +56,19 @@ class Daemon:
         self.notifier = notifier or Notifier()
         self.node_id = settings.node.node_id
         self.instance_id = new_id()
+        self.ready = False
         self.draining = False
         self.pending_restart: list[str] = []
+        self._boot_settings = settings  # what the running store, API and node were built from
         self.store: Store = open_store(settings.store.url)
         self.events = EventBus()
+        self.metrics = Metrics(node_id=self.node_id, version=__version__, pool=lambda: self.pool.statistics(),
+                               counts=self.store.counts, guards=lambda: self.guards.statistics(),
+                               draining=lambda: self.draining)
+        self.events.listen(self.metrics.on_event)
+        self.events.listen(logs.lifecycle)
         self.registry = _registry(settings)
-        self.leases = LeaseKeeper(self.store, lease_s=settings.lease.duration_s,
+        self.leases = LeaseKeeper(self.metrics.lease_store(self.store), lease_s=settings.lease.duration_s,
                                   renew_every_s=settings.lease.renew_every_s)
         # A freed slot or cleared guard means claimable work may be waiting: wake a worker now.
         self.resources = ResourcePool.from_settings(settings.resources, on_free=lambda: self.pool.wake(1))
@@ -79,6 +88,7 @@ class Daemon:
                                    wake=self.pool.wake)
         self._shutdown = anyio.Event()
         self._forced = False
+        self._drain_wait: anyio.CancelScope | None = None  # a second SIGINT cuts the current wait short
         self._filter: tuple[Settings, int, ClaimFilter] | None = None
 
     @property
@@ -92,6 +102,12 @@ class Daemon:
     # running
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Open the store, start every part, then READY=1; on shutdown drain, stop and close the store.
+
+        The API is bound before the pool starts, so a node that cannot bind its address exits having
+        claimed nothing; READY=1 goes out once the pool's baseline workers run as well.
+        """
+        token = load_token(self.settings.api.token_file, self.settings.api.listen)
         with self._node_lock():
             await self.store.open(migrate=self.settings.store.migrate)
             try:
@@ -100,17 +116,17 @@ class Daemon:
                 async with anyio.create_task_group() as tg:
                     await tg.start(self.leases.run)
                     await tg.start(self.guards.run)  # measured before the first claim
+                    await tg.start(partial(serve_api, self, self.settings.api.listen, token=token))
                     await tg.start(self.pool.run)
                     await tg.start(self.reconciler.run)
                     await tg.start(self.scheduler.run)
-                    token = load_token(self.settings.api.token_file, self.settings.api.listen)
-                    await tg.start(partial(serve_api, self, self.settings.api.listen, token=token))
                     tg.start_soon(self._handle_signals)
                     tg.start_soon(self._report_status)
                     tg.start_soon(self._watchdog)
+                    self.ready = True  # /readyz answers 200 from here: before systemd hears READY=1
                     self.notifier.ready()
-                    log.info("node %s ready: tidepool %s, store %s, api %s, workers %d..%d", self.node_id,
-                             __version__, _redact(self.settings.store.url), self.settings.api.listen,
+                    log.info("node %s ready: tidepool %s on %s, store %s, api %s, workers %d..%d", self.node_id,
+                             __version__, _loop_name(), _redact(self.settings.store.url), self.settings.api.listen,
                              self.pool.config.min_workers, self.pool.config.max_workers)
                     task_status.started()
                     await self._shutdown.wait()
@@ -125,21 +141,28 @@ class Daemon:
         self._shutdown.set()
 
     async def _drain(self) -> None:
-        """Stop claiming, let running tasks finish within drain_timeout_s, then interrupt the rest."""
+        """Stop claiming (batch-claimed tasks not started yet go back at once), let running tasks finish
+        within drain_timeout_s, then interrupt the rest through their cancel scopes: their stop phases
+        run and each attempt is recorded `interrupted`, its task back to pending (SPEC rule 6)."""
         self.draining = True
         self.notifier.stopping()
-        busy = self.pool.statistics().busy
-        log.info("draining: %d tasks running, waiting up to %.1fs", busy, self.settings.pool.drain_timeout_s)
         self.pool.stop_claiming()
-        with anyio.move_on_after(0 if self._forced else self.settings.pool.drain_timeout_s):
+        drain_s = 0.0 if self._forced else self.settings.pool.drain_timeout_s
+        log.info("node %s draining: %d tasks running, waiting up to %.1fs", self.node_id,
+                 self.pool.statistics().busy, drain_s)
+        with anyio.move_on_after(drain_s) as self._drain_wait:
             await self.pool.wait_idle()
         held = self.leases.held()
         if held:
-            log.info("drain deadline: interrupting %d tasks", len(held))
+            log.info("node %s drain deadline passed: interrupting %d tasks", self.node_id, len(held))
             for h in held:
                 h.stop("interrupt")
-            with anyio.move_on_after(1.0 if self._forced else self.settings.execution.stop_timeout_s + 1.0):
+            stop_s = 1.0 if self._forced else self.settings.execution.stop_timeout_s + 1.0
+            with anyio.move_on_after(stop_s) as self._drain_wait:
                 await self.pool.wait_idle()
+            if self.pool.statistics().busy:
+                log.warning("node %s: %d tasks did not stop in %.1fs; their leases expire by time",
+                            self.node_id, self.pool.statistics().busy, stop_s)
         self.events.close()
 
     async def _handle_signals(self) -> None:
@@ -152,11 +175,16 @@ class Daemon:
                     self._forced = True
                     for h in self.leases.held():
                         h.stop("interrupt")
+                    if self._drain_wait is not None:
+                        self._drain_wait.cancel()
+                elif self._shutdown.is_set():
+                    log.info("received %s: already shutting down", signal.Signals(signum).name)
                 else:
                     log.info("received %s: shutting down", signal.Signals(signum).name)
                     self._shutdown.set()
 
     async def _report_status(self) -> None:
+        """STATUS= on change, at most once a second (SPEC §9)."""
         reporter = StatusReporter(self.notifier)
         while True:
             stats = self.pool.statistics()
@@ -166,8 +194,10 @@ class Daemon:
             except StoreUnavailable:
                 queued = -1
             text = f"workers {stats.workers}/{stats.max_workers} busy {stats.busy} queued {queued}"
-            reporter.report(text, now=time.monotonic())
-            await anyio.sleep(1.0)
+            reporter.report(("draining: " if self.draining else "") + text, now=time.monotonic())
+            # A little over the reporter's 1 s limit: uvloop's timers run on a millisecond clock and may
+            # wake a hair early, and a text held back then would wait for the next round or be lost.
+            await anyio.sleep(1.05)
 
     async def _watchdog(self) -> None:
         allowed_lag = max(5.0, self.pool.config.poll_interval_s * 3)
@@ -294,6 +324,8 @@ class Daemon:
     async def not_ready_reason(self) -> str | None:
         if self.draining:
             return "draining"
+        if not self.ready:
+            return "starting"
         try:
             with anyio.fail_after(2.0):
                 await self.store.counts()
@@ -304,23 +336,39 @@ class Daemon:
     # reload
 
     async def reload(self) -> None:
-        """SIGHUP: apply what can change live; keep the old config when the new file is invalid."""
+        """SIGHUP: apply what can change live; keep the old config when the new file is invalid.
+
+        RELOADING=1 goes out before the file is read and READY=1 after, whatever happened: without
+        it `systemctl reload` hangs until its timeout (PITFALLS).
+        """
+        if self.draining:
+            log.warning("reload ignored: node %s is shutting down", self.node_id)
+            return
         self.notifier.reloading()
+        try:
+            await self._reload()
+        finally:
+            self.notifier.ready()
+
+    async def _reload(self) -> None:
+        where = self.config_path or "defaults"
         try:
             new = settings_mod.load(self.config_path)
             registry = _registry(new)
-        except ConfigError as exc:
-            log.error("reload rejected, keeping the running config: %s", exc)
+        except Exception as exc:  # a plugin module may raise anything on import: the node must live on
+            self.metrics.reloaded(ok=False)
+            reason = " ".join(str(exc).split("\n")) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+            log.error("reload of %s rejected, keeping the running config: %s", where, reason,
+                      exc_info=not isinstance(exc, ConfigError))
             return
-        finally:
-            self.notifier.ready()
-        self.pending_restart = [k for k in RESTART_KEYS if _get(new, k) != _get(self.settings, k)]
-        if new.resources != self.settings.resources:  # slots may be in use: the pool is built once
+        changed = _changed_keys(self.settings, new)
+        # Against what the node was started with: a key changed and changed back needs no restart.
+        boot = self._boot_settings
+        self.pending_restart = [k for k in RESTART_KEYS if _get(new, k) != _get(boot, k)]
+        if new.resources != boot.resources:  # slots may be in use: the pool is built once
             self.pending_restart.append("resources")
-        if self.pending_restart:
-            log.warning("reload: %s need a restart to change", ", ".join(self.pending_restart))
         logs.setup(new.log.level, new.log.format)
-        self.engine.registry = registry
+        self.engine.registry = self.registry = registry  # submits check types against the new one too
         self.engine.config = _engine_config(new)
         self.engine.policy = retry_policy(new.retry)
         self.leases.configure(lease_s=new.lease.duration_s, renew_every_s=new.lease.renew_every_s)
@@ -332,7 +380,10 @@ class Daemon:
         self.pool.resize(min_workers=new.pool.min_workers, max_workers=new.pool.max_workers,
                          idle_timeout_s=new.pool.idle_timeout_s)
         self.settings = new
-        log.info("reloaded %s", self.config_path or "defaults")
+        self.metrics.reloaded(ok=True)
+        log.info("reloaded %s: %s", where, ", ".join(changed) if changed else "nothing changed")
+        if self.pending_restart:
+            log.warning("reload: %s changed but need a restart to take effect", ", ".join(self.pending_restart))
 
     def _claim_filter(self) -> ClaimFilter:
         """Types this node accepts, tags its free slots carry (rule 2); asked before every claim, so cached."""
@@ -367,9 +418,28 @@ def _reconciler_config(settings: Settings) -> ReconcilerConfig:
                             settings.reconciler.retention_days)
 
 
+def _changed_keys(old: Settings, new: Settings) -> list[str]:
+    """`section.key` for every key of a section that differs; a whole table (types, resources) by name."""
+    changed = []
+    for name in type(old).model_fields:
+        before, after = getattr(old, name), getattr(new, name)
+        if before == after:
+            continue
+        if isinstance(before, settings_mod.Section):
+            changed += [f"{name}.{key}" for key in type(before).model_fields
+                        if getattr(before, key) != getattr(after, key)]
+        else:
+            changed.append(name)
+    return changed
+
+
 def _get(settings: Settings, dotted: str) -> Any:
     section, key = dotted.split(".")
     return getattr(getattr(settings, section), key)
+
+
+def _loop_name() -> str:
+    return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
 
 
 def _redact(url: str) -> str:

@@ -23,6 +23,7 @@ from ..errors import (
     StoreUnavailable,
     TaskNotFound,
 )
+from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..model import State
 from . import openapi, stream
 from .guard import KEEPALIVE_TIMEOUT_S, ConnectionGuard, GuardedSite
@@ -55,7 +56,10 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
             raise
         code = {413: "body_too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
         message = exc.reason if exc.status != 413 else f"request body is over {request.app[DAEMON].max_body_kb} KiB"
-        return error(exc.status, code, message)
+        response = error(exc.status, code, message)
+        if "Allow" in exc.headers:  # a 405 must say which methods the route has (RFC 9110)
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
     except InvalidRequest as exc:
         return error(400, "invalid_request", str(exc))
     except (TaskNotFound, ScheduleNotFound) as exc:
@@ -91,15 +95,20 @@ async def parse(request: web.Request, model: type[M]) -> M:
     except TimeoutError:
         raise _http(408, "request_timeout", f"the body did not arrive within {BODY_TIMEOUT_S}s") from None
     try:
-        data = json.loads(raw or b"null")
+        json.loads(raw or b"null", parse_constant=_no_constant)
     except ValueError as exc:
         raise _http(400, "invalid_json", f"body is not valid JSON: {exc}") from None
     try:
-        return model.model_validate(data)
+        # Strict: JSON true is not the integer 1 and "5" is not 5; RFC 3339 strings still make datetimes.
+        return model.model_validate_json(raw or b"null", strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "body"
         raise _http(400, "invalid_request", f"{field}: {first['msg']}") from None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 class ApiError(Exception):
@@ -129,6 +138,13 @@ async def submit_batch(request: web.Request) -> web.Response:
     return web.json_response({"ids": ids}, status=201)
 
 
+async def batch_only(request: web.Request) -> web.Response:
+    """/v1/tasks/batch answers POST; anything else is 405 rather than a lookup of a task named "batch"."""
+    if request.method != "POST":
+        raise web.HTTPMethodNotAllowed(request.method, ["POST"])
+    return await submit_batch(request)
+
+
 async def get_task(request: web.Request) -> web.Response:
     task = await request.app[DAEMON].store.get(request.match_info["id"])
     return web.json_response(task_json(task))
@@ -137,7 +153,7 @@ async def get_task(request: web.Request) -> web.Response:
 async def list_tasks(request: web.Request) -> web.Response:
     q = request.query
     state = None
-    if q.get("state"):
+    if "state" in q:  # present but empty is not "no filter": the document lists the states
         try:
             state = State(q["state"])
         except ValueError:
@@ -210,12 +226,17 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ready"})
 
 
+async def metrics(request: web.Request) -> web.Response:
+    body = await request.app[DAEMON].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
 async def events(request: web.Request) -> web.StreamResponse:
     return await stream.events(request, request.app[DAEMON])
 
 
 async def openapi_json(request: web.Request) -> web.Response:
-    return web.json_response(openapi.document())
+    return web.json_response(openapi.document(task_types=sorted(request.app[DAEMON].registry.types)))
 
 
 async def dashboard(request: web.Request) -> web.FileResponse:
@@ -227,7 +248,7 @@ def build_app(daemon: Daemon, *, token: str | None = None) -> web.Application:
     app[DAEMON] = daemon
     app[TOKEN] = token
     app.router.add_post("/v1/tasks", submit)
-    app.router.add_post("/v1/tasks/batch", submit_batch)
+    app.router.add_route("*", "/v1/tasks/batch", batch_only)  # every method, or GET falls through to {id}
     app.router.add_get("/v1/tasks", list_tasks)
     app.router.add_get("/v1/tasks/{id}", get_task)
     app.router.add_post("/v1/tasks/{id}/cancel", cancel)
@@ -242,6 +263,7 @@ def build_app(daemon: Daemon, *, token: str | None = None) -> web.Application:
     app.router.add_get("/v1/openapi.json", openapi_json)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/", dashboard)
     app.router.add_static("/static", STATIC)
     return app

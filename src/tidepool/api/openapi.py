@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -10,6 +11,7 @@ from pydantic.json_schema import models_json_schema
 from .. import __version__
 from .schemas import (
     ErrorOut,
+    EventOut,
     HealthOut,
     IdsOut,
     PageOut,
@@ -26,7 +28,8 @@ from .schemas import (
 )
 
 MODELS: list[type[BaseModel]] = [SubmitTask, SubmitBatch, PoolPatch, TaskOut, PageOut, IdsOut, StateOut,
-                                 RetryOut, PoolOut, ErrorOut, HealthOut, ScheduleIn, ScheduleOut, SchedulesOut]
+                                 RetryOut, PoolOut, ErrorOut, HealthOut, EventOut, ScheduleIn, ScheduleOut,
+                                 SchedulesOut]
 ERRORS = {"400": "invalid input, naming the field", "401": "missing or wrong bearer token",
           "404": "no such task", "409": "conflicts with the task's state or an earlier submit",
           "413": "body over api.max_body_kb", "415": "body is not application/json",
@@ -65,8 +68,11 @@ TASK_ID = _param("id", "path", {"type": "string"}, required=True)
 NAME = _param("name", "path", {"type": "string"}, required=True)
 
 
-def document() -> dict[str, Any]:
+def document(*, task_types: Sequence[str] = ()) -> dict[str, Any]:
+    """The document; `task_types` (the node's known types, from its config) become the enum of a task's type."""
     _, defs = models_json_schema([(m, "validation") for m in MODELS], ref_template="#/components/schemas/{model}")
+    if task_types:
+        defs["$defs"]["SubmitTask"]["properties"]["type"]["enum"] = list(task_types)
     listing = [_param("state", "query", {"type": "string", "enum": [
                    "pending", "leased", "running", "retry_wait", "cancelling", "completed", "failed",
                    "timed_out", "cancelled"]}),
@@ -108,9 +114,10 @@ def document() -> dict[str, Any]:
                                                     errors=("404", "503"), params=[NAME])},
         "/v1/events": {"get": {"summary": "server-sent events; Last-Event-ID resumes",
                                "parameters": [_param("task_id", "query", {"type": "string"}),
-                                              _param("type", "query", {"type": "string"})],
+                                              _param("type", "query", {"type": "string"}),
+                                              _param("Last-Event-ID", "header", {"type": "string"})],
                                "responses": {"200": {"description": "text/event-stream",
-                                                     "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                                                     "content": {"text/event-stream": {"schema": _ref(EventOut)}}},
                                              "401": {"description": ERRORS["401"], **_json(ErrorOut)}}}},
         "/healthz": {"get": _op("the process answers", {"200": HealthOut}, auth=False)},
         "/readyz": {"get": _op("ready to work", {"200": HealthOut, "503": HealthOut}, auth=False)},

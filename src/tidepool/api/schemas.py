@@ -55,7 +55,7 @@ class ScheduleIn(BaseModel):
     type: str = Field(min_length=1, max_length=200)
     payload: dict[str, Any] = {}
     cron: str | None = Field(None, max_length=200)
-    every_s: float | None = Field(None, gt=0, le=366 * 86400)
+    every_s: float | None = Field(None, ge=1.0, le=366 * 86400)  # sub-second periods overflow the tick arithmetic
     timezone: str = Field("UTC", max_length=100)
     jitter_s: float = Field(0.0, ge=0, le=86400)
     catch_up: Literal["none", "last", "all"] = "last"
@@ -215,3 +215,11 @@ class HealthOut(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     status: str
+
+
+class EventOut(BaseModel):
+    """One server-sent event of GET /v1/events; `data` is the event's JSON, `id` absent on stream.* notices."""
+
+    event: str
+    data: str
+    id: str | None = None

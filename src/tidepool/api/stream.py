@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
@@ -17,6 +19,9 @@ if TYPE_CHECKING:
 
 HEARTBEAT_S = 15.0
 SUBSCRIBER_QUEUE = 10_000
+# The kernel's send buffer is part of a subscriber's backlog: autotuned, it grows to megabytes and hides
+# a stalled reader from the bounded queue for tens of thousands of events. Fixed, it holds ~1k events.
+SEND_BUFFER = 128 * 1024
 
 
 def frame(event: Event) -> bytes:
@@ -44,6 +49,7 @@ async def events(request: web.Request, daemon: Daemon) -> web.StreamResponse:
                                            "X-Accel-Buffering": "no"})
     try:
         await response.prepare(request)
+        _bound_send_buffer(request)
         if after is not None and daemon.events.oldest_id() > after + 1:
             await response.write(b"event: stream.gap\ndata: {\"missed\": true}\n\n")
         await response.write(b": connected\n\n")
@@ -62,3 +68,10 @@ async def events(request: web.Request, daemon: Daemon) -> web.StreamResponse:
     finally:
         daemon.events.unsubscribe(sub)
     return response
+
+
+def _bound_send_buffer(request: web.Request) -> None:
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)

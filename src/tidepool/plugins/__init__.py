@@ -1,7 +1,17 @@
 """Plugins: the registry that turns config into runnable steps, with allow/deny applied.
 
 A plugin is `async def plugin(ctx: TaskContext) -> None`: a built-in, an entry point of the group
-`tidepool.plugins`, a dotted path (`python = "pkg.mod:func"`) or a command from config.
+`tidepool.plugins`, a dotted path (`python = "pkg.mod:func"`) or a command from config. Names are
+looked up in that order of precedence: config, built-ins, entry points.
+
+`plugins.allow` / `plugins.deny` (names or globs) apply twice: at load, where a denied plugin is
+never imported or built and a type naming it is a ConfigError, and at run time, before each plugin
+of an attempt, where a denied one fails the task with `plugin_denied` (not retried).
+
+There is deliberately no generic `command` plugin taking its argument list from the payload:
+that would let anyone who can submit a task run any program. `command` is a name an operator
+gives to a configured command plugin (`[plugins.command] command = [...]`); a type naming
+`command` without that definition is a ConfigError that says so.
 """
 
 from __future__ import annotations
@@ -35,8 +45,27 @@ class Registry:
                  *, allow: tuple[str, ...] = ("*",), deny: tuple[str, ...] = ()) -> None:
         self._plugins = dict(plugins)
         self.types = dict(types)
-        self.allow, self.deny = allow, deny
+        self._type_tags = {name: frozenset(t.required_tags) for name, t in self.types.items()}
+        self._allow, self._deny = tuple(allow), tuple(deny)
         self._allowed: dict[str, bool] = {}
+
+    @property
+    def allow(self) -> tuple[str, ...]:
+        return self._allow
+
+    @allow.setter
+    def allow(self, globs: tuple[str, ...]) -> None:
+        self._allow = tuple(globs)
+        self._allowed.clear()
+
+    @property
+    def deny(self) -> tuple[str, ...]:
+        return self._deny
+
+    @deny.setter
+    def deny(self, globs: tuple[str, ...]) -> None:
+        self._deny = tuple(globs)
+        self._allowed.clear()
 
     @classmethod
     def from_settings(cls, settings: PluginsSettings, types: Mapping[str, TypeSettings], *,
@@ -44,10 +73,13 @@ class Registry:
         from .builtin import BUILTINS, command_plugin
 
         known: dict[str, PluginDef] = {name: PluginDef(name, fn) for name, fn in BUILTINS.items()}
-        for name, spec in settings.defs.items():
-            known[name] = _from_spec(name, spec, kill_grace_s=kill_grace_s,
-                                     command_plugin=command_plugin)
         registry = cls(known, types, allow=settings.allow, deny=settings.deny)
+        for name, spec in settings.defs.items():
+            if name in RESERVED:
+                raise ConfigError(f"config: plugins.{name}: {name!r} is a reserved name")
+            if registry.allowed(name):  # a denied plugin is never imported nor built
+                registry._plugins[name] = _from_spec(name, spec, kill_grace_s=kill_grace_s,
+                                                     command_plugin=command_plugin)
         for type_name, type_settings in types.items():
             for plugin in type_settings.plugins:
                 registry._check(type_name, plugin, load=True)
@@ -62,6 +94,10 @@ class Registry:
     def knows_type(self, type_name: str) -> bool:
         return type_name in self.types
 
+    def required_tags(self, type_name: str) -> frozenset[str]:
+        """The tags every task of this type needs on top of its own (`types.NAME.required_tags`)."""
+        return self._type_tags.get(type_name, _NO_TAGS)
+
     def plugins_for(self, type_name: str) -> list[PluginDef]:
         """The type's plugins in order; PluginError (not retried) when one is denied or unknown now."""
         settings = self.types.get(type_name)
@@ -69,28 +105,40 @@ class Registry:
             raise PluginError(f"unknown task type {type_name!r}", code="unknown_type", retryable=False)
         found = []
         for name in settings.plugins:
-            if not self.allowed(name) or name not in self._plugins:
-                raise PluginError(f"plugin {name!r} of type {type_name!r} is denied or unknown",
-                                  code="plugin_denied", retryable=False)
+            if not self.allowed(name):
+                raise denied(name, type_name)
+            if name not in self._plugins:
+                raise PluginError(f"plugin {name!r} of type {type_name!r} is not loaded on this node",
+                                  code="unknown_plugin", retryable=False)
             found.append(self._plugins[name])
         return found
 
     def _check(self, type_name: str, plugin: str, *, load: bool) -> None:
+        where = f"config: types.{type_name}.plugins"
+        if not self.allowed(plugin):  # checked first: a denied entry point is not even imported
+            raise ConfigError(f"{where}: plugin {plugin!r} is denied by plugins.allow/plugins.deny")
         if plugin not in self._plugins and load:
-            entry = _entry_point(plugin)
+            entry = _entry_point(plugin, where=where)
             if entry is not None:
                 self._plugins[plugin] = PluginDef(plugin, entry)
+        if plugin == "command" and plugin not in self._plugins:
+            raise ConfigError(f"{where}: plugin 'command' runs only a configured argument list; define "
+                              "[plugins.command] command = [\"program\", \"{field}\", ...] to use it")
         if plugin not in self._plugins:
-            raise ConfigError(f"config: types.{type_name}.plugins: unknown plugin {plugin!r}")
-        if not self.allowed(plugin):
-            raise ConfigError(f"config: types.{type_name}.plugins: plugin {plugin!r} is denied by "
-                              "plugins.allow/plugins.deny")
+            raise ConfigError(f"{where}: unknown plugin {plugin!r} (not built in, not in [plugins], "
+                              f"no entry point in group {ENTRY_POINT_GROUP!r})")
+
+
+_NO_TAGS: frozenset[str] = frozenset()
+
+
+def denied(plugin: str, type_name: str) -> PluginError:
+    return PluginError(f"plugin {plugin!r} of type {type_name!r} is denied by plugins.allow/plugins.deny",
+                       code="plugin_denied", retryable=False)
 
 
 def _from_spec(name: str, spec: PluginSpec, *, kill_grace_s: float,
                command_plugin: Callable[..., Plugin]) -> PluginDef:
-    if name in RESERVED:
-        raise ConfigError(f"config: plugins.{name}: {name!r} is a reserved name")
     if spec.python is not None:
         return PluginDef(name, load_dotted(spec.python, key=f"plugins.{name}.python"), spec.timeout_s)
     return PluginDef(name, command_plugin(name, spec, kill_grace_s=kill_grace_s), spec.timeout_s)
@@ -102,15 +150,22 @@ def load_dotted(path: str, *, key: str) -> Plugin:
         raise ConfigError(f"config: {key}: expected 'package.module:function', got {path!r}")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"config: {key}: cannot load {path!r}: {exc}") from None
+    except Exception as exc:  # importing runs the module's code: any failure is a config problem here
+        raise ConfigError(f"config: {key}: cannot load {path!r}: {type(exc).__name__}: {exc}") from None
     if not callable(fn):
         raise ConfigError(f"config: {key}: {path!r} is not callable")
     return fn  # type: ignore[no-any-return]
 
 
-def _entry_point(name: str) -> Plugin | None:
+def _entry_point(name: str, *, where: str) -> Plugin | None:
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if entry.name == name:
-            return entry.load()  # type: ignore[no-any-return]
+            try:
+                fn = entry.load()
+            except Exception as exc:  # an entry point's import runs foreign code: say whose it is
+                raise ConfigError(f"{where}: cannot load entry point {name!r} ({entry.value}): "
+                                  f"{type(exc).__name__}: {exc}") from None
+            if not callable(fn):
+                raise ConfigError(f"{where}: entry point {name!r} ({entry.value}) is not callable")
+            return fn  # type: ignore[no-any-return]
     return None

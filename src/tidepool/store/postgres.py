@@ -7,7 +7,7 @@ another node holds, so no task is claimed, expired, promoted or cancelled twice.
 caller's `now` (epoch seconds), never the server's clock, so every adapter keeps one contract.
 
 Driver: asyncpg, chosen by bench/pg_driver.py (on par with psycopg 3 where the server does the
-work, ~1.4x faster on single-row round trips here).
+work, ~1.4x faster per single-row round trip on this machine).
 """
 
 from __future__ import annotations
@@ -23,9 +23,19 @@ from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
 
 import anyio
-import asyncpg  # type: ignore[import-untyped, unused-ignore]  # asyncpg-stubs, when installed, types it
+import asyncpg  # type: ignore[import-untyped, unused-ignore]  # typed when asyncpg-stubs is installed
 
-from ..errors import ConfigError, Conflict, LeaseLost, QueueFull, StoreUnavailable, TaskCancelling, TaskNotFound
+from .. import schedules
+from ..errors import (
+    ConfigError,
+    Conflict,
+    LeaseLost,
+    QueueFull,
+    ScheduleNotFound,
+    StoreUnavailable,
+    TaskCancelling,
+    TaskNotFound,
+)
 from ..lifecycle import Ending, Event, RetryPolicy, decide_end, step
 from ..model import (
     Attempt,
@@ -44,27 +54,34 @@ from ..model import (
     new_id,
     new_token,
 )
+from ..schedules import Fired, Schedule
 from . import Expired, Page, PhaseNote, cancel_step, retry_step
 
 I = TypeVar("I")  # noqa: E741  # an item queued for a grouped write
 R = TypeVar("R")
-Conn = Any  # asyncpg.Connection; Any keeps the module typed the same with and without asyncpg-stubs
+Conn = Any  # an asyncpg connection; Any types this module alike with and without asyncpg-stubs
 
-# What the driver raises when the server is away or the statement failed: all become StoreUnavailable.
+# What the driver raises when the server is away or a statement failed: all become StoreUnavailable.
 DRIVER_ERRORS: tuple[type[BaseException], ...] = (
-    asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError, TimeoutError)
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    OSError,
+    TimeoutError,
+)
 SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 MAX_GROUP = 256  # calls per grouped statement
 SWEEP = 500  # rows per reconciler transaction: bounded locks and WAL per step
+MAX_CLAIM_GROUPS = 64  # claim filters remembered; tag sets change as resource slots come and go
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MIGRATIONS = {
     1: """
 CREATE TABLE {s}.schema_version (version integer PRIMARY KEY, applied_at double precision NOT NULL);
 CREATE TABLE {s}.tasks (
     id text PRIMARY KEY,
     type text NOT NULL,
-    payload text NOT NULL,              -- JSON kept verbatim: jsonb refuses \\u0000, sqlite does not
+    payload text NOT NULL,              -- JSON kept verbatim: jsonb refuses \\u0000, SQLite does not
     priority bigint NOT NULL,
     state text NOT NULL CHECK (state IN ('pending', 'leased', 'running', 'retry_wait', 'cancelling',
                                          'completed', 'failed', 'timed_out', 'cancelled')),
@@ -90,8 +107,10 @@ CREATE TABLE {s}.tasks (
     lease_instance text,
     cancel_requested_at double precision
 );
-CREATE INDEX tasks_queue ON {s}.tasks (priority DESC, created_at, id) WHERE state IN ('pending', 'retry_wait');
-CREATE INDEX tasks_leases ON {s}.tasks (lease_expires_at) WHERE state IN ('leased', 'running', 'cancelling');
+CREATE INDEX tasks_queue ON {s}.tasks (priority DESC, created_at, id)
+    WHERE state IN ('pending', 'retry_wait');
+CREATE INDEX tasks_leases ON {s}.tasks (lease_expires_at)
+    WHERE state IN ('leased', 'running', 'cancelling');
 CREATE INDEX tasks_node_leases ON {s}.tasks (node_id) WHERE state IN ('leased', 'running', 'cancelling');
 CREATE INDEX tasks_cancelling ON {s}.tasks (cancel_requested_at) WHERE state = 'cancelling';
 CREATE INDEX tasks_retry_due ON {s}.tasks (available_at) WHERE state = 'retry_wait';
@@ -125,30 +144,241 @@ CREATE TABLE {s}.results (
     created_at double precision NOT NULL
 );
 CREATE INDEX results_task ON {s}.results (task_id, created_at);
+
+-- Leases a run of the queue's head for many claim slots at once (one array element per slot):
+-- rows come locked in queue order, number n pairs each with its slot, the attempt rows go in.
+-- Sorting is off in here: the queue index gives the order, and the row estimates for these
+-- filters are often far too low (a burst of submits after an ANALYZE of an idle queue), on which
+-- the planner would sort the whole queue for every claim. jit is off: the penalty costs of a
+-- disabled sort would otherwise trigger compilation.
+CREATE FUNCTION {s}.claim(
+    p_now double precision, p_limit integer, p_attempt_ids text[], p_tokens text[], p_node_ids text[],
+    p_instance_ids text[], p_worker_ids text[], p_nows double precision[], p_expires double precision[],
+    p_type_patterns text[], p_tag_sets jsonb)
+RETURNS TABLE (
+    slot bigint, id text, type text, payload text, priority bigint, state text, phase text, progress text,
+    attempt integer, max_attempts integer, interruptions integer, timeout_s double precision,
+    required_tags text[], idempotency_key text, node_id text, error text, created_at double precision,
+    updated_at double precision, available_at double precision, finished_at double precision)
+LANGUAGE plpgsql
+SET enable_sort = off
+SET jit = off
+SET search_path = {s}
+AS $claim$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH picked AS (
+        SELECT t.id, t.priority, t.created_at FROM tasks t
+        WHERE t.state IN ('pending', 'retry_wait') AND t.available_at <= p_now
+          AND t.attempt < t.max_attempts
+          AND (p_type_patterns IS NULL OR t.type ~ ANY(p_type_patterns))
+          AND (cardinality(t.required_tags) = 0 OR EXISTS (
+              SELECT 1 FROM jsonb_array_elements(p_tag_sets) AS ts(tags)
+              WHERE t.required_tags <@ ARRAY(SELECT jsonb_array_elements_text(ts.tags))))
+        ORDER BY t.priority DESC, t.created_at, t.id LIMIT p_limit
+        FOR NO KEY UPDATE OF t SKIP LOCKED
+    ), numbered AS (
+        SELECT p.id, row_number() OVER (ORDER BY p.priority DESC, p.created_at, p.id) AS n FROM picked p
+    ), slots AS (
+        SELECT * FROM unnest(p_attempt_ids, p_tokens, p_node_ids, p_instance_ids, p_worker_ids, p_nows,
+                             p_expires)
+            WITH ORDINALITY AS s(attempt_id, token, node_id, instance_id, worker_id, now, expires_at, n)
+    ), leased AS (
+        UPDATE tasks t SET state = 'leased', attempt = t.attempt + 1, attempt_rows = t.attempt_rows + 1,
+            node_id = s.node_id, phase = NULL, progress = NULL, error = NULL, updated_at = s.now,
+            lease_attempt_id = s.attempt_id, lease_token = s.token, lease_expires_at = s.expires_at,
+            lease_instance = s.instance_id
+        FROM numbered p JOIN slots s ON s.n = p.n WHERE t.id = p.id
+        RETURNING s.n, s.worker_id, t.attempt_rows, t.lease_attempt_id, t.lease_instance, t.id, t.type,
+            t.payload, t.priority, t.state, t.phase, t.progress, t.attempt, t.max_attempts,
+            t.interruptions, t.timeout_s, t.required_tags, t.idempotency_key, t.node_id, t.error,
+            t.created_at, t.updated_at, t.available_at, t.finished_at
+    ), started AS (
+        INSERT INTO attempts (id, task_id, number, node_id, instance_id, worker_id, status, started_at)
+        SELECT l.lease_attempt_id, l.id, l.attempt_rows, l.node_id, l.lease_instance, l.worker_id, 'leased',
+            l.updated_at
+        FROM leased l
+    )
+    SELECT l.n, l.id, l.type, l.payload, l.priority, l.state, l.phase, l.progress, l.attempt, l.max_attempts,
+        l.interruptions, l.timeout_s, l.required_tags, l.idempotency_key, l.node_id, l.error, l.created_at,
+        l.updated_at, l.available_at, l.finished_at
+    FROM leased l ORDER BY l.n;
+END
+$claim$;
+""",
+    2: """
+CREATE TABLE {s}.schedules (
+    name text PRIMARY KEY,
+    spec text NOT NULL,                 -- schedules.spec_of(): what defines it, as JSON
+    paused boolean NOT NULL DEFAULT false,
+    next_tick_at double precision,
+    next_run_at double precision,
+    last_run_at double precision,
+    last_task_id text
+);
+CREATE INDEX schedules_due ON {s}.schedules (next_run_at) WHERE NOT paused;
 """,
 }
 
-TASK_COLUMNS = ("id, type, payload, priority, state, phase, progress, attempt, max_attempts, interruptions, "
-                "timeout_s, required_tags, idempotency_key, node_id, error, created_at, updated_at, "
-                "available_at, finished_at")
-ATTEMPTS = ("ARRAY(SELECT ROW(a.id, a.task_id, a.number, a.node_id, a.worker_id, a.status, a.started_at, "
-            "a.finished_at, a.error, a.exit_status, a.stderr_tail) FROM attempts a WHERE a.task_id = t.id "
-            "ORDER BY a.number)")
-RESULTS = ("ARRAY(SELECT ROW(r.plugin, r.sequence, r.idempotency_key, r.sha256, r.final, r.payload) "
-           "FROM results r WHERE r.task_id = t.id ORDER BY r.created_at, r.sequence)")
-LIVE = "state IN ('leased', 'running')"
-TERMINAL_SQL = "state IN ('completed', 'failed', 'timed_out', 'cancelled')"
-# Multi-row fenced writes lock their rows in id order first: two of them over overlapping tasks
-# (a renewal racing a grouped completion) then queue behind each other instead of deadlocking.
+# Statements run with search_path set to the store's schema on every pooled connection.
+
+TASK_COLUMNS = (
+    "id, type, payload, priority, state, phase, progress, attempt, max_attempts, interruptions, "
+    "timeout_s, required_tags, idempotency_key, node_id, error, created_at, updated_at, "
+    "available_at, finished_at"
+)
+ATTEMPTS = """ARRAY(
+    SELECT ROW(a.id, a.task_id, a.number, a.node_id, a.worker_id, a.status, a.started_at, a.finished_at,
+               a.error, a.exit_status, a.stderr_tail)
+    FROM attempts a WHERE a.task_id = t.id ORDER BY a.number)"""
+RESULTS = """ARRAY(
+    SELECT ROW(r.plugin, r.sequence, r.idempotency_key, r.sha256, r.final, r.payload)
+    FROM results r WHERE r.task_id = t.id ORDER BY r.created_at, r.sequence)"""
+GET = f"SELECT {TASK_COLUMNS}, {ATTEMPTS}, {RESULTS} FROM tasks t WHERE id = $1"
+INSERT_MANY = """
+INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags,
+                   idempotency_key, fingerprint, created_at, updated_at, available_at)
+VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10, $10, $11)"""
+INSERT = f"{INSERT_MANY}\nON CONFLICT (idempotency_key) DO NOTHING RETURNING {TASK_COLUMNS}"
+QUEUED = """
+SELECT count(*) FROM (SELECT 1 FROM tasks WHERE state IN ('pending', 'retry_wait') LIMIT $1) AS q"""
+
+CLAIM = "SELECT * FROM claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
+
+# Multi-row fenced writes take the leases as parallel arrays ($1..$3 plus extra columns) and lock
+# their rows in id order first: two of them over the same tasks (a renewal racing a grouped
+# completion) then queue behind each other instead of deadlocking.
 LEASES = "unnest($1::text[], $2::text[], $3::text[]{types}) AS l(id, attempt_id, token{names})"
-FENCED = ("SELECT t.id{cols} FROM tasks t JOIN l ON t.id = l.id AND t.lease_attempt_id = l.attempt_id "
-          "AND t.lease_token = l.token WHERE t.state IN ('leased', 'running') AND t.lease_expires_at > {now} "
-          "ORDER BY t.id FOR NO KEY UPDATE OF t")
+FENCED = """
+    SELECT t.id{cols} FROM tasks t
+    JOIN l ON t.id = l.id AND t.lease_attempt_id = l.attempt_id AND t.lease_token = l.token
+    WHERE t.state IN ('leased', 'running') AND t.lease_expires_at > {now}
+    FOR NO KEY UPDATE OF t"""
+RENEW = f"""
+WITH l AS (SELECT * FROM {LEASES.format(types="", names="")}),
+locked AS MATERIALIZED ({FENCED.format(cols="", now="$4")})
+UPDATE tasks t SET lease_expires_at = $5 FROM locked WHERE t.id = locked.id
+RETURNING t.lease_attempt_id"""
+SET_PHASE = f"""
+WITH l AS (SELECT * FROM {LEASES.format(types=", $4::text[], $5::text[]", names=", phase, progress")}),
+locked AS MATERIALIZED ({FENCED.format(cols=", l.phase, l.progress", now="$6")}),
+noted AS (
+    UPDATE tasks t SET phase = locked.phase, progress = coalesce(locked.progress, t.progress),
+        updated_at = $6, state = 'running'
+    FROM locked WHERE t.id = locked.id RETURNING t.lease_attempt_id
+), started AS (
+    UPDATE attempts a SET status = 'running' FROM noted
+    WHERE a.id = noted.lease_attempt_id AND a.status = 'leased'
+)
+SELECT lease_attempt_id FROM noted"""
+COMPLETE = f"""
+WITH l AS (SELECT * FROM {LEASES.format(types=", $4::float8[]", names=", now")}),
+locked AS MATERIALIZED ({FENCED.format(cols=", l.now", now="l.now")}),
+done AS (
+    UPDATE tasks t SET state = 'completed', phase = NULL, error = NULL, updated_at = locked.now,
+        finished_at = locked.now, lease_token = NULL
+    FROM locked WHERE t.id = locked.id RETURNING t.lease_attempt_id, locked.now
+), succeeded AS (
+    UPDATE attempts a SET status = 'succeeded', finished_at = done.now FROM done
+    WHERE a.id = done.lease_attempt_id
+)
+SELECT lease_attempt_id FROM done"""
+CANCELLING = f"""
+SELECT l.attempt_id FROM {LEASES.format(types="", names="")}
+JOIN tasks t ON t.id = l.id AND t.lease_attempt_id = l.attempt_id AND t.lease_token = l.token
+WHERE t.state = 'cancelling'"""
+WHY_LOST = "SELECT state FROM tasks WHERE id = $1 AND lease_attempt_id = $2 AND lease_token = $3"
+# FOR SHARE holds off an expiry or a cancel until the result is in, or sees theirs first.
+RECORD_RESULT = """
+WITH fenced AS (
+    SELECT id FROM tasks WHERE id = $1 AND lease_attempt_id = $2 AND lease_token = $3
+      AND state IN ('leased', 'running') AND lease_expires_at > $4
+    FOR SHARE
+), stored AS (
+    INSERT INTO results (idempotency_key, task_id, attempt_id, plugin, sequence, sha256, final, payload,
+                         created_at)
+    SELECT $5, id, $2, $6, $7, $8, $9, $10, $4 FROM fenced
+    ON CONFLICT (idempotency_key) DO NOTHING RETURNING 1
+)
+SELECT (SELECT count(*) FROM fenced), (SELECT count(*) FROM stored)"""
+EARLIER_RESULT = """
+SELECT plugin, sequence, idempotency_key, sha256, final, payload FROM results WHERE idempotency_key = $1"""
+ENDING_ROW = """
+SELECT state, attempt, max_attempts, interruptions, lease_expires_at FROM tasks
+WHERE id = $1 AND lease_attempt_id = $2 AND lease_token = $3 FOR NO KEY UPDATE"""
+# How attempts ended, decided in Python (lifecycle.decide_end), written for many at once.
+WRITE_ENDS = """
+WITH e AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int[],
+                         $7::float8[], $8::float8[], $9::int[], $10::text[])
+        AS e(task_id, attempt_id, state, status, error, uncount, available_at, finished_at, exit_status,
+             stderr_tail)
+), ended AS (
+    UPDATE attempts a SET status = e.status, finished_at = $11, error = e.error,
+        exit_status = e.exit_status, stderr_tail = e.stderr_tail
+    FROM e WHERE a.id = e.attempt_id
+)
+UPDATE tasks t SET state = e.state, phase = NULL, error = e.error, updated_at = $11,
+    attempt = t.attempt - e.uncount, interruptions = t.interruptions + e.uncount,
+    available_at = coalesce(e.available_at, t.available_at), finished_at = e.finished_at,
+    lease_token = NULL
+FROM e WHERE t.id = e.task_id"""
+EXPIRING = f"""
+SELECT state, attempt, max_attempts, interruptions, id, lease_attempt_id, lease_token FROM tasks
+WHERE state IN ('leased', 'running', 'cancelling') AND {{where}}
+LIMIT {SWEEP} FOR NO KEY UPDATE SKIP LOCKED"""
+PROMOTE = """
+WITH due AS (
+    SELECT id FROM tasks WHERE state = 'retry_wait' AND available_at <= $1 FOR NO KEY UPDATE SKIP LOCKED
+)
+UPDATE tasks t SET state = $2, updated_at = $1 FROM due WHERE t.id = due.id RETURNING t.id"""
+FINISH_CANCELS = f"""
+WITH due AS (
+    SELECT id, lease_attempt_id FROM tasks WHERE state = 'cancelling' AND cancel_requested_at <= $1
+    LIMIT {SWEEP} FOR NO KEY UPDATE SKIP LOCKED
+), ended AS (
+    UPDATE attempts a SET status = 'cancelled', finished_at = $2, error = $3
+    FROM due WHERE a.id = due.lease_attempt_id
+)
+UPDATE tasks t SET state = $4, phase = NULL, finished_at = $2, updated_at = $2, lease_token = NULL
+FROM due WHERE t.id = due.id RETURNING t.id"""
+PRUNE = f"""
+WITH old AS (
+    SELECT id FROM tasks
+    WHERE finished_at < $1 AND state IN ('completed', 'failed', 'timed_out', 'cancelled')
+    LIMIT {SWEEP} FOR UPDATE SKIP LOCKED
+), r AS (
+    DELETE FROM results WHERE task_id IN (SELECT id FROM old)
+), a AS (
+    DELETE FROM attempts WHERE task_id IN (SELECT id FROM old)
+), t AS (
+    DELETE FROM tasks WHERE id IN (SELECT id FROM old) RETURNING 1
+)
+SELECT count(*) FROM t"""
+TERMINAL_SQL = "state IN ('completed', 'failed', 'timed_out', 'cancelled')"
+SCHEDULE_COLUMNS = "name, spec, paused, next_tick_at, next_run_at, last_run_at, last_task_id"
+SAVE_SCHEDULE = """
+INSERT INTO schedules (name, spec, paused, next_tick_at, next_run_at, last_run_at, last_task_id)
+VALUES ($1, $2, $3, $4, $5, $6, $7)
+ON CONFLICT (name) DO UPDATE SET spec = $2, paused = $3, next_tick_at = $4, next_run_at = $5,
+    last_run_at = $6, last_task_id = $7"""
+# Due schedules, each fired in a transaction of its own; a node skips the ones another is firing.
+DUE_SCHEDULE = f"""
+SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE name = $1 AND NOT paused AND next_run_at <= $2
+FOR UPDATE SKIP LOCKED"""
 
 
 class PostgresStore:
-    def __init__(self, url: str, *, schema: str = "tidepool", max_connections: int = 10,
-                 command_timeout_s: float = 30.0, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        schema: str = "tidepool",
+        max_connections: int = 10,
+        command_timeout_s: float = 30.0,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
         if not SCHEMA_NAME.fullmatch(schema):
             raise ConfigError(f"config: store schema {schema!r} is not a plain SQL name (letters, digits, _)")
         self.url = url
@@ -159,17 +389,22 @@ class PostgresStore:
         self._pool: Any = None
         self._claims: dict[ClaimFilter, _Group[_ClaimCall, list[Claimed]]] = {}
         self._completions = _Group(self._complete_group)
-        parts = urlsplit(url)
+        parts = urlsplit(url)  # for messages: never the password
         self._where = f"{parts.hostname or 'localhost'}:{parts.port or 5432}{parts.path} schema {schema}"
 
     # lifecycle of the adapter
 
     async def open(self, *, migrate: bool = True) -> None:
+        settings = {"search_path": f'"{self.schema}"', "application_name": f"tidepool {self.schema}"}
         try:
             pool = await asyncpg.create_pool(
-                self.url, min_size=1, max_size=self._max_connections, timeout=self._connect_timeout_s,
+                self.url,
+                min_size=1,
+                max_size=self._max_connections,
+                timeout=self._connect_timeout_s,
                 command_timeout=self._command_timeout_s,
-                server_settings={"search_path": f'"{self.schema}"', "application_name": "tidepool", "jit": "off"})
+                server_settings={**settings, "jit": "off"},  # JIT costs more than these small statements
+            )
         except DRIVER_ERRORS as exc:
             raise StoreUnavailable(f"store {self._where}: cannot connect: {exc}") from exc
         try:
@@ -186,7 +421,7 @@ class PostgresStore:
     async def close(self) -> None:
         await self._completions.drain()
         for group in list(self._claims.values()):
-            await group.drain()
+            await group.drain()  # writes already queued still go out
         pool, self._pool = self._pool, None
         if pool is not None:
             with anyio.move_on_after(self._command_timeout_s, shield=True):
@@ -195,23 +430,29 @@ class PostgresStore:
 
     async def _migrate(self, conn: Conn, migrate: bool) -> None:
         async with conn.transaction():
-            if migrate:  # two nodes starting together: the second waits, then finds the schema current
-                await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
-                                   f"tidepool.migrate.{self.schema}")
+            if migrate:  # nodes starting together: the first creates, the others wait and find it current
+                await conn.execute(
+                    "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", f"tidepool.migrate.{self.schema}"
+                )
             version = await _schema_version(conn, self.schema)
             if version > SCHEMA_VERSION:
-                raise StoreUnavailable(f"store {self._where} has schema version {version}, newer than this "
-                                       f"tidepool understands ({SCHEMA_VERSION}): upgrade tidepool")
+                raise StoreUnavailable(
+                    f"store {self._where} has schema version {version}, newer than this tidepool "
+                    f"understands ({SCHEMA_VERSION}): upgrade tidepool"
+                )
             if version == SCHEMA_VERSION:
                 return
             if not migrate:
-                raise StoreUnavailable(f"store {self._where} has schema version {version}, needs "
-                                       f"{SCHEMA_VERSION}: run `tidepool migrate`")
+                raise StoreUnavailable(
+                    f"store {self._where} has schema version {version}, needs {SCHEMA_VERSION}: run `tidepool migrate`"
+                )
             await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
             for v in range(version + 1, SCHEMA_VERSION + 1):
                 await conn.execute(MIGRATIONS[v].format(s=f'"{self.schema}"'))
-                await conn.execute(f'INSERT INTO "{self.schema}".schema_version VALUES ($1, '
-                                   "extract(epoch FROM clock_timestamp()))", v)
+                await conn.execute(
+                    f'INSERT INTO "{self.schema}".schema_version VALUES ($1, extract(epoch FROM clock_timestamp()))',
+                    v,
+                )
 
     @asynccontextmanager
     async def _conn(self) -> AsyncIterator[Conn]:
@@ -231,113 +472,120 @@ class PostgresStore:
             if max_queued is None:
                 return await _insert(conn, new, now)
             async with conn.transaction():
-                existing = await _existing(conn, new)
+                existing = await _existing(conn, new)  # a known task is returned even when the queue is full
                 if existing is not None:
                     return existing, False
                 await _check_room(conn, 1, max_queued)
                 return await _insert(conn, new, now)
 
-    async def add_many(self, batch: Sequence[NewTask], *, now: float,
-                       max_queued: int | None = None) -> list[str]:
+    async def add_many(self, batch: Sequence[NewTask], *, now: float, max_queued: int | None = None) -> list[str]:
         keys = [n.idempotency_key for n in batch if n.idempotency_key]
         if len(keys) != len(set(keys)):
             raise Conflict("idempotency_key repeats within the batch")
-        rows = [(new_id(now), n.type, json.dumps(n.payload), n.priority, n.max_attempts, n.timeout_s,
-                 sorted(n.required_tags), n.idempotency_key, n.fingerprint(), now,
-                 n.available_at if n.available_at is not None else now) for n in batch]
+        rows = [_insert_args(n, now) for n in batch]
         async with self._conn() as conn, conn.transaction():
-            if keys and await conn.fetchval("SELECT 1 FROM tasks WHERE idempotency_key = ANY($1::text[]) LIMIT 1",
-                                            keys):
+            used = "SELECT 1 FROM tasks WHERE idempotency_key = ANY($1::text[]) LIMIT 1"
+            if keys and await conn.fetchval(used, keys):
                 raise Conflict("an idempotency_key of the batch is already used")
             if max_queued is not None:
                 await _check_room(conn, len(batch), max_queued)
             try:
-                await conn.executemany(
-                    "INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags, "
-                    "idempotency_key, fingerprint, created_at, updated_at, available_at) "
-                    "VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10, $10, $11)", rows)
+                await conn.executemany(INSERT_MANY, rows)
             except asyncpg.UniqueViolationError:  # a concurrent submit took a key since the check
                 raise Conflict("an idempotency_key of the batch is already used") from None
         return [r[0] for r in rows]
 
     async def get(self, task_id: str) -> Task:
         async with self._conn() as conn:
-            row = await conn.fetchrow(f"SELECT {TASK_COLUMNS}, {ATTEMPTS}, {RESULTS} FROM tasks t WHERE id = $1",
-                                      task_id)
+            row = await conn.fetchrow(GET, task_id)  # one statement: one consistent snapshot
         if row is None:
             raise TaskNotFound(task_id)
         return replace(_task(row, attempts=_attempts(row[19])), results=tuple(_result(r) for r in row[20]))
 
-    async def list_tasks(self, *, state: State | None = None, type: str | None = None, limit: int = 50,
-                         cursor: str | None = None) -> Page:
+    async def list_tasks(
+        self, *, state: State | None = None, type: str | None = None, limit: int = 50, cursor: str | None = None
+    ) -> Page:
         where, args = ["true"], []
-        for column, value in (("state", state), ("type", type), ("cursor", cursor)):
+        for condition, value in (("state = ", state), ("type = ", type), ("id < ", cursor)):
             if value is not None:
                 args.append(str(value))
-                where.append(f"id < ${len(args)}" if column == "cursor" else f"{column} = ${len(args)}")
+                where.append(f"{condition}${len(args)}")
+        sql = f"SELECT {TASK_COLUMNS}, {ATTEMPTS} FROM tasks t WHERE {' AND '.join(where)} ORDER BY id DESC"
         async with self._conn() as conn:
-            rows = await conn.fetch(f"SELECT {TASK_COLUMNS}, {ATTEMPTS} FROM tasks t WHERE {' AND '.join(where)} "
-                                    f"ORDER BY id DESC LIMIT ${len(args) + 1}", *args, limit + 1)
+            rows = await conn.fetch(f"{sql} LIMIT ${len(args) + 1}", *args, limit + 1)
         tasks = [_task(r, attempts=_attempts(r[19])) for r in rows[:limit]]
         return Page(tasks, tasks[-1].id if len(rows) > limit else None)
 
     async def counts(self) -> dict[State, int]:
         async with self._conn() as conn:
-            rows = await conn.fetch("SELECT state, count(*) FROM tasks WHERE state IN "
-                                    "('pending', 'leased', 'running', 'retry_wait', 'cancelling') GROUP BY state")
+            rows = await conn.fetch(
+                "SELECT state, count(*) FROM tasks "
+                "WHERE state IN ('pending', 'leased', 'running', 'retry_wait', 'cancelling') GROUP BY state"
+            )
         return {State(r[0]): r[1] for r in rows}
 
     async def request_cancel(self, task_id: str, *, now: float) -> State:
         async with self._conn() as conn, conn.transaction():
-            current = await conn.fetchval("SELECT state FROM tasks WHERE id = $1 FOR NO KEY UPDATE", task_id)
-            if current is None:
-                raise TaskNotFound(task_id)
-            target = cancel_step(State(current))
-            if target.value == current:
+            current = await _lock_state(conn, task_id)
+            target = cancel_step(current)
+            if target is current:
                 return target
             if target is State.CANCELLED:
-                await conn.execute("UPDATE tasks SET state = $1, phase = NULL, finished_at = $2, updated_at = $2 "
-                                   "WHERE id = $3", target.value, now, task_id)
+                sql = "UPDATE tasks SET state = $1, phase = NULL, finished_at = $2, updated_at = $2 WHERE id = $3"
             else:
-                await conn.execute("UPDATE tasks SET state = $1, cancel_requested_at = $2, updated_at = $2 "
-                                   "WHERE id = $3", target.value, now, task_id)
+                sql = "UPDATE tasks SET state = $1, cancel_requested_at = $2, updated_at = $2 WHERE id = $3"
+            await conn.execute(sql, target.value, now, task_id)
             return target
 
     async def retry(self, task_id: str, *, now: float) -> Task:
         async with self._conn() as conn, conn.transaction():
-            current = await conn.fetchval("SELECT state FROM tasks WHERE id = $1 FOR NO KEY UPDATE", task_id)
-            if current is None:
-                raise TaskNotFound(task_id)
-            target = retry_step(State(current))
+            target = retry_step(await _lock_state(conn, task_id))
             # A new budget: attempt counts from zero again; attempts[].number keeps counting every row.
             row = await conn.fetchrow(
-                "UPDATE tasks SET state = $1, attempt = 0, interruptions = 0, available_at = $2, updated_at = $2, "
-                f"finished_at = NULL, error = NULL WHERE id = $3 RETURNING {TASK_COLUMNS}", target.value, now, task_id)
+                "UPDATE tasks SET state = $1, attempt = 0, interruptions = 0, available_at = $2, "
+                f"updated_at = $2, finished_at = NULL, error = NULL WHERE id = $3 RETURNING {TASK_COLUMNS}",
+                target.value,
+                now,
+                task_id,
+            )
         return _task(row)
 
     # workers
 
-    async def claim(self, worker: Worker, where: ClaimFilter, *, limit: int, now: float,
-                    lease_s: float) -> list[Claimed]:
+    async def claim(
+        self, worker: Worker, where: ClaimFilter, *, limit: int, now: float, lease_s: float
+    ) -> list[Claimed]:
         if limit <= 0:
             return []
         group = self._claims.get(where)
         if group is None:
+            if len(self._claims) >= MAX_CLAIM_GROUPS:
+                self._claims = {k: g for k, g in self._claims.items() if g.busy}
             group = self._claims[where] = _Group(lambda calls: self._claim_group(where, calls))
         return await group(_ClaimCall(worker, limit, now, lease_s))
 
     async def _claim_group(self, where: ClaimFilter, calls: list[_ClaimCall]) -> list[list[Claimed]]:
-        """One statement leases the tasks of every queued claim of this filter, split in queue order."""
+        """Leases for every queued claim of one filter in one statement, split in queue order."""
         slots = [(call, new_id(call.now), new_token()) for call in calls for _ in range(call.limit)]
-        sql, extra = _claim_sql(where)
+        patterns = None if "*" in where.type_globs else [_glob_regex(g) for g in where.type_globs]
+        tag_sets = json.dumps([sorted(s) for s in where.tag_sets]) if where.tag_sets else None
         async with self._conn() as conn:
             rows = await conn.fetch(
-                sql, min(c.now for c in calls), len(slots), [s[1] for s in slots], [s[2] for s in slots],
-                [s[0].worker.node_id for s in slots], [s[0].worker.instance_id for s in slots],
-                [s[0].worker.worker_id for s in slots], [s[0].now for s in slots],
-                [s[0].now + s[0].lease_s for s in slots], *extra)
+                CLAIM,
+                min(c.now for c in calls),
+                len(slots),
+                [s[1] for s in slots],
+                [s[2] for s in slots],
+                [s[0].worker.node_id for s in slots],
+                [s[0].worker.instance_id for s in slots],
+                [s[0].worker.worker_id for s in slots],
+                [s[0].now for s in slots],
+                [s[0].now + s[0].lease_s for s in slots],
+                patterns,
+                tag_sets,
+            )
         claimed: dict[int, list[Claimed]] = {id(c): [] for c in calls}
-        for row in rows:  # ordered by slot, so each claim gets a run of the queue's head
+        for row in rows:  # ordered by slot: each claim gets its run of the queue's head
             call, attempt_id, token = slots[row[0] - 1]
             task = _task(row[1:])
             claimed[id(call)].append(Claimed(task, Lease(task.id, attempt_id, token, call.now + call.lease_s)))
@@ -346,109 +594,129 @@ class PostgresStore:
     async def renew(self, leases: Sequence[Lease], *, now: float, lease_s: float) -> dict[str, LeaseLost]:
         if not leases:
             return {}
-        arrays = _lease_arrays(leases)
         async with self._conn() as conn:
-            renewed = await conn.fetch(
-                f"WITH l AS (SELECT * FROM {LEASES.format(types='', names='')}), "
-                f"locked AS MATERIALIZED ({FENCED.format(cols='', now='$4')}) "
-                "UPDATE tasks t SET lease_expires_at = $5 FROM locked WHERE t.id = locked.id "
-                "RETURNING t.lease_attempt_id", *arrays, now, now + lease_s)
+            renewed = await conn.fetch(RENEW, *_lease_arrays(leases), now, now + lease_s)
             return await _lost(conn, leases, {r[0] for r in renewed})
 
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
         if not notes:
             return {}
-        last = list({n.lease.attempt_id: n for n in notes}.values())  # one row per lease, the latest note
-        leases = [n.lease for n in last]
+        latest = list({n.lease.attempt_id: n for n in notes}.values())  # one row per lease: the last note
+        leases = [n.lease for n in latest]
+        phases = [n.phase.value for n in latest]
+        progress = [None if n.progress is None else json.dumps(n.progress) for n in latest]
         async with self._conn() as conn:
-            noted = await conn.fetch(
-                f"WITH l AS (SELECT * FROM {LEASES.format(types=', $4::text[], $5::text[]', names=', phase, progress')}), "
-                f"locked AS MATERIALIZED ({FENCED.format(cols=', l.phase, l.progress', now='$6')}), "
-                "noted AS (UPDATE tasks t SET phase = locked.phase, progress = coalesce(locked.progress, t.progress), "
-                "updated_at = $6, state = 'running' FROM locked WHERE t.id = locked.id RETURNING t.lease_attempt_id), "
-                "started AS (UPDATE attempts a SET status = 'running' FROM noted "
-                "WHERE a.id = noted.lease_attempt_id AND a.status = 'leased') "
-                "SELECT lease_attempt_id FROM noted",
-                *_lease_arrays(leases), [n.phase.value for n in last],
-                [None if n.progress is None else json.dumps(n.progress) for n in last], now)
+            noted = await conn.fetch(SET_PHASE, *_lease_arrays(leases), phases, progress, now)
             return await _lost(conn, leases, {r[0] for r in noted})
 
     async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
         async with self._conn() as conn:
-            # FOR SHARE holds off an expiry or cancel until the result is in (or sees it first).
             fenced, stored = await conn.fetchrow(
-                f"WITH fenced AS (SELECT id FROM tasks WHERE id = $1 AND lease_attempt_id = $2 AND lease_token = $3 "
-                f"AND {LIVE} AND lease_expires_at > $4 FOR SHARE), "
-                "stored AS (INSERT INTO results (idempotency_key, task_id, attempt_id, plugin, sequence, sha256, "
-                "final, payload, created_at) SELECT $5, id, $2, $6, $7, $8, $9, $10, $4 FROM fenced "
-                "ON CONFLICT (idempotency_key) DO NOTHING RETURNING 1) "
-                "SELECT (SELECT count(*) FROM fenced), (SELECT count(*) FROM stored)",
-                lease.task_id, lease.attempt_id, lease.token, now, batch.idempotency_key, batch.plugin,
-                batch.sequence, batch.sha256, batch.final, json.dumps(batch.payload))
+                RECORD_RESULT,
+                lease.task_id,
+                lease.attempt_id,
+                lease.token,
+                now,
+                batch.idempotency_key,
+                batch.plugin,
+                batch.sequence,
+                batch.sha256,
+                batch.final,
+                json.dumps(batch.payload),
+            )
             if not fenced:
                 raise await _why_lost(conn, lease)
             if stored:
                 return batch
-            earlier = await conn.fetchrow("SELECT plugin, sequence, idempotency_key, sha256, final, payload "
-                                          "FROM results WHERE idempotency_key = $1", batch.idempotency_key)
+            earlier = await conn.fetchrow(EARLIER_RESULT, batch.idempotency_key)
         if earlier[3] != batch.sha256:
             raise Conflict(f"result key {batch.idempotency_key} was stored with another sha256")
         return _result(earlier)
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
-        plain_success = outcome.status is AttemptStatus.SUCCEEDED and outcome.exit_status is None \
-            and outcome.stderr_tail is None
-        if plain_success and await self._completions((lease, now)):
+        # The grouped fast path writes no attempt output: only a bare success may take it.
+        bare = outcome.status is AttemptStatus.SUCCEEDED and outcome.exit_status is None
+        if bare and outcome.stderr_tail is None and await self._completions((lease, now)):
             return State.COMPLETED
         async with self._conn() as conn, conn.transaction():
-            row = await conn.fetchrow(
-                "SELECT state, attempt, max_attempts, interruptions, lease_expires_at FROM tasks "
-                "WHERE id = $1 AND lease_attempt_id = $2 AND lease_token = $3 FOR NO KEY UPDATE",
-                lease.task_id, lease.attempt_id, lease.token)
+            row = await conn.fetchrow(ENDING_ROW, lease.task_id, lease.attempt_id, lease.token)
             if row is None or not _may_end(State(row[0]), row[4], now):
                 raise await _why_lost(conn, lease)
-            end = decide_end(State(row[0]), outcome, attempt=row[1], max_attempts=row[2], interruptions=row[3],
-                             policy=policy, now=now)
+            end = decide_end(
+                State(row[0]),
+                outcome,
+                attempt=row[1],
+                max_attempts=row[2],
+                interruptions=row[3],
+                policy=policy,
+                now=now,
+            )
             await _write_ends(conn, [(lease, outcome, end)], now)
         return end.state
 
     async def _complete_group(self, calls: list[tuple[Lease, float]]) -> list[bool]:
-        """Successful attempts of many workers, fenced and completed in one statement; False: take the slow path."""
+        """Bare successes of many workers, fenced and completed in one statement; False: the slow path."""
         leases = [lease for lease, _ in calls]
         async with self._conn() as conn:
-            done = await conn.fetch(
-                f"WITH l AS (SELECT * FROM {LEASES.format(types=', $4::float8[]', names=', now')}), "
-                f"locked AS MATERIALIZED ({FENCED.format(cols=', l.now', now='l.now')}), "
-                "done AS (UPDATE tasks t SET state = 'completed', phase = NULL, error = NULL, updated_at = locked.now, "
-                "finished_at = locked.now, lease_token = NULL FROM locked WHERE t.id = locked.id "
-                "RETURNING t.lease_attempt_id, locked.now), "
-                "succeeded AS (UPDATE attempts a SET status = 'succeeded', finished_at = done.now FROM done "
-                "WHERE a.id = done.lease_attempt_id) "
-                "SELECT lease_attempt_id FROM done", *_lease_arrays(leases), [now for _, now in calls])
+            done = await conn.fetch(COMPLETE, *_lease_arrays(leases), [now for _, now in calls])
         completed = {r[0] for r in done}
         return [lease.attempt_id in completed for lease in leases]
 
+    # schedules
+
+    async def save_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
+        async with self._conn() as conn, conn.transaction():
+            existing = await _locked_schedule(conn, schedule.name)
+            saved = schedules.merge(existing, schedule, now)
+            await conn.execute(SAVE_SCHEDULE, *_schedule_args(saved))
+        return saved
+
+    async def list_schedules(self) -> list[Schedule]:
+        async with self._conn() as conn:
+            rows = await conn.fetch(f"SELECT {SCHEDULE_COLUMNS} FROM schedules ORDER BY name")
+        return [_schedule(r) for r in rows]
+
+    async def delete_schedule(self, name: str) -> None:
+        async with self._conn() as conn:
+            if await conn.fetchval("DELETE FROM schedules WHERE name = $1 RETURNING 1", name) is None:
+                raise ScheduleNotFound(name)
+
+    async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule:
+        async with self._conn() as conn, conn.transaction():
+            existing = await _locked_schedule(conn, name)
+            if existing is None:
+                raise ScheduleNotFound(name)
+            saved = schedules.set_paused(existing, paused, now)
+            await conn.execute(SAVE_SCHEDULE, *_schedule_args(saved))
+        return saved
+
+    async def fire_schedules(self, *, now: float, max_attempts: int) -> list[Fired]:
+        async with self._conn() as conn:
+            due = await conn.fetch("SELECT name FROM schedules WHERE NOT paused AND next_run_at <= $1", now)
+            fired: list[Fired] = []
+            for (name,) in due:
+                async with conn.transaction():
+                    fired.extend(await _fire(conn, name, now, max_attempts))
+        return fired
+
     # the reconciler: each pass takes only rows no other node holds (SKIP LOCKED), in bounded steps
 
-    async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
-                            keep_instance: str | None = None) -> list[Expired]:
+    async def expire_leases(
+        self, *, now: float, policy: RetryPolicy, node_id: str | None = None, keep_instance: str | None = None
+    ) -> list[Expired]:
         args: list[Any]
         if node_id is None:
-            where, args = "lease_expires_at <= $1", [now]
+            sql, args = EXPIRING.format(where="lease_expires_at <= $1"), [now]
         else:
-            where, args = "node_id = $1 AND lease_instance IS DISTINCT FROM $2", [node_id, keep_instance]
+            where = "node_id = $1 AND lease_instance IS DISTINCT FROM $2"
+            sql, args = EXPIRING.format(where=where), [node_id, keep_instance]
         error = TaskError("lease_expired", "the lease expired before the worker renewed it")
         outcome = Outcome(AttemptStatus.EXPIRED, error)
         expired: list[Expired] = []
         while True:
             async with self._conn() as conn, conn.transaction():
-                rows = await conn.fetch(
-                    "SELECT state, attempt, max_attempts, interruptions, id, lease_attempt_id, lease_token "
-                    f"FROM tasks WHERE state IN ('leased', 'running', 'cancelling') AND {where} "
-                    f"ORDER BY id LIMIT {SWEEP} FOR NO KEY UPDATE SKIP LOCKED", *args)
-                ends = [(Lease(r[4], r[5], r[6], now), outcome,
-                         decide_end(State(r[0]), outcome, attempt=r[1], max_attempts=r[2], interruptions=r[3],
-                                    policy=policy, now=now)) for r in rows]
+                rows = await conn.fetch(sql, *args)
+                ends = [(Lease(r[4], r[5], r[6], now), outcome, _expiry(r, outcome, policy, now)) for r in rows]
                 if ends:
                     await _write_ends(conn, ends, now)
             expired.extend(Expired(lease.task_id, lease.attempt_id, end.state) for lease, _, end in ends)
@@ -457,26 +725,16 @@ class PostgresStore:
 
     async def promote_due(self, *, now: float) -> int:
         async with self._conn() as conn:
-            rows = await conn.fetch(
-                "WITH due AS (SELECT id FROM tasks WHERE state = 'retry_wait' AND available_at <= $1 "
-                "FOR NO KEY UPDATE SKIP LOCKED) "
-                "UPDATE tasks t SET state = $2, updated_at = $1 FROM due WHERE t.id = due.id RETURNING t.id",
-                now, step(State.RETRY_WAIT, Event.PROMOTE).value)
+            rows = await conn.fetch(PROMOTE, now, step(State.RETRY_WAIT, Event.PROMOTE).value)
         return len(rows)
 
     async def finish_cancels(self, *, now: float, deadline_s: float) -> list[str]:
-        error = json.dumps(TaskError("cancel_deadline", f"the worker did not stop within {deadline_s}s").to_json())
+        error = TaskError("cancel_deadline", f"the worker did not stop within {deadline_s}s")
+        args = (now - deadline_s, now, json.dumps(error.to_json()), step(State.CANCELLING, Event.CANCEL_ACK).value)
         done: list[str] = []
         while True:
             async with self._conn() as conn:
-                rows = await conn.fetch(
-                    "WITH due AS (SELECT id, lease_attempt_id FROM tasks WHERE state = 'cancelling' "
-                    f"AND cancel_requested_at <= $1 ORDER BY id LIMIT {SWEEP} FOR NO KEY UPDATE SKIP LOCKED), "
-                    "ended AS (UPDATE attempts a SET status = 'cancelled', finished_at = $2, error = $3 "
-                    "FROM due WHERE a.id = due.lease_attempt_id) "
-                    "UPDATE tasks t SET state = $4, phase = NULL, finished_at = $2, updated_at = $2, "
-                    "lease_token = NULL FROM due WHERE t.id = due.id RETURNING t.id",
-                    now - deadline_s, now, error, step(State.CANCELLING, Event.CANCEL_ACK).value)
+                rows = await conn.fetch(FINISH_CANCELS, *args)
             done.extend(r[0] for r in rows)
             if len(rows) < SWEEP:
                 return done
@@ -485,14 +743,8 @@ class PostgresStore:
         pruned = 0
         while True:
             async with self._conn() as conn:
-                n = await conn.fetchval(
-                    f"WITH old AS (SELECT id FROM tasks WHERE finished_at < $1 AND {TERMINAL_SQL} "
-                    f"LIMIT {SWEEP} FOR UPDATE SKIP LOCKED), "
-                    "r AS (DELETE FROM results WHERE task_id IN (SELECT id FROM old)), "
-                    "a AS (DELETE FROM attempts WHERE task_id IN (SELECT id FROM old)), "
-                    "t AS (DELETE FROM tasks WHERE id IN (SELECT id FROM old) RETURNING 1) "
-                    "SELECT count(*) FROM t", before)
-            pruned += int(n)
+                n = int(await conn.fetchval(PRUNE, before))
+            pruned += n
             if n < SWEEP:
                 return pruned
 
@@ -511,15 +763,20 @@ class _ClaimCall:
 class _Group(Generic[I, R]):
     """Group commit: calls that queue up while one statement is in flight go out together in the next.
 
-    A short-lived flusher task, owned here and awaited by drain(), runs the statements, so a caller
-    cancelled mid-write cannot abort the write of the others. Each caller gets its own result; when
-    the statement fails, each gets its own StoreUnavailable.
+    A short-lived flusher task, owned here and awaited by drain(), sends the statements, so a caller
+    cancelled mid-write cannot abort the write of the others (asyncio's own cancellation passes
+    through anyio's shield). Each caller gets its own result; a failed statement gives each its own
+    StoreUnavailable.
     """
 
     def __init__(self, run: Callable[[list[I]], Awaitable[list[R]]]) -> None:
         self._run = run
         self._queue: deque[tuple[I, asyncio.Future[R]]] = deque()
         self._flusher: asyncio.Task[None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._flusher is not None
 
     async def __call__(self, item: I) -> R:
         loop = asyncio.get_running_loop()
@@ -530,7 +787,7 @@ class _Group(Generic[I, R]):
         return await future
 
     async def drain(self) -> None:
-        """Wait for the writes already queued."""
+        """Wait until the calls already queued have been written."""
         if self._flusher is not None:
             await asyncio.wait([self._flusher])
 
@@ -540,18 +797,18 @@ class _Group(Generic[I, R]):
                 batch: list[tuple[I, asyncio.Future[R]]] = []
                 while self._queue and len(batch) < MAX_GROUP:
                     item, future = self._queue.popleft()
-                    if not future.done():  # skip callers cancelled while they waited
+                    if not future.done():  # a caller cancelled while it waited is not written
                         batch.append((item, future))
                 if batch:
-                    await self._run_batch(batch)
+                    await self._send(batch)
         finally:
             self._flusher = None
-            while self._queue:  # only if the flusher itself was cancelled (loop shutdown)
+            while self._queue:  # left only when the flusher itself was cancelled (loop shutdown)
                 _, future = self._queue.popleft()
                 if not future.done():
-                    future.set_exception(StoreUnavailable("the store closed before this write was sent"))
+                    future.set_exception(StoreUnavailable("the store shut down before this write was sent"))
 
-    async def _run_batch(self, batch: list[tuple[I, asyncio.Future[R]]]) -> None:
+    async def _send(self, batch: list[tuple[I, asyncio.Future[R]]]) -> None:
         try:
             results = await self._run([item for item, _ in batch])
         except BaseException as exc:
@@ -574,15 +831,21 @@ class _Group(Generic[I, R]):
 async def _schema_version(conn: Conn, schema: str) -> int:
     if await conn.fetchval("SELECT to_regclass($1)", f'"{schema}".schema_version') is None:
         return 0
-    version = await conn.fetchval(f'SELECT max(version) FROM "{schema}".schema_version')
-    return int(version or 0)
+    return int(await conn.fetchval(f'SELECT coalesce(max(version), 0) FROM "{schema}".schema_version'))
+
+
+async def _lock_state(conn: Conn, task_id: str) -> State:
+    current = await conn.fetchval("SELECT state FROM tasks WHERE id = $1 FOR NO KEY UPDATE", task_id)
+    if current is None:
+        raise TaskNotFound(task_id)
+    return State(current)
 
 
 async def _existing(conn: Conn, new: NewTask) -> Task | None:
     if not new.idempotency_key:
         return None
-    row = await conn.fetchrow(f"SELECT {TASK_COLUMNS}, fingerprint FROM tasks WHERE idempotency_key = $1",
-                              new.idempotency_key)
+    sql = f"SELECT {TASK_COLUMNS}, fingerprint FROM tasks WHERE idempotency_key = $1"
+    row = await conn.fetchrow(sql, new.idempotency_key)
     if row is None:
         return None
     if row[-1] != new.fingerprint():
@@ -593,65 +856,82 @@ async def _existing(conn: Conn, new: NewTask) -> Task | None:
 async def _check_room(conn: Conn, n: int, max_queued: int) -> None:
     # Submits that check the limit take turns, so two nodes cannot both fill the last places.
     await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended('tidepool.queued.' || current_schema(), 0))")
-    queued = await conn.fetchval("SELECT count(*) FROM (SELECT 1 FROM tasks WHERE state IN ('pending', 'retry_wait') "
-                                 "LIMIT $1) q", max_queued + 1)
+    queued = await conn.fetchval(QUEUED, max_queued + 1)
     if queued + n > max_queued:
         raise QueueFull(f"{queued} tasks are queued; pool.max_queued is {max_queued}")
 
 
+def _insert_args(new: NewTask, now: float, task_id: str | None = None) -> tuple[Any, ...]:
+    available_at = new.available_at if new.available_at is not None else now
+    return (task_id or new_id(now), new.type, json.dumps(new.payload), new.priority, new.max_attempts, new.timeout_s,
+            sorted(new.required_tags), new.idempotency_key, new.fingerprint(), now, available_at)  # fmt: skip
+
+
 async def _insert(conn: Conn, new: NewTask, now: float) -> tuple[Task, bool]:
-    """Insert, or find the task that already has this idempotency key (possibly just committed by another)."""
-    row = await conn.fetchrow(
-        "INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags, "
-        "idempotency_key, fingerprint, created_at, updated_at, available_at) "
-        "VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10, $10, $11) "
-        f"ON CONFLICT (idempotency_key) DO NOTHING RETURNING {TASK_COLUMNS}",
-        new_id(now), new.type, json.dumps(new.payload), new.priority, new.max_attempts, new.timeout_s,
-        sorted(new.required_tags), new.idempotency_key, new.fingerprint(), now,
-        new.available_at if new.available_at is not None else now)
+    """Insert, or find the task that holds this idempotency key (maybe committed by another node just now)."""
+    row = await conn.fetchrow(INSERT, *_insert_args(new, now))
     if row is not None:
         return _task(row), True
     existing = await _existing(conn, new)
-    if existing is None:  # the other task was pruned in between: rare enough to report, not to loop on
+    if existing is None:  # that task was pruned in between: rare enough to report, not to loop on
         raise StoreUnavailable(f"idempotency_key {new.idempotency_key!r} changed hands during the submit; retry")
     return existing, False
 
 
-def _claim_sql(where: ClaimFilter) -> tuple[str, list[Any]]:
-    """The claim statement for a filter and its extra arguments ($10 on)."""
-    clauses: list[str] = []
-    extra: list[Any] = []
-    if "*" not in where.type_globs:
-        extra.append([_glob_regex(g) for g in where.type_globs])
-        clauses.append(f"AND type ~ ANY(${9 + len(extra)}::text[])")
-    tags = "cardinality(required_tags) = 0"
-    if where.tag_sets:
-        extra.append(json.dumps([sorted(s) for s in where.tag_sets]))
-        tags += (f" OR EXISTS (SELECT 1 FROM jsonb_array_elements(${9 + len(extra)}::jsonb) AS s(tags) "
-                 "WHERE required_tags <@ ARRAY(SELECT jsonb_array_elements_text(s.tags)))")
-    sql = (
-        "WITH picked AS (SELECT id, priority, created_at FROM tasks "
-        "WHERE state IN ('pending', 'retry_wait') AND available_at <= $1 AND attempt < max_attempts "
-        f"{' '.join(clauses)} AND ({tags}) "
-        "ORDER BY priority DESC, created_at, id LIMIT $2 FOR NO KEY UPDATE SKIP LOCKED), "
-        "numbered AS (SELECT id, row_number() OVER (ORDER BY priority DESC, created_at, id) AS n FROM picked), "
-        "slots AS (SELECT * FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::float8[], "
-        "$9::float8[]) WITH ORDINALITY AS s(attempt_id, token, node_id, instance_id, worker_id, now, expires_at, n)), "
-        "leased AS (UPDATE tasks t SET state = 'leased', attempt = t.attempt + 1, attempt_rows = t.attempt_rows + 1, "
-        "node_id = s.node_id, phase = NULL, progress = NULL, error = NULL, updated_at = s.now, lease_attempt_id = s.attempt_id, "
-        "lease_token = s.token, lease_expires_at = s.expires_at, lease_instance = s.instance_id "
-        "FROM numbered p JOIN slots s USING (n) WHERE t.id = p.id "
-        "RETURNING s.n, s.worker_id, t.attempt_rows, t.lease_attempt_id, t.lease_instance, "
-        f"{', '.join('t.' + c for c in TASK_COLUMNS.split(', '))}), "
-        "started AS (INSERT INTO attempts (id, task_id, number, node_id, instance_id, worker_id, status, started_at) "
-        "SELECT lease_attempt_id, id, attempt_rows, node_id, lease_instance, worker_id, 'leased', updated_at "
-        "FROM leased) "
-        f"SELECT n, {TASK_COLUMNS} FROM leased ORDER BY n")
-    return sql, extra
+async def _locked_schedule(conn: Conn, name: str) -> Schedule | None:
+    row = await conn.fetchrow(f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE name = $1 FOR UPDATE", name)
+    return None if row is None else _schedule(row)
+
+
+async def _fire(conn: Conn, name: str, now: float, max_attempts: int) -> list[Fired]:
+    """Fire one due schedule, holding its row; nothing when another node holds or has just fired it."""
+    row = await conn.fetchrow(DUE_SCHEDULE, name, now)
+    if row is None:
+        return []
+    schedule = _schedule(row)
+    # schedules.fire() asks its questions synchronously: answer them from what the store holds now.
+    ticks = schedules.plan(schedule, now).fire
+    keys = [schedules.task_for(schedule, t, max_attempts=max_attempts).idempotency_key for t in ticks]
+    used = await conn.fetch("SELECT idempotency_key FROM tasks WHERE idempotency_key = ANY($1::text[])", keys)
+    taken = {r[0] for r in used}
+    last_active = schedule.last_task_id is not None and await conn.fetchval(
+        f"SELECT {TERMINAL_SQL} IS FALSE FROM tasks WHERE id = $1", schedule.last_task_id
+    )
+    created: dict[str, NewTask] = {}
+
+    def add(new: NewTask) -> str | None:
+        if new.idempotency_key in taken:
+            return None
+        task_id = new_id(now)
+        created[task_id] = new
+        return task_id
+
+    def running(task_id: str) -> bool:
+        return task_id in created or (task_id == schedule.last_task_id and bool(last_active))
+
+    fired, saved = schedules.fire(schedule, now, max_attempts=max_attempts, running=running, add=add)
+    for task_id, new in created.items():
+        if await conn.fetchrow(INSERT, *_insert_args(new, now, task_id)) is None:
+            # Only a submit that borrowed this tick's key can get here: give up this pass, retry the next.
+            raise StoreUnavailable(f"schedule {name!r}: key {new.idempotency_key!r} was taken meanwhile; will retry")
+    await conn.execute(SAVE_SCHEDULE, *_schedule_args(saved))
+    return fired
+
+
+def _schedule(row: Any) -> Schedule:
+    spec = json.loads(row[1])
+    return Schedule(
+        row[0], **spec, paused=row[2], next_tick_at=row[3], next_run_at=row[4], last_run_at=row[5], last_task_id=row[6]
+    )
+
+
+def _schedule_args(s: Schedule) -> tuple[Any, ...]:
+    spec = json.dumps(schedules.spec_of(s))
+    return (s.name, spec, s.paused, s.next_tick_at, s.next_run_at, s.last_run_at, s.last_task_id)
 
 
 def _glob_regex(glob: str) -> str:
-    """An anchored PostgreSQL regex matching what fnmatch.fnmatchcase(name, glob) matches."""
+    """An anchored PostgreSQL regex that matches what fnmatch.fnmatchcase(name, glob) matches."""
     out, i, n = ["^"], 0, len(glob)
     while i < n:
         c, i = glob[i], i + 1
@@ -668,7 +948,7 @@ def _glob_regex(glob: str) -> str:
 
 
 def _class_end(glob: str, i: int) -> int | None:
-    """Index of the `]` closing a class that opened before i, as fnmatch finds it; None: a literal `[`."""
+    """Where the class opened just before i closes, as fnmatch reads it; None: the `[` is literal."""
     j = i + 1 if i < len(glob) and glob[i] == "!" else i
     j = j + 1 if j < len(glob) and glob[j] == "]" else j
     j = glob.find("]", j)
@@ -687,13 +967,13 @@ def _char_class(body: str) -> str:
         else:
             items.append(_literal(body[k]))
             k += 1
-    if not items:
-        return "." if negate else "[^\\x00-\\U0010FFFF]"  # [!] is any character, [] with no range none
+    if not items:  # fnmatch: an empty class matches nothing, a negated one any character
+        return "." if negate else "[^\\x00-\\U0010FFFF]"
     return f"[{'^' if negate else ''}{''.join(items)}]"
 
 
 def _literal(c: str) -> str:
-    # In PostgreSQL's regexes a backslash before a non-alphanumeric character makes it literal.
+    # In PostgreSQL's regexes a backslash makes any non-alphanumeric character literal.
     return c if c.isalnum() or not c.isascii() else "\\" + c
 
 
@@ -702,22 +982,21 @@ def _lease_arrays(leases: Sequence[Lease]) -> tuple[list[str], list[str], list[s
 
 
 async def _lost(conn: Conn, leases: Sequence[Lease], kept: set[str]) -> dict[str, LeaseLost]:
-    """The leases a multi-row write did not take, each with why (a fresh read: a cancel may have won)."""
+    """The leases a multi-row write did not take, each with why (read afresh: a cancel may have won)."""
     missed = [lease for lease in leases if lease.attempt_id not in kept]
     if not missed:
         return {}
-    rows = await conn.fetch(f"SELECT l.attempt_id FROM {LEASES.format(types='', names='')} JOIN tasks t ON t.id = l.id "
-                            "AND t.lease_attempt_id = l.attempt_id AND t.lease_token = l.token "
-                            "WHERE t.state = 'cancelling'", *_lease_arrays(missed))
-    cancelling = {r[0] for r in rows}
-    return {x.attempt_id: TaskCancelling(x.task_id, x.attempt_id) if x.attempt_id in cancelling
-            else LeaseLost(x.task_id, x.attempt_id) for x in missed}
+    cancelling = {r[0] for r in await conn.fetch(CANCELLING, *_lease_arrays(missed))}
+    return {
+        x.attempt_id: TaskCancelling(x.task_id, x.attempt_id)
+        if x.attempt_id in cancelling
+        else LeaseLost(x.task_id, x.attempt_id)
+        for x in missed
+    }
 
 
 async def _why_lost(conn: Conn, lease: Lease) -> LeaseLost:
-    state = await conn.fetchval("SELECT state FROM tasks WHERE id = $1 AND lease_attempt_id = $2 AND lease_token = $3",
-                                lease.task_id, lease.attempt_id, lease.token)
-    if state == State.CANCELLING:
+    if await conn.fetchval(WHY_LOST, lease.task_id, lease.attempt_id, lease.token) == State.CANCELLING:
         return TaskCancelling(lease.task_id, lease.attempt_id)
     return LeaseLost(lease.task_id, lease.attempt_id)
 
@@ -727,24 +1006,28 @@ def _may_end(state: State, lease_expires_at: float, now: float) -> bool:
     return state is State.CANCELLING or (state.active and lease_expires_at > now)
 
 
+def _expiry(row: Any, outcome: Outcome, policy: RetryPolicy, now: float) -> Ending:
+    return decide_end(
+        State(row[0]), outcome, attempt=row[1], max_attempts=row[2], interruptions=row[3], policy=policy, now=now
+    )
+
+
 async def _write_ends(conn: Conn, ends: list[tuple[Lease, Outcome, Ending]], now: float) -> None:
-    """Write how attempts ended, all in one statement; their task rows are locked by the caller."""
-    errors = [None if e.error is None else json.dumps(e.error.to_json()) for _, _, e in ends]
+    """Write how attempts ended, all in one statement; the caller holds their task rows locked."""
     await conn.execute(
-        "WITH e AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int[], "
-        "$7::float8[], $8::float8[], $9::int[], $10::text[]) AS e(task_id, attempt_id, state, status, error, uncount, "
-        "available_at, finished_at, exit_status, stderr_tail)), "
-        "ended AS (UPDATE attempts a SET status = e.status, finished_at = $11, error = e.error, "
-        "exit_status = e.exit_status, stderr_tail = e.stderr_tail FROM e WHERE a.id = e.attempt_id) "
-        "UPDATE tasks t SET state = e.state, phase = NULL, error = e.error, updated_at = $11, "
-        "attempt = t.attempt - e.uncount, interruptions = t.interruptions + e.uncount, "
-        "available_at = coalesce(e.available_at, t.available_at), finished_at = e.finished_at, lease_token = NULL "
-        "FROM e WHERE t.id = e.task_id",
-        [lease.task_id for lease, _, _ in ends], [lease.attempt_id for lease, _, _ in ends],
-        [e.state.value for _, _, e in ends], [e.attempt_status.value for _, _, e in ends], errors,
-        [1 if e.uncount_attempt else 0 for _, _, e in ends], [e.available_at for _, _, e in ends],
-        [None if e.available_at is not None else now for _, _, e in ends],
-        [o.exit_status for _, o, _ in ends], [o.stderr_tail for _, o, _ in ends], now)
+        WRITE_ENDS,
+        [lease.task_id for lease, _, _ in ends],
+        [lease.attempt_id for lease, _, _ in ends],
+        [e.state.value for _, _, e in ends],
+        [e.attempt_status.value for _, _, e in ends],
+        [None if e.error is None else json.dumps(e.error.to_json()) for _, _, e in ends],
+        [1 if e.uncount_attempt else 0 for _, _, e in ends],
+        [e.available_at for _, _, e in ends],
+        [None if e.available_at is not None else now for _, _, e in ends],  # queued again: not finished
+        [o.exit_status for _, o, _ in ends],
+        [o.stderr_tail for _, o, _ in ends],
+        now,
+    )
 
 
 # rows to domain objects
@@ -753,12 +1036,26 @@ async def _write_ends(conn: Conn, ends: list[tuple[Lease, Outcome, Ending]], now
 def _task(row: Any, *, attempts: tuple[Attempt, ...] = ()) -> Task:
     """A Task from a row that starts with TASK_COLUMNS."""
     return Task(
-        id=row[0], type=row[1], payload=_loads(row[2]), priority=row[3], state=State(row[4]),
-        phase=None if row[5] is None else Phase(row[5]), progress=None if row[6] is None else json.loads(row[6]),
-        attempt=row[7], max_attempts=row[8], interruptions=row[9], timeout_s=row[10],
-        required_tags=tuple(row[11]), idempotency_key=row[12], node_id=row[13],
-        error=None if row[14] is None else _error(row[14]), created_at=row[15], updated_at=row[16],
-        available_at=row[17], finished_at=row[18], attempts=attempts,
+        id=row[0],
+        type=row[1],
+        payload=_loads(row[2]),
+        priority=row[3],
+        state=State(row[4]),
+        phase=None if row[5] is None else Phase(row[5]),
+        progress=None if row[6] is None else json.loads(row[6]),
+        attempt=row[7],
+        max_attempts=row[8],
+        interruptions=row[9],
+        timeout_s=row[10],
+        required_tags=tuple(row[11]),
+        idempotency_key=row[12],
+        node_id=row[13],
+        error=None if row[14] is None else _error(row[14]),
+        created_at=row[15],
+        updated_at=row[16],
+        available_at=row[17],
+        finished_at=row[18],
+        attempts=attempts,
     )
 
 
@@ -773,8 +1070,12 @@ def _error(text: str) -> TaskError:
 
 
 def _attempts(rows: Sequence[Any]) -> tuple[Attempt, ...]:
-    return tuple(Attempt(r[0], r[1], r[2], r[3], r[4], AttemptStatus(r[5]), r[6], r[7],
-                         None if r[8] is None else _error(r[8]), r[9], r[10]) for r in rows)
+    return tuple(_attempt(r) for r in rows)
+
+
+def _attempt(r: Any) -> Attempt:
+    error = None if r[8] is None else _error(r[8])
+    return Attempt(r[0], r[1], r[2], r[3], r[4], AttemptStatus(r[5]), r[6], r[7], error, r[9], r[10])
 
 
 def _result(row: Any) -> ResultBatch:

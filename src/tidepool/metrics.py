@@ -1,0 +1,367 @@
+"""Prometheus metrics of one node: counters and histograms fed by the event bus, gauges read at scrape time.
+
+The event listener runs for every step of every task (the pool passes thousands of tasks a
+second), always on the event loop's thread, so it keeps plain dicts and lists: no lock, no
+label lookup, one `bisect` per histogram observation. prometheus_client turns them into metric
+families when /metrics is scraped, from a registry of this node's own, so several daemons in one
+process (tests) do not clash. Durations are measured between event timestamps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import anyio
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from .errors import StoreUnavailable
+from .events import Event
+from .model import State
+
+if TYPE_CHECKING:
+    from .guards import GuardStats
+    from .pool import PoolStats
+    from .store import Store
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+log = logging.getLogger("tidepool.metrics")
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the classic text format every Prometheus version reads
+QUEUE_STATES = ("pending", "leased", "running", "retry_wait", "cancelling")
+GUARDS = ("memory", "disk")
+UNKNOWN = "unknown"  # the type of a task ended by the reconciler or cancelled before it ran
+MAX_OPEN_ATTEMPTS = 100_000  # attempts whose end was never seen (store down at finish) must not pile up
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+                    600.0, 1800.0, 3600.0)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   300.0)
+KILL_REASONS = {"timeout": "timeout", "cancelled": "cancel"}  # error code -> plugin kill reason
+LIMITS = ("memory_mb", "cpu_s", "nofile", "max_output_kb")
+
+Labels = tuple[str, ...]
+
+
+class _Counter:
+    __slots__ = ("labels", "values")
+
+    def __init__(self, *labels: str) -> None:
+        self.labels = labels
+        self.values: dict[Labels, float] = {}
+
+    def inc(self, key: Labels, amount: float = 1) -> None:
+        self.values[key] = self.values.get(key, 0) + amount
+
+    def family(self, name: str, doc: str) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=self.labels)
+        for key, value in self.values.items():
+            family.add_metric(list(key), value)
+        return family
+
+
+class _Histogram:
+    __slots__ = ("bounds", "labels", "series")
+
+    def __init__(self, bounds: Sequence[float], *labels: str) -> None:
+        self.bounds = tuple(bounds)
+        self.labels = labels
+        self.series: dict[Labels, list[float]] = {}  # per bucket (le), then +Inf, then the sum
+
+    def observe(self, key: Labels, value: float) -> None:
+        series = self.series.get(key)
+        if series is None:
+            series = self.series[key] = [0.0] * (len(self.bounds) + 2)
+        value = max(value, 0.0)  # event clocks are wall clocks: a step back must not go negative
+        series[bisect.bisect_left(self.bounds, value)] += 1
+        series[-1] += value
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(name, doc, labels=self.labels)
+        for key, series in self.series.items():
+            cumulative, buckets = 0.0, []
+            for bound, count in zip((*self.bounds, math.inf), series, strict=False):
+                cumulative += count
+                buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), cumulative))
+            family.add_metric(list(key), buckets, sum_value=series[-1])
+        return family
+
+
+class Metrics:
+    """Everything /metrics shows for one node. Feed it with `events.listen(metrics.on_event)`."""
+
+    def __init__(self, *, node_id: str, version: str, pool: Callable[[], PoolStats],
+                 counts: Callable[[], Awaitable[dict[State, int]]],
+                 guards: Callable[[], GuardStats | None] = lambda: None,
+                 draining: Callable[[], bool] = lambda: False) -> None:
+        self._info = (node_id, version)
+        self._pool = pool
+        self._counts = counts
+        self._guards = guards
+        self._draining = draining
+        self._queue: dict[str, int] | None = None  # read by render() just before collecting
+
+        self.created = _Counter("type")
+        self.finished = _Counter("type", "state")
+        self.retries = _Counter("type")
+        self.task_duration = _Histogram(DURATION_BUCKETS, "type")
+        self.phase_duration = _Histogram(DURATION_BUCKETS, "phase")
+        self.plugin_duration = _Histogram(DURATION_BUCKETS, "plugin")
+        self.pickup_latency = _Histogram(LATENCY_BUCKETS, "type")
+        self.lease_renewals = _Counter()
+        self.lease_renewal_errors = _Counter()
+        self.lease_losses = _Counter()
+        self.reconciler_actions = _Counter("action")
+        self.plugin_kills = _Counter("reason")
+        self.workers_started = _Counter("kind")
+        self.workers_stopped = _Counter("kind", "reason")
+        self.reloads = _Counter("result")
+        self._tripped = dict.fromkeys(GUARDS, 0)
+        # task id -> [attempt start, current phase, phase start, stopped while a plugin ran]
+        self._open: dict[str, list[Any]] = {}
+        self._failed_handlers: set[str] = set()
+        self._handlers: dict[str, Callable[[dict[str, Any], float], None]] = {
+            "task.created": self._task_created,
+            "task.leased": self._task_leased,
+            "task.phase": self._task_phase,
+            "plugin.finished": self._plugin_finished,
+            "task.retry_scheduled": self._task_retry_scheduled,
+            "task.finished": self._task_finished,
+            "task.lease_lost": self._task_lease_lost,
+            "task.expired": self._task_expired,
+            "reconciler.pass": self._reconciler_pass,
+            "worker.started": self._worker_started,
+            "worker.stopped": self._worker_stopped,
+            "guard.tripped": self._guard_tripped,
+            "guard.cleared": self._guard_cleared,
+        }
+
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+
+    # feeding
+
+    def on_event(self, event: Event) -> None:
+        """The event bus listener: O(1) per event, and never raises into the code that published."""
+        handler = self._handlers.get(event.name)
+        if handler is None:
+            return
+        try:
+            handler(event.data, event.ts)
+        except Exception:
+            if event.name not in self._failed_handlers:  # once per event name, not once per task
+                self._failed_handlers.add(event.name)
+                log.exception("metrics: cannot count event %s %r", event.name, event.data)
+
+    def reloaded(self, *, ok: bool) -> None:
+        self.reloads.inc(("ok" if ok else "rejected",))
+
+    def lease_store(self, store: Store) -> Store:
+        """`store` as the lease keeper should see it: every call passes through, renewals are counted."""
+        return cast("Store", _CountingRenewals(store, self))
+
+    def _task_created(self, d: dict[str, Any], ts: float) -> None:
+        if not d.get("retry"):
+            self.created.inc((d.get("type") or UNKNOWN,))
+
+    def _task_leased(self, d: dict[str, Any], ts: float) -> None:
+        available_at = d.get("available_at")
+        if available_at is not None:
+            self.pickup_latency.observe((d.get("type") or UNKNOWN,), ts - available_at)
+
+    def _task_phase(self, d: dict[str, Any], ts: float) -> None:
+        task_id, phase = d["task_id"], d["phase"]
+        if phase == "initialize":
+            if len(self._open) >= MAX_OPEN_ATTEMPTS:
+                self._open.clear()
+            self._open[task_id] = [ts, phase, ts, False]
+            return
+        attempt = self._open.get(task_id)
+        if attempt is None:
+            return
+        self.phase_duration.observe((attempt[1],), ts - attempt[2])
+        if phase == "stop":
+            attempt[3] = attempt[1] == "run"
+        attempt[1], attempt[2] = phase, ts
+
+    def _plugin_finished(self, d: dict[str, Any], ts: float) -> None:
+        duration_s = d.get("duration_s")
+        if duration_s is not None:
+            self.plugin_duration.observe((d["plugin"],), duration_s)
+
+    def _task_retry_scheduled(self, d: dict[str, Any], ts: float) -> None:
+        task_type = d.get("type") or UNKNOWN
+        self.retries.inc((task_type,))
+        self._attempt_ended(d, ts, task_type)
+
+    def _task_finished(self, d: dict[str, Any], ts: float) -> None:
+        task_type = d.get("type") or UNKNOWN
+        self.finished.inc((task_type, d.get("state") or UNKNOWN))
+        if d.get("worker_id") is not None:  # ended by its worker here, not by the reconciler or an API cancel
+            self._attempt_ended(d, ts, task_type)
+
+    def _task_lease_lost(self, d: dict[str, Any], ts: float) -> None:
+        self.lease_losses.inc(())
+        self._attempt_ended(d, ts, d.get("type") or UNKNOWN, lost=True)
+
+    def _attempt_ended(self, d: dict[str, Any], ts: float, task_type: str, *, lost: bool = False) -> None:
+        attempt = self._open.pop(d["task_id"], None)
+        if attempt is None:
+            return
+        self.phase_duration.observe((attempt[1],), ts - attempt[2])
+        self.task_duration.observe((task_type,), ts - attempt[0])
+        if attempt[3]:  # a plugin was running when the attempt was stopped: was it stopped by us?
+            reason = "lease_lost" if lost else _kill_reason(d.get("error"))
+            if reason is not None:
+                self.plugin_kills.inc((reason,))
+
+    def _task_expired(self, d: dict[str, Any], ts: float) -> None:
+        self.reconciler_actions.inc(("expired",))
+
+    def _reconciler_pass(self, d: dict[str, Any], ts: float) -> None:
+        for action in ("promoted", "cancelled", "pruned"):  # "expired" is counted per task.expired
+            if d.get(action):
+                self.reconciler_actions.inc((action,), d[action])
+
+    def _worker_started(self, d: dict[str, Any], ts: float) -> None:
+        self.workers_started.inc((d.get("kind") or UNKNOWN,))
+
+    def _worker_stopped(self, d: dict[str, Any], ts: float) -> None:
+        self.workers_stopped.inc((d.get("kind") or UNKNOWN, d.get("reason") or UNKNOWN))
+
+    def _guard_tripped(self, d: dict[str, Any], ts: float) -> None:
+        self._tripped[d["guard"]] = 1
+
+    def _guard_cleared(self, d: dict[str, Any], ts: float) -> None:
+        self._tripped[d["guard"]] = 0
+
+    # scraping
+
+    async def render(self) -> bytes:
+        """The text exposition; reads the queue depth from the store first (at most 5 s)."""
+        try:
+            with anyio.fail_after(5.0):
+                counts = await self._counts()
+            self._queue = {state: counts.get(State(state), 0) for state in QUEUE_STATES}
+        except (StoreUnavailable, TimeoutError):
+            self._queue = None
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        yield _gauge("tidepool_info", "This node: its id and the tidepool version.", {"node_id": self._info[0],
+                                                                                   "version": self._info[1]}, 1)
+        yield from self._pool_families()
+        store_up = self._queue is not None
+        yield _gauge("tidepool_store_up", "1 if the store answered the last scrape's queue query.", {}, store_up)
+        if self._queue is not None:
+            queue = GaugeMetricFamily("tidepool_queue_depth", "Unfinished tasks in the store, by state.",
+                                      labels=["state"])
+            for state, n in self._queue.items():
+                queue.add_metric([state], n)
+            yield queue
+        yield from self._guard_families()
+        yield self.created.family("tidepool_tasks_created", "Tasks submitted through this node's API, by type.")
+        yield self.finished.family("tidepool_tasks_finished",
+                                   "Tasks that reached a terminal state on this node, by type and state.")
+        yield self.retries.family("tidepool_task_retries", "Attempts that failed and left their task to retry.")
+        yield self.task_duration.family("tidepool_task_duration_seconds",
+                                        "Attempt duration on this node, initialize to recorded outcome, by type.")
+        yield self.phase_duration.family("tidepool_phase_duration_seconds", "Time spent in each phase of an attempt.")
+        yield self.plugin_duration.family("tidepool_plugin_duration_seconds", "Runs of plugins that succeeded.")
+        yield self.pickup_latency.family("tidepool_pickup_latency_seconds",
+                                         "From a task becoming claimable (created, retry due, released) to its lease.")
+        yield self.lease_renewals.family("tidepool_lease_renewals", "Leases renewed.")
+        yield self.lease_renewal_errors.family("tidepool_lease_renewal_errors",
+                                               "Renewal writes that failed because the store was unavailable.")
+        yield self.lease_losses.family("tidepool_lease_losses", "Attempts abandoned because their lease was lost.")
+        yield self.reconciler_actions.family("tidepool_reconciler_actions",
+                                             "Reconciler repairs: leases expired, retries promoted, cancels "
+                                             "finished at their deadline, old tasks pruned.")
+        yield self.plugin_kills.family("tidepool_plugin_kills",
+                                       "Running plugins stopped by tidepool, by reason (timeout, cancel, a limit, "
+                                       "lease_lost).")
+        yield self.workers_started.family("tidepool_workers_started", "Worker coroutines started, by kind.")
+        yield self.workers_stopped.family("tidepool_workers_stopped", "Worker coroutines stopped, by kind and reason.")
+        yield self.reloads.family("tidepool_config_reloads", "SIGHUP reloads, applied or rejected.")
+
+    def _pool_families(self) -> Iterator[Metric]:
+        stats = self._pool()
+        workers = GaugeMetricFamily("tidepool_workers", "Live worker coroutines, by kind.", labels=["kind"])
+        workers.add_metric(["baseline"], stats.baseline)
+        workers.add_metric(["demand"], stats.demand)
+        yield workers
+        yield _gauge("tidepool_workers_busy", "Workers executing a task.", {}, stats.busy)
+        yield _gauge("tidepool_pool_min_workers", "pool.min_workers now in force.", {}, stats.min_workers)
+        yield _gauge("tidepool_pool_max_workers", "pool.max_workers now in force.", {}, stats.max_workers)
+        yield _gauge("tidepool_pool_claiming", "1 while the pool claims work.", {}, stats.claiming)
+        yield _gauge("tidepool_draining", "1 once shutdown began.", {}, self._draining())
+
+    def _guard_families(self) -> Iterator[Metric]:
+        stats = self._guards()
+        tripped = dict(self._tripped) if stats is None else {g: int(g in stats.tripped) for g in GUARDS}
+        family = GaugeMetricFamily("tidepool_guard_tripped", "1 while a host guard stops claiming.",
+                                   labels=["guard"])
+        for guard, value in tripped.items():
+            family.add_metric([guard], value)
+        yield family
+        if stats is not None:
+            free = GaugeMetricFamily("tidepool_guard_free_bytes", "Free memory and state-directory disk, as "
+                                     "last measured by the guards.", labels=["guard"])
+            for guard, mb in (("memory", stats.free_memory_mb), ("disk", stats.free_disk_mb)):
+                if mb is not None:
+                    free.add_metric([guard], mb * 2**20)
+            yield free
+
+
+class _Collector:
+    """Hands the registry the families of a Metrics object at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return self._metrics.collect()
+
+
+class _CountingRenewals:
+    """The store as the lease keeper sees it. leases.py knows nothing of metrics; counting at the
+    store boundary keeps it that way and costs one addition per renewal batch."""
+
+    def __init__(self, store: Store, metrics: Metrics) -> None:
+        self._store = store
+        self._metrics = metrics
+
+    async def renew(self, leases: Sequence[Any], *, now: float, lease_s: float) -> dict[str, Any]:
+        try:
+            lost = await self._store.renew(leases, now=now, lease_s=lease_s)
+        except StoreUnavailable:
+            self._metrics.lease_renewal_errors.inc(())
+            raise
+        self._metrics.lease_renewals.inc((), len(leases) - len(lost))
+        return lost
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def _gauge(name: str, doc: str, labels: dict[str, str], value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=list(labels))
+    family.add_metric(list(labels.values()), float(value))
+    return family
+
+
+def _kill_reason(error: dict[str, Any] | None) -> str | None:
+    if not error:
+        return None
+    code = error.get("code")
+    if code == "limit_exceeded":  # LimitExceeded's message starts with the limit's name
+        limit = str(error.get("message", "")).partition(" ")[0]
+        return limit if limit in LIMITS else "limit"
+    return KILL_REASONS.get(code or "")

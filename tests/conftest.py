@@ -1,0 +1,44 @@
+"""Fixtures every test directory may use: the PostgreSQL test server and the CI skip policy."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import NoReturn
+
+import pytest
+
+POSTGRES_URL = os.environ.get("TIDEPOOL_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def _unavailable(reason: str) -> NoReturn:
+    # CI runs a real server: a missing one there is a broken build, never a quiet skip.
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI is set, so this fails instead of skipping)", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def unavailable() -> Callable[[str], NoReturn]:
+    """Call with a reason: skips the test on a developer machine, fails it when CI is set."""
+    return _unavailable
+
+
+@pytest.fixture
+async def postgres_schema() -> AsyncIterator[tuple[str, str]]:
+    """(url, schema): a schema name unique to this test, dropped with all it holds afterwards."""
+    try:
+        import asyncpg
+    except ImportError:
+        _unavailable("asyncpg is not installed (pip install asyncpg)")
+    try:
+        admin = await asyncpg.connect(POSTGRES_URL, timeout=5)
+    except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+        _unavailable(f"PostgreSQL at {POSTGRES_URL} is unreachable: {exc}")
+    schema = "t_" + uuid.uuid4().hex
+    try:
+        yield POSTGRES_URL, schema
+    finally:
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await admin.close()

@@ -1,0 +1,338 @@
+"""Plugins through the engine: command plugins in contained process trees, Python plugins by dotted path and
+entry point, allow/deny at load and at run, and the network built-ins against loopback servers.
+
+Command plugins are configured the way an operator does it (PluginSpec -> Registry.from_settings) and run
+real programs; their processes write "role pid" lines to a file named in the payload, so the test knows
+which pids must be gone afterwards without sleeping for them to start.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import psutil  # type: ignore[import-untyped]
+import pytest
+from aiohttp import web
+from anyio.abc import SocketAttribute
+
+from tidepool.context import TaskContext
+from tidepool.errors import ConfigError
+from tidepool.model import AttemptStatus, State, Task
+from tidepool.plugins import Registry
+from tidepool.resources import ResourcePool
+from tidepool.settings import PluginSpec, PluginsSettings, ResourceSettings, TypeSettings
+from tidepool.store.sqlite import SqliteStore
+
+from .conftest import Node, running_node
+
+pytestmark = pytest.mark.timeout(60)
+
+PY = sys.executable
+GRACE_S = 0.5
+
+RECORD = """
+import os, sys, time
+def record(role):
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{role} {os.getpid()}\\n")
+def fork(body):
+    if os.fork() == 0:
+        try:
+            body()
+        finally:
+            os._exit(0)
+def sleep_forever(role):
+    record(role)
+    while True:
+        time.sleep(3600)
+"""
+
+# leader -> middle -> {escaper (leaves the group with setsid), stubborn (ignores SIGTERM)}
+TREE = RECORD + """
+import signal
+def escaper():
+    os.setsid()
+    sleep_forever("escaper")
+def stubborn():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sleep_forever("stubborn")
+def middle():
+    fork(escaper)
+    fork(stubborn)
+    sleep_forever("middle")
+fork(middle)
+sleep_forever("leader")
+"""
+
+ALLOCATE = RECORD + """
+record("leader")
+blocks = []
+for _ in range(256):  # 2 GiB at most, should the watcher not work
+    blocks.append(b"x" * (8 << 20))
+    time.sleep(0.01)
+time.sleep(60)
+"""
+
+FLOOD = RECORD + """
+record("leader")
+chunk = b"y" * 65536
+for _ in range(800):  # 50 MiB
+    sys.stdout.buffer.write(chunk)
+"""
+
+
+def command(tmp_path: Path, script: str, **spec: object) -> PluginSpec:
+    path = tmp_path / f"script-{abs(hash(script))}.py"
+    path.write_text(script)
+    return PluginSpec(command=(PY, str(path), "{pidfile}"), **spec)
+
+
+def registry_of(defs: dict[str, PluginSpec], types: dict[str, TypeSettings], **access: tuple[str, ...]) -> Registry:
+    return Registry.from_settings(PluginsSettings(defs=defs, **access), types, kill_grace_s=GRACE_S)
+
+
+def pids(path: Path) -> dict[str, int]:
+    try:
+        lines = path.read_text().split("\n")[:-1]  # a last line without newline is still being written
+    except FileNotFoundError:
+        return {}
+    return {role: int(pid) for role, pid in (line.split() for line in lines)}
+
+
+def gone(pid: int) -> bool:
+    try:  # a zombie has exited; reaping an orphan is init's business
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def event_ts(node: Node, task_id: str, name: str) -> float:
+    return next(e.ts for e in node.seen if e.name == name and e.data.get("task_id") == task_id)
+
+
+def error_of(task: Task) -> tuple[str, str]:
+    assert task.error is not None
+    return task.error.code, task.error.message
+
+
+# command plugins
+
+
+async def test_a_timed_out_tree_is_gone_within_the_grace_even_setsid_and_sigterm_ignoring_children(
+        sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    timeout_s = 1.0
+    registry = registry_of({"tree": command(tmp_path, TREE, timeout_s=timeout_s)},
+                           {"tree": TypeSettings(plugins=("tree",))})
+    pidfile = tmp_path / "pids"
+    async with running_node(sqlite_store, {}, registry=registry, work_root=tmp_path / "work") as node:
+        task_id = await node.submit("tree", {"pidfile": str(pidfile)}, max_attempts=1)
+        await node.until(lambda: len(pids(pidfile)) == 4, timeout_s=timeout_s)  # all started before the timeout
+        task = await node.finished(task_id)
+        assert [role for role, pid in pids(pidfile).items() if not gone(pid)] == []
+        took = event_ts(node, task_id, "task.finished") - event_ts(node, task_id, "plugin.started")
+    assert task.state is State.TIMED_OUT
+    assert error_of(task)[0] == "timeout" and "tree timed out" in error_of(task)[1]
+    assert took <= timeout_s + GRACE_S + 1.0
+    assert not (tmp_path / "work" / task.attempts[0].id).exists()  # the stop phase removed the workdir
+
+
+async def test_memory_past_the_budget_kills_the_tree_and_names_memory_mb(sqlite_store: SqliteStore,
+                                                                          tmp_path: Path) -> None:
+    registry = registry_of({"hog": command(tmp_path, ALLOCATE, memory_mb=64)}, {"hog": TypeSettings(plugins=("hog",))})
+    pidfile = tmp_path / "pids"
+    async with running_node(sqlite_store, {}, registry=registry, work_root=tmp_path / "work") as node:
+        task = await node.finished(await node.submit("hog", {"pidfile": str(pidfile)}, max_attempts=2), timeout_s=30)
+    assert task.state is State.FAILED
+    assert [a.status for a in task.attempts] == [AttemptStatus.FAILED] * 2  # counted and retried like any failure
+    for attempt in task.attempts:
+        assert attempt.error is not None and attempt.error.code == "limit_exceeded"
+        assert attempt.error.message.startswith("memory_mb exceeded")
+    assert all(gone(pid) for pid in pids(pidfile).values())
+
+
+async def test_a_stdout_flood_is_capped_and_names_max_output_kb(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    registry = registry_of({"flood": command(tmp_path, FLOOD, max_output_kb=64)},
+                           {"flood": TypeSettings(plugins=("flood",))})
+    async with running_node(sqlite_store, {}, registry=registry, work_root=tmp_path / "work") as node:
+        task = await node.finished(await node.submit("flood", {"pidfile": str(tmp_path / "pids")}, max_attempts=1))
+    assert task.state is State.FAILED
+    code, message = error_of(task)
+    assert code == "limit_exceeded" and message.startswith("max_output_kb exceeded")
+
+
+async def test_a_payload_value_starting_with_a_dash_is_refused_before_anything_runs(sqlite_store: SqliteStore,
+                                                                                    tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    spec = PluginSpec(command=(PY, "-c", "import pathlib, sys; pathlib.Path(sys.argv[1]).touch()", str(marker),
+                               "{target}"))
+    registry = registry_of({"scan": spec}, {"scan": TypeSettings(plugins=("scan",))})
+    async with running_node(sqlite_store, {}, registry=registry, work_root=tmp_path / "work") as node:
+        task = await node.finished(await node.submit("scan", {"target": "-oN/etc/cron.d/x"}, max_attempts=3))
+    assert task.state is State.FAILED
+    code, message = error_of(task)
+    assert code == "invalid_argument" and "payload.target" in message
+    assert len(task.attempts) == 1  # not retried
+    assert not marker.exists()
+    assert not (tmp_path / "work").exists()  # not even a work directory was made
+
+
+async def test_cancel_kills_the_running_tree_and_releases_the_slot(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    registry = registry_of({"tree": command(tmp_path, TREE)},
+                           {"scan": TypeSettings(plugins=("tree",), required_tags=("nic",))})
+    slots = ResourcePool.from_settings({"nic": ResourceSettings(tags=("nic",), count=1)})
+    pidfile = tmp_path / "pids"
+    async with running_node(sqlite_store, {}, registry=registry, resources=slots, work_root=tmp_path / "work") as node:
+        task_id = await node.submit("scan", {"pidfile": str(pidfile)})
+        await node.until(lambda: len(pids(pidfile)) == 4)
+        assert slots.statistics().resources["nic"].in_use == 1
+        # as Daemon.cancel does it: commit the cancel, then fire the attempt's scope
+        assert await node.store.request_cancel(task_id, now=time.time()) is State.CANCELLING
+        held = node.leases.find(task_id)
+        assert held is not None
+        held.stop("cancel")
+        task = await node.finished(task_id)
+        assert [role for role, pid in pids(pidfile).items() if not gone(pid)] == []
+    assert task.state is State.CANCELLED
+    assert [a.status for a in task.attempts] == [AttemptStatus.CANCELLED]
+    assert slots.statistics().resources["nic"].in_use == 0
+
+
+# Python plugins, allow and deny
+
+
+async def enrich(ctx: TaskContext) -> None:
+    ctx.scope["asset"] = {"owner": "blue team", "target": ctx.payload["target"]}
+
+
+async def report(ctx: TaskContext) -> None:
+    await ctx.emit({"seen": ctx.scope["asset"]}, final=True)
+
+
+async def test_dotted_path_plugins_share_the_scope(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    defs = {"enrich": PluginSpec(python=f"{__name__}:enrich"), "report": PluginSpec(python=f"{__name__}:report")}
+    registry = registry_of(defs, {"audit": TypeSettings(plugins=("enrich", "report"))})
+    async with running_node(sqlite_store, {}, registry=registry, work_root=tmp_path) as node:
+        task = await node.finished(await node.submit("audit", {"target": "192.0.2.7"}))
+    assert task.state is State.COMPLETED
+    assert [(r.plugin, r.payload) for r in task.results] == [
+        ("report", {"seen": {"owner": "blue team", "target": "192.0.2.7"}})]
+
+
+def test_a_denied_plugin_is_a_config_error_naming_type_and_plugin_and_is_never_imported() -> None:
+    defs = {"enrich": PluginSpec(python="no_such_module_for_tidepool:enrich")}
+    types = {"audit": TypeSettings(plugins=("enrich",))}
+    with pytest.raises(ConfigError) as caught:
+        registry_of(defs, types, deny=("enr*",))
+    assert "types.audit" in str(caught.value) and "'enrich'" in str(caught.value)
+    assert "denied" in str(caught.value)  # refused before any import was tried
+    with pytest.raises(ConfigError, match=r"types\.audit.*'enrich'"):
+        registry_of(defs, types, allow=("report",))
+    with pytest.raises(ConfigError, match="cannot load"):
+        registry_of(defs, types)  # allowed, so imported: and it does not exist
+
+
+def test_an_unknown_plugin_is_a_config_error_naming_type_and_plugin() -> None:
+    with pytest.raises(ConfigError, match=r"types\.audit\.plugins: unknown plugin 'nosuch'"):
+        registry_of({}, {"audit": TypeSettings(plugins=("noop", "nosuch"))})
+
+
+def test_the_generic_command_plugin_must_be_configured() -> None:
+    with pytest.raises(ConfigError, match=r"types\.run_anything.*\[plugins\.command\]"):
+        registry_of({}, {"run_anything": TypeSettings(plugins=("command",))})
+    registry = registry_of({"command": PluginSpec(command=(PY, "-c", "print(1)"))},
+                           {"run_fixed": TypeSettings(plugins=("command",))})
+    assert [p.name for p in registry.plugins_for("run_fixed")] == ["command"]
+
+
+def test_entry_point_plugins_load_unless_denied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dist = tmp_path / "tidepool_test_plugins-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tidepool-test-plugins\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        f"[tidepool.plugins]\nep_enrich = {__name__}:enrich\nep_broken = no_such_module_for_tidepool:x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry = registry_of({}, {"audit": TypeSettings(plugins=("ep_enrich",))})
+    assert registry.plugins_for("audit")[0].run is enrich
+    with pytest.raises(ConfigError, match=r"types\.broken\.plugins: cannot load entry point 'ep_broken'"):
+        registry_of({}, {"broken": TypeSettings(plugins=("ep_broken",))})
+    with pytest.raises(ConfigError, match="denied"):
+        registry_of({}, {"broken": TypeSettings(plugins=("ep_broken",))}, deny=("ep_*",))
+
+
+async def test_a_plugin_denied_while_the_task_runs_fails_it_with_plugin_denied(sqlite_store: SqliteStore,
+                                                                              tmp_path: Path) -> None:
+    gate = anyio.Event()
+
+    async def first(ctx: TaskContext) -> None:
+        await gate.wait()
+
+    types = {"audit": TypeSettings(plugins=("first", "report"))}
+    async with running_node(sqlite_store, {"first": first, "report": report}, types=types,
+                            work_root=tmp_path) as node:
+        task_id = await node.submit("audit", max_attempts=3)
+        await node.until(lambda: "plugin.started" in node.names(task_id))
+        node.engine.registry.deny = ("rep*",)  # the operator's new policy reaches a running attempt
+        gate.set()
+        task = await node.finished(task_id)
+    assert task.state is State.FAILED
+    code, message = error_of(task)
+    assert code == "plugin_denied" and "'report'" in message and "'audit'" in message
+    assert len(task.attempts) == 1 and task.results == ()
+
+
+# network built-ins
+
+
+@pytest.fixture
+async def web_server() -> AsyncIterator[str]:
+    async def hello(request: web.Request) -> web.Response:
+        return web.Response(text="hello", headers={"X-Probe": "yes"})
+
+    app = web.Application()
+    app.router.add_get("/", hello)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}/"
+    finally:
+        await runner.cleanup()
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])  # nothing listens once it is closed
+
+
+async def test_tcp_connect_reports_open_and_closed_ports_of_a_loopback_target(sqlite_store: SqliteStore,
+                                                                               tmp_path: Path) -> None:
+    registry = registry_of({}, {"ports": TypeSettings(plugins=("tcp_connect",))})
+    shut = closed_port()
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, \
+            running_node(sqlite_store, {}, registry=registry, work_root=tmp_path) as node:
+        port = listener.extra(SocketAttribute.local_port)
+        task = await node.finished(await node.submit("ports", {"target": "127.0.0.1", "ports": [port, shut]}))
+    assert task.state is State.COMPLETED
+    [result] = task.results
+    assert result.plugin == "tcp_connect" and result.final
+    assert result.payload["ports"] == {str(port): "open", str(shut): "closed"}
+    assert result.payload["open"] == [port]
+
+
+async def test_http_probe_reports_status_and_headers_of_a_loopback_server(sqlite_store: SqliteStore,
+                                                                          tmp_path: Path, web_server: str) -> None:
+    registry = registry_of({}, {"web": TypeSettings(plugins=("http_probe",))})
+    async with running_node(sqlite_store, {}, registry=registry, work_root=tmp_path) as node:
+        task = await node.finished(await node.submit("web", {"url": web_server}))
+    assert task.state is State.COMPLETED
+    [result] = task.results
+    assert result.payload["status"] == 200 and result.payload["headers"]["x-probe"] == "yes"
+    assert result.payload["tls"] is None and result.payload["final_url"] == web_server
