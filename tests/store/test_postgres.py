@@ -1,0 +1,332 @@
+"""PostgreSQL-only behaviour: several nodes on one schema, the schema's version, driver failures.
+
+Runs against the real server (tests/conftest.py: skipped with a reason when none is reachable,
+failed when CI is set). Each test gets a schema of its own, dropped afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+from collections import Counter
+from collections.abc import AsyncIterator
+from fnmatch import fnmatchcase
+
+import asyncpg
+import pytest
+
+from tidepool.errors import ConfigError, LeaseLost, StoreUnavailable
+from tidepool.lifecycle import RetryPolicy
+from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, Outcome, Phase, State, Worker
+from tidepool.schedules import Schedule
+from tidepool.store import PhaseNote, postgres
+from tidepool.store.postgres import SCHEMA_VERSION, PostgresStore
+
+T0 = 1_700_000_000.0
+LEASE_S = 30.0
+POLICY = RetryPolicy(base_s=2.0, max_s=300.0, jitter=0.1, max_interruptions=2)
+ANY = ClaimFilter()
+SUCCEEDED = Outcome(AttemptStatus.SUCCEEDED)
+
+
+@contextlib.asynccontextmanager
+async def nodes(url: str, schema: str, n: int) -> AsyncIterator[list[PostgresStore]]:
+    """n stores on one schema, as n daemons on n hosts would open it (all migrating at once)."""
+    stores = [PostgresStore(url, schema=schema) for _ in range(n)]
+    await asyncio.gather(*(s.open() for s in stores))
+    try:
+        yield stores
+    finally:
+        for s in stores:
+            await s.close()
+
+
+async def admin_fetch(url: str, sql: str, *args: object) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(url)
+    try:
+        return await conn.fetch(sql, *args)
+    finally:
+        await conn.close()
+
+
+async def drain(store: PostgresStore, worker: Worker, where: ClaimFilter, limit: int) -> list[Claimed]:
+    mine: list[Claimed] = []
+    while got := await store.claim(worker, where, limit=limit, now=T0 + 1, lease_s=LEASE_S):
+        mine.extend(got)
+        await asyncio.sleep(0)
+    return mine
+
+
+async def test_two_nodes_claiming_at_once_never_claim_a_task_twice(postgres_schema: tuple[str, str]) -> None:
+    url, schema = postgres_schema
+    async with nodes(url, schema, 2) as (a, b):
+        ids = await a.add_many([NewTask("noop", {"n": n}) for n in range(500)], now=T0)
+        # Filters that differ per claimer: claims of one node also race each other, ungrouped.
+        claimers = [
+            drain(store, Worker(f"node-{k}", f"{k}-1", f"w{i}"), ClaimFilter((glob,)), 1 + i % 4)
+            for k, store in enumerate((a, b))
+            for i, glob in enumerate(("*", "*", "noop", "no*", "n?op"))
+        ]
+        claimed = [c for mine in await asyncio.gather(*claimers) for c in mine]
+        assert Counter(c.task.id for c in claimed) == Counter(ids)
+        assert {c.task.node_id for c in claimed} == {"node-0", "node-1"}  # both nodes got work
+        rows = await admin_fetch(url, f'SELECT task_id, count(*) FROM "{schema}".attempts GROUP BY task_id')
+        assert len(rows) == 500 and {r[1] for r in rows} == {1}
+        assert await a.renew([c.lease for c in claimed], now=T0 + 2, lease_s=LEASE_S) == {}
+
+
+async def test_two_nodes_expiring_at_once_expire_each_lease_once(postgres_schema: tuple[str, str]) -> None:
+    url, schema = postgres_schema
+    async with nodes(url, schema, 2) as (a, b):
+        ids = await a.add_many([NewTask("noop", max_attempts=3) for _ in range(600)], now=T0)
+        claimed = await drain(a, Worker("node-a", "a-1", "w1"), ANY, 64)
+        assert len(claimed) == 600
+        late = T0 + LEASE_S + 5
+        passes = await asyncio.gather(*(s.expire_leases(now=late, policy=POLICY) for s in (a, b, a, b)))
+        expired = Counter(e.task_id for p in passes for e in p)
+        assert expired == Counter(ids)
+        rows = await admin_fetch(
+            url,
+            f"SELECT task_id, count(*) FILTER (WHERE status = 'expired') FROM \"{schema}\".attempts GROUP BY task_id",
+        )
+        assert {r[1] for r in rows} == {1} and len(rows) == 600
+        assert (await b.counts()) == {State.RETRY_WAIT: 600}
+
+
+async def test_two_nodes_promote_and_cancel_each_task_once(postgres_schema: tuple[str, str]) -> None:
+    url, schema = postgres_schema
+    async with nodes(url, schema, 2) as (a, b):
+        await a.add_many([NewTask("noop") for _ in range(300)], now=T0)
+        claimed = await drain(a, Worker("node-a", "a-1", "w1"), ANY, 50)
+        failing = Outcome(AttemptStatus.FAILED)
+        for c in claimed[:150]:
+            assert await a.finish(c.lease, failing, now=T0 + 2, policy=POLICY) is State.RETRY_WAIT
+        for c in claimed[150:]:
+            assert await b.request_cancel(c.task.id, now=T0 + 2) is State.CANCELLING
+        promoted = await asyncio.gather(*(s.promote_due(now=T0 + 3600) for s in (a, b, a, b)))
+        cancelled = await asyncio.gather(*(s.finish_cancels(now=T0 + 3600, deadline_s=60) for s in (a, b, a, b)))
+        assert sum(promoted) == 150
+        assert Counter(i for p in cancelled for i in p) == Counter(c.task.id for c in claimed[150:])
+        assert (await a.counts()) == {State.PENDING: 150}
+
+
+async def test_grouped_completions_answer_each_worker_alone(postgres_schema: tuple[str, str]) -> None:
+    url, schema = postgres_schema
+    async with nodes(url, schema, 1) as (store,):
+        await store.add_many([NewTask("noop") for _ in range(40)], now=T0)
+        claimed = await drain(store, Worker("node-a", "a-1", "w1"), ANY, 40)
+        await store.request_cancel(claimed[0].task.id, now=T0 + 1)
+        leases = [c.lease for c in claimed]
+        leases[1:3] = [dataclasses.replace(x, token="0" * 32) for x in leases[1:3]]  # stale tokens
+        finishes = [store.finish(x, SUCCEEDED, now=T0 + 2, policy=POLICY) for x in leases]
+        outcomes = await asyncio.gather(*finishes, return_exceptions=True)
+        assert outcomes[0] is State.CANCELLED  # the cancel wins over the success, as the contract says
+        assert all(isinstance(o, LeaseLost) for o in outcomes[1:3])
+        assert outcomes[3:] == [State.COMPLETED] * 37
+        assert (await store.counts()) == {State.LEASED: 2}
+        rows = await admin_fetch(url, f"SELECT count(*) FROM \"{schema}\".attempts WHERE status = 'succeeded'")
+        assert rows[0][0] == 37
+
+
+async def test_caller_cancelled_mid_claim_does_not_fail_the_others(postgres_schema: tuple[str, str]) -> None:
+    url, schema = postgres_schema
+    async with nodes(url, schema, 1) as (store,):
+        await store.add_many([NewTask("noop") for _ in range(20)], now=T0)
+        worker = Worker("node-a", "a-1", "w")
+        calls = [asyncio.ensure_future(store.claim(worker, ANY, limit=1, now=T0, lease_s=LEASE_S)) for _ in range(10)]
+        await asyncio.sleep(0)
+        calls[0].cancel()
+        calls[5].cancel()
+        done = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(done[i], asyncio.CancelledError) for i in (0, 5))
+        assert all(isinstance(d, list) and len(d) == 1 for i, d in enumerate(done) if i not in (0, 5))
+        assert len(await drain(store, worker, ANY, 20)) >= 10  # what the cancelled callers took expires
+
+
+async def test_multi_row_writes_over_the_same_leases_do_not_deadlock(postgres_schema: tuple[str, str]) -> None:
+    url, schema = postgres_schema
+    async with nodes(url, schema, 2) as (a, b):
+        await a.add_many([NewTask("noop") for _ in range(60)], now=T0)
+        claimed = await drain(a, Worker("node-a", "a-1", "w1"), ANY, 60)
+        leases = [c.lease for c in claimed]
+        writes = []
+        for k in range(6):  # the same rows, in opposite orders, from both nodes at once
+            order = leases if k % 2 else leases[::-1]
+            writes.append((a if k % 2 else b).renew(order, now=T0 + 2, lease_s=LEASE_S))
+            writes.append((b if k % 2 else a).set_phase([PhaseNote(x, Phase.RUN) for x in order], now=T0 + 2))
+        writes.extend(a.finish(x, SUCCEEDED, now=T0 + 2, policy=POLICY) for x in leases[::7])
+        outcomes = await asyncio.gather(*writes, return_exceptions=True)
+        assert not [o for o in outcomes if isinstance(o, StoreUnavailable)]
+
+
+@pytest.mark.parametrize(
+    "glob",
+    [
+        "scan*",
+        "s?an",
+        "*.*",
+        "[sS]can",
+        "[!s]*",
+        "a[]]b",
+        "a[!]]b",
+        "a[-]b",
+        "[a-c]*",
+        "[c-a]*",
+        "[!c-a]",
+        "a[b",
+        "x\\y",
+        "a*b",
+        "[[]x]",
+        "^$",
+        "(a)",
+        "a%b",
+        "a_b",
+        "[!]",
+        "!x",
+        "ü*",
+        "a[a-c-e]b",
+        "[az-ab]*",
+        "a.b",
+    ],
+)
+async def test_type_globs_match_as_fnmatch_does(postgres_schema: tuple[str, str], glob: str) -> None:
+    types = [
+        "scan",
+        "scan.deep",
+        "Scan",
+        "s",
+        "a*b",
+        "a-b",
+        "a]b",
+        "a[b",
+        "x\\y",
+        "ü",
+        "üx",
+        "a\nb",
+        "[x]",
+        "^$",
+        "a.b",
+        "axb",
+        "(a)",
+        "a%b",
+        "a_b",
+        "aXb",
+        "!x",
+        "c",
+        "d",
+        "a-b",
+        "aeb",
+        "adb",
+        "abb",
+        "b",
+        "z",
+    ]
+    url, schema = postgres_schema
+    async with nodes(url, schema, 1) as (store,):
+        await store.add_many([NewTask(t) for t in types], now=T0)
+        claimed = await drain(store, Worker("n", "i", "w"), ClaimFilter((glob,)), 100)
+        assert sorted(c.task.type for c in claimed) == sorted(t for t in types if fnmatchcase(t, glob))
+
+
+async def test_payloads_round_trip_exactly(postgres_schema: tuple[str, str]) -> None:
+    payload = {"nul": "a\u0000b", "big": 2**70, "float": 0.1, "nested": {"z": 1, "a": [True, None]}}
+    url, schema = postgres_schema
+    async with nodes(url, schema, 1) as (store,):
+        task, _ = await store.add(NewTask("noop", payload), now=T0)
+        assert (await store.get(task.id)).payload == payload
+        assert list((await store.get(task.id)).payload["nested"]) == ["z", "a"]  # key order kept
+
+
+async def test_open_without_migrate_on_an_empty_schema_says_run_migrate(postgres_schema: tuple[str, str]) -> None:
+    url, schema = postgres_schema
+    store = PostgresStore(url, schema=schema)
+    with pytest.raises(StoreUnavailable, match="tidepool migrate"):
+        await store.open(migrate=False)
+    async with nodes(url, schema, 3):  # three nodes migrating at once: one creates, two find it done
+        rows = await admin_fetch(url, f'SELECT version FROM "{schema}".schema_version')
+        assert sorted(r[0] for r in rows) == list(range(1, SCHEMA_VERSION + 1))
+    await store.open(migrate=False)
+    await store.close()
+
+
+async def test_an_older_schema_is_upgraded_in_place_by_migrate(
+    postgres_schema: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, schema = postgres_schema
+    monkeypatch.setattr(postgres, "SCHEMA_VERSION", 1)  # what the previous release created
+    async with nodes(url, schema, 1) as (old,):
+        task, _ = await old.add(NewTask("noop", {"kept": True}), now=T0)
+    monkeypatch.undo()
+    with pytest.raises(StoreUnavailable, match=rf"version 1, needs {SCHEMA_VERSION}: run `tidepool migrate`"):
+        await PostgresStore(url, schema=schema).open(migrate=False)
+    async with nodes(url, schema, 2) as (a, _):
+        assert (await a.get(task.id)).payload == {"kept": True}
+        assert await a.list_schedules() == []
+
+
+async def test_two_nodes_firing_schedules_at_once_fire_each_tick_once(postgres_schema: tuple[str, str]) -> None:
+    url, schema = postgres_schema
+    async with nodes(url, schema, 2) as (a, b):
+        for name in ("one", "two", "three"):
+            await a.save_schedule(Schedule(name, "noop", every_s=1.0), now=0.5)
+        for second in range(1, 6):
+            passes = [s.fire_schedules(now=second + 0.1, max_attempts=3) for s in (a, b, a, b)]
+            fired = [f for p in await asyncio.gather(*passes) for f in p]
+            assert sorted(f.schedule for f in fired) == ["one", "three", "two"]
+        keys = [t.idempotency_key for t in (await a.list_tasks(limit=100)).tasks]
+        assert len(keys) == 15 and len(set(keys)) == 15
+
+
+async def test_schema_newer_than_this_tidepool_is_refused(postgres_schema: tuple[str, str]) -> None:
+    url, schema = postgres_schema
+    async with nodes(url, schema, 1):
+        await admin_fetch(url, f'INSERT INTO "{schema}".schema_version VALUES ($1, 0)', SCHEMA_VERSION + 1)
+    with pytest.raises(StoreUnavailable, match="upgrade tidepool"):
+        await PostgresStore(url, schema=schema).open()
+
+
+async def test_unreachable_server_raises_store_unavailable() -> None:
+    store = PostgresStore("postgresql://postgres@127.0.0.1:1/test", schema="t_unreachable")
+    with pytest.raises(StoreUnavailable, match=r"127\.0\.0\.1:1") as caught:
+        await store.open()
+    assert isinstance(caught.value.__cause__, OSError)
+    with pytest.raises(StoreUnavailable, match="not open"):
+        await store.counts()
+
+
+async def test_store_serves_again_after_the_server_drops_its_connections(postgres_schema: tuple[str, str]) -> None:
+    url, schema = postgres_schema
+    async with nodes(url, schema, 1) as (store,):
+        task, _ = await store.add(NewTask("noop"), now=T0)
+        killed = await admin_fetch(
+            url,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+            f"tidepool {schema}",
+        )
+        assert killed
+        outcomes: list[object] = []
+        for _ in range(12):  # each pooled connection the server dropped may fail one call, then is replaced
+            try:
+                outcomes.append((await store.get(task.id)).id)
+            except StoreUnavailable as exc:
+                assert isinstance(exc.__cause__, postgres.DRIVER_ERRORS)
+                outcomes.append(exc)
+        assert outcomes[-5:] == [task.id] * 5
+
+
+def test_schema_must_be_a_plain_name() -> None:
+    with pytest.raises(ConfigError, match="schema"):
+        PostgresStore("postgresql://localhost/db", schema='x"; DROP TABLE y; --')
+
+
+async def test_list_and_get_show_attempts_and_results(postgres_schema: tuple[str, str]) -> None:
+    url, schema = postgres_schema
+    async with nodes(url, schema, 1) as (store,):
+        await store.add(NewTask("noop", {"x": 1}), now=T0)
+        (c,) = await store.claim(Worker("n", "i", "w"), ANY, limit=1, now=T0, lease_s=LEASE_S)
+        rows = await admin_fetch(url, f'SELECT payload FROM "{schema}".tasks')
+        assert json.loads(rows[0][0]) == {"x": 1}
+        page = await store.list_tasks()
+        assert [a.id for a in page.tasks[0].attempts] == [c.lease.attempt_id]
