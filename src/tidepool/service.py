@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from functools import partial
@@ -31,6 +32,7 @@ from .leases import LeaseKeeper
 from .lifecycle import retry_policy
 from .metrics import Metrics
 from .model import QUEUED, ClaimFilter, NewTask, State, Task, new_id
+from .nodes import HEARTBEAT_S, Heartbeat
 from .plugins import Registry
 from .pool import Pool, PoolConfig
 from .reconciler import Reconciler, ReconcilerConfig
@@ -38,7 +40,7 @@ from .resources import ResourcePool
 from .scheduler import Scheduler
 from .schedules import Schedule, validate
 from .settings import Settings
-from .store import Store, open_store
+from .store import Node, Store, open_store
 from .systemd import Notifier, StatusReporter, run_watchdog
 
 log = logging.getLogger("tidepool.service")
@@ -86,6 +88,8 @@ class Daemon:
                                      policy=lambda: self.engine.policy, wake=self.pool.wake)
         self.scheduler = Scheduler(self.store, self.events, max_attempts=lambda: self.settings.retry.max_attempts,
                                    wake=self.pool.wake)
+        self.started_at = time.time()
+        self.heartbeat = Heartbeat(self.store, self._describe)
         self._shutdown = anyio.Event()
         self._forced = False
         self._drain_wait: anyio.CancelScope | None = None  # a second SIGINT cuts the current wait short
@@ -111,16 +115,19 @@ class Daemon:
         with self._node_lock():
             await self.store.open(migrate=self.settings.store.migrate)
             try:
+                await self.store.lock_node(self.node_id, self.instance_id)  # PostgreSQL: one process per node id
                 await self.reconciler.recover(node_id=self.node_id, instance_id=self.instance_id)
                 await self.scheduler.sync_config(self.settings.schedules)
                 async with anyio.create_task_group() as tg:
+                    await tg.start(self._handle_signals)  # first: from here on a SIGTERM drains, never kills
                     await tg.start(self.leases.run)
+                    await tg.start(partial(self.store.watch, self.pool.wake))  # other nodes' submits wake us
+                    await tg.start(self.heartbeat.run)
                     await tg.start(self.guards.run)  # measured before the first claim
                     await tg.start(partial(serve_api, self, self.settings.api.listen, token=token))
                     await tg.start(self.pool.run)
                     await tg.start(self.reconciler.run)
                     await tg.start(self.scheduler.run)
-                    tg.start_soon(self._handle_signals)
                     tg.start_soon(self._report_status)
                     tg.start_soon(self._watchdog)
                     self.ready = True  # /readyz answers 200 from here: before systemd hears READY=1
@@ -131,6 +138,7 @@ class Daemon:
                     task_status.started()
                     await self._shutdown.wait()
                     await self._drain()
+                    await self.heartbeat.leave()
                     tg.cancel_scope.cancel()
             finally:
                 with anyio.CancelScope(shield=True):
@@ -165,8 +173,9 @@ class Daemon:
                             self.node_id, self.pool.statistics().busy, stop_s)
         self.events.close()
 
-    async def _handle_signals(self) -> None:
+    async def _handle_signals(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            task_status.started()
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     await self.reload()
@@ -185,6 +194,8 @@ class Daemon:
 
     async def _report_status(self) -> None:
         """STATUS= on change, at most once a second (SPEC §9)."""
+        if not self.notifier.enabled:
+            return  # nobody listens: an idle node should not query its store every second
         reporter = StatusReporter(self.notifier)
         while True:
             stats = self.pool.statistics()
@@ -297,6 +308,17 @@ class Daemon:
             "resources": self.resources.statistics().to_json(),
             "pending_restart": self.pending_restart,
         }
+
+    async def nodes_view(self) -> list[dict[str, Any]]:
+        now = time.time()
+        return [node.to_json(now=now) for node in await self.store.list_nodes()]
+
+    def _describe(self, now: float) -> Node:
+        """This node as the registry records it, with the figures that change live."""
+        s = self.settings
+        tags = tuple(tuple(sorted(r.tags)) for r in self._boot_settings.resources.values())
+        return Node(self.node_id, self.instance_id, socket.gethostname(), os.getpid(), __version__, self.started_at,
+                    now, HEARTBEAT_S, tuple(s.pool.task_types), tags, self.pool.config.max_workers)
 
     async def schedules_view(self) -> list[dict[str, Any]]:
         views = []

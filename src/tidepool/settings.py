@@ -207,6 +207,16 @@ class Settings(BaseSettings):
         # env beats file beats default; the file's content arrives as init arguments.
         return env_settings, init_settings
 
+    @model_validator(mode="before")
+    @classmethod
+    def _database_in_state_dir(cls, data: Any) -> Any:
+        """Without a store.url the SQLite file lives in node.state_dir (SPEC §5)."""
+        if isinstance(data, dict) and isinstance(data.get("store", {}), dict) and not data.get("store", {}).get("url"):
+            node = data.get("node", {})
+            state_dir = node.get("state_dir", "./var") if isinstance(node, dict) else node.state_dir
+            data = {**data, "store": {**data.get("store", {}), "url": f"sqlite:///{state_dir}/tidepool.db"}}
+        return data
+
     @property
     def all_types(self) -> dict[str, TypeSettings]:
         return {**BUILTIN_TYPES, **self.types}

@@ -1,0 +1,215 @@
+"""API load: many concurrent HTTP clients submitting, and SSE subscribers that must miss nothing.
+
+submit  one daemon (default pool: 2..16 workers); --clients aiohttp clients, each with its own session
+        and connection, submit --tasks noop tasks in total with POST /v1/tasks, one at a time each.
+        Every POST must answer 201 and every task must end completed (checked in the SQLite file).
+        Latency is the client-side POST round trip; "accepted/s" is tasks / (first POST .. last 201).
+sse     a fresh daemon per run; --subscribers clients follow GET /v1/events (unfiltered) and then
+        --sse-tasks noop tasks go in as one batch. Each subscriber must receive every event of every
+        task: a contiguous run of event ids (no gap, no repeat) and, per task, the nine events of a
+        noop task in order. Drain throughput = tasks / (first attempt start .. last finish), both
+        stamped by the daemon; the same run without subscribers gives the ratio (median of --runs,
+        runs alternating). The subscribers run in this process, on the same CPUs as the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+from _harness import FSYNC_NOTE, Daemon, Figure, arguments, median, report, reproduce, temp_dir
+
+DEFAULTS: dict[str, Any] = {"clients": 200, "tasks": 10_000, "subscribers": 20, "sse_tasks": 1000, "runs": 3}
+NOOP_EVENTS = ("task.created", "task.leased", "task.phase", "task.phase", "task.phase", "plugin.started",
+               "plugin.finished", "task.phase", "task.finished")
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered), math.ceil(p / 100 * len(ordered))) - 1)]
+
+
+# submit load
+
+
+async def submit_load(daemon: Daemon, clients: int, tasks: int) -> tuple[list[float], float, int]:
+    """(POST latencies in s, seconds from the first POST to the last answer, non-201 answers)."""
+    per_client = [tasks // clients + (1 if i < tasks % clients else 0) for i in range(clients)]
+    latencies: list[float] = []
+    refused = 0
+
+    async def client(n: int) -> None:
+        nonlocal refused
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+            for _ in range(n):
+                before = time.perf_counter()
+                async with session.post(f"{daemon.url}/v1/tasks", json={"type": "noop"}) as r:
+                    await r.read()
+                    latencies.append(time.perf_counter() - before)
+                    refused += r.status != 201
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client(n) for n in per_client))
+    return latencies, time.perf_counter() - started, refused
+
+
+def bench_submit(root: Path, clients: int, tasks: int) -> list[Figure]:
+    daemon = Daemon(root / "submit")
+    daemon.start()
+    try:
+        first_post = time.monotonic()
+        latencies, elapsed, refused = asyncio.run(submit_load(daemon, clients, tasks))
+        finished = daemon.wait_drained(poll_s=0.1, timeout_s=600) - first_post
+    finally:
+        code = daemon.stop()
+    (completed,), = daemon.query("SELECT count(*) FROM tasks WHERE state = 'completed'")
+    (stored,), = daemon.query("SELECT count(*) FROM tasks")
+    if code != 0 or refused or completed != tasks or stored != tasks:
+        raise RuntimeError(f"submit: exit {code}, {refused} refused, {stored} stored, {completed} of {tasks} "
+                           f"completed: {daemon.log_tail()}")
+    b, note = "api_load", f"{clients} clients, n={tasks}"
+    return [
+        Figure(b, "submit: accepted (201) and completed", completed, "tasks", f"of {tasks}, none refused"),
+        Figure(b, "submit: accepted/s (first POST .. last 201)", tasks / elapsed, "tasks/s", note),
+        Figure(b, "submit: POST latency p50", 1000 * percentile(latencies, 50), "ms", note),
+        Figure(b, "submit: POST latency p99", 1000 * percentile(latencies, 99), "ms", note),
+        Figure(b, "submit: POST latency max", 1000 * max(latencies), "ms", note),
+        Figure(b, "submit: first POST .. all completed seen", finished, "s", note),
+    ]
+
+
+# SSE fan-out
+
+
+class Subscriber:
+    """Reads the raw stream, keeping each event's id and (name, task_id)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.by_task: dict[str, list[str]] = {}
+        self.finished = 0
+        self.connected = asyncio.Event()
+
+    async def follow(self, session: aiohttp.ClientSession, url: str, tasks: int) -> None:
+        async with session.get(f"{url}/v1/events", timeout=aiohttp.ClientTimeout(total=None)) as r:
+            buffer = b""
+            async for chunk in r.content.iter_any():
+                buffer += chunk
+                *frames, buffer = buffer.split(b"\n\n")
+                for frame in frames:
+                    self.take(frame)
+                if self.finished >= tasks:
+                    return
+
+    def take(self, frame: bytes) -> None:
+        fields = dict(line.split(b": ", 1) for line in frame.split(b"\n") if b": " in line and line[:1] != b":")
+        if frame.startswith(b": connected"):
+            self.connected.set()
+        if b"id" not in fields:
+            return
+        self.ids.append(int(fields[b"id"]))
+        name = fields[b"event"].decode()
+        task_id = json.loads(fields[b"data"]).get("task_id")
+        if task_id is not None:
+            self.by_task.setdefault(task_id, []).append(name)
+            self.finished += name == "task.finished"
+
+    def problems(self, ids: list[str]) -> list[str]:
+        found = []
+        if self.ids != list(range(self.ids[0], self.ids[0] + len(self.ids))):
+            found.append("event ids are not contiguous")
+        missing = [t for t in ids if tuple(self.by_task.get(t, ())) != NOOP_EVENTS]
+        if missing:
+            found.append(f"{len(missing)} tasks without their nine events in order")
+        return found
+
+
+async def sse_run(daemon: Daemon, subscribers: int, tasks: int) -> int:
+    """Subscribers connect, the batch goes in, all must see everything; the number of events each got."""
+    async with aiohttp.ClientSession() as session:
+        subs = [Subscriber() for _ in range(subscribers)]
+        followers = [asyncio.create_task(s.follow(session, daemon.url, tasks)) for s in subs]
+        await asyncio.wait_for(asyncio.gather(*(s.connected.wait() for s in subs)), 10)
+        async with session.post(f"{daemon.url}/v1/tasks/batch", json={"tasks": [{"type": "noop"}] * tasks}) as r:
+            ids: list[str] = (await r.json())["ids"]
+        await asyncio.wait_for(asyncio.gather(*followers), 300)
+    for i, sub in enumerate(subs):
+        if problems := sub.problems(ids):
+            raise RuntimeError(f"subscriber {i}: {'; '.join(problems)}")
+    return len(subs[0].ids) if subs else 0
+
+
+def drain_once(root: Path, subscribers: int, tasks: int) -> tuple[float, int, float, float]:
+    """(drain tasks/s from the daemon's own stamps, events each subscriber received, the daemon's CPU
+    seconds and this process's (the subscribers') CPU seconds from the submit to the end of the drain)."""
+    daemon = Daemon(root)
+    daemon.start()
+    try:
+        proc = psutil.Process(daemon.pid)
+        cpu_before, own_before = sum(proc.cpu_times()[:2]), time.process_time()
+        if subscribers:
+            events = asyncio.run(sse_run(daemon, subscribers, tasks))
+        else:
+            daemon.submit_batch([{"type": "noop"}] * tasks)
+            events = 0
+        daemon.wait_drained(poll_s=0.05, timeout_s=300)
+        cpu, own = sum(proc.cpu_times()[:2]) - cpu_before, time.process_time() - own_before
+    finally:
+        daemon.stop()
+    (completed,), = daemon.query("SELECT count(*) FROM tasks WHERE state = 'completed'")
+    (first, last), = daemon.query("SELECT (SELECT min(started_at) FROM attempts), max(finished_at) FROM tasks")
+    if completed != tasks:
+        raise RuntimeError(f"sse: {completed} of {tasks} completed: {daemon.log_tail()}")
+    return tasks / (last - first), events, cpu, own
+
+
+def bench_sse(root: Path, subscribers: int, tasks: int, runs: int) -> list[Figure]:
+    with_subs, without, events = [], [], 0
+    for run in range(runs):
+        with_subs.append(drain_once(root / f"sse-{run}", subscribers, tasks))
+        events = with_subs[-1][1]
+        without.append(drain_once(root / f"plain-{run}", 0, tasks))
+    b = "api_load"
+    note = f"median of {runs}, n={tasks}"
+    rate_with, rate_without = median([r[0] for r in with_subs]), median([r[0] for r in without])
+    return [
+        Figure(b, f"sse: events each of {subscribers} subscribers got", events, "events",
+               f"{tasks} tasks, all present, ids contiguous"),
+        Figure(b, f"sse: drain with {subscribers} subscribers", rate_with, "tasks/s", note),
+        Figure(b, "sse: drain without subscribers", rate_without, "tasks/s", note),
+        Figure(b, "sse: drain ratio with / without", rate_with / rate_without, "x",
+               "1.0 = subscribers cost nothing"),
+        Figure(b, f"sse: daemon CPU with {subscribers} subscribers", median([r[2] for r in with_subs]), "s",
+               f"submit .. drained, {note}"),
+        Figure(b, "sse: daemon CPU without subscribers", median([r[2] for r in without]), "s",
+               f"submit .. drained, {note}"),
+        Figure(b, "sse: the subscribers' own CPU (this process)", median([r[3] for r in with_subs]), "s",
+               "competes with the daemon for the same cores"),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(__doc__.splitlines()[0], **DEFAULTS).parse_args(argv)
+    with temp_dir("api-load") as tmp:
+        started = time.monotonic()
+        figures = bench_submit(tmp, args.clients, args.tasks)
+        submit_s = time.monotonic() - started
+        figures += bench_sse(tmp, args.subscribers, args.sse_tasks, args.runs)
+    report(f"api_load: {args.clients} HTTP clients x {args.tasks} submits; {args.subscribers} SSE subscribers",
+           figures, reproduce("api_load.py", args, DEFAULTS), args.summary,
+           [f"durable figures: {FSYNC_NOTE}", f"submit part took {submit_s:.0f}s including start and drain",
+            "clients, subscribers and the daemon share this machine's CPUs"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Throughput: enqueue rate through POST /v1/tasks/batch, drain rate of one daemon, and the store's ceiling.
+
+Per run (median of --runs):
+  enqueue  a daemon that accepts no task type (TIDEPOOL_POOL__TASK_TYPES='["nothing"]') takes N noop
+           tasks in batches of --batch; rate = N / (first POST .. last 201).
+  drain    that daemon is stopped; a fresh one with pool.min_workers = max_workers = --workers starts on
+           the same state dir with all N already queued; rate = N / (first claim .. last finish), both
+           times as the daemon recorded them in its SQLite file (read read-only afterwards). The same
+           queue, copied before draining, is drained again with pool.claim_batch = --claim-batch.
+  ceiling  no daemon: tidepool.store.sqlite.SqliteStore driven by --workers concurrent claim+finish
+           loops on the same N tasks; daemon / ceiling shows what the pool, engine and leases cost.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _harness import FSYNC_NOTE, Daemon, Figure, arguments, median, report, reproduce, temp_dir
+
+DEFAULTS: dict[str, Any] = {"n": 20_000, "batch": 1000, "workers": 32, "claim_batch": 16, "runs": 3}
+
+
+def enqueue(state_dir: Path, n: int, batch: int) -> float:
+    """Tasks/s accepted by a daemon that runs none of them."""
+    daemon = Daemon(state_dir, env={"TIDEPOOL_POOL__TASK_TYPES": '["nothing"]'})
+    daemon.start()
+    try:
+        bodies = [[{"type": "noop"}] * min(batch, n - i) for i in range(0, n, batch)]
+        started = time.perf_counter()
+        for body in bodies:
+            daemon.submit_batch(body)
+        elapsed = time.perf_counter() - started
+    finally:
+        code = daemon.stop()
+    if code != 0:
+        raise RuntimeError(f"enqueue daemon exited {code}: {daemon.log_tail()}")
+    return n / elapsed
+
+
+def copy_store(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True)
+    for name in ("tidepool.db", "tidepool.db-wal"):
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
+def drain(state_dir: Path, n: int, workers: int, claim_batch: int) -> tuple[float, float]:
+    """(tasks/s between first claim and last finish as stored, seconds from /readyz 200 to all completed seen).
+
+    The pool starts claiming a moment before the API answers, so the stored span is the fair one.
+    """
+    daemon = Daemon(state_dir, overrides={"pool": {"min_workers": workers, "max_workers": workers,
+                                                   "claim_batch": claim_batch}})
+    ready = daemon.start(timeout_s=60)
+    try:
+        seen = daemon.wait_drained(poll_s=0.05)
+    finally:
+        daemon.stop()
+    (completed,), = daemon.query("SELECT count(*) FROM tasks WHERE state = 'completed'")
+    (first, last), = daemon.query("SELECT (SELECT min(started_at) FROM attempts), max(finished_at) FROM tasks")
+    if completed != n:
+        raise RuntimeError(f"drain: {completed} of {n} tasks completed: {daemon.log_tail()}")
+    return n / (last - first), seen - ready
+
+
+def store_ceiling(state_dir: Path, n: int, workers: int, claim_batch: int) -> float:
+    """Tasks/s of `workers` concurrent claim+finish loops on SqliteStore itself (uvloop, like the daemon)."""
+    import anyio
+
+    from tidepool.lifecycle import RetryPolicy
+    from tidepool.model import AttemptStatus, ClaimFilter, NewTask, Outcome, Worker, new_id
+    from tidepool.store.sqlite import SqliteStore
+
+    async def main() -> float:
+        store = SqliteStore(state_dir / "ceiling.db")
+        await store.open()
+        try:
+            for i in range(0, n, 1000):
+                await store.add_many([NewTask("noop")] * min(1000, n - i), now=time.time())
+            instance, where, policy = new_id(), ClaimFilter(), RetryPolicy()
+            done = 0
+
+            async def loop(k: int) -> None:
+                nonlocal done
+                me = Worker("ceiling", instance, f"ceiling/w{k}")
+                while claimed := await store.claim(me, where, limit=claim_batch, now=time.time(), lease_s=30.0):
+                    for c in claimed:
+                        await store.finish(c.lease, Outcome(AttemptStatus.SUCCEEDED), now=time.time(),
+                                           policy=policy)
+                    done += len(claimed)
+
+            started = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for k in range(workers):
+                    tg.start_soon(loop, k)
+            elapsed = time.perf_counter() - started
+        finally:
+            await store.close()
+        if done != n:
+            raise RuntimeError(f"ceiling: {done} of {n} tasks finished")
+        return n / elapsed
+
+    rate: float = anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
+    return rate
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(__doc__.splitlines()[0], **DEFAULTS).parse_args(argv)
+    n, workers, cb = args.n, args.workers, args.claim_batch
+    rates: dict[str, list[float]] = {k: [] for k in ("enqueue", "drain1", "drainN", "ceil1", "ceilN", "wall1")}
+    for run in range(args.runs):
+        with temp_dir("throughput") as tmp:
+            rates["enqueue"].append(enqueue(tmp / "a", n, args.batch))
+            copy_store(tmp / "a", tmp / "b")
+            rate, wall = drain(tmp / "a", n, workers, 1)
+            rates["drain1"].append(rate)
+            rates["wall1"].append(wall)
+            rates["drainN"].append(drain(tmp / "b", n, workers, cb)[0])
+            rates["ceil1"].append(store_ceiling(tmp / "c1", n, workers, 1))
+            rates["ceilN"].append(store_ceiling(tmp / "c2", n, workers, cb))
+        print(f"  run {run + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()),
+              file=sys.stderr, flush=True)
+    m = {k: median(v) for k, v in rates.items()}
+    b, runs, fsync = "throughput", f"median of {args.runs}", "fsync ~0.1 ms here"
+    figures = [
+        Figure(b, f"enqueue, batches of {args.batch}", m["enqueue"], "tasks/s", f"{runs}, N={n}; {fsync}"),
+        Figure(b, f"drain, {workers} workers, claim_batch 1", m["drain1"], "tasks/s",
+               f"{runs}; first claim .. last finish; {fsync}"),
+        Figure(b, f"drain, {workers} workers, claim_batch {cb}", m["drainN"], "tasks/s", f"{runs}; {fsync}"),
+        Figure(b, f"store ceiling, {workers} loops, claim 1", m["ceil1"], "tasks/s", f"{runs}; SqliteStore alone"),
+        Figure(b, f"store ceiling, {workers} loops, claim {cb}", m["ceilN"], "tasks/s", f"{runs}; SqliteStore alone"),
+        Figure(b, "daemon / ceiling, claim_batch 1", 100 * m["drain1"] / m["ceil1"], "%"),
+        Figure(b, f"daemon / ceiling, claim_batch {cb}", 100 * m["drainN"] / m["ceilN"], "%"),
+        Figure(b, "drain wall, /readyz .. all completed seen", m["wall1"], "s",
+               "claim_batch 1; claiming starts just before /readyz"),
+    ]
+    report(f"throughput: N={n} noop tasks, SQLite store", figures, reproduce("throughput.py", args, DEFAULTS),
+           args.summary, [f"durable figures: {FSYNC_NOTE}"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

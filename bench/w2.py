@@ -1,0 +1,53 @@
+"""W2: many short sleeps on a full pool against the ideal of perfect packing.
+
+--tasks sleep tasks of --seconds each, submitted as one batch to a daemon with pool.min_workers =
+max_workers = --workers. Wall = first submit .. all completed seen (GET /v1/pool every 10 ms);
+ideal = tasks * seconds / workers. Median of --runs runs on one daemon (the queue is empty between).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from _harness import Figure, arguments, median, report, reproduce, running, temp_dir
+
+DEFAULTS: dict[str, Any] = {"tasks": 2000, "seconds": 0.05, "workers": 50, "runs": 3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(__doc__.splitlines()[0], **DEFAULTS).parse_args(argv)
+    ideal = args.tasks * args.seconds / args.workers
+    walls, spans = [], []
+    overrides = {"pool": {"min_workers": args.workers, "max_workers": args.workers}}
+    with temp_dir("w2") as tmp, running(tmp, overrides=overrides) as daemon:
+        for run in range(args.runs):
+            body = [{"type": "sleep", "payload": {"seconds": args.seconds}}] * args.tasks
+            started = time.monotonic()
+            ids = daemon.submit_batch(body)
+            walls.append(daemon.wait_drained(poll_s=0.01) - started)
+            marks = ",".join("?" * len(ids))
+            (done, first, last), = daemon.query(
+                f"SELECT count(*), min(created_at), max(finished_at) FROM tasks "
+                f"WHERE state = 'completed' AND id IN ({marks})", ids)
+            if done != args.tasks:
+                raise RuntimeError(f"run {run + 1}: {done} of {args.tasks} completed: {daemon.log_tail()}")
+            spans.append(last - first)
+            print(f"  run {run + 1}/{args.runs}: wall {walls[-1]:.3f}s, stored span {spans[-1]:.3f}s",
+                  file=sys.stderr, flush=True)
+    b, wall = "w2", median(walls)
+    figures = [
+        Figure(b, "wall, first submit .. all completed", wall, "s", f"median of {args.runs}"),
+        Figure(b, "ideal (tasks * seconds / workers)", ideal, "s"),
+        Figure(b, "wall / ideal", wall / ideal, "x"),
+        Figure(b, "stored span, created_at .. last finished_at", median(spans), "s", f"median of {args.runs}"),
+        Figure(b, "tasks completed per second", args.tasks / wall, "tasks/s"),
+    ]
+    report(f"w2: {args.tasks} x {args.seconds * 1000:.0f} ms sleeps at {args.workers} workers", figures,
+           reproduce("w2.py", args, DEFAULTS), args.summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

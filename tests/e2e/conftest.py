@@ -1,0 +1,269 @@
+"""The real daemon as a subprocess: `python -m tidepool run` on a free port, a temp state dir, real HTTP.
+
+`daemon` starts one node and stops it on teardown (SIGTERM, then SIGKILL); `make_daemon` builds more
+(another config, the same state dir). A daemon object can be SIGKILLed and started again on the same
+port and state dir. `cli` runs the `tidepool` command the way an operator would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+READY_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 10.0
+TERMINAL = frozenset({"completed", "failed", "timed_out", "cancelled"})
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes via a proxy
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test runner's environment without anything that would reconfigure the daemon."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TIDEPOOL_", "NOTIFY_SOCKET", "WATCHDOG_", "LISTEN_"))}
+    env.update(extra)
+    return env
+
+
+def to_toml(config: Mapping[str, Mapping[str, Any]]) -> str:
+    """Flat TOML sections of strings, numbers, booleans and lists (all a test config needs)."""
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, int | float):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        raise TypeError(f"cannot write {v!r} as TOML")
+
+    return "\n".join(f"[{section}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in keys.items())
+                     for section, keys in config.items())
+
+
+def merge(base: Mapping[str, Mapping[str, Any]], overrides: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """`overrides` over `base`, section by section; a key overridden with None is left out."""
+    merged = {section: dict(keys) for section, keys in base.items()}
+    for section, keys in overrides.items():
+        merged.setdefault(section, {}).update(keys)
+    return {section: {k: v for k, v in keys.items() if v is not None} for section, keys in merged.items()}
+
+
+@dataclass
+class Response:
+    status: int
+    body: Any
+
+    @property
+    def error(self) -> dict[str, Any]:
+        error: dict[str, Any] = self.body["error"]
+        return error
+
+
+class Daemon:
+    """One `tidepool run` subprocess; its config file, state dir and log live in `root`."""
+
+    def __init__(self, root: Path, config: Mapping[str, Mapping[str, Any]], *,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.root = root
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.state_dir = root / "var"
+        self.db_path = self.state_dir / "tidepool.db"
+        self.config = merge({
+            "node": {"id": "e2e-node", "state_dir": str(self.state_dir)},
+            "store": {"url": f"sqlite:///{self.db_path}"},
+            "api": {"listen": f"127.0.0.1:{self.port}"},
+            "pool": {"drain_timeout_s": 2.0},      # teardown never waits long for a test's leftovers
+            "guards": {"min_free_memory_mb": 0, "min_free_disk_mb": 0},
+            "log": {"level": "info"},
+        }, config)
+        self.config_path = root / f"tidepool-{self.port}.toml"
+        self.config_path.write_text(to_toml(self.config))
+        self.log_path = root / f"daemon-{self.port}.log"
+        self.env = clean_env(**(env or {}))
+        self.token: str | None = None  # sent as "Authorization: Bearer" when set
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    # the process
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> None:
+        """Spawn and wait until /readyz answers 200; fail at once if the process exits first."""
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- start on port {self.port}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tidepool", "run", "--config", str(self.config_path)],
+                cwd=self.root, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"daemon exited with {self.proc.returncode} before ready:\n{self.log()}")
+            with contextlib.suppress(OSError):
+                if self.request("GET", "/readyz", timeout_s=1.0).status == 200:
+                    return
+            time.sleep(0.02)
+        self.kill()
+        pytest.fail(f"daemon not ready within {READY_TIMEOUT_S}s:\n{self.log()}")
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after STOP_TIMEOUT_S; the exit code (negative: killed by that signal)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL: no drain, no cleanup, exactly like a power cut to the process."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    # HTTP
+
+    def request(self, method: str, path: str, body: Any = None, *, data: bytes | None = None,
+                content_type: str | None = "application/json", authorization: str | None = None,
+                timeout_s: float = 10.0) -> Response:
+        if body is not None:
+            data = json.dumps(body).encode()
+        headers = {"Content-Type": content_type} if data is not None and content_type else {}
+        if authorization is None and self.token is not None:
+            authorization = f"Bearer {self.token}"
+        if authorization:
+            headers["Authorization"] = authorization
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        try:
+            with _OPENER.open(req, timeout=timeout_s) as response:
+                status, raw = response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            with exc:
+                status, raw = exc.code, exc.read()
+        try:
+            parsed = json.loads(raw) if raw else None
+        except ValueError:
+            parsed = raw.decode(errors="replace")
+        return Response(status, parsed)
+
+    def get(self, path: str) -> Response:
+        return self.request("GET", path)
+
+    def post(self, path: str, body: Any = None) -> Response:
+        return self.request("POST", path, body)
+
+    def submit(self, type: str, payload: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+        r = self.post("/v1/tasks", {"type": type, "payload": payload or {}, **fields})
+        assert r.status == 201, r
+        task: dict[str, Any] = r.body
+        return task
+
+    def task(self, task_id: str) -> dict[str, Any]:
+        r = self.get(f"/v1/tasks/{task_id}")
+        assert r.status == 200, r
+        task: dict[str, Any] = r.body
+        return task
+
+    def wait_for(self, what: str, check: Callable[[], Any], *, timeout_s: float = 20.0,
+                 poll_s: float = 0.05) -> Any:
+        """Poll `check` until it returns something truthy; fail naming `what` at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            result = check()
+            if result:
+                return result
+            if time.monotonic() >= deadline:
+                pytest.fail(f"timed out after {timeout_s}s waiting for {what}; last: {result!r}\n{self.log()}")
+            time.sleep(poll_s)
+
+    def wait_terminal(self, task_id: str, *, timeout_s: float = 20.0) -> dict[str, Any]:
+        task: dict[str, Any] = self.wait_for(
+            f"task {task_id} to end", lambda: (t := self.task(task_id))["state"] in TERMINAL and t,
+            timeout_s=timeout_s)
+        return task
+
+    # the store, read behind the daemon's back
+
+    def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        conn = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True)
+        try:
+            return conn.execute(sql, args).fetchall()
+        finally:
+            conn.close()
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    """Build daemons (not started); every one still running at teardown gets SIGTERM, then SIGKILL."""
+    made: list[Daemon] = []
+
+    def make(config: Mapping[str, Mapping[str, Any]] | None = None, *, root: Path | None = None,
+             env: Mapping[str, str] | None = None) -> Daemon:
+        daemon = Daemon(root or tmp_path, config or {}, env=env or {})
+        made.append(daemon)
+        return daemon
+
+    yield make
+    for daemon in made:
+        daemon.stop()
+
+
+@pytest.fixture
+def daemon(make_daemon: Callable[..., Daemon]) -> Daemon:
+    """A started daemon with the test defaults."""
+    d = make_daemon()
+    d.start()
+    return d
+
+
+@pytest.fixture
+def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run the installed `tidepool` command from an empty directory (no ./config/tidepool.toml)."""
+    script = Path(sys.executable).with_name("tidepool")
+    prefix = [str(script)] if script.exists() else [sys.executable, "-m", "tidepool"]
+    workdir = tmp_path / "cli"
+    workdir.mkdir(exist_ok=True)
+
+    def run(*args: str, env: Mapping[str, str] | None = None,
+            timeout_s: float = 30.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*prefix, *args], cwd=workdir, env=clean_env(**(env or {})), capture_output=True,
+                              text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+
+    return run

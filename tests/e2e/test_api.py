@@ -1,0 +1,87 @@
+"""The HTTP API of a live daemon: cancel answers (SPEC rule 8, §9) and bad requests that change nothing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from .conftest import Daemon
+
+UNKNOWN_ID = "06H2NOSUCHTASK000000000000"
+
+
+@pytest.mark.e2e
+def test_cancel_of_a_running_task_stops_it_and_ends_it_cancelled(daemon: Daemon) -> None:
+    task = daemon.submit("sleep", {"seconds": 60})
+    daemon.wait_for("the task to run", lambda: daemon.task(task["id"])["phase"] == "run", timeout_s=10)
+
+    first = daemon.post(f"/v1/tasks/{task['id']}/cancel")
+    assert (first.status, first.body) == (202, {"state": "cancelling"})
+    ended = daemon.wait_terminal(task["id"], timeout_s=10)
+    assert ended["state"] == "cancelled"
+    assert [a["status"] for a in ended["attempts"]] == ["cancelled"]
+    assert ended["finished_at"] is not None and ended["phase"] is None
+    assert daemon.get("/v1/pool").body["busy"] == 0, "the worker must be free again"
+
+    again = daemon.post(f"/v1/tasks/{task['id']}/cancel")
+    assert (again.status, again.body) == (202, {"state": "cancelled"}), "a repeated cancel is a no-op"
+
+
+@pytest.mark.e2e
+def test_cancel_of_a_pending_task_is_immediate(daemon: Daemon) -> None:
+    later = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    task = daemon.submit("noop", available_at=later)
+    r = daemon.post(f"/v1/tasks/{task['id']}/cancel")
+    assert (r.status, r.body) == (202, {"state": "cancelled"})
+    ended = daemon.task(task["id"])
+    assert ended["state"] == "cancelled" and ended["attempts"] == []
+
+
+@pytest.mark.e2e
+def test_cancel_of_a_completed_task_is_409_and_of_an_unknown_one_404(daemon: Daemon) -> None:
+    task = daemon.submit("noop")
+    assert daemon.wait_terminal(task["id"])["state"] == "completed"
+
+    r = daemon.post(f"/v1/tasks/{task['id']}/cancel")
+    assert r.status == 409 and r.error["code"] == "conflict"
+    assert daemon.task(task["id"])["state"] == "completed", "a refused cancel changes nothing"
+
+    r = daemon.post(f"/v1/tasks/{UNKNOWN_ID}/cancel")
+    assert r.status == 404 and r.error["code"] == "not_found"
+    assert daemon.get(f"/v1/tasks/{UNKNOWN_ID}").status == 404
+
+
+@pytest.mark.e2e
+def test_bad_requests_are_refused_with_json_errors_and_change_nothing(make_daemon: Callable[..., Daemon]) -> None:
+    daemon = make_daemon({"api": {"max_body_kb": 1}})
+    daemon.start()
+
+    malformed = daemon.request("POST", "/v1/tasks", data=b'{"type": "noop",')
+    assert malformed.status == 400 and malformed.error["code"] == "invalid_json", malformed
+
+    wrong_type = daemon.request("POST", "/v1/tasks", data=json.dumps({"type": "noop"}).encode(),
+                                content_type="text/plain")
+    assert wrong_type.status == 415 and wrong_type.error["message"], wrong_type
+
+    no_type = daemon.request("POST", "/v1/tasks", data=b'{"type": "noop"}', content_type=None)
+    assert no_type.status == 415, no_type
+
+    unknown = daemon.post("/v1/tasks", {"type": "no-such-type"})
+    assert unknown.status == 400 and "type" in unknown.error["message"], unknown
+
+    extra = daemon.post("/v1/tasks", {"type": "noop", "colour": "red"})
+    assert extra.status == 400 and "colour" in extra.error["message"], extra
+
+    too_big = daemon.post("/v1/tasks", {"type": "noop", "payload": {"blob": "x" * 2048}})
+    assert too_big.status == 413 and too_big.error["code"] == "body_too_large", too_big
+
+    batch = daemon.post("/v1/tasks/batch", {"tasks": [{"type": "noop"}, {"type": "no-such-type"}]})
+    assert batch.status == 400 and "tasks.1.type" in batch.error["message"], batch
+
+    listed = daemon.get("/v1/tasks")
+    assert (listed.status, listed.body) == (200, {"tasks": [], "next_cursor": None})
+    assert not any(daemon.get("/v1/pool").body["queue"].values())
+    assert daemon.query("SELECT count(*) FROM tasks") == [(0,)]
