@@ -75,12 +75,13 @@ def _parser() -> argparse.ArgumentParser:
     for name, func, text in (("cancel", cmd_cancel, "cancel a task"), ("retry", cmd_retry, "retry a task")):
         add(name, func, text).add_argument("task_id")
     add("pool", cmd_pool, "workers, busy, queue depth, guards")
+    add("nodes", cmd_nodes, "nodes sharing the store, with liveness")
     add("schedules", cmd_schedules, "schedules with next/last run and last task state")
     p = add("config", cmd_config, "configuration tools")
     p.add_argument("action", choices=["check"])
     add("migrate", cmd_migrate, "create or upgrade the store schema")
     for p in sub.choices.values():
-        if p.prog.split()[-1] in ("show", "list", "pool", "schedules"):
+        if p.prog.split()[-1] in ("show", "list", "pool", "nodes", "schedules"):
             p.add_argument("--json", action="store_true", help="print JSON for scripts")
     return parser
 
@@ -334,6 +335,25 @@ def _guards_line(guards: dict[str, Any]) -> str:
         return f"{what} {'?' if free is None else free} MB free (floor {guards[f'min_free_{what}_mb']})"
 
     return f"{'tripped: ' + ', '.join(tripped) if tripped else 'ok'}; {figure('memory')}, {figure('disk')}"
+
+
+def cmd_nodes(args: argparse.Namespace, settings: Settings) -> int:
+    async def body(client: Client) -> int:
+        data = await client.request("GET", "/v1/nodes")
+        if args.json:
+            print(json.dumps(data, indent=2))
+            return OK
+        table = Table("node", "alive", "host", "pid", "version", "started", "heartbeat", "types", "tags", "max")
+        for n in data["nodes"]:
+            alive = Text("yes", style="green") if n["alive"] else Text("stopped" if n["stopped_at"] else "no",
+                                                                      style="red")
+            tags = "; ".join(",".join(t) for t in n["tags"]) or "-"
+            table.add_row(n["node_id"], alive, n["hostname"], str(n["pid"]), n["version"], n["started_at"],
+                          n["heartbeat_at"], ",".join(n["task_types"]), tags, str(n["max_workers"]))
+        Console().print(table)
+        return OK
+
+    return _with_client(args, settings, body)
 
 
 def cmd_schedules(args: argparse.Namespace, settings: Settings) -> int:

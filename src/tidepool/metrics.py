@@ -65,29 +65,32 @@ class _Counter:
 
 
 class _Histogram:
-    __slots__ = ("bounds", "labels", "series")
+    """One histogram with one label; observing is a dict lookup, a bisect and two list updates."""
 
-    def __init__(self, bounds: Sequence[float], *labels: str) -> None:
+    __slots__ = ("bounds", "label", "series")
+
+    def __init__(self, bounds: Sequence[float], label: str) -> None:
         self.bounds = tuple(bounds)
-        self.labels = labels
-        self.series: dict[Labels, list[float]] = {}  # per bucket (le), then +Inf, then the sum
+        self.label = label
+        self.series: dict[str, list[float]] = {}  # per bucket (le), then +Inf, then the sum
 
-    def observe(self, key: Labels, value: float) -> None:
-        series = self.series.get(key)
+    def observe(self, label: str, value: float) -> None:
+        series = self.series.get(label)
         if series is None:
-            series = self.series[key] = [0.0] * (len(self.bounds) + 2)
-        value = max(value, 0.0)  # event clocks are wall clocks: a step back must not go negative
+            series = self.series[label] = [0.0] * (len(self.bounds) + 2)
+        if value < 0.0:  # event clocks are wall clocks: a step back must not go negative
+            value = 0.0
         series[bisect.bisect_left(self.bounds, value)] += 1
         series[-1] += value
 
     def family(self, name: str, doc: str) -> HistogramMetricFamily:
-        family = HistogramMetricFamily(name, doc, labels=self.labels)
-        for key, series in self.series.items():
+        family = HistogramMetricFamily(name, doc, labels=[self.label])
+        for label, series in self.series.items():
             cumulative, buckets = 0.0, []
             for bound, count in zip((*self.bounds, math.inf), series, strict=False):
                 cumulative += count
                 buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), cumulative))
-            family.add_metric(list(key), buckets, sum_value=series[-1])
+            family.add_metric([label], buckets, sum_value=series[-1])
         return family
 
 
@@ -174,7 +177,7 @@ class Metrics:
     def _task_leased(self, d: dict[str, Any], ts: float) -> None:
         available_at = d.get("available_at")
         if available_at is not None:
-            self.pickup_latency.observe((d.get("type") or UNKNOWN,), ts - available_at)
+            self.pickup_latency.observe(d.get("type") or UNKNOWN, ts - available_at)
 
     def _task_phase(self, d: dict[str, Any], ts: float) -> None:
         task_id, phase = d["task_id"], d["phase"]
@@ -186,7 +189,7 @@ class Metrics:
         attempt = self._open.get(task_id)
         if attempt is None:
             return
-        self.phase_duration.observe((attempt[1],), ts - attempt[2])
+        self.phase_duration.observe(attempt[1], ts - attempt[2])
         if phase == "stop":
             attempt[3] = attempt[1] == "run"
         attempt[1], attempt[2] = phase, ts
@@ -194,7 +197,7 @@ class Metrics:
     def _plugin_finished(self, d: dict[str, Any], ts: float) -> None:
         duration_s = d.get("duration_s")
         if duration_s is not None:
-            self.plugin_duration.observe((d["plugin"],), duration_s)
+            self.plugin_duration.observe(d["plugin"], duration_s)
 
     def _task_retry_scheduled(self, d: dict[str, Any], ts: float) -> None:
         task_type = d.get("type") or UNKNOWN
@@ -215,8 +218,8 @@ class Metrics:
         attempt = self._open.pop(d["task_id"], None)
         if attempt is None:
             return
-        self.phase_duration.observe((attempt[1],), ts - attempt[2])
-        self.task_duration.observe((task_type,), ts - attempt[0])
+        self.phase_duration.observe(attempt[1], ts - attempt[2])
+        self.task_duration.observe(task_type, ts - attempt[0])
         if attempt[3]:  # a plugin was running when the attempt was stopped: was it stopped by us?
             reason = "lease_lost" if lost else _kill_reason(d.get("error"))
             if reason is not None:

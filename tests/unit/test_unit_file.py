@@ -1,5 +1,5 @@
-"""The shipped systemd unit and its CAP_NET_RAW drop-in: the settings the daemon relies on, and
-`systemd-analyze verify` finding no error in them."""
+"""The shipped systemd unit and its CAP_NET_RAW drop-in: the settings the daemon relies on,
+`systemd-analyze verify` finding no error in them, and the README's install steps agreeing."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+
+from tidepool import settings
 
 SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
 UNIT_TEXT = (SYSTEMD_DIR / "tidepool.service").read_text()
@@ -49,7 +52,7 @@ REQUIRED = [
     ("Service", "Type", "notify"),
     ("Service", "NotifyAccess", "main"),
     ("Service", "WatchdogSec", "30"),
-    ("Service", "ExecStart", "/usr/local/bin/tidepool run --config /etc/tidepool/tidepool.toml"),
+    ("Service", "ExecStart", "/opt/tidepool/bin/tidepool run --config /etc/tidepool/tidepool.toml"),
     ("Service", "ExecReload", "/bin/kill -HUP $MAINPID"),
     ("Service", "KillMode", "mixed"),
     ("Service", "Restart", "on-failure"),
@@ -57,8 +60,10 @@ REQUIRED = [
     ("Service", "User", "tidepool"),
     ("Service", "Group", "tidepool"),
     ("Service", "StateDirectory", "tidepool"),
+    ("Service", "StateDirectoryMode", "0750"),
     ("Service", "RuntimeDirectory", "tidepool"),
     ("Service", "ConfigurationDirectory", "tidepool"),
+    ("Service", "ConfigurationDirectoryMode", "0750"),
     ("Service", "WorkingDirectory", "/var/lib/tidepool"),
     ("Service", "UMask", "0027"),
     ("Service", "LimitNOFILE", "65536"),
@@ -92,11 +97,12 @@ def test_unit_sets(section: str, key: str, value: str) -> None:
     assert UNIT[section][key] == [value]
 
 
-def test_unit_points_the_daemon_at_its_state_directory() -> None:
-    assert sorted(UNIT["Service"]["Environment"]) == [
-        "TIDEPOOL_NODE__STATE_DIR=/var/lib/tidepool",
-        "TIDEPOOL_STORE__URL=sqlite:////var/lib/tidepool/tidepool.db",
-    ]
+def test_relative_paths_land_in_the_state_directory_and_nothing_overrides_the_config_file() -> None:
+    # The environment beats the file: a TIDEPOOL_STORE__URL here would silently win over the
+    # store.url an operator writes into /etc/tidepool/tidepool.toml.
+    assert "Environment" not in UNIT["Service"]
+    assert "EnvironmentFile" not in UNIT["Service"]
+    assert UNIT["Service"]["WorkingDirectory"] == ["/var/lib/" + UNIT["Service"]["StateDirectory"][0]]
 
 
 def test_stop_timeout_outlasts_drain_and_stop_phase() -> None:
@@ -187,3 +193,35 @@ def test_verify_catches_a_broken_unit(
     # Proves the filter above cannot hide a real error.
     errors, _ = verify(unit_text, drop_in_text, tmp_path)
     assert any(culprit in line for line in errors), errors
+
+
+# --- the README's "Install as a service" ---------------------------------------------------------
+
+README_TEXT = (SYSTEMD_DIR.parent / "README.md").read_text()
+
+
+def install_section() -> str:
+    assert "\n## Install as a service\n" in README_TEXT
+    return README_TEXT.split("\n## Install as a service\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_install_steps_match_the_unit() -> None:
+    section = install_section()
+    service = UNIT["Service"]
+    binary, _, args = service["ExecStart"][0].partition(" ")
+    assert binary.endswith("/bin/tidepool")
+    assert f"python3 -m venv {binary.removesuffix('/bin/tidepool')}\n" in section
+    config = args.split("--config ", 1)[1]
+    assert f"config/tidepool.toml {config}\n" in section, "the config is installed where ExecStart reads it"
+    assert f"useradd --system --no-create-home --home-dir /var/lib/{service['StateDirectory'][0]} " in section
+    assert section.count(f" {service['User'][0]}\n") >= 1
+    assert "install -m 0644 systemd/tidepool.service /etc/systemd/system/tidepool.service\n" in section
+    assert "systemd/cap-net-raw.conf /etc/systemd/system/tidepool.service.d/cap-net-raw.conf\n" in section
+    assert "systemctl enable --now tidepool\n" in section
+
+
+def test_readme_install_config_is_valid() -> None:
+    (toml_block,) = re.findall(r"```toml\n(.*?)```", install_section(), flags=re.DOTALL)
+    parsed = settings.parse(tomllib.loads(toml_block))
+    assert parsed.node.state_dir == Path("/var/lib/tidepool")
+    assert parsed.db_path() == Path("/var/lib/tidepool/tidepool.db")
