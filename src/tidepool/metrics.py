@@ -123,6 +123,8 @@ class Metrics:
         self.workers_started = _Counter("kind")
         self.workers_stopped = _Counter("kind", "reason")
         self.reloads = _Counter("result")
+        self.schedule_fired = _Counter("schedule")
+        self.schedule_skipped = _Counter("schedule", "reason")
         self._tripped = dict.fromkeys(GUARDS, 0)
         # task id -> [attempt start, current phase, phase start, stopped while a plugin ran]
         self._open: dict[str, list[Any]] = {}
@@ -141,6 +143,8 @@ class Metrics:
             "worker.stopped": self._worker_stopped,
             "guard.tripped": self._guard_tripped,
             "guard.cleared": self._guard_cleared,
+            "schedule.fired": self._schedule_fired,
+            "schedule.skipped": self._schedule_skipped,
         }
 
         self.registry = CollectorRegistry(auto_describe=False)
@@ -242,6 +246,12 @@ class Metrics:
     def _guard_tripped(self, d: dict[str, Any], ts: float) -> None:
         self._tripped[d["guard"]] = 1
 
+    def _schedule_fired(self, d: dict[str, Any], ts: float) -> None:
+        self.schedule_fired.inc((d["schedule"],))
+
+    def _schedule_skipped(self, d: dict[str, Any], ts: float) -> None:
+        self.schedule_skipped.inc((d["schedule"], d["reason"]), d.get("count", 1))
+
     def _guard_cleared(self, d: dict[str, Any], ts: float) -> None:
         self._tripped[d["guard"]] = 0
 
@@ -293,6 +303,9 @@ class Metrics:
         yield self.workers_started.family("tidepool_workers_started", "Worker coroutines started, by kind.")
         yield self.workers_stopped.family("tidepool_workers_stopped", "Worker coroutines stopped, by kind and reason.")
         yield self.reloads.family("tidepool_config_reloads", "SIGHUP reloads, applied or rejected.")
+        yield self.schedule_fired.family("tidepool_schedule_fired", "Schedule ticks that created a task, by schedule.")
+        yield self.schedule_skipped.family("tidepool_schedule_skipped",
+                                           "Schedule ticks skipped, by schedule and reason (overlap, missed).")
 
     def _pool_families(self) -> Iterator[Metric]:
         stats = self._pool()

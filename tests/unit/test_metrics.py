@@ -236,3 +236,13 @@ def test_each_metrics_object_has_its_own_registry() -> None:
     first, _, _ = make_metrics()
     second, _, _ = make_metrics()
     assert first.registry is not second.registry
+
+
+async def test_schedule_ticks_are_counted_per_schedule() -> None:
+    metrics, bus, _ = make_metrics()
+    bus.publish("schedule.fired", task_id="t1", worker_id=None, schedule="nightly", tick="2026-11-30T02:00:00Z")
+    bus.publish("schedule.fired", task_id="t2", worker_id=None, schedule="nightly", tick="2026-12-01T02:00:00Z")
+    bus.publish("schedule.skipped", task_id=None, worker_id=None, schedule="hourly", tick="x", reason="missed", count=3)
+    samples = await scrape(metrics)
+    assert value(samples, "tidepool_schedule_fired_total", schedule="nightly") == 2
+    assert value(samples, "tidepool_schedule_skipped_total", schedule="hourly", reason="missed") == 3
