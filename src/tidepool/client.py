@@ -8,6 +8,7 @@ import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 
@@ -80,8 +81,8 @@ class Client:
 
     async def list(self, *, state: str | None = None, type: str | None = None, limit: int = 50,
                    cursor: str | None = None) -> dict[str, Any]:
-        query = "&".join(f"{k}={v}" for k, v in (("state", state), ("type", type), ("limit", limit),
-                                                 ("cursor", cursor)) if v is not None)
+        query = urlencode([(k, v) for k, v in (("state", state), ("type", type), ("limit", limit),
+                                               ("cursor", cursor)) if v is not None])
         page: dict[str, Any] = await self.request("GET", f"/v1/tasks?{query}")
         return page
 
@@ -100,7 +101,7 @@ class Client:
     async def events(self, *, task_id: str | None = None, types: str | None = None,
                      last_event_id: int | None = None) -> AsyncIterator[dict[str, Any]]:
         """Follow GET /v1/events: each event's JSON data, as it happens."""
-        query = "&".join(f"{k}={v}" for k, v in (("task_id", task_id), ("type", types)) if v)
+        query = urlencode([(k, v) for k, v in (("task_id", task_id), ("type", types)) if v])
         headers = {"Last-Event-ID": str(last_event_id)} if last_event_id is not None else {}
         try:
             async with self._session.get(f"{self._base}/v1/events?{query}", headers=headers,

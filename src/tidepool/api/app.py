@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -38,6 +39,7 @@ DAEMON: web.AppKey[Daemon] = web.AppKey("daemon")
 TOKEN: web.AppKey[str | None] = web.AppKey("token")
 BODY_TIMEOUT_S = 30.0
 STATIC = Path(__file__).parent / "static"
+OPEN_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics"})  # and /static/: everything else needs the token
 UNAUTHORIZED = {"error": {"code": "unauthorized", "message": "a valid 'Authorization: Bearer <token>' is required"}}
 
 
@@ -74,12 +76,15 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
 
 @web.middleware
 async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every /v1 route needs the bearer token when one is configured; one answer for every failure."""
+    """With a token configured every route but the probes, metrics and the dashboard's files needs it;
+    one answer for every failure."""
     token = request.app[TOKEN]
-    if token is not None and request.path.startswith("/v1/"):
-        given = request.headers.get("Authorization", "")
-        scheme, _, value = given.partition(" ")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
+    if token is not None and request.path not in OPEN_PATHS and not request.path.startswith("/static/"):
+        scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+        # Digests of equal length: the comparison time says nothing about the token's length either.
+        # surrogateescape: a header of non-UTF-8 bytes is just a wrong token, not a 500.
+        given = hashlib.sha256(value.strip().encode("utf-8", "surrogateescape")).digest()
+        ok = hmac.compare_digest(given, hashlib.sha256(token.encode()).digest()) and scheme.lower() == "bearer"
         if not ok:
             return web.json_response(UNAUTHORIZED, status=401, headers={"WWW-Authenticate": "Bearer"})
     return await handler(request)
@@ -194,6 +199,10 @@ async def patch_pool(request: web.Request) -> web.Response:
     return web.json_response(await daemon.pool_view())
 
 
+async def list_nodes(request: web.Request) -> web.Response:
+    return web.json_response({"nodes": await request.app[DAEMON].nodes_view()})
+
+
 async def list_schedules(request: web.Request) -> web.Response:
     return web.json_response({"schedules": await request.app[DAEMON].schedules_view()})
 
@@ -255,6 +264,7 @@ def build_app(daemon: Daemon, *, token: str | None = None) -> web.Application:
     app.router.add_post("/v1/tasks/{id}/retry", retry)
     app.router.add_get("/v1/pool", get_pool)
     app.router.add_patch("/v1/pool", patch_pool)
+    app.router.add_get("/v1/nodes", list_nodes)
     app.router.add_get("/v1/schedules", list_schedules)
     app.router.add_post("/v1/schedules", create_schedule)
     app.router.add_delete("/v1/schedules/{name}", delete_schedule)

@@ -14,6 +14,7 @@ from .schemas import (
     EventOut,
     HealthOut,
     IdsOut,
+    NodesOut,
     PageOut,
     PoolOut,
     PoolPatch,
@@ -29,7 +30,7 @@ from .schemas import (
 
 MODELS: list[type[BaseModel]] = [SubmitTask, SubmitBatch, PoolPatch, TaskOut, PageOut, IdsOut, StateOut,
                                  RetryOut, PoolOut, ErrorOut, HealthOut, EventOut, ScheduleIn, ScheduleOut,
-                                 SchedulesOut]
+                                 SchedulesOut, NodesOut]
 ERRORS = {"400": "invalid input, naming the field", "401": "missing or wrong bearer token",
           "404": "no such task", "409": "conflicts with the task's state or an earlier submit",
           "413": "body over api.max_body_kb", "415": "body is not application/json",
@@ -98,6 +99,7 @@ def document(*, task_types: Sequence[str] = ()) -> dict[str, Any]:
             "patch": _op("change pool sizes live", {"200": PoolOut}, body=PoolPatch,
                          errors=("400", "413", "415", "503")),
         },
+        "/v1/nodes": {"get": _op("nodes sharing the store, with liveness", {"200": NodesOut}, errors=("503",))},
         "/v1/schedules": {
             "get": _op("schedules with next/last run", {"200": SchedulesOut}, errors=("503",)),
             "post": _op("create or update a schedule", {"201": ScheduleOut}, body=ScheduleIn,

@@ -88,6 +88,27 @@ class SchedulesOut(BaseModel):
     schedules: list[ScheduleOut]
 
 
+class NodeOut(BaseModel):
+    """A node of the fleet as the registry holds it; `alive`: heard from within three of its heartbeats."""
+
+    node_id: str
+    instance_id: str
+    hostname: str
+    pid: int
+    version: str
+    started_at: str
+    heartbeat_at: str
+    alive: bool
+    stopped_at: str | None
+    task_types: list[str]
+    tags: list[list[str]] = Field(description="the tag set of each of the node's resources")
+    max_workers: int
+
+
+class NodesOut(BaseModel):
+    nodes: list[NodeOut]
+
+
 def attempt_json(a: Attempt) -> dict[str, Any]:
     return {"id": a.id, "number": a.number, "node_id": a.node_id, "worker_id": a.worker_id,
             "status": a.status.value, "started_at": rfc3339(a.started_at), "finished_at": rfc3339(a.finished_at),

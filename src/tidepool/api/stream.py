@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import anyio
 from aiohttp import web
 
-from ..events import Event
+from ..events import Event, Subscription
 from ..model import rfc3339
 
 if TYPE_CHECKING:
@@ -22,11 +22,22 @@ SUBSCRIBER_QUEUE = 10_000
 # The kernel's send buffer is part of a subscriber's backlog: autotuned, it grows to megabytes and hides
 # a stalled reader from the bounded queue for tens of thousands of events. Fixed, it holds ~1k events.
 SEND_BUFFER = 128 * 1024
+MAX_BATCH = 512  # events written to one subscriber in one go
+FRAME_CACHE = 4096
+_frames: dict[int, tuple[Event, bytes]] = {}  # by event id: every subscriber sends the same bytes
 
 
 def frame(event: Event) -> bytes:
+    """The event as one SSE frame, encoded once however many subscribers send it."""
+    cached = _frames.get(event.id)
+    if cached is not None and cached[0] is event:
+        return cached[1]
     data = {"id": event.id, "event": event.name, "ts": rfc3339(event.ts), **event.data}
-    return f"id: {event.id}\nevent: {event.name}\ndata: {json.dumps(data, default=str)}\n\n".encode()
+    encoded = f"id: {event.id}\nevent: {event.name}\ndata: {json.dumps(data, default=str)}\n\n".encode()
+    if len(_frames) >= FRAME_CACHE:
+        del _frames[next(iter(_frames))]  # the oldest: ids only grow
+    _frames[event.id] = (event, encoded)
+    return encoded
 
 
 def _filter(request: web.Request) -> tuple[str | None, list[str]]:
@@ -54,20 +65,31 @@ async def events(request: web.Request, daemon: Daemon) -> web.StreamResponse:
             await response.write(b"event: stream.gap\ndata: {\"missed\": true}\n\n")
         await response.write(b": connected\n\n")
         while True:
-            event = None
-            with anyio.move_on_after(HEARTBEAT_S):
-                event = await sub.get()
-                if event is None:  # dropped for falling behind, or the node is shutting down
-                    reason = "slow subscriber" if sub.dropped else "shutdown"
-                    await response.write(f"event: stream.closed\ndata: {json.dumps({'reason': reason})}\n\n"
-                                         .encode())
-                    break
-            await response.write(b": heartbeat\n\n" if event is None else frame(event))
+            ready = await _ready(sub)
+            chunk = b"".join(frame(e) for e in ready if e is not None) if ready else b": heartbeat\n\n"
+            if ready and ready[-1] is None:  # dropped for falling behind, or the node is shutting down
+                reason = "slow subscriber" if sub.dropped else "shutdown"
+                await response.write(chunk + f"event: stream.closed\ndata: {json.dumps({'reason': reason})}\n\n"
+                                     .encode())
+                break
+            await response.write(chunk)
     except (ConnectionResetError, ConnectionError):
         pass
     finally:
         daemon.events.unsubscribe(sub)
     return response
+
+
+async def _ready(sub: Subscription) -> list[Event | None]:
+    """What has piled up for `sub` (one write instead of one per event), waiting up to HEARTBEAT_S for the
+    first; [] if nothing came. A None, last, means the bus closed the subscription."""
+    with anyio.move_on_after(HEARTBEAT_S):
+        ready = [await sub.get()]
+        queue = sub._queue  # Subscription has no non-blocking read of its own
+        while ready[-1] is not None and not queue.empty() and len(ready) < MAX_BATCH:
+            ready.append(queue.get_nowait())
+        return ready
+    return []
 
 
 def _bound_send_buffer(request: web.Request) -> None:

@@ -85,7 +85,9 @@ async function refreshTasks() {
     const rows = page.tasks.map((t) => {
       const tr = document.createElement("tr");
       tr.dataset.id = t.id;
-      const progress = t.progress && t.progress.fraction != null ? Math.round(t.progress.fraction * 100) + "%" : "";
+      // the stored progress is the last one written before the end; a completed task is simply done
+      const progress = t.state === "completed" ? "100%" :
+        t.progress && t.progress.fraction != null ? Math.round(t.progress.fraction * 100) + "%" : "";
       const cells = [t.id, t.type, t.state, t.phase || "", progress, `${t.attempt}/${t.max_attempts}`, t.node_id || ""];
       cells.forEach((c, i) => {
         const td = document.createElement("td");

@@ -1,0 +1,313 @@
+"""The API's safety on a live daemon: bearer auth, refusals that name the field and change nothing,
+idempotent and delayed submits, retry answers, the queue limit, and the slowloris cut-off."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from .api_helpers import bearer, call, store_counts
+from .conftest import Daemon, Response, free_port
+
+TOKEN = "k3y-0f-the-test-node-0123456789"
+UNKNOWN_ID = "06H2NOSUCHTASK000000000000"
+
+
+def later(seconds: float) -> str:
+    return (datetime.now(UTC) + timedelta(seconds=seconds)).isoformat()
+
+
+@pytest.fixture
+def token_daemon(make_daemon: Callable[..., Daemon], tmp_path: Path) -> Daemon:
+    token_file = tmp_path / "api.token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    daemon = make_daemon({"api": {"token_file": str(token_file)}})
+    daemon.start()
+    return daemon
+
+
+# every /v1 route of SPEC §5: (method, path, body)
+ROUTES: list[tuple[str, str, object]] = [
+    ("POST", "/v1/tasks", {"type": "noop"}),
+    ("POST", "/v1/tasks/batch", {"tasks": [{"type": "noop"}]}),
+    ("GET", f"/v1/tasks/{UNKNOWN_ID}", None),
+    ("GET", "/v1/tasks?state=pending&limit=5", None),
+    ("POST", f"/v1/tasks/{UNKNOWN_ID}/cancel", None),
+    ("POST", f"/v1/tasks/{UNKNOWN_ID}/retry", None),
+    ("GET", "/v1/pool", None),
+    ("PATCH", "/v1/pool", {"max_workers": 20}),
+    ("GET", "/v1/events", None),
+    ("GET", "/v1/nodes", None),
+    ("GET", "/v1/schedules", None),
+    ("POST", "/v1/schedules", {"name": "n", "type": "noop", "every_s": 3600}),
+    ("DELETE", "/v1/schedules/n", None),
+    ("POST", "/v1/schedules/n/pause", None),
+    ("POST", "/v1/schedules/n/resume", None),
+    ("GET", "/v1/openapi.json", None),
+]
+
+
+@pytest.mark.e2e
+def test_with_a_token_file_every_v1_route_answers_401_alike_without_the_token(token_daemon: Daemon) -> None:
+    same_length = "x" * len(TOKEN)
+    wrong = [{}, bearer("nope"), bearer(same_length), bearer(TOKEN[:-1]), bearer(TOKEN + "x"),
+             {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}, bearer("")]
+    answers: set[tuple[int, str]] = set()
+    for method, path, body in ROUTES:
+        for headers in wrong:
+            r = call(token_daemon, method, path, body, headers=headers, timeout_s=5)
+            assert r.status == 401, (method, path, headers, r)
+            answers.add((r.status, json.dumps(r.body, sort_keys=True)))
+    # bytes no client library would send: a header that is not UTF-8, and paths that only normalise to /v1
+    for auth, path in ((b"Bearer \xff\xfe", "/v1/pool"), (b"Bearer nope", "/V1/pool"),
+                       (b"Bearer nope", "/v1//pool"), (b"Bearer nope", "/%761/pool")):
+        with socket.create_connection(("127.0.0.1", token_daemon.port), timeout=5) as s:
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n".encode() +
+                      b"Authorization: " + auth + b"\r\n\r\n")
+            raw = b""
+            while chunk := s.recv(65536):
+                raw += chunk
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401"), (auth, path, raw[:300])
+        answers.add((401, json.dumps(json.loads(body), sort_keys=True)))
+    assert len(answers) == 1, f"every refusal must look the same, got {answers}"
+    assert json.loads(answers.pop()[1])["error"]["code"] == "unauthorized"
+    sneaky = call(token_daemon, "GET", "/static/%2E%2E/v1/pool", headers=bearer("nope"))
+    assert sneaky.status == 404, f"the static files must not lead to the API: {sneaky}"
+
+    for path in ("/healthz", "/readyz"):
+        assert call(token_daemon, "GET", path).status == 200, f"{path} stays open for probes"
+    assert token_daemon.query("SELECT count(*) FROM tasks") == [(0,)], "a refused submit stored nothing"
+    assert token_daemon.query("SELECT count(*) FROM schedules") == [(0,)]
+
+
+@pytest.mark.e2e
+def test_with_the_token_every_v1_route_works(token_daemon: Daemon) -> None:
+    auth = bearer(TOKEN)
+
+    def ok(method: str, path: str, body: object = None, status: int = 200) -> Response:
+        r = call(token_daemon, method, path, body, headers=auth)
+        assert r.status == status, (method, path, r)
+        return r
+
+    task = ok("POST", "/v1/tasks", {"type": "noop", "available_at": later(3600)}, 201).body
+    (batched,) = ok("POST", "/v1/tasks/batch", {"tasks": [{"type": "noop"}]}, 201).body["ids"]
+    assert ok("GET", f"/v1/tasks/{task['id']}").body["state"] == "pending"
+    listed = ok("GET", "/v1/tasks?limit=10").body["tasks"]
+    assert {t["id"] for t in listed} == {task["id"], batched}
+    assert ok("POST", f"/v1/tasks/{task['id']}/cancel", status=202).body == {"state": "cancelled"}
+    assert ok("POST", f"/v1/tasks/{task['id']}/retry", status=202).body["state"] == "pending"
+    assert ok("GET", "/v1/pool").body["node_id"] == "e2e-node"
+    assert ok("PATCH", "/v1/pool", {"max_workers": 20}).body["max_workers"] == 20
+    assert ok("GET", "/v1/openapi.json").body["openapi"].startswith("3.1")
+    assert "e2e-node" in json.dumps(ok("GET", "/v1/nodes").body["nodes"])
+    ok("POST", "/v1/schedules", {"name": "hourly", "type": "noop", "every_s": 3600}, 201)
+    assert [s["name"] for s in ok("GET", "/v1/schedules").body["schedules"]] == ["hourly"]
+    ok("POST", "/v1/schedules/hourly/pause")
+    ok("POST", "/v1/schedules/hourly/resume")
+    ok("DELETE", "/v1/schedules/hourly", status=204)
+
+    with socket.create_connection(("127.0.0.1", token_daemon.port), timeout=5) as s:
+        s.sendall(f"GET /v1/events HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+        head = b""
+        while b": connected" not in head:
+            head += s.recv(4096)
+    assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head
+
+
+@pytest.mark.e2e
+def test_off_loopback_without_a_token_file_refuses_to_start_with_exit_2(make_daemon: Callable[..., Daemon]) -> None:
+    daemon = make_daemon({"api": {"listen": f"0.0.0.0:{free_port()}"}})
+    result = subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(daemon.config_path)],
+                            cwd=daemon.root, env=daemon.env, capture_output=True, text=True, timeout=30,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 2, result.stderr
+    assert "api.token_file" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.e2e
+def test_bad_requests_are_refused_naming_the_field_and_change_nothing(make_daemon: Callable[..., Daemon]) -> None:
+    daemon = make_daemon({"api": {"max_body_kb": 1}})
+    daemon.start()
+    pool_before = call(daemon, "GET", "/v1/pool").body
+    empty = store_counts(daemon)
+    assert empty == (0, dict.fromkeys(("pending", "leased", "running", "retry_wait", "cancelling"), 0))
+
+    def refused(status: int, code: str | None, names: str, method: str = "POST", path: str = "/v1/tasks",
+                body: object = None, **kw: object) -> None:
+        r = call(daemon, method, path, body, **kw)  # type: ignore[arg-type]
+        assert r.status == status, (path, body, r)
+        assert set(r.body) == {"error"} and set(r.error) == {"code", "message"}, r
+        if code is not None:
+            assert r.error["code"] == code, r
+        assert names in r.error["message"], f"the error must name {names!r}: {r.error}"
+        assert store_counts(daemon) == empty, f"{path} {body} changed the store"
+
+    refused(400, "invalid_json", "JSON", data=b'{"type": "noop",')
+    refused(400, "invalid_json", "JSON", data=b'{"type": "noop", "priority": NaN}')
+    refused(400, "invalid_request", "priority", body={"type": "noop", "priority": "high"})
+    refused(400, "invalid_request", "priority", body={"type": "noop", "priority": "5"})  # no silent coercion
+    refused(400, "invalid_request", "priority", body={"type": "noop", "priority": True})
+    refused(400, "invalid_request", "max_attempts", body={"type": "noop", "max_attempts": 0})
+    refused(400, "invalid_request", "available_at", body={"type": "noop", "available_at": "tomorrow"})
+    refused(400, "invalid_request", "colour", body={"type": "noop", "colour": "red"})
+    refused(400, "invalid_request", "type", body={"type": "no-such-type"})
+    refused(400, "invalid_request", "type", body={"payload": {}})
+    refused(400, "invalid_request", "required_tags", body={"type": "noop", "required_tags": ["gpu"]})
+    refused(400, "invalid_request", "body", body=[{"type": "noop"}])
+    refused(413, "body_too_large", "1 KiB", body={"type": "noop", "payload": {"blob": "x" * 4096}})
+    refused(415, None, "application/json", data=b'{"type": "noop"}', content_type="text/plain")
+    refused(415, None, "application/json", data=b'{"type": "noop"}', content_type=None)
+    refused(400, "invalid_request", "limit", "GET", "/v1/tasks?limit=100000")
+    refused(400, "invalid_request", "limit", "GET", "/v1/tasks?limit=0")
+    refused(400, "invalid_request", "limit", "GET", "/v1/tasks?limit=ten")
+    refused(400, "invalid_request", "state", "GET", "/v1/tasks?state=sleeping")
+    refused(400, "invalid_request", "tasks.1.priority", path="/v1/tasks/batch",
+            body={"tasks": [{"type": "noop"}, {"type": "noop", "priority": "high"}]})
+    refused(400, "invalid_request", "tasks.2.type", path="/v1/tasks/batch",
+            body={"tasks": [{"type": "noop"}, {"type": "sleep"}, {"type": "no-such-type"}]})
+    refused(400, "invalid_request", "tasks", path="/v1/tasks/batch", body={"tasks": []})
+    refused(405, "method_not_allowed", "", "GET", "/v1/tasks/batch")
+    refused(400, "invalid_request", "min_workers", "PATCH", "/v1/pool", body={"min_workers": "many"})
+    refused(400, "invalid_request", "max_workers", "PATCH", "/v1/pool", body={"min_workers": 8, "max_workers": 4})
+    assert daemon.query("SELECT count(*) FROM tasks") == [(0,)]
+    pool_after = call(daemon, "GET", "/v1/pool").body
+    assert {k: pool_after[k] for k in ("min_workers", "max_workers", "idle_timeout_s")} == \
+        {k: pool_before[k] for k in ("min_workers", "max_workers", "idle_timeout_s")}
+
+
+@pytest.mark.e2e
+def test_max_queued_refuses_the_next_submit_and_a_whole_batch_over_it(make_daemon: Callable[..., Daemon]) -> None:
+    daemon = make_daemon({"pool": {"max_queued": 3}})
+    daemon.start()
+    held = {"type": "noop", "available_at": later(3600)}  # pending for the whole test
+    ids = [call(daemon, "POST", "/v1/tasks", held).body["id"] for _ in range(3)]
+    assert store_counts(daemon)[1]["pending"] == 3
+
+    fourth = call(daemon, "POST", "/v1/tasks", held)
+    assert fourth.status == 429 and fourth.error["code"] == "queue_full", fourth
+    listed, queue = store_counts(daemon)
+    assert (listed, queue["pending"]) == (3, 3)
+
+    for task_id in ids[:2]:
+        assert call(daemon, "POST", f"/v1/tasks/{task_id}/cancel").status == 202
+    over = call(daemon, "POST", "/v1/tasks/batch", {"tasks": [held] * 3})  # 1 queued + 3 > 3
+    assert over.status == 429 and over.error["code"] == "queue_full", over
+    assert store_counts(daemon)[1]["pending"] == 1, "a batch over the limit is refused whole"
+    fits = call(daemon, "POST", "/v1/tasks/batch", {"tasks": [held] * 2})
+    assert fits.status == 201 and len(fits.body["ids"]) == 2
+    listed, queue = store_counts(daemon)
+    assert (listed, queue["pending"]) == (5, 3)
+
+
+@pytest.mark.e2e
+def test_the_same_idempotency_key_returns_the_task_and_a_different_body_conflicts(daemon: Daemon) -> None:
+    body = {"type": "noop", "payload": {"target": "a"}, "idempotency_key": "order-17"}
+    first = call(daemon, "POST", "/v1/tasks", body)
+    again = call(daemon, "POST", "/v1/tasks", body)
+    assert (first.status, again.status) == (201, 200)
+    assert again.body["id"] == first.body["id"] and again.body["idempotency_key"] == "order-17"
+
+    other = call(daemon, "POST", "/v1/tasks", {**body, "payload": {"target": "b"}})
+    assert other.status == 409 and other.error["code"] == "conflict", other
+    assert store_counts(daemon)[0] == 1
+
+    in_batch = call(daemon, "POST", "/v1/tasks/batch", {"tasks": [{**body, "priority": 5}]})
+    assert in_batch.status == 409, in_batch
+    assert store_counts(daemon)[0] == 1
+
+
+@pytest.mark.e2e
+def test_a_task_with_available_at_in_the_future_waits_until_then(daemon: Daemon) -> None:
+    at = datetime.now(UTC) + timedelta(seconds=1.5)
+    task = call(daemon, "POST", "/v1/tasks", {"type": "noop", "available_at": at.isoformat()}).body
+    assert abs(datetime.fromisoformat(task["available_at"]) - at) < timedelta(milliseconds=1)
+
+    observed = []
+    while (state := daemon.task(task["id"])["state"]) not in ("completed", "failed"):
+        observed.append((datetime.now(UTC), state))
+        time.sleep(0.1)
+    early = [s for when, s in observed if when < at - timedelta(seconds=0.05)]
+    assert early and set(early) == {"pending"}, observed
+    ended = daemon.task(task["id"])
+    assert ended["state"] == "completed"
+    started = datetime.fromisoformat(ended["attempts"][0]["started_at"])
+    assert started >= datetime.fromisoformat(ended["available_at"]), "it was claimed before its time"
+
+
+@pytest.mark.e2e
+def test_retry_runs_a_failed_task_again_and_refuses_a_pending_one(daemon: Daemon) -> None:
+    failing = daemon.submit("sleep", {"seconds": "soon"})  # invalid_argument: failed, not retried by itself
+    ended = daemon.wait_terminal(failing["id"])
+    assert ended["state"] == "failed" and len(ended["attempts"]) == 1
+
+    r = call(daemon, "POST", f"/v1/tasks/{failing['id']}/retry")
+    assert r.status == 202 and r.body["state"] == "pending", r
+    again = daemon.wait_for("the retried task to run again",
+                            lambda: len((t := daemon.task(failing["id"]))["attempts"]) == 2 and
+                            t["state"] == "failed" and t)
+    assert [a["status"] for a in again["attempts"]] == ["failed", "failed"]
+
+    waiting = daemon.submit("noop", available_at=later(3600))
+    r = call(daemon, "POST", f"/v1/tasks/{waiting['id']}/retry")
+    assert r.status == 409 and r.error["code"] == "conflict", r
+    assert daemon.task(waiting["id"])["state"] == "pending"
+    assert call(daemon, "POST", f"/v1/tasks/{UNKNOWN_ID}/retry").status == 404
+
+
+HEADER_TIMEOUT_S = 1.5
+
+
+@pytest.mark.e2e
+def test_a_client_trickling_its_headers_is_cut_off_while_others_are_served(
+        make_daemon: Callable[..., Daemon]) -> None:
+    daemon = make_daemon(env={"TIDEPOOL_API_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S)})
+    daemon.start()
+    request = b"GET /healthz HTTP/1.1\r\nHost: tidepool\r\nUser-Agent: slowloris\r\n\r\n"
+    outcome: dict[str, float | int | str] = {}
+
+    def trickle() -> None:
+        with socket.create_connection(("127.0.0.1", daemon.port), timeout=30) as s:
+            started = time.monotonic()
+            try:
+                for i, byte in enumerate(request):
+                    s.sendall(bytes([byte]))
+                    outcome["sent"] = i + 1
+                    time.sleep(1.0)
+                    s.setblocking(False)  # a closed connection shows as EOF or a reset
+                    try:
+                        if s.recv(1) == b"":
+                            break
+                    except BlockingIOError:
+                        pass
+                    finally:
+                        s.setblocking(True)
+                outcome["how"] = "closed"
+            except OSError as exc:
+                outcome["how"] = type(exc).__name__
+            outcome["after_s"] = time.monotonic() - started
+
+    slow = threading.Thread(target=trickle)
+    slow.start()
+    served = 0
+    while slow.is_alive():
+        r = call(daemon, "GET", "/v1/pool", timeout_s=2.0)  # others are served meanwhile, promptly
+        assert r.status == 200
+        served += 1
+        time.sleep(0.1)
+    slow.join()
+
+    assert outcome["how"] in ("closed", "ConnectionResetError", "BrokenPipeError"), outcome
+    assert int(outcome["sent"]) < len(request), f"the headers must never have completed: {outcome}"
+    assert float(outcome["after_s"]) < 4 * HEADER_TIMEOUT_S + 2, outcome
+    assert served >= 5, served

@@ -1,0 +1,109 @@
+"""tidepool.client.Client against a live daemon: every call, its errors, and the bearer token."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tidepool.client import ApiError, Client, Unreachable
+
+from .conftest import Daemon, free_port
+
+UNKNOWN_ID = "06H2NOSUCHTASK000000000000"
+
+
+def later(seconds: float) -> str:
+    return (datetime.now(UTC) + timedelta(seconds=seconds)).isoformat()
+
+
+@pytest.mark.e2e
+async def test_submit_get_wait_and_the_pool(daemon: Daemon) -> None:
+    async with Client(daemon.url) as client:
+        task = await client.submit("sleep", {"seconds": 1.0}, priority=3, max_attempts=2,
+                                   idempotency_key="client-1")
+        assert (task["type"], task["priority"], task["max_attempts"], task["state"]) == ("sleep", 3, 2, "pending")
+        assert (await client.submit("sleep", {"seconds": 1.0}, priority=3, max_attempts=2,
+                                    idempotency_key="client-1"))["id"] == task["id"], "same key, same task"
+
+        seen: list[dict[str, Any]] = []  # the task first, then each of its events as it happens
+        final = await client.wait(task["id"], on_change=seen.append)
+        assert final["state"] == "completed" and final["attempts"][0]["status"] == "succeeded"
+        assert seen[0]["id"] == task["id"] and {e.get("task_id") for e in seen[1:]} == {task["id"]}
+        names = [e["event"] for e in seen[1:]]
+        assert "task.progress" in names and names[-1] == "task.finished", names
+        phases = [e["phase"] for e in seen[1:] if e["event"] == "task.phase"]
+        assert phases and ["initialize", "prepare", "run", "stop"][-len(phases):] == phases, "from when it listened"
+
+        got = await client.get(task["id"])
+        assert got["id"] == task["id"] and got["state"] == "completed" and "results" in got
+
+        pool = await client.pool()
+        assert pool["node_id"] == "e2e-node" and pool["workers"] >= pool["min_workers"]
+        assert set(pool["queue"]) >= {"pending", "running", "retry_wait"}
+
+
+@pytest.mark.e2e
+async def test_submit_many_list_with_filters_and_pages(daemon: Daemon) -> None:
+    async with Client(daemon.url) as client:
+        held = {"type": "noop", "available_at": later(3600)}
+        ids = await client.submit_many([held] * 5)
+        done = await client.submit_many([{"type": "noop"}])
+        assert len(ids) == 5 and len(set(ids)) == 5
+        await client.wait(done[0])
+
+        pages: list[str] = []
+        cursor = None
+        while True:
+            page = await client.list(state="pending", type="noop", limit=2, cursor=cursor)
+            assert len(page["tasks"]) <= 2
+            pages += [t["id"] for t in page["tasks"]]
+            if not (cursor := page["next_cursor"]):
+                break
+        assert pages == sorted(ids, reverse=True), "newest first, each pending task once across the pages"
+        assert [t["id"] for t in (await client.list(state="completed"))["tasks"]] == done
+        assert (await client.list(type="sleep"))["tasks"] == []
+        assert (await client.list(type="noop&limit=1"))["tasks"] == [], "values are escaped, never parameters"
+
+
+@pytest.mark.e2e
+async def test_cancel_retry_and_the_errors_they_raise(daemon: Daemon) -> None:
+    async with Client(daemon.url) as client:
+        task = await client.submit("noop", available_at=later(3600))
+        assert await client.cancel(task["id"]) == "cancelled"
+        assert await client.cancel(task["id"]) == "cancelled", "a repeated cancel is a no-op"
+        assert await client.retry(task["id"]) == "pending"
+        assert (await client.wait(task["id"]))["state"] == "completed", "retried: runs now"
+
+        waiting = await client.submit("noop", available_at=later(3600))
+        errors: dict[str, Any] = {}
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "retry_pending": lambda: client.retry(waiting["id"]), "get_unknown": lambda: client.get(UNKNOWN_ID),
+            "bad_type": lambda: client.submit("no-such-type"), "bad_limit": lambda: client.list(limit=100000)}
+        for name, call in calls.items():
+            with pytest.raises(ApiError) as caught:
+                await call()
+            errors[name] = (caught.value.status, caught.value.code)
+        assert errors == {"retry_pending": (409, "conflict"), "get_unknown": (404, "not_found"),
+                          "bad_type": (400, "invalid_request"), "bad_limit": (400, "invalid_request")}
+
+    async with Client(f"http://127.0.0.1:{free_port()}", timeout_s=2) as nobody:
+        with pytest.raises(Unreachable, match="no tidepool daemon answered"):
+            await nobody.pool()
+
+
+@pytest.mark.e2e
+async def test_the_client_sends_the_bearer_token(make_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("client-token")
+    daemon = make_daemon({"api": {"token_file": str(tmp_path / "token")}})
+    daemon.start()
+    async with Client(daemon.url, token="client-token") as client:
+        task = await client.submit("noop")
+        assert (await client.wait(task["id"]))["state"] == "completed"
+    async with Client(daemon.url, token="wrong") as client:
+        with pytest.raises(ApiError) as caught:
+            await client.pool()
+        assert (caught.value.status, caught.value.code) == (401, "unauthorized")

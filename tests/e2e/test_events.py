@@ -1,0 +1,192 @@
+"""GET /v1/events on a live daemon: order, Last-Event-ID resume, filters, slow subscribers, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+
+from .api_helpers import NOOP_EVENTS, EventStream, Sse, shape
+from .conftest import Daemon
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def submit(session: aiohttp.ClientSession, daemon: Daemon, n: int = 1, **fields: object) -> list[str]:
+    async with session.post(f"{daemon.url}/v1/tasks/batch", json={"tasks": [{"type": "noop", **fields}] * n}) as r:
+        assert r.status == 201, await r.text()
+        ids: list[str] = (await r.json())["ids"]
+        return ids
+
+
+def finished(ids: set[str]) -> Callable[[Sse], bool]:
+    """True at the event that finishes the last of `ids` (mutates its own copy)."""
+    left = set(ids)
+
+    def done(e: Sse) -> bool:
+        if e.event == "task.finished":
+            left.discard(e.task_id or "")
+        return not left
+
+    return done
+
+
+def by_task(events: list[Sse], task_id: str) -> list[Sse]:
+    return [e for e in events if e.task_id == task_id]
+
+
+@pytest.mark.e2e
+async def test_a_submitted_task_s_events_arrive_in_order(daemon: Daemon, session: aiohttp.ClientSession) -> None:
+    stream = await EventStream.open(session, daemon)
+    finished_only = await EventStream.open(session, daemon, type="task.finished")
+    (task_id,) = await submit(session, daemon)
+
+    events = await stream.until(finished({task_id}))
+    mine = by_task(events, task_id)
+    assert shape(mine) == NOOP_EVENTS
+    assert mine[-1].data["state"] == "completed"
+    ids = [e.id for e in events]
+    assert all(i is not None for i in ids) and ids == sorted(ids) and len(set(ids)) == len(ids)
+    assert all(e.data["id"] == e.id and e.data["event"] == e.event and e.data["ts"].endswith("Z") for e in events)
+    leased = next(e for e in mine if e.event == "task.leased")
+    assert {e.data["worker_id"] for e in mine[1:]} == {leased.data["worker_id"]}, "one worker ran the attempt"
+
+    (only,) = await finished_only.until(lambda e: True)
+    assert (only.event, only.task_id, only.id) == ("task.finished", task_id, mine[-1].id)
+    stream.close()
+    finished_only.close()
+
+
+@pytest.mark.e2e
+async def test_reconnecting_with_last_event_id_misses_no_event(daemon: Daemon,
+                                                               session: aiohttp.ClientSession) -> None:
+    first = await EventStream.open(session, daemon)
+    batch1 = await submit(session, daemon, 5)
+    before = await first.until(lambda e: e.event == "task.finished")  # mid-stream: the rest still to come
+    first.close()
+    last_id = before[-1].id
+    assert last_id is not None
+
+    batch2 = await submit(session, daemon, 5)  # while nobody listens
+    daemon.wait_for("all ten tasks to end", lambda: all(
+        daemon.task(t)["state"] == "completed" for t in batch1 + batch2))
+
+    second = await EventStream.open(session, daemon, last_id=last_id)
+    after = await second.until(finished(set(batch1 + batch2) - {before[-1].task_id or ""}))
+    second.close()
+
+    assert not any(e.event == "stream.gap" for e in after)
+    ids = [e.id for e in before + after]
+    assert ids == list(range(before[0].id or 0, (after[-1].id or 0) + 1)), "ids must run on without gap or repeat"
+    for task_id in batch1 + batch2:
+        assert shape(by_task(before + after, task_id)) == NOOP_EVENTS, task_id
+
+    # a filtered stream resumes the same way: each task's finish exactly once across the two connections
+    finishes = await EventStream.open(session, daemon, last_id=0, type="task.finished")
+    early = [await finishes.next() for _ in range(4)]
+    finishes.close()
+    rest = await EventStream.open(session, daemon, last_id=early[-1].id, type="task.finished")
+    late = [await rest.next() for _ in range(6)]
+    rest.close()
+    assert sorted(e.task_id or "" for e in early + late) == sorted(batch1 + batch2)
+
+
+@pytest.mark.e2e
+async def test_filters_by_task_id_and_event_type(daemon: Daemon, session: aiohttp.ClientSession) -> None:
+    a, b = await submit(session, daemon, 2)
+    daemon.wait_for("both tasks to end", lambda: all(daemon.task(t)["state"] == "completed" for t in (a, b)))
+
+    # Last-Event-ID 0 replays the ring, so the filters are checked on events that already happened
+    only_b = await EventStream.open(session, daemon, last_id=0, task_id=b)
+    events = await only_b.until(lambda e: e.event == "task.finished")
+    only_b.close()
+    assert shape(events) == NOOP_EVENTS and {e.task_id for e in events} == {b}
+
+    phases = await EventStream.open(session, daemon, last_id=0, type="task.phase")
+    events = [await phases.next() for _ in range(8)]
+    phases.close()
+    assert {e.event for e in events} == {"task.phase"}
+    for task_id in (a, b):
+        assert [e.data["phase"] for e in by_task(events, task_id)] == ["initialize", "prepare", "run", "stop"]
+
+    both = await EventStream.open(session, daemon, last_id=0, task_id=a, type="plugin.*,task.finished")
+    events = await both.until(lambda e: e.event == "task.finished")
+    both.close()
+    assert [(e.event, e.task_id) for e in events] == [("plugin.started", a), ("plugin.finished", a),
+                                                      ("task.finished", a)]
+
+    # and live: a stream filtered to one task sees nothing of another
+    (c,) = await submit(session, daemon, 1, available_at="2999-01-01T00:00:00Z")
+    only_c = await EventStream.open(session, daemon, task_id=c)
+    await submit(session, daemon, 3)
+    async with session.post(f"{daemon.url}/v1/tasks/{c}/cancel") as r:
+        assert r.status == 202
+    events = await only_c.until(lambda e: e.event == "task.finished")
+    only_c.close()
+    assert [(e.event, e.task_id, e.data["state"]) for e in events] == [("task.finished", c, "cancelled")]
+
+
+@pytest.mark.e2e
+async def test_a_subscriber_that_never_reads_is_dropped_and_the_pool_keeps_going(
+        make_daemon: Callable[..., Daemon], session: aiohttp.ClientSession) -> None:
+    daemon = make_daemon({"pool": {"min_workers": 4, "max_workers": 4}, "log": {"level": "warning"}})
+    daemon.start()
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    slow.connect(("127.0.0.1", daemon.port))
+    slow.sendall(b"GET /v1/events HTTP/1.1\r\nHost: tidepool\r\n\r\n")
+    healthy = await EventStream.open(session, daemon, type="task.finished")
+
+    n = 2500  # ~9 events each: far more than one subscriber's queue and the socket buffers hold
+    ids: set[str] = set()
+    for _ in range(n // 500):
+        ids |= set(await submit(session, daemon, 500))
+    seen = await healthy.until(finished(ids), timeout_s=90)
+    healthy.close()
+    assert len(seen) == n, "a healthy subscriber next to the slow one still gets every event"
+    assert daemon.query("SELECT count(*) FROM tasks WHERE state = 'completed'") == [(n,)]
+
+    # Now read what the slow one was sent: a prefix of the stream, then the notice that it was dropped.
+    slow.settimeout(10.0)
+    received = b""
+    deadline = time.monotonic() + 30
+    while b"event: stream.closed" not in received and time.monotonic() < deadline:
+        chunk = await asyncio.to_thread(slow.recv, 1 << 20)
+        if not chunk:
+            break
+        received += chunk
+    slow.close()
+    notice = received[received.index(b"event: stream.closed"):]
+    data = json.loads(notice.split(b"data: ", 1)[1].split(b"\n", 1)[0])
+    assert data == {"reason": "slow subscriber"}
+    got = received.count(b"\nevent: task.finished\n")
+    assert got < n, f"the slow subscriber cannot have been sent all {n} finishes ({got})"
+    ids = [int(line[4:]) for line in received.decode().splitlines() if line.startswith("id: ")]
+    assert ids == list(range(ids[0], ids[0] + len(ids))), "what it got is the stream up to the drop, no holes"
+
+
+@pytest.mark.e2e
+async def test_sigterm_ends_open_streams_with_a_final_event(make_daemon: Callable[..., Daemon],
+                                                            session: aiohttp.ClientSession) -> None:
+    daemon = make_daemon()
+    daemon.start()
+    streams = [await EventStream.open(session, daemon), await EventStream.open(session, daemon, type="task.*")]
+    assert daemon.proc is not None
+    daemon.proc.terminate()  # SIGTERM
+
+    for stream in streams:
+        tail = await stream.until(lambda e: e.event == "stream.closed", timeout_s=15)
+        assert tail[-1].data == {"reason": "shutdown"} and tail[-1].id is None
+        with pytest.raises(EOFError):
+            await stream.next(timeout_s=10)
+        stream.close()
+    assert await asyncio.to_thread(daemon.proc.wait, 15) == 0
