@@ -1,13 +1,22 @@
-"""The in-process event bus: a bounded ring for resumption and bounded queues per subscriber."""
+"""The in-process event bus: one bounded ring of recent events that every subscriber reads at its own pace.
+
+Publishing costs the same with or without subscribers: the event goes into the ring, synchronous
+listeners (metrics, logs) see it, and subscribers that sleep are woken. Each subscriber keeps only
+its position in the ring and filters on its own time, so a slow one never slows the pool; one that
+falls a whole ring behind is dropped. The ring also serves Last-Event-ID resumption.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import anyio
+
+RING_SIZE = 10_000
 
 
 @dataclass(slots=True)  # built for every step of every task: plain is cheaper than frozen
@@ -16,86 +25,108 @@ class Event:
     name: str
     ts: float
     data: dict[str, Any]
+    encoded: bytes | None = None  # the SSE frame, encoded once for every subscriber that sends it
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "event": self.name, "ts": self.ts, **self.data}
 
 
 class Subscription:
-    """One listener's bounded queue; a listener that falls behind is dropped, never waited for."""
+    """A reader's position in the bus's ring and its filter."""
 
-    def __init__(self, bus: EventBus, maxsize: int, accept: Callable[[Event], bool]) -> None:
+    def __init__(self, bus: EventBus, accept: Callable[[Event], bool], next_id: int) -> None:
         self._bus = bus
-        self._queue: asyncio.Queue[Event | None] = asyncio.Queue(maxsize)
         self.accept = accept
-        self.dropped = False
+        self.next_id = next_id
+        self.dropped = False  # fell a whole ring behind
+        self.closed = False   # the bus shut down
+        self._wake = asyncio.Event()
 
-    def offer(self, event: Event) -> None:
-        try:
-            self._queue.put_nowait(event)
-        except asyncio.QueueFull:
-            self.dropped = True
-            self._bus.unsubscribe(self)
+    async def next_batch(self, *, max_events: int = 512, timeout_s: float = 15.0) -> list[Event] | None:
+        """The accepted events after the last batch, waiting up to timeout_s for one ([] if none came);
+        None once this subscription is over (see `dropped`)."""
+        with anyio.move_on_after(timeout_s):
+            while True:
+                if self.closed or self.next_id < self._bus.oldest_id():
+                    self.dropped = not self.closed
+                    return None
+                batch = self._read(max_events)
+                if batch:
+                    return batch
+                if self.next_id >= self._bus.next_id:
+                    self._wake.clear()
+                    self._bus.sleeping.add(self)
+                    await self._wake.wait()
+        return []
 
-    def close(self) -> None:
-        try:
-            self._queue.put_nowait(None)
-        except asyncio.QueueFull:
-            self.dropped = True
+    def _read(self, max_events: int) -> list[Event]:
+        batch: list[Event] = []
+        end = min(self._bus.next_id, self.next_id + max_events * 4)  # bounded work per call
+        while self.next_id < end and len(batch) < max_events:
+            event = self._bus.get(self.next_id)
+            self.next_id += 1
+            if event is not None and self.accept(event):
+                batch.append(event)
+        return batch
 
-    async def get(self) -> Event | None:
-        """The next event; None when the bus closed this subscription."""
-        if self.dropped and self._queue.empty():
-            return None
-        return await self._queue.get()
+    def wake(self) -> None:
+        self._wake.set()
 
 
 class EventBus:
-    def __init__(self, *, ring_size: int = 10_000, clock: Callable[[], float] = time.time) -> None:
-        self._ring: collections.deque[Event] = collections.deque(maxlen=ring_size)
-        self._subscribers: list[Subscription] = []
-        self._next_id = 1
+    def __init__(self, *, ring_size: int = RING_SIZE, clock: Callable[[], float] = time.time) -> None:
+        self._ring: list[Event | None] = [None] * ring_size
+        self.next_id = 1
+        self.sleeping: set[Subscription] = set()
+        self._subscribers: set[Subscription] = set()
         self._clock = clock
         self._listeners: list[Callable[[Event], None]] = []
 
     def publish(self, name: str, **data: Any) -> Event:
-        event = Event(self._next_id, name, self._clock(), data)
-        self._next_id += 1
-        self._ring.append(event)
+        event = Event(self.next_id, name, self._clock(), data)
+        self._ring[event.id % len(self._ring)] = event
+        self.next_id += 1
         for listener in self._listeners:
             listener(event)
-        for sub in self._subscribers:
-            if sub.accept(event):
-                sub.offer(event)
+        if self.sleeping:
+            for sub in self.sleeping:
+                sub.wake()
+            self.sleeping.clear()
         return event
 
     def listen(self, listener: Callable[[Event], None]) -> None:
-        """A synchronous in-process listener (metrics, notify status); must not block."""
+        """A synchronous in-process listener (metrics, logs); must be cheap and must not block."""
         self._listeners.append(listener)
 
-    def subscribe(self, *, maxsize: int = 1000, accept: Callable[[Event], bool] = lambda e: True,
-                  after: int | None = None) -> Subscription:
-        """A bounded queue of future events, first replaying the ring after event id `after`."""
-        sub = Subscription(self, maxsize, accept)
-        if after is not None:
-            for event in self.since(after):
-                if accept(event):
-                    sub.offer(event)
-        self._subscribers.append(sub)
+    def subscribe(self, *, accept: Callable[[Event], bool] = lambda e: True, after: int | None = None) -> Subscription:
+        """Read future events, or with `after` every event the ring still holds past that id."""
+        start = self.next_id if after is None else max(after + 1, self.oldest_id())
+        sub = Subscription(self, accept, start)
+        self._subscribers.add(sub)
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
-        if sub in self._subscribers:
-            self._subscribers.remove(sub)
+        self._subscribers.discard(sub)
+        self.sleeping.discard(sub)
+
+    def get(self, event_id: int) -> Event | None:
+        event = self._ring[event_id % len(self._ring)]
+        return event if event is not None and event.id == event_id else None
 
     def oldest_id(self) -> int:
         """The id of the oldest event the ring still holds (the next id when it is empty)."""
-        return self._ring[0].id if self._ring else self._next_id
+        return max(1, self.next_id - len(self._ring))
 
     def since(self, after: int) -> Iterator[Event]:
-        return (e for e in self._ring if e.id > after)
+        for event_id in range(max(after + 1, self.oldest_id()), self.next_id):
+            event = self.get(event_id)
+            if event is not None:
+                yield event
 
     def close(self) -> None:
+        """Shutdown: every subscription ends with its final event."""
         for sub in list(self._subscribers):
-            sub.close()
+            sub.closed = True
+            sub.wake()
         self._subscribers.clear()
+        self.sleeping.clear()
