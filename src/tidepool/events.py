@@ -42,9 +42,11 @@ class Subscription:
         self.closed = False   # the bus shut down
         self._wake = asyncio.Event()
 
-    async def next_batch(self, *, max_events: int = 512, timeout_s: float = 15.0) -> list[Event] | None:
+    async def next_batch(self, *, max_events: int = 512, timeout_s: float = 15.0,
+                         linger_s: float = 0.0) -> list[Event] | None:
         """The accepted events after the last batch, waiting up to timeout_s for one ([] if none came);
-        None once this subscription is over (see `dropped`)."""
+        None once this subscription is over (see `dropped`). Once woken it lingers `linger_s` so that
+        what follows rides along: a busy pool then costs each subscriber a few writes a second."""
         with anyio.move_on_after(timeout_s):
             while True:
                 if self.closed or self.next_id < self._bus.oldest_id():
@@ -57,6 +59,8 @@ class Subscription:
                     self._wake.clear()
                     self._bus.sleeping.add(self)
                     await self._wake.wait()
+                    if linger_s:
+                        await anyio.sleep(linger_s)
         return []
 
     def _read(self, max_events: int) -> list[Event]:

@@ -21,6 +21,7 @@ HEARTBEAT_S = 15.0
 # a stalled reader from the bounded queue for tens of thousands of events. Fixed, it holds ~1k events.
 SEND_BUFFER = 128 * 1024
 MAX_BATCH = 512  # events written to one subscriber in one go
+LINGER_S = 0.02  # an event waits at most this long for others to share its write
 
 
 def frame(event: Event) -> bytes:
@@ -56,7 +57,7 @@ async def events(request: web.Request, daemon: Daemon) -> web.StreamResponse:
             await response.write(b"event: stream.gap\ndata: {\"missed\": true}\n\n")
         await response.write(b": connected\n\n")
         while True:
-            batch = await sub.next_batch(max_events=MAX_BATCH, timeout_s=HEARTBEAT_S)
+            batch = await sub.next_batch(max_events=MAX_BATCH, timeout_s=HEARTBEAT_S, linger_s=LINGER_S)
             if batch is None:  # dropped for falling behind, or the node is shutting down
                 reason = "slow subscriber" if sub.dropped else "shutdown"
                 await response.write(f"event: stream.closed\ndata: {json.dumps({'reason': reason})}\n\n".encode())
