@@ -1,3 +1,11 @@
-"""tidepool: a worker-pool daemon for scanner hosts."""
+"""tidepool: a worker-pool daemon for scanner hosts.
 
-__version__ = "0.1.0"
+For plugin authors, `TaskContext` is what a plugin receives; for producers, `Client` talks to a node.
+"""
+
+__version__ = "0.1.0"  # before the imports below: modules they load read it
+
+from .client import ApiError, Client, Unreachable  # noqa: E402
+from .context import TaskContext  # noqa: E402
+
+__all__ = ["ApiError", "Client", "TaskContext", "Unreachable", "__version__"]
