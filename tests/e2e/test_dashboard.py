@@ -95,6 +95,12 @@ async def test_the_dashboard_shows_the_pool_and_a_task_reaching_completed(
     await expect(page.locator("#action-result")).to_have_text("retry: pending", timeout=5_000)
     await expect(row.locator("td.state")).to_have_text("running", timeout=10_000)
 
+    # schedules are listed with their last task
+    schedule = {"name": "nightly", "type": "noop", "every_s": 1}
+    assert call(daemon, "POST", "/v1/schedules", schedule, headers=bearer(TOKEN)).status == 201
+    await expect(page.locator("#schedules tbody")).to_contain_text("nightly", timeout=10_000)
+    await expect(page.locator("#schedules tbody")).to_contain_text("completed", timeout=15_000)
+
     ARTIFACTS.mkdir(exist_ok=True)
     await page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
     assert errors == [], errors

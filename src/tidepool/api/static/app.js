@@ -184,7 +184,29 @@ function handleFrame(frame) {
 }
 
 refreshPool();
+async function refreshSchedules() {
+  try {
+    const { schedules } = await api("GET", "/v1/schedules");
+    $("schedules").tBodies[0].replaceChildren(...schedules.map((s) => {
+      const tr = document.createElement("tr");
+      const when = s.cron ? `${s.cron} (${s.timezone})` : `every ${s.every_s}s`;
+      const last = s.last_task_id ? `${s.last_task_state || ""}` : "";
+      for (const cell of [s.name, s.type, when, s.paused ? "paused" : s.next_run_at || "", s.last_run_at || "", last]) {
+        const td = document.createElement("td");
+        td.textContent = cell;
+        tr.appendChild(td);
+      }
+      if (s.last_task_id) tr.addEventListener("click", () => showTask(s.last_task_id));
+      return tr;
+    }));
+  } catch (err) {
+    setConn("down", err.message);
+  }
+}
+
 refreshTasks();
+refreshSchedules();
+setInterval(refreshSchedules, 5000);
 setInterval(refreshPool, 1000);
 setInterval(refreshTasks, 3000);
 followEvents();
