@@ -18,7 +18,8 @@ from pathlib import Path
 import psutil
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ("throughput.py", "latency.py", "w2.py", "elasticity.py", "api_load.py")  # each takes --summary PATH
+# each takes --summary PATH
+BENCHES = ("throughput.py", "latency.py", "w2.py", "elasticity.py", "api_load.py", "pg_throughput.py")
 FSYNC_NOTE = "the virtual disk here acknowledges fsync in ~0.1 ms, far faster than real disks"
 
 

@@ -50,6 +50,7 @@ class Reconciler:
         self._wake = wake
         self._clock = clock
         self._last_prune = float("-inf")
+        self._failing = False  # the store did not answer the last pass: said once, not every pass
 
     async def recover(self, *, node_id: str, instance_id: str) -> list[Expired]:
         """Expire at once the leases an earlier process of this node held: it died, they will not renew."""
@@ -65,7 +66,13 @@ class Reconciler:
             try:
                 await self.pass_once()
             except StoreUnavailable as exc:
-                log.warning("reconciler pass skipped: %s", exc)
+                if not self._failing:
+                    log.warning("reconciler passes skipped until the store answers: %s", exc)
+                self._failing = True
+                continue
+            if self._failing:
+                log.info("reconciler: the store answers again")
+            self._failing = False
 
     async def pass_once(self) -> PassReport:
         now = self._clock()

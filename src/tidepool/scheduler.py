@@ -29,6 +29,7 @@ class Scheduler:
         self._wake = wake
         self.interval_s = interval_s
         self._clock = clock
+        self._failing = False  # the store did not answer the last tick: said once, not every tick
 
     async def sync_config(self, configured: Sequence[ScheduleSettings]) -> None:
         """Save the config file's schedules; their state (next/last run, paused) survives restarts."""
@@ -40,8 +41,13 @@ class Scheduler:
         while True:
             try:
                 await self.tick()
+                if self._failing:
+                    log.info("scheduler: the store answers again")
+                self._failing = False
             except StoreUnavailable as exc:
-                log.warning("scheduler pass skipped: %s", exc)
+                if not self._failing:
+                    log.warning("scheduler passes skipped until the store answers: %s", exc)
+                self._failing = True
             await anyio.sleep(self.interval_s)
 
     async def tick(self) -> list[Fired]:

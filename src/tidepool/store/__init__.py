@@ -6,13 +6,28 @@ suite (tests/store/test_contract.py). Every worker write is fenced by attempt id
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+import anyio
+from anyio.abc import TaskStatus
 
 from ..errors import ConfigError, Conflict, InvalidTransition, LeaseLost
 from ..lifecycle import Event, RetryPolicy, step
-from ..model import Claimed, ClaimFilter, Lease, NewTask, Outcome, Phase, ResultBatch, State, Task, Worker
+from ..model import (
+    Claimed,
+    ClaimFilter,
+    Lease,
+    NewTask,
+    Outcome,
+    Phase,
+    ResultBatch,
+    State,
+    Task,
+    Worker,
+    rfc3339,
+)
 from ..schedules import Fired, Schedule
 
 
@@ -36,6 +51,36 @@ class Expired:
 class Page:
     tasks: list[Task]
     next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One daemon process of the fleet as the node registry records it; re-saved with every heartbeat."""
+
+    node_id: str
+    instance_id: str
+    hostname: str
+    pid: int
+    version: str
+    started_at: float
+    heartbeat_at: float
+    heartbeat_s: float                          # how often this node saves its row
+    task_types: tuple[str, ...]
+    tags: tuple[tuple[str, ...], ...]           # the tag set of each of its resources
+    max_workers: int
+    stopped_at: float | None = None             # set by a clean shutdown
+
+    def alive(self, now: float) -> bool:
+        """Running and heard from within three heartbeats."""
+        return self.stopped_at is None and now - self.heartbeat_at <= 3 * self.heartbeat_s
+
+    def to_json(self, *, now: float) -> dict[str, Any]:
+        return {"node_id": self.node_id, "instance_id": self.instance_id, "hostname": self.hostname,
+                "pid": self.pid, "version": self.version, "started_at": rfc3339(self.started_at),
+                "heartbeat_at": rfc3339(self.heartbeat_at), "alive": self.alive(now),
+                "stopped_at": None if self.stopped_at is None else rfc3339(self.stopped_at),
+                "task_types": list(self.task_types), "tags": [list(t) for t in self.tags],
+                "max_workers": self.max_workers}
 
 
 class Store(Protocol):
@@ -93,6 +138,24 @@ class Store(Protocol):
         """cancelling tasks whose worker did not answer within deadline_s -> cancelled."""
     async def prune(self, *, before: float) -> int:
         """Delete terminal tasks finished before `before`, with their attempts and results."""
+
+    # the fleet: node registry, one process per node id, wake-ups between nodes
+    async def lock_node(self, node_id: str, instance_id: str) -> None:
+        """Hold node_id for this process until close(); ConfigError naming the holder if another process has it.
+
+        PostgreSQL: a session advisory lock. SQLite relies on the daemon's lock file; memory has one process.
+        """
+    async def save_node(self, node: Node) -> None:
+        """Create or replace the registry row of node.node_id (registration, heartbeat, stop)."""
+    async def list_nodes(self) -> list[Node]:
+        """Every node that has registered, by node_id."""
+    async def watch(self, wake: Callable[[int], None], *,
+                    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Until cancelled: call wake(n) when another node made n tasks claimable (PostgreSQL LISTEN).
+
+        Hints only: a missed wake-up costs latency (the pool's poll stays), never correctness.
+        In-process adapters have nothing to hear: the daemon wakes its own pool on submit.
+        """
 
 
 def cancel_step(state: State) -> State:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
 
 from .. import schedules
 from ..errors import Conflict, LeaseLost, QueueFull, ScheduleNotFound, TaskCancelling, TaskNotFound
@@ -27,7 +30,7 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import Expired, Page, PhaseNote, cancel_step, retry_step
+from . import Expired, Node, Page, PhaseNote, cancel_step, retry_step
 
 
 @dataclasses.dataclass
@@ -53,6 +56,7 @@ class MemoryStore:
         self._rows: dict[str, _Row] = {}
         self._keys: dict[str, str] = {}
         self._schedules: dict[str, Schedule] = {}
+        self._nodes: dict[str, Node] = {}
 
     async def open(self, *, migrate: bool = True) -> None:
         pass
@@ -245,7 +249,24 @@ class MemoryStore:
             row = self._rows.pop(task_id)
             if row.task.idempotency_key:
                 self._keys.pop(row.task.idempotency_key, None)
+        self._nodes = {k: n for k, n in self._nodes.items() if n.heartbeat_at >= before}
         return len(old)
+
+    # the fleet: one process, nothing to lock and nothing to hear
+
+    async def lock_node(self, node_id: str, instance_id: str) -> None:
+        pass
+
+    async def save_node(self, node: Node) -> None:
+        self._nodes[node.node_id] = node
+
+    async def list_nodes(self) -> list[Node]:
+        return [self._nodes[k] for k in sorted(self._nodes)]
+
+    async def watch(self, wake: Callable[[int], None], *,
+                    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await anyio.sleep_forever()
 
     # internals
 

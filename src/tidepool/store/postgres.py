@@ -6,6 +6,12 @@ token + live state + unexpired lease) in its WHERE clause, and the reconciler's 
 another node holds, so no task is claimed, expired, promoted or cancelled twice. Times are the
 caller's `now` (epoch seconds), never the server's clock, so every adapter keeps one contract.
 
+Between nodes: every write that makes tasks claimable (a submit, a retry promotion, an interrupted
+attempt back to pending, a schedule firing) also sends NOTIFY on the schema's channel, delivered at
+commit; each node LISTENs on one dedicated connection (watch()), which also holds the node's session
+advisory lock (one process per node id) and is re-established with backoff after a drop. The
+`nodes` table is the registry every node re-saves with its heartbeat.
+
 Driver: asyncpg, chosen by bench/pg_driver.py: with the WAL flush taken out of the figures, it did
 1.15-1.8x the claims and 1.5-2.7x the single-row round trips of psycopg 3 (async) on this machine.
 """
@@ -13,17 +19,21 @@ Driver: asyncpg, chosen by bench/pg_driver.py: with the WAL flush taken out of t
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import logging
 import re
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import anyio
 import asyncpg  # type: ignore[import-untyped, unused-ignore]  # typed when asyncpg-stubs is installed
+from anyio.abc import TaskStatus
 
 from .. import schedules
 from ..errors import (
@@ -55,7 +65,7 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import Expired, Page, PhaseNote, cancel_step, retry_step
+from . import Expired, Node, Page, PhaseNote, cancel_step, retry_step
 
 I = TypeVar("I")  # noqa: E741  # an item queued for a grouped write
 R = TypeVar("R")
@@ -69,12 +79,18 @@ DRIVER_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,
 )
+log = logging.getLogger("tidepool.store.postgres")
+SESSION_ERRORS: tuple[type[BaseException], ...] = (StoreUnavailable, *DRIVER_ERRORS)
 SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 MAX_GROUP = 256  # calls per grouped statement
 SWEEP = 500  # rows per reconciler transaction: bounded locks and WAL per step
 MAX_CLAIM_GROUPS = 64  # claim filters remembered; tag sets change as resource slots come and go
+PING_EVERY_S = 5.0  # the LISTEN connection proves itself this often: a silent network drop is noticed
+RECONNECT_MAX_S = 5.0  # backoff ceiling between attempts to re-establish the LISTEN connection
+MAX_WAKE = 1000  # a notification's count is a hint; no more wake-ups than this from one
+WRITE_RETRY_S = 10.0  # a worker's fenced write (result, finish) is retried this long while the server is away
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MIGRATIONS = {
     1: """
 CREATE TABLE {s}.schema_version (version integer PRIMARY KEY, applied_at double precision NOT NULL);
@@ -219,6 +235,77 @@ CREATE TABLE {s}.schedules (
 );
 CREATE INDEX schedules_due ON {s}.schedules (next_run_at) WHERE NOT paused;
 """,
+    3: """
+CREATE TABLE {s}.nodes (
+    node_id text PRIMARY KEY,
+    instance_id text NOT NULL,
+    hostname text NOT NULL,
+    pid integer NOT NULL,
+    version text NOT NULL,
+    started_at double precision NOT NULL,
+    heartbeat_at double precision NOT NULL,
+    heartbeat_s double precision NOT NULL,
+    stopped_at double precision,
+    task_types text[] NOT NULL,
+    tags text NOT NULL,                 -- JSON: the tag set of each resource
+    max_workers integer NOT NULL
+);
+
+-- Version 3 of the claim: each picked row takes its slot's values by array subscript. Version 1
+-- joined the rows to an unnest() of the slots, which the planner (sorting off, tiny estimates) ran
+-- as a nested loop re-reading the arrays per row: quadratic in the slots of one grouped claim.
+CREATE OR REPLACE FUNCTION {s}.claim(
+    p_now double precision, p_limit integer, p_attempt_ids text[], p_tokens text[], p_node_ids text[],
+    p_instance_ids text[], p_worker_ids text[], p_nows double precision[], p_expires double precision[],
+    p_type_patterns text[], p_tag_sets jsonb)
+RETURNS TABLE (
+    slot bigint, id text, type text, payload text, priority bigint, state text, phase text, progress text,
+    attempt integer, max_attempts integer, interruptions integer, timeout_s double precision,
+    required_tags text[], idempotency_key text, node_id text, error text, created_at double precision,
+    updated_at double precision, available_at double precision, finished_at double precision)
+LANGUAGE plpgsql
+SET enable_sort = off
+SET jit = off
+SET search_path = {s}
+AS $claim$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH picked AS (
+        SELECT t.id, t.priority, t.created_at FROM tasks t
+        WHERE t.state IN ('pending', 'retry_wait') AND t.available_at <= p_now
+          AND t.attempt < t.max_attempts
+          AND (p_type_patterns IS NULL OR t.type ~ ANY(p_type_patterns))
+          AND (cardinality(t.required_tags) = 0 OR EXISTS (
+              SELECT 1 FROM jsonb_array_elements(p_tag_sets) AS ts(tags)
+              WHERE t.required_tags <@ ARRAY(SELECT jsonb_array_elements_text(ts.tags))))
+        ORDER BY t.priority DESC, t.created_at, t.id LIMIT p_limit
+        FOR NO KEY UPDATE OF t SKIP LOCKED
+    ), numbered AS (
+        SELECT p.id, row_number() OVER (ORDER BY p.priority DESC, p.created_at, p.id)::integer AS n FROM picked p
+    ), leased AS (
+        UPDATE tasks t SET state = 'leased', attempt = t.attempt + 1, attempt_rows = t.attempt_rows + 1,
+            node_id = p_node_ids[p.n], phase = NULL, progress = NULL, error = NULL, updated_at = p_nows[p.n],
+            lease_attempt_id = p_attempt_ids[p.n], lease_token = p_tokens[p.n], lease_expires_at = p_expires[p.n],
+            lease_instance = p_instance_ids[p.n]
+        FROM numbered p WHERE t.id = p.id
+        RETURNING p.n, p_worker_ids[p.n] AS worker_id, t.attempt_rows, t.lease_attempt_id, t.lease_instance, t.id,
+            t.type, t.payload, t.priority, t.state, t.phase, t.progress, t.attempt, t.max_attempts,
+            t.interruptions, t.timeout_s, t.required_tags, t.idempotency_key, t.node_id, t.error,
+            t.created_at, t.updated_at, t.available_at, t.finished_at
+    ), started AS (
+        INSERT INTO attempts (id, task_id, number, node_id, instance_id, worker_id, status, started_at)
+        SELECT l.lease_attempt_id, l.id, l.attempt_rows, l.node_id, l.lease_instance, l.worker_id, 'leased',
+            l.updated_at
+        FROM leased l
+    )
+    SELECT l.n::bigint, l.id, l.type, l.payload, l.priority, l.state, l.phase, l.progress, l.attempt,
+        l.max_attempts, l.interruptions, l.timeout_s, l.required_tags, l.idempotency_key, l.node_id, l.error,
+        l.created_at, l.updated_at, l.available_at, l.finished_at
+    FROM leased l ORDER BY l.n;
+END
+$claim$;
+""",
 }
 
 # Statements run with search_path set to the store's schema on every pooled connection.
@@ -240,7 +327,13 @@ INSERT_MANY = """
 INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags,
                    idempotency_key, fingerprint, created_at, updated_at, available_at)
 VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10, $10, $11)"""
-INSERT = f"{INSERT_MANY}\nON CONFLICT (idempotency_key) DO NOTHING RETURNING {TASK_COLUMNS}"
+# The channel is a setting of every connection of this store (see PostgresStore.open): no schema object
+# is needed to notify, and the statements stay the same for every schema.
+NOTIFY = "SELECT pg_notify(current_setting('tidepool.channel'), $1)"
+INSERT = (
+    f"{INSERT_MANY}\nON CONFLICT (idempotency_key) DO NOTHING "
+    f"RETURNING {TASK_COLUMNS}, pg_notify(current_setting('tidepool.channel'), '1')"
+)
 QUEUED = """
 SELECT count(*) FROM (SELECT 1 FROM tasks WHERE state IN ('pending', 'retry_wait') LIMIT $1) AS q"""
 
@@ -250,10 +343,12 @@ CLAIM = "SELECT * FROM claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
 # their rows in id order first: two of them over the same tasks (a renewal racing a grouped
 # completion) then queue behind each other instead of deadlocking.
 LEASES = "unnest($1::text[], $2::text[], $3::text[]{types}) AS l(id, attempt_id, token{names})"
+# `state || ''` keeps the planner on the primary key: the statistics of a busy queue are always stale,
+# and on them it would scan the whole state index (every row that was ever leased) for a few leases.
 FENCED = """
     SELECT t.id{cols} FROM tasks t
     JOIN l ON t.id = l.id AND t.lease_attempt_id = l.attempt_id AND t.lease_token = l.token
-    WHERE t.state IN ('leased', 'running') AND t.lease_expires_at > {now}
+    WHERE (t.state || '') IN ('leased', 'running') AND t.lease_expires_at > {now}
     ORDER BY t.id FOR NO KEY UPDATE OF t"""
 RENEW = f"""
 WITH l AS (SELECT * FROM {LEASES.format(types="", names="")}),
@@ -331,8 +426,11 @@ LIMIT {SWEEP} FOR NO KEY UPDATE SKIP LOCKED"""
 PROMOTE = """
 WITH due AS (
     SELECT id FROM tasks WHERE state = 'retry_wait' AND available_at <= $1 FOR NO KEY UPDATE SKIP LOCKED
+), promoted AS (
+    UPDATE tasks t SET state = $2, updated_at = $1 FROM due WHERE t.id = due.id RETURNING t.id
 )
-UPDATE tasks t SET state = $2, updated_at = $1 FROM due WHERE t.id = due.id RETURNING t.id"""
+SELECT count(*), CASE WHEN count(*) > 0 THEN pg_notify(current_setting('tidepool.channel'), count(*)::text) END
+FROM promoted"""
 FINISH_CANCELS = f"""
 WITH due AS (
     SELECT id, lease_attempt_id FROM tasks WHERE state = 'cancelling' AND cancel_requested_at <= $1
@@ -356,6 +454,16 @@ WITH old AS (
     DELETE FROM tasks WHERE id IN (SELECT id FROM old) RETURNING 1
 )
 SELECT count(*) FROM t"""
+PRUNE_NODES = "DELETE FROM nodes WHERE heartbeat_at < $1"
+NODE_COLUMNS = (
+    "node_id, instance_id, hostname, pid, version, started_at, heartbeat_at, heartbeat_s, stopped_at, "
+    "task_types, tags, max_workers"
+)
+SAVE_NODE = f"""
+INSERT INTO nodes ({NODE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+ON CONFLICT (node_id) DO UPDATE SET instance_id = $2, hostname = $3, pid = $4, version = $5, started_at = $6,
+    heartbeat_at = $7, heartbeat_s = $8, stopped_at = $9, task_types = $10, tags = $11, max_workers = $12"""
+NODE_LOCK = "SELECT pg_try_advisory_lock(hashtextextended($1, 0))"
 TERMINAL_SQL = "state IN ('completed', 'failed', 'timed_out', 'cancelled')"
 SCHEDULE_COLUMNS = "name, spec, paused, next_tick_at, next_run_at, last_run_at, last_task_id"
 SAVE_SCHEDULE = """
@@ -370,19 +478,25 @@ FOR UPDATE SKIP LOCKED"""
 
 
 class PostgresStore:
+    """The store of a fleet. `schema` (else the URL's `?schema=NAME`, else "tidepool") holds its tables,
+    so several fleets or test runs can share one database."""
+
     def __init__(
         self,
         url: str,
         *,
-        schema: str = "tidepool",
+        schema: str | None = None,
         max_connections: int = 10,
         command_timeout_s: float = 30.0,
         connect_timeout_s: float = 10.0,
     ) -> None:
+        url, url_schema = _split_schema(url)
+        schema = schema or url_schema or "tidepool"
         if not SCHEMA_NAME.fullmatch(schema):
             raise ConfigError(f"config: store schema {schema!r} is not a plain SQL name (letters, digits, _)")
         self.url = url
         self.schema = schema
+        self.channel = channel_for(schema)
         self._max_connections = max_connections
         self._command_timeout_s = command_timeout_s
         self._connect_timeout_s = connect_timeout_s
@@ -391,19 +505,28 @@ class PostgresStore:
         self._completions = _Group(self._complete_group)
         parts = urlsplit(url)  # for messages: never the password
         self._where = f"{parts.hostname or 'localhost'}:{parts.port or 5432}{parts.path} schema {schema}"
+        self._settings = {
+            "search_path": f'"{schema}"',
+            "application_name": f"tidepool {schema}",
+            "tidepool.channel": self.channel,
+            "jit": "off",  # JIT costs more than these small statements
+        }
+        self._session: Conn | None = None  # the dedicated connection: node lock and LISTEN
+        self._node: tuple[str, str] | None = None  # (node_id, instance_id) once lock_node() took it
+        self._node_locked = False  # the current session holds the node lock
+        self._lock_missing_said = False
 
     # lifecycle of the adapter
 
     async def open(self, *, migrate: bool = True) -> None:
-        settings = {"search_path": f'"{self.schema}"', "application_name": f"tidepool {self.schema}"}
         try:
             pool = await asyncpg.create_pool(
                 self.url,
-                min_size=1,
+                min_size=0,  # no floor to restore: during an outage asyncpg would retry it every second
                 max_size=self._max_connections,
                 timeout=self._connect_timeout_s,
                 command_timeout=self._command_timeout_s,
-                server_settings={**settings, "jit": "off"},  # JIT costs more than these small statements
+                server_settings=self._settings,
             )
         except DRIVER_ERRORS as exc:
             raise StoreUnavailable(f"store {self._where}: cannot connect: {exc}") from exc
@@ -422,6 +545,11 @@ class PostgresStore:
         await self._completions.drain()
         for group in list(self._claims.values()):
             await group.drain()  # writes already queued still go out
+        session, self._session = self._session, None
+        if session is not None:  # ends the node lock and LISTEN
+            with anyio.move_on_after(self._connect_timeout_s, shield=True):
+                await session.close()
+            session.terminate()
         pool, self._pool = self._pool, None
         if pool is not None:
             with anyio.move_on_after(self._command_timeout_s, shield=True):
@@ -493,6 +621,8 @@ class PostgresStore:
                 await conn.executemany(INSERT_MANY, rows)
             except asyncpg.UniqueViolationError:  # a concurrent submit took a key since the check
                 raise Conflict("an idempotency_key of the batch is already used") from None
+            if rows:
+                await conn.execute(NOTIFY, str(len(rows)))
         return [r[0] for r in rows]
 
     async def get(self, task_id: str) -> Task:
@@ -548,6 +678,7 @@ class PostgresStore:
                 now,
                 task_id,
             )
+            await conn.execute(NOTIFY, "1")
         return _task(row)
 
     # workers
@@ -610,6 +741,10 @@ class PostgresStore:
             return await _lost(conn, leases, {r[0] for r in noted})
 
     async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
+        # Retried by key: a write whose answer was lost comes back as the stored batch.
+        return await _retried(lambda: self._record_result(lease, batch, now))
+
+    async def _record_result(self, lease: Lease, batch: ResultBatch, now: float) -> ResultBatch:
         async with self._conn() as conn:
             fenced, stored = await conn.fetchrow(
                 RECORD_RESULT,
@@ -636,6 +771,19 @@ class PostgresStore:
         return _result(earlier)
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
+        return await _retried(lambda: self._finish(lease, outcome, now, policy), ended=lambda: self._ended(lease))
+
+    async def _ended(self, lease: Lease) -> State | None:
+        """After a retried finish met its own fence: the task's state if this attempt had in fact ended."""
+        async with self._conn() as conn:
+            row = await conn.fetchrow(
+                "SELECT t.state, a.status FROM attempts a JOIN tasks t ON t.id = a.task_id WHERE a.id = $1",
+                lease.attempt_id,
+            )
+        ended = row is not None and row[1] not in ("leased", "running", "expired")
+        return State(row[0]) if ended else None
+
+    async def _finish(self, lease: Lease, outcome: Outcome, now: float, policy: RetryPolicy) -> State:
         # The grouped fast path writes no attempt output: only a bare success may take it.
         bare = outcome.status is AttemptStatus.SUCCEEDED and outcome.exit_status is None
         if bare and outcome.stderr_tail is None and await self._completions((lease, now)):
@@ -654,6 +802,8 @@ class PostgresStore:
                 now=now,
             )
             await _write_ends(conn, [(lease, outcome, end)], now)
+            if end.state in (State.PENDING, State.RETRY_WAIT) and (end.available_at or now) <= now:
+                await conn.execute(NOTIFY, "1")  # back in the queue at once (interrupted): others may take it
         return end.state
 
     async def _complete_group(self, calls: list[tuple[Lease, float]]) -> list[bool]:
@@ -698,7 +848,10 @@ class PostgresStore:
             fired: list[Fired] = []
             for (name,) in due:
                 async with conn.transaction():
-                    fired.extend(await _fire(conn, name, now, max_attempts))
+                    these = await _fire(conn, name, now, max_attempts)
+                    if created := sum(1 for f in these if f.task_id is not None):
+                        await conn.execute(NOTIFY, str(created))
+                fired.extend(these)
         return fired
 
     # the reconciler: each pass takes only rows no other node holds (SKIP LOCKED), in bounded steps
@@ -727,8 +880,8 @@ class PostgresStore:
 
     async def promote_due(self, *, now: float) -> int:
         async with self._conn() as conn:
-            rows = await conn.fetch(PROMOTE, now, step(State.RETRY_WAIT, Event.PROMOTE).value)
-        return len(rows)
+            promoted = await conn.fetchval(PROMOTE, now, step(State.RETRY_WAIT, Event.PROMOTE).value)
+        return int(promoted)
 
     async def finish_cancels(self, *, now: float, deadline_s: float) -> list[str]:
         error = TaskError("cancel_deadline", f"the worker did not stop within {deadline_s}s")
@@ -748,7 +901,149 @@ class PostgresStore:
                 n = int(await conn.fetchval(PRUNE, before))
             pruned += n
             if n < SWEEP:
-                return pruned
+                break
+        async with self._conn() as conn:  # nodes not heard from since `before` are gone for good
+            await conn.execute(PRUNE_NODES, before)
+        return pruned
+
+    # the fleet
+
+    async def lock_node(self, node_id: str, instance_id: str) -> None:
+        """A session advisory lock on (schema, node_id), held on the dedicated connection until close()."""
+        conn = await self._connect_session()
+        try:
+            if not await conn.fetchval(NODE_LOCK, self._node_key(node_id)):
+                holder = await conn.fetchrow(f"SELECT {NODE_COLUMNS} FROM nodes WHERE node_id = $1", node_id)
+                raise ConfigError(_node_taken(node_id, self._where, None if holder is None else _node(holder)))
+        except DRIVER_ERRORS as exc:
+            conn.terminate()
+            raise StoreUnavailable(f"store {self._where}: cannot take the lock of node {node_id}: {exc}") from exc
+        except BaseException:
+            conn.terminate()
+            raise
+        self._node, self._node_locked = (node_id, instance_id), True
+        await self._replace_session(conn)
+
+    async def save_node(self, node: Node) -> None:
+        args = (node.node_id, node.instance_id, node.hostname, node.pid, node.version, node.started_at,
+                node.heartbeat_at, node.heartbeat_s, node.stopped_at, list(node.task_types),
+                json.dumps([list(t) for t in node.tags]), node.max_workers)  # fmt: skip
+        async with self._conn() as conn:
+            await conn.execute(SAVE_NODE, *args)
+
+    async def list_nodes(self) -> list[Node]:
+        async with self._conn() as conn:
+            rows = await conn.fetch(f"SELECT {NODE_COLUMNS} FROM nodes ORDER BY node_id")
+        return [_node(r) for r in rows]
+
+    async def watch(
+        self, wake: Callable[[int], None], *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """LISTEN on the dedicated connection until cancelled; re-established with backoff after a drop.
+
+        Reports started at once: the first connection may fail like any later one, and the pool's poll
+        covers the gap. After a reconnect every sleeping worker is woken, for what was missed meanwhile.
+        """
+
+        def heard(conn: Conn, pid: int, channel: str, payload: str) -> None:
+            try:
+                n = int(payload)
+            except ValueError:
+                n = 1
+            wake(max(1, min(n, MAX_WAKE)))
+
+        task_status.started()
+        backoff, dropped = 0.1, False
+        while True:
+            lost = anyio.Event()
+            conn: Conn = self._session
+            try:
+                if conn is None or conn.is_closed():
+                    conn = None
+                    conn = await self._connect_session()
+                    self._node_locked = False  # the server ended the old session, and the lock with it
+                    await self._replace_session(conn)
+                    await self._retake_node_lock(conn)
+                conn.add_termination_listener(lambda _conn, lost=lost: lost.set())
+                await conn.add_listener(self.channel, heard)
+            except SESSION_ERRORS as exc:
+                (log.debug if dropped else log.warning)(
+                    "store %s: cannot LISTEN (%s); retrying with backoff", self._where, exc
+                )
+                self._drop_session(conn)
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, RECONNECT_MAX_S)
+                dropped = True
+                continue
+            if dropped:
+                log.info("store %s: LISTEN connection re-established", self._where)
+                wake(MAX_WAKE)
+            backoff, dropped = 0.1, False
+            await self._keep(conn, lost)
+            log.warning("store %s: LISTEN connection lost; reconnecting", self._where)
+            dropped = True
+            self._drop_session(conn)
+
+    def _drop_session(self, conn: Conn) -> None:
+        """Close `conn` (None: nothing to close); if it was the session, the node lock went with it."""
+        if conn is None:
+            return
+        conn.terminate()
+        if self._session is conn:
+            self._session, self._node_locked = None, False
+
+    async def _keep(self, conn: Conn, lost: anyio.Event) -> None:
+        """Until the connection ends: it is asked to answer every PING_EVERY_S, so a dead peer shows."""
+        while not lost.is_set():
+            with anyio.move_on_after(PING_EVERY_S):
+                await lost.wait()
+                return
+            try:
+                with anyio.fail_after(PING_EVERY_S):
+                    await conn.execute("SELECT 1")
+                    await self._retake_node_lock(conn)  # not yet taken back after a reconnect: try again
+            except DRIVER_ERRORS:
+                return
+
+    async def _connect_session(self) -> Conn:
+        try:
+            return await asyncpg.connect(
+                self.url, timeout=self._connect_timeout_s, command_timeout=self._command_timeout_s,
+                server_settings={**self._settings, "application_name": f"tidepool {self.schema} session"},
+            )  # fmt: skip
+        except DRIVER_ERRORS as exc:
+            raise StoreUnavailable(f"store {self._where}: cannot connect: {exc}") from exc
+
+    async def _replace_session(self, conn: Conn) -> None:
+        old, self._session = self._session, conn
+        if old is not None and old is not conn:
+            old.terminate()
+
+    async def _retake_node_lock(self, conn: Conn) -> None:
+        """After a reconnect the lock went with the old session: take it again, now or at a later ping.
+
+        Until the server notices the old connection is dead, the old session may still hold it.
+        """
+        if self._node is None or self._node_locked:
+            return
+        node_id, instance_id = self._node
+        if await conn.fetchval(NODE_LOCK, self._node_key(node_id)):
+            self._node_locked = True
+            if self._lock_missing_said:
+                log.info("node %s holds its lock on store %s again", node_id, self._where)
+            self._lock_missing_said = False
+            return
+        if not self._lock_missing_said:
+            holder = await conn.fetchrow(f"SELECT {NODE_COLUMNS} FROM nodes WHERE node_id = $1", node_id)
+            other = None if holder is None else _node(holder)
+            if other is not None and other.instance_id == instance_id:
+                log.warning("node %s: its lock is still held by this process' dropped session; will retry", node_id)
+            else:
+                log.error("%s; this process carries on and retries", _node_taken(node_id, self._where, other))
+            self._lock_missing_said = True
+
+    def _node_key(self, node_id: str) -> str:
+        return f"tidepool.node.{self.schema}.{node_id}"
 
 
 # grouping many callers' writes into one statement
@@ -825,6 +1120,66 @@ class _Group(Generic[I, R]):
         for (_, future), result in zip(batch, results, strict=True):
             if not future.done():
                 future.set_result(result)
+
+
+async def _retried(write: Callable[[], Awaitable[R]], *, ended: Callable[[], Awaitable[R | None]] | None = None) -> R:
+    """A fenced worker write, tried again while the server does not answer, for up to WRITE_RETRY_S.
+
+    Safe because of the fence: the retry carries the same lease and the same `now` (when the outcome was
+    reached), so it lands only if no one has expired or taken over the lease meanwhile. A blip (a server
+    restart, a dropped connection) then costs a moment instead of a re-run of the whole task. When the
+    first try did commit but its answer was lost, the retry meets its own fence: `ended` tells.
+    """
+    deadline = time.monotonic() + WRITE_RETRY_S
+    delay, retried = 0.05, False
+    while True:
+        try:
+            return await write()
+        except LeaseLost:
+            if retried and ended is not None and (done := await ended()) is not None:
+                return done
+            raise
+        except StoreUnavailable:
+            if time.monotonic() + delay > deadline:
+                raise
+        await anyio.sleep(delay)
+        delay, retried = min(delay * 2, 1.0), True
+
+
+def channel_for(schema: str) -> str:
+    """The NOTIFY channel of a schema: a name of at most 63 bytes, as PostgreSQL requires."""
+    channel = f"tidepool.{schema}"
+    return channel if len(channel.encode()) <= 63 else f"tidepool.{hashlib.md5(schema.encode()).hexdigest()}"
+
+
+def _split_schema(url: str) -> tuple[str, str | None]:
+    """The URL without its `schema` query parameter (asyncpg would send it to the server), and that schema."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    schemas = [v for k, v in query if k == "schema"]
+    if not schemas:
+        return url, None
+    rest = urlencode([(k, v) for k, v in query if k != "schema"])
+    return urlunsplit(parts._replace(query=rest)), schemas[-1]
+
+
+def _node(row: Any) -> Node:
+    tags = tuple(tuple(t) for t in json.loads(row[10]))
+    return Node(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], tuple(row[9]), tags, row[11],
+                stopped_at=row[8])  # fmt: skip
+
+
+def _node_taken(node_id: str, where: str, holder: Node | None) -> str:
+    if holder is None:
+        who = "another process"
+    else:
+        seen = time.time() - holder.heartbeat_at
+        who = (f"pid {holder.pid} on {holder.hostname} (instance {holder.instance_id}, "
+               f"tidepool {holder.version}, heard from {seen:.0f}s ago)")  # fmt: skip
+    return (
+        f"node {node_id} already runs on store {where}: {who} holds its lock; "
+        "stop it or give this daemon another node.id"
+    )
 
 
 # SQL helpers, each run on a connection the caller holds

@@ -21,6 +21,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import anyio
 import anyio.to_thread
+from anyio.abc import TaskStatus
 
 from .. import schedules
 from ..errors import (
@@ -52,10 +53,28 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import Expired, Page, PhaseNote, cancel_step, retry_step
+from . import Expired, Node, Page, PhaseNote, cancel_step, retry_step
 
 T = TypeVar("T")
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+NODES = """
+CREATE TABLE IF NOT EXISTS nodes (
+    node_id TEXT PRIMARY KEY,
+    instance_id TEXT NOT NULL,
+    hostname TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    version TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    heartbeat_at REAL NOT NULL,
+    heartbeat_s REAL NOT NULL,
+    stopped_at REAL,
+    task_types TEXT NOT NULL,
+    tags TEXT NOT NULL,
+    max_workers INTEGER NOT NULL
+);
+"""
+NODE_COLUMNS = ("node_id, instance_id, hostname, pid, version, started_at, heartbeat_at, heartbeat_s, stopped_at, "
+                "task_types, tags, max_workers")
 SCHEDULES = """
 CREATE TABLE IF NOT EXISTS schedules (
     name TEXT PRIMARY KEY,
@@ -191,7 +210,7 @@ class SqliteStore:
                 raise StoreUnavailable(f"store {self.path} has schema {version}, needs {SCHEMA_VERSION}: "
                                        "run `tidepool migrate`")
             if version < SCHEMA_VERSION:  # each step upgrades one version; all in one transaction
-                steps = [SCHEMA, SCHEDULES][version:]
+                steps = [SCHEMA, SCHEDULES, NODES][version:]
                 conn.executescript(f"BEGIN; {' '.join(steps)}; PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
             return conn
         except sqlite3.Error as exc:
@@ -570,10 +589,40 @@ class SqliteStore:
                   "('completed', 'failed', 'timed_out', 'cancelled')"
             conn.execute(f"DELETE FROM results WHERE task_id IN ({old})", (before,))
             conn.execute(f"DELETE FROM attempts WHERE task_id IN ({old})", (before,))
+            conn.execute("DELETE FROM nodes WHERE heartbeat_at < ?", (before,))
             return conn.execute(f"DELETE FROM tasks WHERE id IN ({old})", (before,)).rowcount
 
         pruned: int = await self._write(op)
         return pruned
+
+    # the fleet: one host, so the daemon's lock file keeps one process per node id, and nothing to hear
+
+    async def lock_node(self, node_id: str, instance_id: str) -> None:
+        pass
+
+    async def save_node(self, node: Node) -> None:
+        row = (node.node_id, node.instance_id, node.hostname, node.pid, node.version, node.started_at,
+               node.heartbeat_at, node.heartbeat_s, node.stopped_at, json.dumps(list(node.task_types)),
+               json.dumps([list(t) for t in node.tags]), node.max_workers)
+
+        def op(conn: sqlite3.Connection, batch: _Batch) -> None:
+            conn.execute(f"INSERT OR REPLACE INTO nodes ({NODE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         row)
+
+        await self._write(op)
+
+    async def list_nodes(self) -> list[Node]:
+        def read(conn: sqlite3.Connection) -> list[Node]:
+            rows = conn.execute(f"SELECT {NODE_COLUMNS} FROM nodes ORDER BY node_id").fetchall()
+            return [Node(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], tuple(json.loads(r[9])),
+                         tuple(tuple(t) for t in json.loads(r[10])), r[11], stopped_at=r[8]) for r in rows]
+
+        return await self._read(read)
+
+    async def watch(self, wake: Callable[[int], None], *,
+                    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await anyio.sleep_forever()
 
 
 class _Grouped:

@@ -1,0 +1,452 @@
+"""A fleet on PostgreSQL: real daemons as subprocesses sharing one fresh schema of the test server.
+
+Each test gets its own schema (`store.url = "postgresql://…?schema=e2e_<hex>"`), dropped afterwards.
+What is checked is read from the store behind the daemons' backs: every task ends once, attempts of
+one task never overlap in time (no moment with two live leases), a dead, frozen or cut-off node's
+leases expire and its late writes are rejected by the fence, and the registry shows who is alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+
+from ..conftest import POSTGRES_URL
+from .conftest import Daemon, free_port
+
+pytestmark = pytest.mark.e2e
+
+PLUGINS = '''
+"""Test plugins: each appends what it did to a file, so the test can count executions."""
+import os
+
+import anyio
+
+from tidepool.errors import LeaseLost, StoreUnavailable
+
+
+def _append(path, line):
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\\n").encode())
+    finally:
+        os.close(fd)
+
+
+async def append(ctx):
+    await anyio.sleep(ctx.payload.get("seconds", 0))
+    _append(ctx.payload["file"], ctx.task.id)
+
+
+async def insist(ctx):
+    """Sleeps, then records its result, both shielded from the attempt's cancellation: a plugin that keeps
+    working after its lease is gone and insists on writing, until the store answers (at most 30 s)."""
+    with anyio.CancelScope(shield=True):
+        await anyio.sleep(ctx.payload.get("seconds", 0))
+        _append(ctx.payload["file"], ctx.task.id)
+        deadline = anyio.current_time() + 30
+        while True:
+            try:
+                await ctx.emit({"attempt": ctx.attempt_id}, final=True)
+                return
+            except LeaseLost:
+                _append(ctx.payload["rejected"], f"{ctx.task.id} {ctx.attempt_id}")
+                raise
+            except StoreUnavailable:
+                if anyio.current_time() > deadline:
+                    raise
+                await anyio.sleep(0.2)
+'''
+
+
+# the fleet
+
+
+def _unavailable(reason: str) -> NoReturn:
+    from ..conftest import _unavailable as policy
+
+    policy(reason)
+
+
+class Fleet:
+    """Daemons on one schema; `q` reads the store directly."""
+
+    def __init__(self, root: Path, make_daemon: Callable[..., Daemon], schema: str) -> None:
+        self.root = root
+        self.schema = schema
+        self.url = f"{POSTGRES_URL}?schema={schema}"
+        self._make = make_daemon
+        self.plugins = root / "plugins"
+        self.plugins.mkdir()
+        (self.plugins / "cluster_plugins.py").write_text(textwrap.dedent(PLUGINS))
+        self.done_file = root / "done.txt"
+        self.rejected_file = root / "rejected.txt"
+        self.daemons: dict[str, Daemon] = {}
+
+    def config(self, node_id: str, *, url: str | None = None, **sections: dict[str, Any]) -> dict[str, Any]:
+        config: dict[str, dict[str, Any]] = {
+            "node": {"id": node_id},
+            "store": {"url": url or self.url},
+            "pool": {"min_workers": 4, "max_workers": 4, "poll_interval_s": 1.0, "drain_timeout_s": 1.0},
+            "lease": {"duration_s": 3.0, "renew_every_s": 1.0},
+            "reconciler": {"interval_s": 0.5},
+            "retry": {"backoff_base_s": 0.1, "backoff_max_s": 0.2, "max_attempts": 5},
+            "plugins.append": {"python": "cluster_plugins:append"},
+            "plugins.insist": {"python": "cluster_plugins:insist"},
+            "types.append": {"plugins": ["append"]},
+            "types.insist": {"plugins": ["insist"]},
+            "log": {"level": "info"},
+        }
+        for section, keys in sections.items():
+            config.setdefault(section, {}).update(keys)
+        return config
+
+    def add(self, node_id: str, *, url: str | None = None, **sections: dict[str, Any]) -> Daemon:
+        root = self.root / node_id
+        root.mkdir(exist_ok=True)
+        daemon = self._make(self.config(node_id, url=url, **sections), root=root,
+                            env={"PYTHONPATH": str(self.plugins)})
+        self.daemons[node_id] = daemon
+        return daemon
+
+    def start(self, *daemons: Daemon) -> None:
+        """Start together; each is ready (/readyz 200) on return."""
+        with ThreadPoolExecutor(len(daemons)) as pool:
+            for future in [pool.submit(d.start) for d in daemons]:
+                future.result()
+
+    def q(self, sql: str, *args: Any) -> list[Any]:
+        async def fetch() -> list[Any]:
+            import asyncpg
+
+            conn = await asyncpg.connect(POSTGRES_URL, server_settings={"search_path": f'"{self.schema}"'})
+            try:
+                return [tuple(r) for r in await conn.fetch(sql, *args)]
+            finally:
+                await conn.close()
+
+        return asyncio.run(fetch())
+
+    def submit(self, type_: str, n: int, *, via: Sequence[Daemon], **payload: Any) -> list[str]:
+        """n tasks in batches of 50, round robin over the daemons' APIs (so wake-ups cross nodes)."""
+        payload = {"file": str(self.done_file), "rejected": str(self.rejected_file), **payload}
+        ids: list[str] = []
+        for k, start in enumerate(range(0, n, 50)):
+            body = {"tasks": [{"type": type_, "payload": payload}] * min(50, n - start)}
+            r = via[k % len(via)].post("/v1/tasks/batch", body)
+            assert r.status == 201, r
+            ids += r.body["ids"]
+        return ids
+
+    def wait(self, what: str, check: Callable[[], Any], *, timeout_s: float = 30.0, poll_s: float = 0.1) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            result = check()
+            if result:
+                return result
+            if time.monotonic() >= deadline:
+                logs = "\n".join(f"--- {name}\n{d.log(15)}" for name, d in self.daemons.items())
+                pytest.fail(f"timed out after {timeout_s}s waiting for {what}; last: {result!r}\n{logs}")
+            time.sleep(poll_s)
+
+    def completed(self, ids: Sequence[str]) -> bool:
+        (n,), = self.q("SELECT count(*) FROM tasks WHERE id = ANY($1::text[]) AND state = 'completed'", list(ids))
+        return bool(n == len(ids))
+
+    def live_attempts(self, node_id: str, statuses: tuple[str, ...] = ("leased", "running")) -> list[tuple[str, str]]:
+        rows = self.q("SELECT task_id, id FROM attempts WHERE node_id = $1 AND status = ANY($2::text[])",
+                      node_id, list(statuses))
+        return [(r[0], r[1]) for r in rows]
+
+    def lines(self, path: Path) -> list[str]:
+        return path.read_text().split() if path.exists() else []
+
+    def assert_no_overlapping_attempts(self) -> None:
+        """No moment with two live leases on one task: each attempt ended before the next began."""
+        rows = self.q("SELECT task_id, id, started_at, finished_at, status FROM attempts ORDER BY task_id, started_at")
+        by_task: dict[str, list[Any]] = {}
+        for row in rows:
+            by_task.setdefault(row[0], []).append(row)
+        for task_id, attempts in by_task.items():
+            for earlier, later in itertools.pairwise(attempts):
+                assert earlier[3] is not None, f"task {task_id}: attempt {earlier[1]} never ended, yet {later[1]} ran"
+                assert earlier[3] <= later[2], f"task {task_id}: attempts {earlier[1]} and {later[1]} overlap"
+
+    def nodes(self, via: Daemon) -> dict[str, bool]:
+        r = via.get("/v1/nodes")
+        assert r.status == 200, r
+        return {n["node_id"]: n["alive"] for n in r.body["nodes"]}
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, make_daemon: Callable[..., Daemon]) -> Iterator[Fleet]:
+    try:
+        import asyncpg
+    except ImportError:
+        _unavailable("asyncpg is not installed")
+
+    async def check() -> None:
+        conn = await asyncpg.connect(POSTGRES_URL, timeout=5)
+        await conn.close()
+
+    try:
+        asyncio.run(check())
+    except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+        _unavailable(f"PostgreSQL at {POSTGRES_URL} is unreachable: {exc}")
+    fleet = Fleet(tmp_path, make_daemon, "e2e_" + uuid.uuid4().hex[:16])
+    try:
+        yield fleet
+    finally:
+        for daemon in fleet.daemons.values():
+            with contextlib.suppress(Exception):
+                if daemon.proc is not None and daemon.proc.poll() is None:
+                    daemon.proc.send_signal(signal.SIGCONT)  # a frozen one must hear its SIGTERM
+                daemon.stop()
+        with contextlib.suppress(Exception):
+            fleet.q(f'DROP SCHEMA IF EXISTS "{fleet.schema}" CASCADE')
+
+
+# the tests
+
+
+def test_three_nodes_run_600_tasks_each_exactly_once_and_list_each_other(fleet: Fleet) -> None:
+    a, b, c = (fleet.add(n) for n in ("a", "b", "c"))
+    fleet.start(a, b, c)
+    assert fleet.nodes(a) == {"a": True, "b": True, "c": True}
+
+    ids = fleet.submit("append", 600, via=[a, b, c])
+    fleet.wait("600 tasks completed", lambda: fleet.completed(ids), timeout_s=60)
+
+    recorded = Counter(fleet.lines(fleet.done_file))
+    assert set(recorded) == set(ids)
+    assert [i for i, n in recorded.items() if n != 1] == [], "a task ran more than once without any crash"
+    per_node = dict(fleet.q("SELECT node_id, count(*) FROM attempts WHERE status = 'succeeded' GROUP BY node_id"))
+    assert sum(per_node.values()) == 600 and set(per_node) == {"a", "b", "c"}, per_node
+    (attempts,), = fleet.q("SELECT count(*) FROM attempts")
+    assert attempts == 600
+    fleet.assert_no_overlapping_attempts()
+    for d in (a, b, c):
+        assert fleet.nodes(d) == {"a": True, "b": True, "c": True}
+    tidepool = [sys.executable, "-m", "tidepool", "nodes", "--url", b.url]
+    shown = subprocess.run([*tidepool, "--json"], cwd=fleet.root, env=b.env, capture_output=True, text=True,
+                           timeout=30, check=True)
+    listed = json.loads(shown.stdout)["nodes"]
+    assert [(n["node_id"], n["alive"], n["task_types"], n["max_workers"]) for n in listed] == [
+        (name, True, ["*"], 4) for name in ("a", "b", "c")]
+    assert {n["pid"] for n in listed} == {a.pid, b.pid, c.pid}
+    table = subprocess.run(tidepool, cwd=fleet.root, env={**b.env, "COLUMNS": "200"}, capture_output=True,
+                           text=True, timeout=30, check=True).stdout
+    assert all(f" {name} " in table for name in ("a", "b", "c")) and table.count(" yes ") == 3, table
+
+
+def test_sigkill_of_a_node_mid_run_its_tasks_finish_on_the_others_after_lease_expiry(fleet: Fleet) -> None:
+    a, b, c = (fleet.add(n) for n in ("a", "b", "c"))
+    fleet.start(a, b, c)
+    ids = fleet.submit("insist", 48, via=[a, b, c], seconds=1.0)
+    fleet.wait("node c running 4 tasks", lambda: len(fleet.live_attempts("c")) == 4)
+    c.kill()
+    killed = fleet.live_attempts("c")
+    assert killed, "node c held no lease when it was killed"
+
+    fleet.wait("every task completed", lambda: fleet.completed(ids), timeout_s=40)
+    for task_id, attempt_id in killed:
+        rows = fleet.q("SELECT id, node_id, status FROM attempts WHERE task_id = $1 ORDER BY number", task_id)
+        statuses = {r[0]: r[2] for r in rows}
+        assert statuses[attempt_id] == "expired", rows
+        assert rows[-1][2] == "succeeded" and rows[-1][1] in ("a", "b"), rows
+    assert set(fleet.lines(fleet.done_file)) == set(ids)
+    (succeeded_twice,), = fleet.q(
+        "SELECT count(*) FROM (SELECT task_id FROM attempts WHERE status = 'succeeded' GROUP BY task_id "
+        "HAVING count(*) > 1) AS twice")
+    assert succeeded_twice == 0
+    fleet.assert_no_overlapping_attempts()
+    # The registry: c stops saving heartbeats and turns not-alive within three of them (2 s each).
+    fleet.wait("node c not alive", lambda: fleet.nodes(a) == {"a": True, "b": True, "c": False}, timeout_s=10)
+    assert fleet.nodes(b) == {"a": True, "b": True, "c": False}
+
+
+def test_sigstop_past_the_lease_then_sigcont_its_late_write_is_rejected_and_the_retry_stands(fleet: Fleet) -> None:
+    a = fleet.add("a")
+    fleet.start(a)
+    (task_id,) = fleet.submit("insist", 1, via=[a], seconds=2.0)
+    fleet.wait("the task running on a", lambda: fleet.live_attempts("a"))
+    (_, stale), = fleet.live_attempts("a")
+    b = fleet.add("b")
+    fleet.start(b)
+    a.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+    try:
+        fleet.wait("b to finish the task", lambda: fleet.completed([task_id]), timeout_s=20)
+    finally:
+        a.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
+    fleet.wait("a's late result write", lambda: fleet.lines(fleet.rejected_file), timeout_s=10)
+    assert fleet.lines(fleet.rejected_file) == [task_id, stale], "the late write was not rejected by LeaseLost"
+
+    task = b.task(task_id)
+    assert task["state"] == "completed"
+    assert [(x["node_id"], x["status"]) for x in task["attempts"]] == [("a", "expired"), ("b", "succeeded")]
+    winner = task["attempts"][1]["id"]
+    assert [r["payload"] for r in task["results"]] == [{"attempt": winner}], "the retried attempt's result stands"
+    fleet.wait("a's stale finish rejected too", lambda: "rejected" in a.log(200))
+    assert a.get("/readyz").status == 200
+    fleet.assert_no_overlapping_attempts()
+
+
+class Proxy:
+    """A TCP proxy to the PostgreSQL server on a thread of its own: cut() drops every connection and refuses
+    new ones until restore(). The shared server itself is never touched."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="pg-proxy", daemon=True)
+        self._server: asyncio.Server | None = None
+        self._open: set[asyncio.StreamWriter] = set()
+
+    def __enter__(self) -> Proxy:
+        self._thread.start()
+        self.restore()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cut()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    def cut(self) -> None:
+        self._call(self._cut())
+
+    def restore(self) -> None:
+        self._call(self._listen())
+
+    def _call(self, coro: Any) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(5)
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port, reuse_address=True)
+
+    async def _cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for writer in self._open:
+            writer.transport.abort()
+        self._open.clear()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._open |= {writer, up_writer}
+        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer), return_exceptions=True)
+        self._open -= {writer, up_writer}
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    finally:
+        writer.transport.abort()
+
+
+def test_database_outage_longer_than_the_lease_loses_nothing_and_rejects_stale_writes(fleet: Fleet) -> None:
+    from urllib.parse import urlsplit
+
+    server = urlsplit(POSTGRES_URL)
+    with Proxy((server.hostname or "127.0.0.1", server.port or 5432)) as proxy:
+        user = server.username or "postgres"
+        cut_url = f"postgresql://{user}@127.0.0.1:{proxy.port}{server.path}?schema={fleet.schema}"
+        a, b = fleet.add("a"), fleet.add("b")
+        c = fleet.add("c", url=cut_url)
+        fleet.start(a, b, c)
+        ids = fleet.submit("insist", 36, via=[a, b, c], seconds=1.5)
+        fleet.wait("node c running tasks", lambda: len(fleet.live_attempts("c", ("running",))) >= 2)
+
+        proxy.cut()
+        cut_at = time.monotonic()
+        stranded = fleet.live_attempts("c")
+        running = set(fleet.live_attempts("c", ("running",)))  # c's plugins surely run these
+        ready = fleet.wait("c's /readyz 503", lambda: (r := c.get("/readyz")).status == 503 and r, timeout_s=5)
+        assert "store unavailable" in ready.body["reason"]
+        assert "tidepool_store_up 0.0" in c.get("/metrics").body
+        # Cut for longer than the lease (3 s): the others expire c's leases and run its tasks meanwhile.
+        fleet.wait("c's tasks taken over", lambda: all(
+            fleet.q("SELECT status FROM attempts WHERE id = $1", attempt)[0][0] == "expired"
+            for _, attempt in stranded), timeout_s=15)
+        time.sleep(max(0.0, 6.0 - (time.monotonic() - cut_at)))
+        assert c.get("/readyz").status == 503, "ready while its store was cut off"
+        proxy.restore()
+
+        fleet.wait("c ready again", lambda: c.get("/readyz").status == 200, timeout_s=15)
+        fleet.wait("every task completed", lambda: fleet.completed(ids), timeout_s=40)
+
+        def rejected() -> set[tuple[str, str]]:
+            words = fleet.lines(fleet.rejected_file)
+            return {(words[i], words[i + 1]) for i in range(0, len(words), 2)}
+
+        fleet.wait("c's stale result writes rejected", lambda: running <= rejected())
+        assert rejected() <= set(stranded), "a write was rejected that was not stale"
+
+        for task_id in ids:
+            task = a.task(task_id)
+            winners = [x for x in task["attempts"] if x["status"] == "succeeded"]
+            assert len(winners) == 1, task["attempts"]
+            assert [r["payload"] for r in task["results"]] == [{"attempt": winners[0]["id"]}], task
+        fleet.assert_no_overlapping_attempts()
+        # c works again: its heartbeat is back and its API takes tasks.
+        fleet.wait("c alive again", lambda: fleet.nodes(a).get("c") is True, timeout_s=10)
+        more = fleet.submit("append", 30, via=[c])
+        fleet.wait("the tasks submitted through c completed", lambda: fleet.completed(more))
+
+
+def test_a_blip_shorter_than_the_lease_delays_finishes_without_rerunning_anything(fleet: Fleet) -> None:
+    from urllib.parse import urlsplit
+
+    server = urlsplit(POSTGRES_URL)
+    with Proxy((server.hostname or "127.0.0.1", server.port or 5432)) as proxy:
+        url = f"postgresql://{server.username or 'postgres'}@127.0.0.1:{proxy.port}{server.path}?schema={fleet.schema}"
+        a = fleet.add("a", url=url, pool={"min_workers": 8, "max_workers": 8})
+        fleet.start(a)
+        ids = fleet.submit("append", 8, via=[a], seconds=1.0)
+        fleet.wait("8 tasks running", lambda: len(fleet.live_attempts("a", ("running",))) == 8)
+        proxy.cut()  # the plugins end during the cut: their finishes wait for the store
+        time.sleep(1.5)  # under the 3 s lease: the node keeps its leases
+        proxy.restore()
+        fleet.wait("every task completed", lambda: fleet.completed(ids), timeout_s=15)
+    rows = fleet.q("SELECT status, count(*) FROM attempts GROUP BY status")
+    assert rows == [("succeeded", 8)], "a finish was lost and its task ran again"
+    assert sorted(fleet.lines(fleet.done_file)) == sorted(ids)
+
+
+def test_a_second_daemon_with_the_same_node_id_on_the_same_database_exits_2(fleet: Fleet) -> None:
+    a = fleet.add("a")
+    fleet.start(a)
+    twin = fleet.add("twin", node={"id": "a"})
+    result = subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(twin.config_path)],
+                            cwd=twin.root, env=twin.env, capture_output=True, text=True, timeout=30,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 2, result.stderr
+    assert f"pid {a.pid}" in result.stderr and "node a already runs" in result.stderr
+    assert a.get("/readyz").status == 200, "the first daemon is unharmed"
+    del fleet.daemons["twin"]
