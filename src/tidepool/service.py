@@ -39,7 +39,7 @@ from .reconciler import Reconciler, ReconcilerConfig
 from .resources import ResourcePool
 from .scheduler import Scheduler
 from .schedules import Schedule, validate
-from .settings import Settings
+from .settings import ScheduleSettings, Settings
 from .store import Node, Store, open_store
 from .systemd import Notifier, StatusReporter, run_watchdog
 
@@ -92,6 +92,7 @@ class Daemon:
         self.heartbeat = Heartbeat(self.store, self._describe)
         self._shutdown = anyio.Event()
         self._forced = False
+        self._synced_schedules: tuple[ScheduleSettings, ...] = ()
         self._drain_wait: anyio.CancelScope | None = None  # a second SIGINT cuts the current wait short
         self._filter: tuple[Settings, int, ClaimFilter] | None = None
 
@@ -117,7 +118,7 @@ class Daemon:
             try:
                 await self.store.lock_node(self.node_id, self.instance_id)  # PostgreSQL: one process per node id
                 await self.reconciler.recover(node_id=self.node_id, instance_id=self.instance_id)
-                await self.scheduler.sync_config(self.settings.schedules)
+                await self._sync_schedules(self.settings)
                 async with anyio.create_task_group() as tg:
                     await tg.start(self._handle_signals)  # first: from here on a SIGTERM drains, never kills
                     await tg.start(self.leases.run)
@@ -402,10 +403,20 @@ class Daemon:
         self.pool.resize(min_workers=new.pool.min_workers, max_workers=new.pool.max_workers,
                          idle_timeout_s=new.pool.idle_timeout_s)
         self.settings = new
+        if new.schedules != self._synced_schedules:
+            await self._sync_schedules(new)
         self.metrics.reloaded(ok=True)
         log.info("reloaded %s: %s", where, ", ".join(changed) if changed else "nothing changed")
         if self.pending_restart:
             log.warning("reload: %s changed but need a restart to take effect", ", ".join(self.pending_restart))
+
+    async def _sync_schedules(self, settings: Settings) -> None:
+        """Save the config's [[schedules]]; a bad one is logged and skipped, the others still run."""
+        try:
+            await self.scheduler.sync_config(settings.schedules)
+        except (InvalidRequest, StoreUnavailable) as exc:
+            log.error("schedules from %s not saved: %s", self.config_path or "defaults", exc)
+        self._synced_schedules = settings.schedules
 
     def _claim_filter(self) -> ClaimFilter:
         """Types this node accepts, tags its free slots carry (rule 2); asked before every claim, so cached."""
