@@ -279,7 +279,7 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
             print(json.dumps(page, indent=2))
             return OK
         table = Table("type", "state", "phase", "progress", "attempt", "node", "created")
-        table.columns.insert(0, Column("id", no_wrap=True, min_width=26))
+        table.columns.insert(0, Column("id", no_wrap=True, min_width=32))
         for t in page["tasks"]:
             progress = t["progress"] or {}
             fraction = f"{progress['fraction'] * 100:.0f}%" if "fraction" in progress else ""

@@ -10,7 +10,6 @@ The outcome is written once, fenced by the lease.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,11 +133,12 @@ class Engine:
                 ctx.resource = await self._acquire(task, tags)
             await _cancelled_yet(held)
             self._enter(ctx, held, worker_id, Phase.RUN)
-            # The attempt's own scope carries the run deadline: one scope per task, not two.
+            # The attempt's own scope carries the run deadline: one scope per task, not two. It is not
+            # reset afterwards (a timer each time): once the plugins are done nothing in it awaits
+            # unshielded, so a deadline passing then changes nothing.
             held.scope.deadline = anyio.current_time() + self._run_timeout_s(task)
             for plugin in plugins:
                 await self._run_plugin(ctx, held, plugin, worker_id)
-            held.scope.deadline = math.inf
             return Outcome(AttemptStatus.SUCCEEDED, exit_status=ctx.exit_status, stderr_tail=ctx.stderr_tail)
         except _PluginTimedOut as exc:
             return self._timed_out(task, str(exc))
@@ -150,8 +150,6 @@ class Engine:
             log.exception("task %s attempt %s: plugin %s raised", task.id, held.lease.attempt_id, ctx.plugin)
             return Outcome(AttemptStatus.FAILED, TaskError("plugin_error", f"{type(exc).__name__}: {exc}"),
                            ctx.exit_status, ctx.stderr_tail)
-        finally:
-            held.scope.deadline = math.inf
 
     async def _run_plugin(self, ctx: TaskContext, held: Held, plugin: PluginDef, worker_id: str) -> None:
         await _cancelled_yet(held)

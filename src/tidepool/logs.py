@@ -21,7 +21,7 @@ from typing import Any
 from .events import Event
 
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
-_ID = r"[0-9A-Z]{26}\b"  # model.new_id(): 26 characters of Crockford's base32
+_ID = r"[0-9a-f]{32}\b"  # model.new_id(): 32 hex digits
 _TASK_LINE = re.compile(rf"task (?P<task_id>{_ID})(?: attempt (?P<attempt_id>{_ID}))?")
 _CONTEXT = ("task_id", "attempt_id", "worker_id", "plugin")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import enum
 import hashlib
 import json
@@ -203,25 +202,23 @@ def rfc3339(ts: float | None) -> str | None:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
-# base32 with Crockford's alphabet: ascending in ASCII, so the text sorts like the number.
-_CROCKFORD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", b"0123456789ABCDEFGHJKMNPQRSTVWXYZ")
-_ulid_lock = threading.Lock()
-_ulid_last = (0, 0)
+_id_lock = threading.Lock()
+_id_last = (0, 0)
 
 
 def new_id(now: float | None = None) -> str:
-    """A ULID-like id: 48-bit milliseconds + 80 random bits, monotonic within a millisecond."""
-    global _ulid_last
+    """A sortable id: 48-bit milliseconds then 80 random bits, as 32 hex digits, monotonic within a
+    millisecond (ULID's layout; hex because C formats it several times faster than base32)."""
+    global _id_last
     ms = int((time.time() if now is None else now) * 1000)
-    with _ulid_lock:
-        last_ms, last_rand = _ulid_last
+    with _id_lock:
+        last_ms, last_rand = _id_last
         if ms <= last_ms:
             ms, rand = last_ms, (last_rand + 1) & ((1 << 80) - 1)
         else:
             rand = int.from_bytes(os.urandom(10), "big")
-        _ulid_last = (ms, rand)
-    raw = ((ms << 80) | rand).to_bytes(16, "big")
-    return base64.b32encode(raw)[:26].translate(_CROCKFORD).decode()
+        _id_last = (ms, rand)
+    return f"{ms:012x}{rand:020x}"
 
 
 def new_token() -> str:
