@@ -109,6 +109,7 @@ class Pool:
         self._ids = itertools.count(1)
         self._busy = 0
         self._claiming = True
+        self._store_down = False
         self._tg: TaskGroup | None = None
         self._idle = anyio.Event()
         self.last_tick = monotonic()
@@ -214,9 +215,14 @@ class Pool:
             claimed = await self._store.claim(identity, self._claim_filter(), limit=self.config.claim_batch,
                                               now=self._clock(), lease_s=self._leases.lease_s)
         except StoreUnavailable as exc:
-            log.warning("worker %s cannot claim: %s", identity.worker_id, exc)
+            if not self._store_down:  # once per outage, not once per worker and poll
+                self._store_down = True
+                log.warning("workers cannot claim, retrying every %.1fs: %s", self.config.poll_interval_s, exc)
             await anyio.sleep(self.config.poll_interval_s)
             return []
+        if self._store_down:
+            self._store_down = False
+            log.info("workers claim again: the store answers")
         for c in claimed:
             self._events.publish("task.leased", task_id=c.task.id, worker_id=identity.worker_id,
                                  attempt_id=c.lease.attempt_id, attempt=c.task.attempt, type=c.task.type,

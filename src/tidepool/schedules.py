@@ -8,6 +8,7 @@ The scheduler loop that fires due ticks lives in scheduler.py; stores fire them 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -20,6 +21,7 @@ from croniter import croniter  # type: ignore[import-untyped]
 from .errors import InvalidRequest
 from .model import NewTask, rfc3339
 
+MIN_EVERY_S = 1.0         # shorter periods are not what a schedule is for (and overflow the tick arithmetic)
 MAX_CATCH_UP = 10          # catch_up = "all" fires at most this many missed ticks at once
 ON_TIME_GRACE_S = 5.0      # catch_up = "none" still fires a tick this late (at most half a period)
 CatchUp = Literal["none", "last", "all"]
@@ -82,8 +84,12 @@ def validate(schedule: Schedule) -> Schedule:
         raise InvalidRequest("cron", "set exactly one of cron or every_s")
     if schedule.cron is not None and not croniter.is_valid(schedule.cron):
         raise InvalidRequest("cron", f"not a cron expression: {schedule.cron!r}")
-    if schedule.every_s is not None and not (math.isfinite(schedule.every_s) and schedule.every_s > 0):
-        raise InvalidRequest("every_s", "must be a positive number of seconds")
+    if schedule.every_s is not None and not (math.isfinite(schedule.every_s) and schedule.every_s >= MIN_EVERY_S):
+        raise InvalidRequest("every_s", f"must be at least {MIN_EVERY_S:g} second")
+    try:
+        json.dumps(schedule.payload, allow_nan=False)
+    except (TypeError, ValueError) as exc:  # a TOML date, say: tasks carry JSON
+        raise InvalidRequest("payload", f"must be JSON: {exc}") from None
     try:
         ZoneInfo(schedule.timezone)
     except (ZoneInfoNotFoundError, ValueError):

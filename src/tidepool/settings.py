@@ -11,7 +11,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from .errors import ConfigError
+from . import schedules
+from .errors import ConfigError, InvalidRequest
 
 DEFAULT_PATHS = (Path("config/tidepool.toml"), Path("/etc/tidepool/tidepool.toml"))
 
@@ -162,7 +163,7 @@ class ScheduleSettings(Section):
     type: str
     payload: dict[str, Any] = {}
     cron: str | None = None
-    every_s: float | None = Field(None, gt=0)
+    every_s: float | None = Field(None, ge=1.0)
     timezone: str = "UTC"
     jitter_s: float = Field(0.0, ge=0)
     catch_up: Literal["none", "last", "all"] = "last"
@@ -276,3 +277,7 @@ def _check_references(settings: Settings) -> None:
             raise ConfigError(f"config: schedules.{sched.name}.type: unknown task type {sched.type!r}")
         if (sched.cron is None) == (sched.every_s is None):
             raise ConfigError(f"config: schedules.{sched.name}: set exactly one of cron or every_s")
+        try:
+            schedules.validate(schedules.Schedule(**sched.model_dump()))
+        except InvalidRequest as exc:
+            raise ConfigError(f"config: schedules.{sched.name}.{exc}") from None

@@ -127,3 +127,17 @@ def test_invalid_schedules_name_the_field(schedule: Schedule, field: str) -> Non
     with pytest.raises(InvalidRequest) as info:
         validate(schedule)
     assert info.value.field == field
+
+
+def test_a_payload_that_is_not_json_is_refused() -> None:
+    import datetime as dt
+
+    with pytest.raises(InvalidRequest) as info:
+        validate(Schedule(name="x", type="noop", every_s=60.0, payload={"when": dt.date(2026, 1, 1)}))
+    assert info.value.field == "payload"
+
+
+def test_sub_second_periods_are_refused() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        validate(Schedule(name="x", type="noop", every_s=3e-308))
+    assert info.value.field == "every_s"

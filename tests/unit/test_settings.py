@@ -38,6 +38,9 @@ def test_env_beats_file_beats_default(tmp_path: Path, monkeypatch: pytest.Monkey
     ("[plugins.scan2]\npython = 'x:y'\ncommand = ['true']\n", "plugins.scan2"),
     ("[types.t]\nplugins = ['nope']\n", None),  # plugin references are checked when the registry loads
     ("[pool\n", "cannot read"),
+    ("[[schedules]]\nname = 'n'\ntype = 'noop'\ncron = 'every day'\n", "schedules.n.cron"),
+    ("[[schedules]]\nname = 'n'\ntype = 'noop'\nevery_s = 60\npayload = { at = 2026-01-01 }\n", "schedules.n.payload"),
+    ("[[schedules]]\nname = 'n'\ntype = 'nope'\nevery_s = 60\n", "schedules.n.type"),
 ])
 def test_bad_config_names_the_key(tmp_path: Path, text: str, named: str | None) -> None:
     path = write(tmp_path, text)
