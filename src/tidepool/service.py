@@ -12,7 +12,7 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -239,20 +239,28 @@ class Daemon:
 
     # what the API asks for
 
-    def check(self, new: NewTask) -> NewTask:
-        """Validate a submission; it comes back with its type's required_tags added, so claims see them."""
+    def check(self, new: NewTask, *, fleet_tags: Sequence[frozenset[str]] = ()) -> NewTask:
+        """Validate a submission; it comes back with its type's required_tags added, so claims see them.
+        `fleet_tags` are the resource tag sets of the other live nodes sharing the store."""
         if not self.registry.knows_type(new.type):
             raise InvalidRequest("type", f"unknown task type {new.type!r}")
         type_tags = self.registry.required_tags(new.type)
         if not type_tags <= set(new.required_tags):
             new = dataclasses.replace(new, required_tags=tuple(sorted(type_tags.union(new.required_tags))))
-        # Only this node's resources are known here: a fleet must configure each tag set on every API node.
-        if new.required_tags and not self.resources.can_serve(new.required_tags):
+        if new.required_tags and not self.resources.can_serve(new.required_tags) and \
+                not any(set(new.required_tags) <= tags for tags in fleet_tags):
             raise InvalidRequest("required_tags", f"no resource of this fleet has tags {list(new.required_tags)}")
         return new
 
+    async def _fleet_tags(self, tasks: Sequence[NewTask]) -> list[frozenset[str]]:
+        """The tag sets of every live node's resources, when a shared store has other nodes to ask."""
+        if self.settings.db_path() is not None or not any(t.required_tags for t in tasks):
+            return []
+        now = time.time()
+        return [frozenset(tags) for node in await self.store.list_nodes() if node.alive(now) for tags in node.tags]
+
     async def submit(self, new: NewTask) -> tuple[Task, bool]:
-        new = self.check(new)
+        new = self.check(new, fleet_tags=await self._fleet_tags([new]))
         task, created = await self.store.add(new, now=time.time(), max_queued=self.settings.pool.max_queued)
         if created:
             self.events.publish("task.created", task_id=task.id, worker_id=None, type=task.type,
@@ -261,9 +269,10 @@ class Daemon:
         return task, created
 
     async def submit_many(self, news: list[NewTask]) -> list[str]:
+        fleet = await self._fleet_tags(news)
         for i, new in enumerate(news):
             try:
-                news[i] = self.check(new)
+                news[i] = self.check(new, fleet_tags=fleet)
             except InvalidRequest as exc:
                 raise InvalidRequest(f"tasks.{i}.{exc.field}", str(exc).split(": ", 1)[1]) from None
         ids = await self.store.add_many(news, now=time.time(), max_queued=self.settings.pool.max_queued)
