@@ -19,7 +19,7 @@ import anyio
 import anyio.lowlevel
 
 from .context import TaskContext
-from .errors import LeaseLost, PluginError, StoreUnavailable
+from .errors import LeaseLost, PluginError, StoreUnavailable, TidepoolError
 from .events import EventBus
 from .leases import Held, LeaseKeeper
 from .lifecycle import RetryPolicy
@@ -30,6 +30,7 @@ from .resources import ResourcePool, Slot
 from .store import Store
 
 log = logging.getLogger("tidepool.engine")
+FINISH_RETRIES_S = (0.2, 0.5, 1.0, 2.0)  # then one last try: well inside any lease
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,17 @@ class Engine:
                              sequence=ack.sequence, idempotency_key=ack.idempotency_key, final=ack.final)
         return ack
 
+    async def _record(self, held: Held, outcome: Outcome) -> State:
+        """Write the outcome; a store that is briefly away is tried again (the fence makes that safe)."""
+        for delay in FINISH_RETRIES_S:
+            try:
+                return await self._store.finish(held.lease, outcome, now=self._clock(), policy=self.policy)
+            except StoreUnavailable as exc:
+                log.warning("task %s attempt %s: outcome not written yet, retrying in %.1fs: %s",
+                            held.lease.task_id, held.lease.attempt_id, delay, exc)
+                await anyio.sleep(delay)
+        return await self._store.finish(held.lease, outcome, now=self._clock(), policy=self.policy)
+
     async def _finish(self, task: Task, held: Held, outcome: Outcome | None, worker_id: str) -> State | None:
         attempt_id = held.lease.attempt_id
         if outcome is None:
@@ -218,13 +230,13 @@ class Engine:
                                  type=task.type)
             return None
         try:
-            state = await self._store.finish(held.lease, outcome, now=self._clock(), policy=self.policy)
+            state = await self._record(held, outcome)
         except LeaseLost as exc:
             log.warning("task %s attempt %s outcome %s rejected: %s", task.id, attempt_id, outcome.status, exc)
             self._events.publish("task.lease_lost", task_id=task.id, worker_id=worker_id, attempt_id=attempt_id,
                                  type=task.type)
             return None
-        except StoreUnavailable as exc:
+        except TidepoolError as exc:  # the store stayed away, or refused the move: the lease will expire
             log.error("task %s attempt %s outcome %s not recorded: %s", task.id, attempt_id, outcome.status, exc)
             return None
         error = None if outcome.error is None else outcome.error.to_json()

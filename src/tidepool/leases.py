@@ -98,8 +98,8 @@ class LeaseKeeper:
         notes = [PhaseNote(h.lease, h.phase, h.progress) for a in self._dirty
                  if (h := self._held.get(a)) is not None and h.phase is not None]
         self._dirty.clear()
-        if notes:
-            await self._apply(self._store.set_phase(notes, now=self._clock()), "phase")
+        if notes and await self._apply(self._store.set_phase(notes, now=self._clock()), "phase") is None:
+            self._dirty.update(n.lease.attempt_id for n in notes)  # not written: try with the next flush
 
     async def renew(self) -> None:
         held = list(self._held.values())

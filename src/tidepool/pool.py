@@ -110,6 +110,7 @@ class Pool:
         self._busy = 0
         self._claiming = True
         self._store_down = False
+        self._in_claim = 0
         self._tg: TaskGroup | None = None
         self._idle = anyio.Event()
         self.last_tick = monotonic()
@@ -158,8 +159,8 @@ class Pool:
             self._tg.start_soon(self._engine.release_unstarted)
 
     async def wait_idle(self) -> None:
-        """Until no worker runs a task."""
-        while self._busy:
+        """Until no worker runs a task or waits for a claim (a claim in flight may still bring one)."""
+        while self._busy or self._in_claim:
             self._idle = anyio.Event()
             await self._idle.wait()
 
@@ -172,8 +173,12 @@ class Pool:
             worker.kind = "demand"  # over the new minimum: retires like a demand worker
         for worker in workers[self.config.max_workers:]:
             worker.retire = True
+        demand = [w for w in workers if w.kind == "demand" and not w.retire]
         for _ in range(self.config.min_workers - len(baseline)):
-            self._spawn("baseline")
+            if demand:
+                demand.pop().kind = "baseline"  # at max_workers already: keep one instead of adding one
+            else:
+                self._spawn("baseline")
 
     def _spawn(self, kind: str) -> None:
         if self._tg is None or not self._claiming or len(self._workers) >= self.config.max_workers:
@@ -189,10 +194,15 @@ class Pool:
         idle_since = self._monotonic()
         try:
             while self._claiming and not worker.retire:
-                claimed = await self._claim(identity) if self._may_claim() else []
-                if claimed:
-                    await self._execute(worker, claimed)
-                    idle_since = self._monotonic()
+                try:
+                    claimed = await self._claim(identity) if self._may_claim() else []
+                    if claimed:
+                        await self._execute(worker, claimed)
+                        idle_since = self._monotonic()
+                        continue
+                except Exception:  # a bug must not take the node down: log it, keep the worker
+                    log.exception("worker %s: unexpected error; carrying on", worker.id)
+                    await anyio.sleep(self.config.poll_interval_s)
                     continue
                 idle_s = self._monotonic() - idle_since
                 if worker.kind == "demand" and idle_s >= self.config.idle_timeout_s:
@@ -211,6 +221,7 @@ class Pool:
         return self.config.poll_interval_s
 
     async def _claim(self, identity: Worker) -> list[Claimed]:
+        self._in_claim += 1
         try:
             claimed = await self._store.claim(identity, self._claim_filter(), limit=self.config.claim_batch,
                                               now=self._clock(), lease_s=self._leases.lease_s)
@@ -220,6 +231,10 @@ class Pool:
                 log.warning("workers cannot claim, retrying every %.1fs: %s", self.config.poll_interval_s, exc)
             await anyio.sleep(self.config.poll_interval_s)
             return []
+        finally:
+            self._in_claim -= 1
+            if not (self._busy or self._in_claim):
+                self._idle.set()
         if self._store_down:
             self._store_down = False
             log.info("workers claim again: the store answers")
@@ -235,12 +250,12 @@ class Pool:
         if self._busy >= len(self._workers) and len(self._workers) < self.config.max_workers:
             self._spawn("demand")
         try:
-            if len(claimed) == 1:
+            if len(claimed) == 1 and self._claiming:
                 await self._engine.run(claimed[0], worker.id)
             else:
                 await self._engine.run_batch(claimed, worker.id, keep_going=lambda: self._claiming)
         finally:
             self._busy -= 1
             worker.busy = False
-            if not self._busy:
+            if not (self._busy or self._in_claim):
                 self._idle.set()

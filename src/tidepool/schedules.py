@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -94,6 +95,11 @@ def validate(schedule: Schedule) -> Schedule:
         ZoneInfo(schedule.timezone)
     except (ZoneInfoNotFoundError, ValueError):
         raise InvalidRequest("timezone", f"unknown time zone {schedule.timezone!r}") from None
+    if schedule.cron is not None:
+        try:  # croniter accepts expressions that never match, such as "0 0 30 2 *"
+            next_tick(schedule, time.time())
+        except (ValueError, KeyError, OverflowError) as exc:
+            raise InvalidRequest("cron", f"{schedule.cron!r} never fires: {exc}") from None
     return schedule
 
 

@@ -95,3 +95,21 @@ async def test_idle_pool_sleeps_instead_of_polling(sqlite_store: SqliteStore, tm
     async with running_node(sqlite_store, {}, pool=config, work_root=tmp_path):
         await anyio.sleep(0.5)
     assert claims <= 4  # one look each at start, then asleep until woken or the 1 s poll
+
+
+async def test_raising_min_at_max_keeps_the_demand_workers_as_baseline(sqlite_store: SqliteStore,
+                                                                       tmp_path: Path) -> None:
+    gate = anyio.Event()
+
+    async def blocked(ctx: TaskContext) -> None:
+        await gate.wait()
+
+    config = PoolConfig(min_workers=2, max_workers=4, idle_timeout_s=0.2, poll_interval_s=0.5)
+    async with running_node(sqlite_store, {"blocked": blocked}, pool=config, work_root=tmp_path) as node:
+        await node.submit_many("blocked", 4)
+        await node.until(lambda: node.pool.statistics().busy == 4)
+        node.pool.resize(min_workers=4)  # already at max: the demand workers become baseline
+        gate.set()
+        await anyio.sleep(0.6)  # three idle timeouts: a demand worker would have retired by now
+        stats = node.pool.statistics()
+        assert (stats.workers, stats.baseline, stats.demand) == (4, 4, 0)

@@ -78,3 +78,16 @@ async def test_overlap_skip_waits_for_the_previous_task(store: Store) -> None:
     assert await store.request_cancel(first.task_id or "", now=122.0) is State.CANCELLED
     (second,) = await store.fire_schedules(now=181.0, max_attempts=3)
     assert second.task_id is not None and second.task_id != first.task_id
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+async def test_an_op_that_breaks_fails_alone_not_its_whole_transaction(store: Store) -> None:
+    from tidepool.errors import StoreUnavailable
+    from tidepool.model import NewTask
+
+    never = Schedule(name="feb30", type="noop", cron="0 0 30 2 *")  # slips past validate: raises in the op
+    results = await asyncio.gather(store.save_schedule(never, now=0.0), store.add(NewTask("noop"), now=0.0),
+                                   return_exceptions=True)
+    assert isinstance(results[0], StoreUnavailable)
+    task, created = results[1]  # type: ignore[misc]
+    assert created and (await store.get(task.id)).state is State.PENDING

@@ -141,3 +141,9 @@ def test_sub_second_periods_are_refused() -> None:
     with pytest.raises(InvalidRequest) as info:
         validate(Schedule(name="x", type="noop", every_s=3e-308))
     assert info.value.field == "every_s"
+
+
+def test_a_cron_that_never_fires_is_refused() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        validate(Schedule(name="x", type="noop", cron="0 0 30 2 *"))  # 30 February
+    assert info.value.field == "cron"

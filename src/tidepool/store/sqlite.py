@@ -10,7 +10,9 @@ batch and fails each of its ops with StoreUnavailable. Reads use a second connec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import queue
 import sqlite3
 import threading
@@ -57,6 +59,7 @@ from ..schedules import Fired, Schedule
 from . import Expired, Node, Page, PhaseNote, cancel_step, retry_step
 
 T = TypeVar("T")
+log = logging.getLogger("tidepool.store.sqlite")
 GROUP_PAUSE_S = 0.0005  # under load, how long the writer waits for more ops to share a transaction
 SCHEMA_VERSION = 3
 NODES = """
@@ -180,6 +183,7 @@ class SqliteStore:
         self._reader: sqlite3.Connection | None = None
         self._read_limiter = anyio.CapacityLimiter(1)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
 
     # lifecycle of the adapter
 
@@ -193,6 +197,7 @@ class SqliteStore:
 
     async def close(self) -> None:
         if self._writer is not None:
+            self._closing = True  # from here on writes are refused rather than queued behind the end
             self._ops.put(None)
             await anyio.to_thread.run_sync(self._writer.join)
             self._writer = None
@@ -226,7 +231,7 @@ class SqliteStore:
     # the writer thread
 
     async def _write(self, op: Op) -> Any:
-        if self._writer is None or self._loop is None:
+        if self._writer is None or self._loop is None or self._closing:
             raise StoreUnavailable("the store is not open")
         future: asyncio.Future[Any] = self._loop.create_future()
         self._ops.put((op, future))
@@ -250,6 +255,10 @@ class SqliteStore:
                     self._loop.call_soon_threadsafe(_settle, outcomes)
         finally:
             conn.close()
+            leftover: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = [
+                (item[1], None, StoreUnavailable("the store closed")) for item in _drain(self._ops) if item is not None]
+            if leftover and self._loop is not None:
+                self._loop.call_soon_threadsafe(_settle, leftover)
 
     def _take_queued(self, queued: list[tuple[Op, asyncio.Future[Any]] | None]) -> bool:
         """Append every op queued so far; True once the close sentinel (None) is among them."""
@@ -271,14 +280,12 @@ class SqliteStore:
                     results = op.run_group(conn, batch, [o for o, _ in group])
                     outcomes.extend((future, *r) for (_, future), r in zip(group, results, strict=True))
                     continue
-                try:
-                    outcomes.append((group[0][1], op(conn, batch), None))
-                except TidepoolError as exc:  # Conflict, LeaseLost, InvalidTransition: this op only
-                    outcomes.append((group[0][1], None, exc))
+                outcomes.append((group[0][1], *_run_alone(conn, batch, op)))
             conn.execute("COMMIT")
         except Exception as exc:  # the whole transaction is gone: tell every op
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
+            with contextlib.suppress(sqlite3.Error):
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
             error = StoreUnavailable(f"sqlite write failed: {exc}")
             error.__cause__ = exc
             return [(future, None, error) for _, future in ops]
@@ -741,6 +748,34 @@ def _add_once(conn: sqlite3.Connection, new: NewTask, now: float) -> str | None:
     if _keys_used(conn, [new.idempotency_key or ""]):
         return None
     return _insert_many(conn, [new], now)[0]
+
+
+def _drain(ops: queue.SimpleQueue[Any]) -> list[Any]:
+    items = []
+    while True:
+        try:
+            items.append(ops.get_nowait())
+        except queue.Empty:
+            return items
+
+
+def _run_alone(conn: sqlite3.Connection, batch: _Batch, op: Any) -> tuple[Any, BaseException | None]:
+    """One plain op inside a savepoint: whatever it raises fails this op only, not the transaction."""
+    conn.execute("SAVEPOINT op")
+    try:
+        result = op(conn, batch)
+    except Exception as exc:
+        conn.execute("ROLLBACK TO op")
+        conn.execute("RELEASE op")
+        batch.queued = None  # the op may have counted itself in before failing: recount
+        if isinstance(exc, TidepoolError):  # Conflict, LeaseLost, InvalidTransition, ...
+            return None, exc
+        log.error("sqlite op failed and was rolled back alone: %r", exc)
+        error = StoreUnavailable(f"sqlite write failed: {exc}")
+        error.__cause__ = exc
+        return None, error
+    conn.execute("RELEASE op")
+    return result, None
 
 
 def _settle(outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
