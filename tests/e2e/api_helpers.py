@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,30 +15,13 @@ import aiohttp
 
 from .conftest import Daemon, Response
 
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes via a proxy
-
 
 def call(daemon: Daemon, method: str, path: str, body: Any = None, *, data: bytes | None = None,
          headers: dict[str, str] | None = None, content_type: str | None = "application/json",
          timeout_s: float = 10.0) -> Response:
-    """One request with whatever headers the test needs (conftest's `request` sends none)."""
-    if body is not None:
-        data = json.dumps(body).encode()
-    sent = dict(headers or {})
-    if data is not None and content_type:
-        sent["Content-Type"] = content_type
-    req = urllib.request.Request(daemon.url + path, data=data, method=method, headers=sent)
-    try:
-        with _OPENER.open(req, timeout=timeout_s) as response:
-            status, raw = response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        with exc:
-            status, raw = exc.code, exc.read()
-    try:
-        parsed = json.loads(raw) if raw else None
-    except ValueError:
-        parsed = raw.decode(errors="replace")
-    return Response(status, parsed)
+    """One request with exactly the headers the test gives (no token is added for it)."""
+    return daemon.request(method, path, body, data=data, headers=dict(headers or {}), content_type=content_type,
+                          timeout_s=timeout_s)
 
 
 def bearer(token: str) -> dict[str, str]:

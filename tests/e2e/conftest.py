@@ -162,11 +162,15 @@ class Daemon:
 
     def request(self, method: str, path: str, body: Any = None, *, data: bytes | None = None,
                 content_type: str | None = "application/json", authorization: str | None = None,
-                timeout_s: float = 10.0) -> Response:
+                headers: dict[str, str] | None = None, timeout_s: float = 10.0) -> Response:
+        """One request. With `headers`, exactly those (plus Content-Type) go out: no token is added."""
         if body is not None:
             data = json.dumps(body).encode()
-        headers = {"Content-Type": content_type} if data is not None and content_type else {}
-        if authorization is None and self.token is not None:
+        explicit = headers is not None
+        headers = dict(headers or {})
+        if data is not None and content_type:
+            headers["Content-Type"] = content_type
+        if authorization is None and self.token is not None and not explicit:
             authorization = f"Bearer {self.token}"
         if authorization:
             headers["Authorization"] = authorization
