@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
+import gc
 import logging
 import os
 import re
@@ -45,6 +46,7 @@ from .systemd import Notifier, StatusReporter, run_watchdog
 
 log = logging.getLogger("tidepool.service")
 RESTART_KEYS = ("store.url", "api.listen", "node.id", "node.state_dir", "api.token_file", "api.max_body_kb")
+GC_YOUNG_THRESHOLD = 20_000
 QUEUE_STATES = ("pending", "leased", "running", "retry_wait", "cancelling")
 
 
@@ -126,6 +128,7 @@ class Daemon:
                     await tg.start(self.heartbeat.run)
                     await tg.start(self.guards.run)  # measured before the first claim
                     await tg.start(partial(serve_api, self, self.settings.api.listen, token=token))
+                    _quiet_gc()
                     await tg.start(self.pool.run)
                     await tg.start(self.reconciler.run)
                     await tg.start(self.scheduler.run)
@@ -478,6 +481,17 @@ def _changed_keys(old: Settings, new: Settings) -> list[str]:
 def _get(settings: Settings, dotted: str) -> Any:
     section, key = dotted.split(".")
     return getattr(getattr(settings, section), key)
+
+
+def _quiet_gc() -> None:
+    """Keep the collector off the task path (measured: ~8% of the event loop's time in a drain).
+
+    A task allocates hundreds of short-lived objects: at the default threshold (700) a young collection
+    ran every few tasks and every hundredth a full one over all that lives, the event ring included.
+    What exists once the node is set up lives as long as the process, so it is frozen out of the scans.
+    """
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
 
 
 def _loop_name() -> str:

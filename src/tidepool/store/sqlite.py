@@ -60,6 +60,7 @@ from . import Expired, Node, Page, PhaseNote, cancel_step, retry_step
 
 T = TypeVar("T")
 log = logging.getLogger("tidepool.store.sqlite")
+LEASE_CHUNK = 500  # rows per leasing statement: 7 parameters each, far below SQLite's 32,766
 GROUP_PAUSE_S = 0.0005  # under load, how long the writer waits for more ops to share a transaction
 SCHEMA_VERSION = 3
 NODES = """
@@ -697,31 +698,48 @@ class _CompleteOp(_Grouped):
         now = max(o.now for o in ops)  # the latest clock fences strictest
         ids = [o.lease.task_id for o in ops]
         keys = [v for o in ops for v in (o.lease.task_id, o.lease.attempt_id, o.lease.token)]
-        # `id IN` picks the rows by primary key; `+state` keeps the planner off the state index.
-        done = {r[0] for r in conn.execute(
+        # `id IN` picks the rows by primary key; `+state` keeps the planner off the state index. No
+        # RETURNING: each returned row is a step that gives the GIL away, and nearly always all succeed.
+        marks = ",".join("?" * len(ops))
+        cur = conn.execute(
             "UPDATE tasks SET state = 'completed', phase = NULL, error = NULL, updated_at = ?, finished_at = ?, "
-            f"lease_token = NULL WHERE id IN ({','.join('?' * len(ops))}) AND +state IN {ACTIVE_SQL} "
+            f"lease_token = NULL WHERE id IN ({marks}) AND +state IN {ACTIVE_SQL} "
             f"AND lease_expires_at > ? AND (id, lease_attempt_id, lease_token) IN "
-            f"(VALUES {','.join('(?, ?, ?)' for _ in ops)}) RETURNING lease_attempt_id",
-            (now, now, *ids, now, *keys))}
+            f"(VALUES {','.join('(?, ?, ?)' for _ in ops)})",
+            (now, now, *ids, now, *keys))
+        attempts = [o.lease.attempt_id for o in ops]
+        if cur.rowcount == len(ops):
+            done = set(attempts)
+        else:  # some were fenced off: the ones completed just now still have an open attempt row
+            done = {r[0] for r in conn.execute(
+                f"SELECT a.id FROM attempts a JOIN tasks t ON t.id = a.task_id WHERE a.id IN ({marks}) "
+                "AND a.status IN ('leased', 'running') AND t.lease_attempt_id = a.id AND t.state = 'completed'",
+                attempts)}
         if done:
-            conn.executemany("UPDATE attempts SET status = 'succeeded', finished_at = ? WHERE id = ?",
-                             [(now, a) for a in done])
+            conn.execute(f"UPDATE attempts SET status = 'succeeded', finished_at = ? WHERE id IN "
+                         f"({','.join('?' * len(done))})", (now, *done))
         return [(o.lease.attempt_id in done, None) for o in ops]
 
 
 def _groups(ops: list[tuple[Op, asyncio.Future[Any]]]) -> list[list[tuple[Op, asyncio.Future[Any]]]]:
-    """Split a batch into runs: consecutive grouped ops of one key together, every other op alone."""
+    """Split a batch into runs: grouped ops of one key together (at most MAX_GROUP), every other op alone.
+
+    The ops of one batch were all in flight at once, so any serial order of them is a valid history:
+    gathering claims and completions of the whole batch lets each kind share one statement.
+    """
     runs: list[list[tuple[Op, asyncio.Future[Any]]]] = []
-    key: object = None
+    open_runs: dict[object, list[tuple[Op, asyncio.Future[Any]]]] = {}
     for item in ops:
         op = item[0]
-        this = op.group_key() if isinstance(op, _Grouped) else None
-        if this is not None and this == key and len(runs[-1]) < _Grouped.MAX_GROUP:
-            runs[-1].append(item)
-        else:
+        if not isinstance(op, _Grouped):
             runs.append([item])
-        key = this
+            continue
+        key = op.group_key()
+        run = open_runs.get(key)
+        if run is None or len(run) >= _Grouped.MAX_GROUP:
+            run = open_runs[key] = []
+            runs.append(run)
+        run.append(item)
     return runs
 
 
@@ -854,17 +872,23 @@ def _claimable(conn: sqlite3.Connection, where: ClaimFilter, limit: int, now: fl
 
 
 def _lease(conn: sqlite3.Connection, leased: list[tuple[Worker, Claimed, float]]) -> None:
-    conn.executemany(
-        "UPDATE tasks SET state = 'leased', attempt = attempt + 1, node_id = ?, phase = NULL, progress = NULL, "
-        "error = NULL, updated_at = ?, lease_attempt_id = ?, lease_token = ?, lease_expires_at = ?, "
-        "lease_instance = ? WHERE id = ?",
-        [(w.node_id, now, c.lease.attempt_id, c.lease.token, c.lease.expires_at, w.instance_id, c.task.id)
-         for w, c, now in leased])
-    conn.executemany(
-        "INSERT INTO attempts (id, task_id, number, node_id, instance_id, worker_id, status, started_at) "
-        "VALUES (?, ?, (SELECT count(*) + 1 FROM attempts WHERE task_id = ?), ?, ?, ?, 'leased', ?)",
-        [(c.lease.attempt_id, c.task.id, c.task.id, w.node_id, w.instance_id, w.worker_id, now)
-         for w, c, now in leased])
+    """Lease the claimed rows and open their attempts: one statement each per chunk, not one per row."""
+    for i in range(0, len(leased), LEASE_CHUNK):
+        chunk = leased[i:i + LEASE_CHUNK]
+        rows = ",".join("(?, ?, ?, ?, ?, ?, ?)" for _ in chunk)
+        conn.execute(
+            "UPDATE tasks SET state = 'leased', attempt = attempt + 1, node_id = v.column2, phase = NULL, "
+            "progress = NULL, error = NULL, updated_at = v.column3, lease_attempt_id = v.column4, "
+            "lease_token = v.column5, lease_expires_at = v.column6, lease_instance = v.column7 "
+            f"FROM (VALUES {rows}) AS v WHERE tasks.id = v.column1",
+            [x for w, c, now in chunk for x in (c.task.id, w.node_id, now, c.lease.attempt_id, c.lease.token,
+                                                 c.lease.expires_at, w.instance_id)])
+        conn.execute(
+            "INSERT INTO attempts (id, task_id, number, node_id, instance_id, worker_id, status, started_at) "
+            "VALUES " + ",".join("(?, ?, (SELECT count(*) + 1 FROM attempts WHERE task_id = ?), ?, ?, ?, "
+                                 "'leased', ?)" for _ in chunk),
+            [x for w, c, now in chunk for x in (c.lease.attempt_id, c.task.id, c.task.id, w.node_id,
+                                                 w.instance_id, w.worker_id, now)])
 
 
 def _why_lost(conn: sqlite3.Connection, lease: Lease) -> LeaseLost:
