@@ -18,6 +18,8 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
+from aiohttp.http_exceptions import HttpProcessingError
+
 from .events import Event
 
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
@@ -91,6 +93,28 @@ def setup(level: str, fmt: str) -> None:
     root.addHandler(handler)
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequests) for f in server_log.filters):
+        server_log.addFilter(MalformedRequests())
+
+
+class MalformedRequests(logging.Filter):
+    """aiohttp logs every request it cannot parse as an ERROR with a traceback. A client's garbage is not
+    the node's error, and a client sending it in a loop must not fill the journal with tracebacks: one
+    info line each, naming the peer and what was wrong (the client got its 400 already)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        if not logging.getLogger(record.name).isEnabledFor(logging.INFO):
+            return False
+        lines = (exc.message or "").strip().splitlines()
+        what = lines[0].rstrip(": ") if lines else "unparseable"
+        record.msg, record.args = "malformed request refused with %s (%s): %s", (exc.code, what, record.getMessage())
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.exc_info, record.exc_text = None, None
+        return True
 
 
 def lifecycle(event: Event) -> None:

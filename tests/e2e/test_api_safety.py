@@ -311,3 +311,43 @@ def test_a_client_trickling_its_headers_is_cut_off_while_others_are_served(
     assert int(outcome["sent"]) < len(request), f"the headers must never have completed: {outcome}"
     assert float(outcome["after_s"]) < 4 * HEADER_TIMEOUT_S + 2, outcome
     assert served >= 5, served
+
+
+def _cut_off_within(s: socket.socket, seconds: float) -> bool:
+    """True when the daemon closes or resets the connection within `seconds`, sending nothing."""
+    s.settimeout(seconds)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.e2e
+def test_the_header_deadline_applies_to_every_request_of_a_kept_alive_connection(
+        make_daemon: Callable[..., Daemon]) -> None:
+    daemon = make_daemon(env={"TIDEPOOL_API_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S)})
+    daemon.start()
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: tidepool\r\n\r\n")
+        first = s.recv(4096)
+        assert first.startswith(b"HTTP/1.1 200"), first
+        time.sleep(2 * HEADER_TIMEOUT_S)  # idle between requests is keep-alive's business, not the deadline's
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: tid")  # the second request starts ... and stalls
+        assert _cut_off_within(s, 3 * HEADER_TIMEOUT_S), "a stalled second request kept its connection"
+
+
+@pytest.mark.e2e
+def test_malformed_requests_get_400_and_at_most_one_log_line_each_without_a_traceback(daemon: Daemon) -> None:
+    garbage = [b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+               b"POST /v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n"]
+    for raw in garbage:
+        with socket.create_connection(("127.0.0.1", daemon.port), timeout=5) as s:
+            s.sendall(raw)
+            assert s.recv(4096).startswith(b"HTTP/1.0 400"), raw
+    assert call(daemon, "GET", "/healthz").status == 200
+    log = daemon.log(200)
+    assert "Traceback" not in log, log
+    # aiohttp reports some of these (bad headers) and not others (a bad method): never more than one line each
+    assert 1 <= log.count("malformed request refused with 400") <= len(garbage), log

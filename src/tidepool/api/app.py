@@ -309,11 +309,13 @@ def _is_local(listen: str) -> bool:
 async def serve_api(daemon: Daemon, listen: str, *, token: str | None = None,
                     task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
     """Bind `listen` ("host:port" or "unix:/path"), report the bound address, serve until cancelled."""
-    runner = web.AppRunner(build_app(daemon, token=token), access_log=None, shutdown_timeout=1.0,
-                           keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+    guard = ConnectionGuard()
+    app = build_app(daemon, token=token)
+    app.middlewares.insert(0, guard.next_request)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
     await runner.setup()
     try:
-        site = GuardedSite(runner, listen, ConnectionGuard())
+        site = GuardedSite(runner, listen, guard)
         await site.start()
         task_status.started(site.bound)
         await anyio.sleep_forever()

@@ -1,9 +1,12 @@
 """Connection hygiene aiohttp lacks: a deadline for request headers and a cap on open connections.
 
 aiohttp has no deadline for receiving a request's headers, so a client trickling bytes holds its
-connection forever (PITFALLS, slowloris). Each connection is wrapped: if its first request's
-headers are not complete within `header_timeout_s`, or the node already holds `max_connections`,
-the connection is closed. Idle keep-alive connections are closed by aiohttp's keepalive_timeout.
+connection forever (PITFALLS, slowloris). Each connection is wrapped: if a request's headers are not
+complete within `header_timeout_s` of its first byte (of the connection, for the first request), or
+the node already holds `max_connections`, the connection is closed. The clock for the next request
+on a kept-alive connection starts with its first byte: the app's `next_request` middleware says when
+a request is done. Idle keep-alive connections are closed by aiohttp's keepalive_timeout; bodies
+have their own deadline where they are read (app.parse).
 
 `TIDEPOOL_API_HEADER_TIMEOUT_S` (read once, at import) overrides the header deadline. It is a private
 knob for tests that prove the cut-off in seconds rather than minutes, not a configuration key.
@@ -17,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 HEADER_TIMEOUT_S = float(os.environ.get("TIDEPOOL_API_HEADER_TIMEOUT_S") or 10.0)
 MAX_CONNECTIONS = 512
@@ -29,9 +33,20 @@ class ConnectionGuard:
         self.max_connections = max_connections
         self.open = 0
         self.cut_off = 0
+        self._connections: dict[object, _Guarded] = {}  # by transport, for the middleware
 
     def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: _Guarded(factory(), self)
+
+    @web.middleware
+    async def next_request(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """After each request, the connection's next bytes start the next header deadline."""
+        try:
+            return await handler(request)
+        finally:
+            connection = self._connections.get(request.transport)
+            if connection is not None:
+                connection.expect_request()
 
 
 class _Guarded(asyncio.Protocol):
@@ -43,17 +58,25 @@ class _Guarded(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._tail = b""
+        self._between_requests = False  # the last request is done; the next one has not begun
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's transports don't subclass asyncio's
         self._guard.open += 1
+        self._guard._connections[transport] = self
         self._inner.connection_made(transport)
         if self._guard.open > self._guard.max_connections:
             self._cut_off()
             return
-        self._timer = asyncio.get_running_loop().call_later(self._guard.header_timeout_s, self._cut_off)
+        self._start_clock()
+
+    def expect_request(self) -> None:
+        self._between_requests = True
 
     def data_received(self, data: bytes) -> None:
+        if self._between_requests:
+            self._between_requests = False
+            self._start_clock()
         if self._timer is not None:
             self._tail = (self._tail + data)[-4096:]
             if b"\r\n\r\n" in self._tail:
@@ -68,6 +91,7 @@ class _Guarded(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
         self._guard.open -= 1
+        self._guard._connections.pop(self._transport, None)
         self._inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -75,6 +99,10 @@ class _Guarded(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._inner.resume_writing()
+
+    def _start_clock(self) -> None:
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._guard.header_timeout_s, self._cut_off)
 
     def _cut_off(self) -> None:
         self._guard.cut_off += 1
