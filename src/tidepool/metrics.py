@@ -233,7 +233,7 @@ class Metrics:
         self.reconciler_actions.inc(("expired",))
 
     def _reconciler_pass(self, d: dict[str, Any], ts: float) -> None:
-        for action in ("promoted", "cancelled", "pruned"):  # "expired" is counted per task.expired
+        for action in ("promoted", "cancelled", "pruned", "unserviceable"):  # "expired": per task.expired
             if d.get(action):
                 self.reconciler_actions.inc((action,), d[action])
 

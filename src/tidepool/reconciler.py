@@ -1,4 +1,5 @@
-"""Periodic repair of the queue: expire stale leases, promote due retries, end overdue cancels, prune.
+"""Periodic repair of the queue: expire stale leases, promote due retries, end overdue cancels, fail
+unserviceable tasks, prune.
 
 Recovery is built in, never left to the user (PITFALLS). On start the node first expires every
 lease its own previous process left behind (SPEC rule 5); other nodes' leases expire by time.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -29,6 +30,7 @@ class ReconcilerConfig:
     interval_s: float = 5.0
     cancel_deadline_s: float = 60.0
     retention_days: float = 14.0
+    unserviceable_after_s: float = 60.0  # execution.prepare_timeout_s: how long the fleet may lack a tag set
 
 
 @dataclass(frozen=True)
@@ -37,18 +39,22 @@ class PassReport:
     promoted: int = 0
     cancelled: int = 0
     pruned: int = 0
+    unserviceable: int = 0
 
 
 class Reconciler:
     def __init__(self, store: Store, events: EventBus, *, config: ReconcilerConfig,
                  policy: Callable[[], RetryPolicy], wake: Callable[[int], None],
+                 fleet_tags: Callable[[], Awaitable[Sequence[frozenset[str]]]] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self._store = store
         self._events = events
         self.config = config
         self._policy = policy
         self._wake = wake
+        self._fleet_tags = fleet_tags  # the resource tag sets of every live node; None: do not judge tags
         self._clock = clock
+        self._unserviceable_since: dict[frozenset[str], float] = {}
         self._last_prune = float("-inf")
         self._failing = False  # the store did not answer the last pass: said once, not every pass
 
@@ -87,15 +93,48 @@ class Reconciler:
                         self.config.cancel_deadline_s)
             self._events.publish("task.finished", task_id=task_id, worker_id=None, state=State.CANCELLED.value,
                                  error={"code": "cancel_deadline", "message": "the worker did not stop in time"})
+        unserviceable = await self._fail_unserviceable(now)
         pruned = 0
         if now - self._last_prune >= PRUNE_EVERY_S:
             self._last_prune = now
             pruned = await self._store.prune(before=now - self.config.retention_days * 86400)
-        report = PassReport(len(expired), promoted, len(cancelled), pruned)
+        report = PassReport(len(expired), promoted, len(cancelled), pruned, unserviceable)
         if report != PassReport():
             self._events.publish("reconciler.pass", **report.__dict__)
-            log.info("reconciler: %d expired, %d promoted, %d cancel deadlines, %d pruned", *report.__dict__.values())
+            log.info("reconciler: %d expired, %d promoted, %d cancel deadlines, %d pruned, %d unserviceable",
+                     *report.__dict__.values())
         return report
+
+    async def _fail_unserviceable(self, now: float) -> int:
+        """Fail the queued tasks whose tag set no live node's resource has covered for unserviceable_after_s.
+
+        A node that restarts or briefly misses heartbeats must not doom its tasks, hence the wait; and an
+        unreadable fleet view is no evidence against a tag set, so that pass judges nothing.
+        """
+        if self._fleet_tags is None:
+            return 0
+        queued = await self._store.queued_tag_sets()
+        if not queued:
+            self._unserviceable_since.clear()
+            return 0
+        try:
+            fleet = await self._fleet_tags()
+        except StoreUnavailable as exc:
+            log.debug("reconciler: unserviceable tags not judged this pass, no fleet view: %s", exc)
+            return 0
+        lacking = [tags for tags in queued if not any(tags <= have for have in fleet)]
+        self._unserviceable_since = {tags: self._unserviceable_since.get(tags, now) for tags in lacking}
+        failed = 0
+        for tags, since in self._unserviceable_since.items():
+            if now - since < self.config.unserviceable_after_s:
+                continue
+            message = f"no resource of a live node has tags {sorted(tags)} (for {now - since:.1f}s)"
+            for task_id in await self._store.fail_unserviceable(tags, now=now, message=message):
+                log.warning("task %s -> failed (unserviceable: %s)", task_id, message)
+                self._events.publish("task.finished", task_id=task_id, worker_id=None, state=State.FAILED.value,
+                                     error={"code": "unserviceable", "message": message})
+                failed += 1
+        return failed
 
     def _report_expired(self, expired: list[Expired], why: str) -> None:
         for e in expired:

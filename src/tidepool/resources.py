@@ -103,7 +103,11 @@ class ResourcePool:
     def can_serve(self, required_tags: Iterable[str]) -> bool:
         """Whether some slot of this node could ever serve these tags, busy or not."""
         required = frozenset(required_tags)
-        return any(required <= tags for tags in self._tags.values())
+        return any(required <= tags for tags in self.tag_sets())
+
+    def tag_sets(self) -> tuple[frozenset[str], ...]:
+        """The tag set of each resource of this node, busy or free: what it could ever serve."""
+        return tuple(self._tags.values())
 
     def free_tag_sets(self) -> tuple[frozenset[str], ...]:
         """The distinct tag sets of the free slots: what a claim of this node may ask for now (rule 2)."""

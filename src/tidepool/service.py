@@ -87,7 +87,8 @@ class Daemon:
                          node_id=self.node_id, instance_id=self.instance_id, claim_filter=self._claim_filter,
                          may_claim=self.guards.ok)
         self.reconciler = Reconciler(self.store, self.events, config=_reconciler_config(settings),
-                                     policy=lambda: self.engine.policy, wake=self.pool.wake)
+                                     policy=lambda: self.engine.policy, wake=self.pool.wake,
+                                     fleet_tags=self._fleet_tag_sets)
         self.scheduler = Scheduler(self.store, self.events, max_attempts=lambda: self.settings.retry.max_attempts,
                                    wake=self.pool.wake)
         self.started_at = time.time()
@@ -244,7 +245,7 @@ class Daemon:
 
     def check(self, new: NewTask, *, fleet_tags: Sequence[frozenset[str]] = ()) -> NewTask:
         """Validate a submission; it comes back with its type's required_tags added, so claims see them.
-        `fleet_tags` are the resource tag sets of the other live nodes sharing the store."""
+        `fleet_tags` are the resource tag sets of the live nodes sharing the store."""
         if not self.registry.knows_type(new.type):
             raise InvalidRequest("type", f"unknown task type {new.type!r}")
         type_tags = self.registry.required_tags(new.type)
@@ -256,11 +257,17 @@ class Daemon:
         return new
 
     async def _fleet_tags(self, tasks: Sequence[NewTask]) -> list[frozenset[str]]:
-        """The tag sets of every live node's resources, when a shared store has other nodes to ask."""
-        if self.settings.db_path() is not None or not any(t.required_tags for t in tasks):
-            return []
+        """The tag sets of every live node's resources, when a submission asks for tags."""
+        return await self._fleet_tag_sets() if any(t.required_tags for t in tasks) else []
+
+    async def _fleet_tag_sets(self) -> list[frozenset[str]]:
+        """This node's resource tag sets and, on a shared store, every live node's: what the fleet can serve."""
+        own = list(self.resources.tag_sets())
+        if self.settings.db_path() is not None:
+            return own  # SQLite: this node is the whole fleet
         now = time.time()
-        return [frozenset(tags) for node in await self.store.list_nodes() if node.alive(now) for tags in node.tags]
+        return own + [frozenset(tags) for node in await self.store.list_nodes() if node.alive(now)
+                      for tags in node.tags]
 
     async def submit(self, new: NewTask) -> tuple[Task, bool]:
         new = self.check(new, fleet_tags=await self._fleet_tags([new]))
@@ -460,7 +467,8 @@ def _pool_config(settings: Settings) -> PoolConfig:
 
 def _reconciler_config(settings: Settings) -> ReconcilerConfig:
     return ReconcilerConfig(settings.reconciler.interval_s, settings.execution.cancel_deadline_s,
-                            settings.reconciler.retention_days)
+                            settings.reconciler.retention_days,
+                            unserviceable_after_s=settings.execution.prepare_timeout_s)
 
 
 def _changed_keys(old: Settings, new: Settings) -> list[str]:

@@ -1,4 +1,6 @@
-"""On a shared store, a submit with required_tags is judged against every live node's resources."""
+"""On a shared store, required_tags are judged against every live node's resources: at submit and later."""
+
+import time
 
 import pytest
 
@@ -20,3 +22,19 @@ def test_tags_only_another_node_has_are_accepted_and_run_there(fleet: Fleet) -> 
 
     refused = plain.post("/v1/tasks", {"type": "noop", "required_tags": ["gpu"]})
     assert refused.status == 400 and "required_tags" in refused.body["error"]["message"]
+
+
+def test_tasks_only_a_departed_node_could_serve_fail_after_prepare_timeout(fleet: Fleet) -> None:  # noqa: F811
+    plain = fleet.add("plain", execution={"prepare_timeout_s": 1.0})
+    windows = fleet.add("windows", **{"resources.vm": {"tags": ["win10"], "count": 1}})
+    fleet.start(plain, windows)
+    fleet.wait("both nodes registered", lambda: fleet.nodes(plain) == {"plain": True, "windows": True})
+    later = plain.post("/v1/tasks", {"type": "noop", "required_tags": ["win10"],
+                                     "available_at": "2100-01-01T00:00:00Z"})  # queued, claimed by nobody
+    assert later.status == 201, later
+    time.sleep(2.0)  # several of plain's passes past its prepare_timeout_s: the live Windows node counts
+    assert plain.task(later.body["id"])["state"] == "pending"
+
+    windows.stop()
+    task = plain.wait_terminal(later.body["id"])
+    assert (task["state"], task["error"]["code"]) == ("failed", "unserviceable"), task

@@ -82,7 +82,8 @@ async def claim_one(store: Store, **kwargs: Any) -> Claimed:
 async def leased(store: Store, *, now: float = T0, worker: Worker = NODE_A, **fields: Any) -> Claimed:
     """A new task, claimed; it must be the only claimable task of its type."""
     task = await add(store, now=now, **fields)
-    c = await claim_one(store, now=now, worker=worker, where=ClaimFilter((task.type,)))
+    where = ClaimFilter((task.type,), (frozenset(task.required_tags),))  # a free slot with the task's tags
+    c = await claim_one(store, now=now, worker=worker, where=where)
     assert c.task.id == task.id
     return c
 
@@ -93,15 +94,15 @@ async def running(store: Store, *, now: float = T0, **kwargs: Any) -> Claimed:
     return c
 
 
-async def task_in(store: Store, state: State, *, now: float = T0) -> Task:
+async def task_in(store: Store, state: State, *, now: float = T0, **fields: Any) -> Task:
     """A task of type `state` brought to `state` the way the daemon would."""
     if state is State.PENDING:
-        return await add(store, now=now, type=state.value)
+        return await add(store, now=now, type=state.value, **fields)
     if state is State.CANCELLED:
-        task = await add(store, now=now, type=state.value)
+        task = await add(store, now=now, type=state.value, **fields)
         assert await store.request_cancel(task.id, now=now) is State.CANCELLED
         return await store.get(task.id)
-    c = await (leased if state is State.LEASED else running)(store, now=now, type=state.value)
+    c = await (leased if state is State.LEASED else running)(store, now=now, type=state.value, **fields)
     if state is State.CANCELLING:
         assert await store.request_cancel(c.task.id, now=now) is State.CANCELLING
     elif state not in (State.LEASED, State.RUNNING):
@@ -561,6 +562,38 @@ async def test_finish_cancels_ends_only_cancels_past_the_deadline(store: Store) 
     assert await store.finish(young.lease, CANCELLED, now=T0 + 63, policy=POLICY) is State.CANCELLED
 
 
+# unserviceable tags (SPEC §9)
+
+
+X, XY, Y = frozenset({"x"}), frozenset({"x", "y"}), frozenset({"y"})
+
+
+async def test_unserviceable_fails_only_queued_tasks_with_exactly_those_tags(store: Store) -> None:
+    with_x = {state: await task_in(store, state, required_tags=("x",)) for state in State}
+    others = [(await add(store, type="other", required_tags=tags)).id for tags in (("x", "y"), ("y",), ())]
+    assert sorted(map(sorted, await store.queued_tag_sets())) == [["x"], ["x", "y"], ["y"]]
+    queued = {with_x[State.PENDING].id, with_x[State.RETRY_WAIT].id}
+    untouched = [t.id for t in with_x.values() if t.id not in queued] + others
+    async with changes_nothing(store, *untouched):
+        failed = await store.fail_unserviceable(X, now=T0 + 5, message="no live node has tags ['x']")
+    assert sorted(failed) == sorted(queued)
+    for task_id in failed:
+        t = await store.get(task_id)
+        assert t.error is not None
+        assert (t.state, t.error.code, t.error.message, t.finished_at, t.updated_at, t.phase) == \
+            (State.FAILED, "unserviceable", "no live node has tags ['x']", T0 + 5, T0 + 5, None)
+    assert await store.fail_unserviceable(X, now=T0 + 6, message="again") == []
+    assert sorted(map(sorted, await store.queued_tag_sets())) == [["x", "y"], ["y"]]
+
+
+async def test_two_nodes_failing_the_same_tags_at_once_fail_each_task_once(store: Store) -> None:
+    ids = await store.add_many([NewTask("noop", {"n": n}, required_tags=("gpu",)) for n in range(300)], now=T0)
+    both = await asyncio.gather(*(store.fail_unserviceable(frozenset({"gpu"}), now=T0 + 1, message="gone")
+                                  for _ in range(2)))
+    assert Counter(both[0] + both[1]) == Counter(ids)
+    assert await store.queued_tag_sets() == []
+
+
 # results (rule 7)
 
 
@@ -733,6 +766,20 @@ async def test_ops_in_one_transaction_see_each_others_queue_count(store: Store) 
         store.add(NewTask("noop"), now=T0, max_queued=3),  # would be 4
     )
     assert isinstance(outcomes[2], QueueFull)
+    assert (await store.counts()).get(State.PENDING) == 3
+
+
+@sqlite_only
+async def test_unserviceable_tasks_leave_room_in_the_queue_within_one_transaction(store: Store) -> None:
+    await add(store, required_tags=("x",))
+    await add(store)
+    outcomes = await in_one_transaction(
+        store,
+        store.add(NewTask("noop"), now=T0, max_queued=3),     # 3 queued
+        store.fail_unserviceable(X, now=T0, message="gone"),  # 2 queued
+        store.add(NewTask("noop"), now=T0, max_queued=3),     # 3 queued again: room
+    )
+    assert not [o for o in outcomes if isinstance(o, Exception)]
     assert (await store.counts()).get(State.PENDING) == 3
 
 

@@ -172,7 +172,7 @@ async def test_reconciler_workers_guards_and_reloads() -> None:
     metrics, bus, _ = make_metrics()
     for _ in range(2):
         bus.publish("task.expired", task_id=new_id(), worker_id=None, attempt_id="a", state="retry_wait")
-    bus.publish("reconciler.pass", expired=2, promoted=3, cancelled=0, pruned=7)
+    bus.publish("reconciler.pass", expired=2, promoted=3, cancelled=0, pruned=7, unserviceable=4)
     bus.publish("worker.started", worker_id="w1", kind="baseline")
     bus.publish("worker.started", worker_id="w2", kind="demand")
     bus.publish("worker.stopped", worker_id="w2", kind="demand", reason="idle")
@@ -184,6 +184,7 @@ async def test_reconciler_workers_guards_and_reloads() -> None:
     assert value(s, "tidepool_reconciler_actions_total", action="expired") == 2
     assert value(s, "tidepool_reconciler_actions_total", action="promoted") == 3
     assert value(s, "tidepool_reconciler_actions_total", action="pruned") == 7
+    assert value(s, "tidepool_reconciler_actions_total", action="unserviceable") == 4
     assert value(s, "tidepool_reconciler_actions_total", action="cancelled") is None
     assert value(s, "tidepool_workers_started_total", kind="demand") == 1
     assert value(s, "tidepool_workers_stopped_total", kind="demand", reason="idle") == 1

@@ -138,6 +138,13 @@ class Store(Protocol):
         """cancelling tasks whose worker did not answer within deadline_s -> cancelled."""
     async def prune(self, *, before: float) -> int:
         """Delete terminal tasks finished before `before`, with their attempts and results."""
+    async def queued_tag_sets(self) -> list[frozenset[str]]:
+        """The distinct non-empty required_tags of the pending and retry_wait tasks."""
+    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[str]:
+        """pending/retry_wait tasks whose required_tags are exactly `tags` -> failed ("unserviceable").
+
+        Safe to run on several nodes at once: each task moved is returned by one call only.
+        """
 
     # the fleet: node registry, one process per node id, wake-ups between nodes
     async def lock_node(self, node_id: str, instance_id: str) -> None:

@@ -252,6 +252,20 @@ class MemoryStore:
         self._nodes = {k: n for k, n in self._nodes.items() if n.heartbeat_at >= before}
         return len(old)
 
+    async def queued_tag_sets(self) -> list[frozenset[str]]:
+        found = {frozenset(r.task.required_tags) for r in self._rows.values() if r.task.state in QUEUED}
+        return [tags for tags in found if tags]
+
+    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[str]:
+        error = TaskError("unserviceable", message, retryable=False)
+        failed = []
+        for row in self._rows.values():
+            if row.task.state in QUEUED and frozenset(row.task.required_tags) == tags:
+                row.update(state=step(row.task.state, Event.UNSERVICEABLE), error=error, finished_at=now,
+                           updated_at=now, phase=None)
+                failed.append(row.task.id)
+        return failed
+
     # the fleet: one process, nothing to lock and nothing to hear
 
     async def lock_node(self, node_id: str, instance_id: str) -> None:

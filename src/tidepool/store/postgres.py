@@ -441,6 +441,17 @@ WITH due AS (
 )
 UPDATE tasks t SET state = $4, phase = NULL, finished_at = $2, updated_at = $2, lease_token = NULL
 FROM due WHERE t.id = due.id RETURNING t.id"""
+QUEUED_TAG_SETS = """
+SELECT DISTINCT required_tags FROM tasks WHERE state IN ('pending', 'retry_wait') AND cardinality(required_tags) > 0"""
+# Equal as sets: each array contains the other. The row lock and the state test keep a task failed once.
+FAIL_UNSERVICEABLE = f"""
+WITH due AS (
+    SELECT id FROM tasks
+    WHERE state IN ('pending', 'retry_wait') AND required_tags @> $1::text[] AND required_tags <@ $1::text[]
+    LIMIT {SWEEP} FOR NO KEY UPDATE SKIP LOCKED
+)
+UPDATE tasks t SET state = $2, phase = NULL, error = $3, finished_at = $4, updated_at = $4
+FROM due WHERE t.id = due.id RETURNING t.id"""
 PRUNE = f"""
 WITH old AS (
     SELECT id FROM tasks
@@ -905,6 +916,22 @@ class PostgresStore:
         async with self._conn() as conn:  # nodes not heard from since `before` are gone for good
             await conn.execute(PRUNE_NODES, before)
         return pruned
+
+    async def queued_tag_sets(self) -> list[frozenset[str]]:
+        async with self._conn() as conn:
+            rows = await conn.fetch(QUEUED_TAG_SETS)
+        return [frozenset(r[0]) for r in rows]
+
+    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[str]:
+        error = TaskError("unserviceable", message, retryable=False)
+        args = (sorted(tags), step(State.PENDING, Event.UNSERVICEABLE).value, json.dumps(error.to_json()), now)
+        failed: list[str] = []
+        while True:
+            async with self._conn() as conn:
+                rows = await conn.fetch(FAIL_UNSERVICEABLE, *args)
+            failed.extend(r[0] for r in rows)
+            if len(rows) < SWEEP:
+                return failed
 
     # the fleet
 

@@ -612,6 +612,30 @@ class SqliteStore:
         pruned: int = await self._write(op)
         return pruned
 
+    async def queued_tag_sets(self) -> list[frozenset[str]]:
+        def read(conn: sqlite3.Connection) -> list[frozenset[str]]:
+            rows = conn.execute("SELECT DISTINCT required_tags FROM tasks WHERE state IN ('pending', 'retry_wait') "
+                                "AND required_tags != '[]'").fetchall()
+            return [frozenset(json.loads(r[0])) for r in rows]
+
+        return await self._read(read)
+
+    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[str]:
+        error = json.dumps(TaskError("unserviceable", message, retryable=False).to_json())
+        target = step(State.PENDING, Event.UNSERVICEABLE)  # retry_wait moves the same way
+
+        def op(conn: sqlite3.Connection, batch: _Batch) -> list[str]:
+            rows = conn.execute(
+                "UPDATE tasks SET state = ?, phase = NULL, error = ?, finished_at = ?, updated_at = ? "
+                "WHERE state IN ('pending', 'retry_wait') AND required_tags = ? RETURNING id",
+                (target, error, now, now, json.dumps(sorted(tags)))).fetchall()  # stored as a sorted JSON list
+            if batch.queued is not None:
+                batch.queued -= len(rows)
+            return [r[0] for r in rows]
+
+        done: list[str] = await self._write(op)
+        return done
+
     # the fleet: one host, so the daemon's lock file keeps one process per node id, and nothing to hear
 
     async def lock_node(self, node_id: str, instance_id: str) -> None:

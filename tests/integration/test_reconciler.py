@@ -1,0 +1,150 @@
+"""The reconciler fails queued tasks whose tags the fleet has lacked for prepare_timeout_s (SPEC §9)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tidepool.errors import StoreUnavailable
+from tidepool.events import Event, EventBus
+from tidepool.lifecycle import RetryPolicy
+from tidepool.model import NewTask, State
+from tidepool.reconciler import Reconciler, ReconcilerConfig
+from tidepool.service import Daemon
+from tidepool.settings import parse
+from tidepool.store import Node
+from tidepool.store.sqlite import SqliteStore
+
+T0 = 1_700_000_000.0
+WIN = frozenset({"win10", "x64"})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Fleet:
+    """The resource tag sets of the live nodes, as the daemon would read them; `down` when unreadable."""
+
+    def __init__(self, *tags: frozenset[str]) -> None:
+        self.tags = list(tags)
+        self.down = False
+
+    async def __call__(self) -> list[frozenset[str]]:
+        if self.down:
+            raise StoreUnavailable("store 127.0.0.1:5432: connection refused")
+        return self.tags
+
+
+class Setup:
+    def __init__(self, store: SqliteStore) -> None:
+        self.store = store
+        self.clock = Clock()
+        self.fleet = Fleet(WIN)
+        self.seen: list[Event] = []
+        events = EventBus()
+        events.listen(self.seen.append)
+        self.reconciler = Reconciler(store, events, config=ReconcilerConfig(unserviceable_after_s=60.0),
+                                     policy=RetryPolicy, wake=lambda n: None, fleet_tags=self.fleet,
+                                     clock=self.clock)
+
+    async def add(self, *tags: str) -> str:
+        task, _ = await self.store.add(NewTask("scan", required_tags=tags), now=self.clock.now)
+        return task.id
+
+    async def pass_at(self, at: float) -> int:
+        self.clock.now = T0 + at
+        return (await self.reconciler.pass_once()).unserviceable
+
+    async def state(self, task_id: str) -> State:
+        return (await self.store.get(task_id)).state
+
+
+@pytest.fixture
+async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
+    store = SqliteStore(tmp_path / "tidepool.db")
+    await store.open()
+    try:
+        yield Setup(store)
+    finally:
+        await store.close()
+
+
+async def test_a_task_whose_tags_the_fleet_lost_fails_only_after_prepare_timeout(setup: Setup) -> None:
+    win, plain, x64 = await setup.add("win10"), await setup.add(), await setup.add("x64")
+    assert await setup.pass_at(0) == 0
+    setup.fleet.tags = [frozenset({"x64", "nic"})]  # the Windows node left the fleet
+    assert await setup.pass_at(10) == 0
+    assert await setup.pass_at(69) == 0
+    assert await setup.state(win) is State.PENDING
+    assert await setup.pass_at(70) == 1
+    task = await setup.store.get(win)
+    assert task.state is State.FAILED and task.error is not None and task.error.code == "unserviceable"
+    assert "win10" in task.error.message
+    assert [await setup.state(i) for i in (plain, x64)] == [State.PENDING, State.PENDING]
+    finished = [e.data for e in setup.seen if e.name == "task.finished"]
+    assert [(d["task_id"], d["state"], d["error"]["code"]) for d in finished] == [(win, "failed", "unserviceable")]
+    assert [e.data["unserviceable"] for e in setup.seen if e.name == "reconciler.pass"] == [1]
+
+
+async def test_tags_served_again_before_the_timeout_start_the_wait_over(setup: Setup) -> None:
+    win = await setup.add("win10")
+    setup.fleet.tags = []
+    assert await setup.pass_at(0) == 0
+    assert await setup.pass_at(50) == 0
+    setup.fleet.tags = [WIN]  # the node came back
+    assert await setup.pass_at(55) == 0
+    setup.fleet.tags = []
+    assert await setup.pass_at(100) == 0  # 40 s since it left again
+    assert await setup.state(win) is State.PENDING
+    assert await setup.pass_at(160) == 1
+
+
+async def test_an_unreadable_fleet_view_fails_nothing(setup: Setup) -> None:
+    win = await setup.add("win10")
+    setup.fleet.down = True
+    for at in (0, 100, 1000):
+        assert await setup.pass_at(at) == 0
+    assert await setup.state(win) is State.PENDING
+
+
+async def test_the_wait_is_prepare_timeout_as_reloaded(setup: Setup) -> None:
+    win = await setup.add("win10")
+    setup.fleet.tags = []
+    assert await setup.pass_at(0) == 0
+    setup.reconciler.config = ReconcilerConfig(unserviceable_after_s=5.0)  # what Daemon.reload does
+    assert await setup.pass_at(5) == 1
+    assert await setup.state(win) is State.FAILED
+
+
+# the daemon's fleet view
+
+
+async def test_the_fleet_of_a_shared_store_is_this_nodes_resources_and_every_live_nodes(tmp_path: Path) -> None:
+    settings = parse({"node": {"id": "here", "state_dir": str(tmp_path)}, "store": {"url": "memory://"},
+                      "resources": {"nic": {"tags": ["nic"]}}})
+    daemon = Daemon(settings)
+    now = time.time()
+
+    def node(node_id: str, tags: tuple[str, ...], *, heartbeat_at: float = now,
+             stopped_at: float | None = None) -> Node:
+        return Node(node_id, "i", "host", 1, "0", now - 60, heartbeat_at, 2.0, ("*",), (tags,), 4, stopped_at)
+
+    for n in (node("win", ("win10",)), node("stopped", ("gpu",), stopped_at=now),
+              node("silent", ("arm",), heartbeat_at=now - 60)):
+        await daemon.store.save_node(n)
+    assert set(await daemon._fleet_tag_sets()) == {frozenset({"nic"}), frozenset({"win10"})}
+
+
+async def test_the_fleet_of_a_sqlite_store_is_this_nodes_resources(tmp_path: Path) -> None:
+    settings = parse({"node": {"id": "here", "state_dir": str(tmp_path)},
+                      "store": {"url": f"sqlite:///{tmp_path}/t.db"},
+                      "resources": {"vm": {"tags": ["win10", "x64"], "count": 2}, "nic": {"tags": ["nic"]}}})
+    assert set(await Daemon(settings)._fleet_tag_sets()) == {WIN, frozenset({"nic"})}
