@@ -49,6 +49,17 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) each thread of process `pid` has used so far, by thread id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread may end while we look
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            used[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return used
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

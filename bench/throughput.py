@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _harness import FSYNC_NOTE, Daemon, Figure, arguments, median, report, reproduce, temp_dir
+from _harness import FSYNC_NOTE, Daemon, Figure, arguments, median, report, reproduce, temp_dir, thread_cpu_s
 
 DEFAULTS: dict[str, Any] = {"n": 20_000, "batch": 1000, "workers": 32, "claim_batch": 16, "runs": 3}
 
@@ -48,23 +48,28 @@ def copy_store(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def drain(state_dir: Path, n: int, workers: int, claim_batch: int) -> tuple[float, float]:
-    """(tasks/s between first claim and last finish as stored, seconds from /readyz 200 to all completed seen).
+def drain(state_dir: Path, n: int, workers: int, claim_batch: int) -> tuple[float, float, float, float]:
+    """(tasks/s between first claim and last finish as stored, seconds from /readyz 200 to all completed seen,
+    CPU µs per task of the event loop's thread, of all other threads: the SQLite writer and readers).
 
     The pool starts claiming a moment before the API answers, so the stored span is the fair one.
     """
     daemon = Daemon(state_dir, overrides={"pool": {"min_workers": workers, "max_workers": workers,
                                                    "claim_batch": claim_batch}})
     ready = daemon.start(timeout_s=60)
+    pid = daemon.pid
     try:
+        before = thread_cpu_s(pid)
         seen = daemon.wait_drained(poll_s=0.25)  # each poll counts the queue: keep it off the measured CPU
+        used = {tid: s - before.get(tid, 0.0) for tid, s in thread_cpu_s(pid).items()}
     finally:
         daemon.stop()
     (completed,), = daemon.query("SELECT count(*) FROM tasks WHERE state = 'completed'")
     (first, last), = daemon.query("SELECT (SELECT min(started_at) FROM attempts), max(finished_at) FROM tasks")
     if completed != n:
         raise RuntimeError(f"drain: {completed} of {n} tasks completed: {daemon.log_tail()}")
-    return n / (last - first), seen - ready
+    loop_us = 1e6 * used.pop(pid, 0.0) / n  # the main thread runs the event loop
+    return n / (last - first), seen - ready, loop_us, 1e6 * sum(used.values()) / n
 
 
 def store_ceiling(state_dir: Path, n: int, workers: int, claim_batch: int) -> float:
@@ -111,14 +116,17 @@ def store_ceiling(state_dir: Path, n: int, workers: int, claim_batch: int) -> fl
 def main(argv: list[str] | None = None) -> int:
     args = arguments(__doc__.splitlines()[0], **DEFAULTS).parse_args(argv)
     n, workers, cb = args.n, args.workers, args.claim_batch
-    rates: dict[str, list[float]] = {k: [] for k in ("enqueue", "drain1", "drainN", "ceil1", "ceilN", "wall1")}
+    rates: dict[str, list[float]] = {k: [] for k in ("enqueue", "drain1", "drainN", "ceil1", "ceilN", "wall1",
+                                                     "loop_us", "others_us")}
     for run in range(args.runs):
         with temp_dir("throughput") as tmp:
             rates["enqueue"].append(enqueue(tmp / "a", n, args.batch))
             copy_store(tmp / "a", tmp / "b")
-            rate, wall = drain(tmp / "a", n, workers, 1)
+            rate, wall, loop_us, others_us = drain(tmp / "a", n, workers, 1)
             rates["drain1"].append(rate)
             rates["wall1"].append(wall)
+            rates["loop_us"].append(loop_us)
+            rates["others_us"].append(others_us)
             rates["drainN"].append(drain(tmp / "b", n, workers, cb)[0])
             rates["ceil1"].append(store_ceiling(tmp / "c1", n, workers, 1))
             rates["ceilN"].append(store_ceiling(tmp / "c2", n, workers, cb))
@@ -137,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         Figure(b, f"daemon / ceiling, claim_batch {cb}", 100 * m["drainN"] / m["ceilN"], "%"),
         Figure(b, "drain wall, /readyz .. all completed seen", m["wall1"], "s",
                "claim_batch 1; claiming starts just before /readyz"),
+        Figure(b, "drain CPU per task, event loop thread", m["loop_us"], "µs", "claim_batch 1; from /proc"),
+        Figure(b, "drain CPU per task, other threads", m["others_us"], "µs",
+               "claim_batch 1; the SQLite writer (and readers), sharing the GIL with the loop"),
     ]
     report(f"throughput: N={n} noop tasks, SQLite store", figures, reproduce("throughput.py", args, DEFAULTS),
            args.summary, [f"durable figures: {FSYNC_NOTE}"])
