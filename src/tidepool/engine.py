@@ -4,7 +4,8 @@ Each attempt runs in its own cancel scope (cancel, shutdown interrupt and lost l
 prepare acquires a resource slot when the task needs tags (tasks that need none skip it at no
 cost); the run phase is bounded by the task's timeout and each plugin by its own; the stop phase
 always runs, shielded and bounded by stop_timeout_s, and releases the slot whatever happened.
-The outcome is written once, fenced by the lease.
+The outcome is posted to the OutcomeWriter, which writes it fenced by the lease while the worker
+goes on to its next task, and reports it (events, logs) once the store has answered.
 """
 
 from __future__ import annotations
@@ -19,18 +20,18 @@ import anyio
 import anyio.lowlevel
 
 from .context import TaskContext
-from .errors import LeaseLost, PluginError, StoreUnavailable, TidepoolError
+from .errors import LeaseLost, PluginError, TidepoolError
 from .events import EventBus
 from .leases import Held, LeaseKeeper
 from .lifecycle import RetryPolicy
 from .model import AttemptStatus, Claimed, Outcome, Phase, ResultBatch, State, Task, TaskError
+from .outcomes import OutcomeWriter, Posted
 from .plugins import PluginDef, Registry, denied
 from .plugins.builtin import remove_workdir
 from .resources import ResourcePool, Slot
 from .store import Store
 
 log = logging.getLogger("tidepool.engine")
-FINISH_RETRIES_S = (0.2, 0.5, 1.0, 2.0)  # then one last try: well inside any lease
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Engine:
         self.resources = resources
         self._clock = clock
         self._unstarted: dict[str, tuple[Claimed, Held, str]] = {}  # batch-claimed, waiting their turn
+        self.outcomes = OutcomeWriter(store, policy=lambda: self.policy, report=self._written)
 
     async def run_batch(self, claimed: list[Claimed], worker_id: str, *, keep_going: Callable[[], bool]) -> None:
         """Run claimed tasks one after another, their leases renewed together while they wait.
@@ -71,27 +73,26 @@ class Engine:
                 if keep_going():
                     await self.run(item[0], worker_id, held=item[1])
                 else:
-                    await self._give_back(*item)
+                    self._give_back(*item)
         finally:
             for attempt_id in batch:  # cancelled midway: stop renewing what will not run here
                 if (item := self._unstarted.pop(attempt_id, None)) is not None:
                     self._leases.release(item[1])
 
-    async def release_unstarted(self) -> None:
+    def release_unstarted(self) -> None:
         """Shutdown: give back every batch-claimed task not started yet, at once (SPEC rule 6)."""
         items = list(self._unstarted.values())
         self._unstarted.clear()
-        with anyio.move_on_after(self.config.stop_timeout_s, shield=True):
-            for item in items:
-                await self._give_back(*item)
+        for item in items:
+            self._give_back(*item)
 
-    async def _give_back(self, claimed: Claimed, held: Held, worker_id: str) -> None:
+    def _give_back(self, claimed: Claimed, held: Held, worker_id: str) -> None:
         self._leases.release(held)
         outcome = Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "released unstarted"))
-        await self._finish(claimed.task, held, outcome, worker_id)
+        self._conclude(claimed.task, held, outcome, worker_id)
 
-    async def run(self, claimed: Claimed, worker_id: str, *, held: Held | None = None) -> State | None:
-        """Execute one attempt and record how it ended; the task's new state, None if the lease was lost."""
+    async def run(self, claimed: Claimed, worker_id: str, *, held: Held | None = None) -> None:
+        """Execute one attempt and post how it ended (written behind: see OutcomeWriter)."""
         task, lease = claimed.task, claimed.lease
         held = held or self._leases.hold(lease)
         ctx = TaskContext(task, attempt_id=lease.attempt_id, workdir=f"{self._work_root}/{lease.attempt_id}",
@@ -101,7 +102,7 @@ class Engine:
             outcome = await self._attempt(ctx, held, worker_id)
         finally:
             self._leases.release(held)
-        return await self._finish(task, held, outcome, worker_id)
+        self._conclude(task, held, outcome, worker_id)
 
     async def _attempt(self, ctx: TaskContext, held: Held, worker_id: str) -> Outcome | None:
         outcome = None
@@ -211,47 +212,39 @@ class Engine:
                              sequence=ack.sequence, idempotency_key=ack.idempotency_key, final=ack.final)
         return ack
 
-    async def _record(self, held: Held, outcome: Outcome) -> State:
-        """Write the outcome; a store that is briefly away is tried again (the fence makes that safe)."""
-        for delay in FINISH_RETRIES_S:
-            try:
-                return await self._store.finish(held.lease, outcome, now=self._clock(), policy=self.policy)
-            except StoreUnavailable as exc:
-                log.warning("task %s attempt %s: outcome not written yet, retrying in %.1fs: %s",
-                            held.lease.task_id, held.lease.attempt_id, delay, exc)
-                await anyio.sleep(delay)
-        return await self._store.finish(held.lease, outcome, now=self._clock(), policy=self.policy)
-
-    async def _finish(self, task: Task, held: Held, outcome: Outcome | None, worker_id: str) -> State | None:
-        attempt_id = held.lease.attempt_id
+    def _conclude(self, task: Task, held: Held, outcome: Outcome | None, worker_id: str) -> None:
         if outcome is None:
-            log.warning("task %s attempt %s abandoned: lease lost, outcome not recorded", task.id, attempt_id)
+            log.warning("task %s attempt %s abandoned: lease lost, outcome not recorded", task.id,
+                        held.lease.attempt_id)
+            self._events.publish("task.lease_lost", task_id=task.id, worker_id=worker_id,
+                                 attempt_id=held.lease.attempt_id, type=task.type)
+            return
+        self.outcomes.post(Posted(task, held, outcome, worker_id, self._clock()))
+
+    def _written(self, posted: Posted, answer: State | TidepoolError) -> None:
+        """The store's answer to a posted outcome: said in events and logs, once."""
+        task, outcome, worker_id = posted.task, posted.outcome, posted.worker_id
+        attempt_id = posted.held.lease.attempt_id
+        if isinstance(answer, LeaseLost):
+            log.warning("task %s attempt %s outcome %s rejected: %s", task.id, attempt_id, outcome.status, answer)
             self._events.publish("task.lease_lost", task_id=task.id, worker_id=worker_id, attempt_id=attempt_id,
                                  type=task.type)
-            return None
-        try:
-            state = await self._record(held, outcome)
-        except LeaseLost as exc:
-            log.warning("task %s attempt %s outcome %s rejected: %s", task.id, attempt_id, outcome.status, exc)
-            self._events.publish("task.lease_lost", task_id=task.id, worker_id=worker_id, attempt_id=attempt_id,
-                                 type=task.type)
-            return None
-        except TidepoolError as exc:  # the store stayed away, or refused the move: the lease will expire
-            log.error("task %s attempt %s outcome %s not recorded: %s", task.id, attempt_id, outcome.status, exc)
-            return None
+            return
+        if isinstance(answer, TidepoolError):  # the store stayed away, or refused the move: the lease will expire
+            log.error("task %s attempt %s outcome %s not recorded: %s", task.id, attempt_id, outcome.status, answer)
+            return
         error = None if outcome.error is None else outcome.error.to_json()
-        if state is State.RETRY_WAIT:
+        if answer is State.RETRY_WAIT:
             self._events.publish("task.retry_scheduled", task_id=task.id, worker_id=worker_id, error=error,
                                  attempt=task.attempt, type=task.type)
             log.info("task %s attempt %s %s -> retry_wait (%s)", task.id, attempt_id, outcome.status,
                      outcome.error.message if outcome.error else "")
-        elif state.terminal:
-            self._events.publish("task.finished", task_id=task.id, worker_id=worker_id, state=state.value,
+        elif answer.terminal:
+            self._events.publish("task.finished", task_id=task.id, worker_id=worker_id, state=answer.value,
                                  error=error, type=task.type)
-            log.info("task %s attempt %s -> %s", task.id, attempt_id, state.value)
+            log.info("task %s attempt %s -> %s", task.id, attempt_id, answer.value)
         else:
-            log.info("task %s attempt %s %s -> %s", task.id, attempt_id, outcome.status, state.value)
-        return state
+            log.info("task %s attempt %s %s -> %s", task.id, attempt_id, outcome.status, answer.value)
 
     def _run_timeout_s(self, task: Task) -> float:
         """The task's own timeout, else its type's, else execution.timeout_s (SPEC §9)."""

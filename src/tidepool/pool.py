@@ -120,6 +120,7 @@ class Pool:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            await tg.start(self._engine.outcomes.run)  # the workers' outcomes are written behind them
             self._reconcile_baseline()
             task_status.started()
             while True:  # the supervisor's tick: proof for the watchdog that the loop runs
@@ -155,14 +156,15 @@ class Pool:
         for worker in self._workers.values():
             worker.retire = True
         self.waker.wake_all()
-        if self._tg is not None:  # batch-claimed tasks not started yet go back now, not after the drain
-            self._tg.start_soon(self._engine.release_unstarted)
+        self._engine.release_unstarted()  # batch-claimed tasks not started yet go back now, not after the drain
 
     async def wait_idle(self) -> None:
-        """Until no worker runs a task or waits for a claim (a claim in flight may still bring one)."""
+        """Until no worker runs a task or waits for a claim (a claim in flight may still bring one), and
+        every outcome is written."""
         while self._busy or self._in_claim:
             self._idle = anyio.Event()
             await self._idle.wait()
+        await self._engine.outcomes.flushed()
 
     # workers
 

@@ -21,6 +21,7 @@ from tidepool.errors import (
     LeaseLost,
     QueueFull,
     StoreError,
+    StoreUnavailable,
     TaskCancelling,
     TaskNotFound,
 )
@@ -40,7 +41,7 @@ from tidepool.model import (
     new_id,
     sha256_of,
 )
-from tidepool.store import PhaseNote, Store
+from tidepool.store import Ending, PhaseNote, Store
 from tidepool.store.sqlite import SqliteStore
 
 T0 = 1_700_000_000.0
@@ -431,6 +432,70 @@ async def test_illegal_finish_raises_invalid_transition_and_changes_nothing(stor
     assert await store.finish(c.lease, SUCCEEDED, now=T0 + 2, policy=POLICY) is State.COMPLETED
 
 
+async def test_finish_many_gives_each_ending_what_finish_alone_would(store: Store) -> None:
+    done = [await running(store, type=f"done-{i}") for i in range(3)]
+    retry, last = await running(store, type="retry", max_attempts=2), await running(store, type="last", max_attempts=1)
+    slow, stale, cancelled = [await running(store, type=t) for t in ("slow", "stale", "cancelled")]
+    interrupted, illegal, noisy = [await running(store, type=t) for t in ("interrupted", "illegal", "noisy")]
+    assert await store.request_cancel(cancelled.task.id, now=T0 + 1) is State.CANCELLING
+    with_output = Outcome(AttemptStatus.SUCCEEDED, exit_status=0, stderr_tail="warning: slow host\n")
+    endings = [
+        Ending(done[0].lease, SUCCEEDED, T0 + 2),
+        Ending(retry.lease, FAILED_RETRYABLE, T0 + 3),
+        Ending(dataclasses.replace(stale.lease, token="0" * 32), SUCCEEDED, T0 + 4),
+        Ending(done[1].lease, SUCCEEDED, T0 + 5),
+        Ending(last.lease, FAILED_RETRYABLE, T0 + 6),
+        Ending(cancelled.lease, SUCCEEDED, T0 + 7),         # the cancel wins, as with finish()
+        Ending(slow.lease, TIMED_OUT, T0 + 8),
+        Ending(illegal.lease, CANCELLED, T0 + 9),           # nobody asked to cancel
+        Ending(interrupted.lease, INTERRUPTED, T0 + 10),
+        Ending(noisy.lease, with_output, T0 + 11),
+        Ending(done[0].lease, FAILED_RETRYABLE, T0 + 12),   # an attempt ends once, within one call too
+        Ending(done[2].lease, SUCCEEDED, T0 + 13),
+    ]
+    answers = await store.finish_many(endings, policy=POLICY)
+    assert [type(a) if isinstance(a, Exception) else a for a in answers] == [
+        State.COMPLETED, State.RETRY_WAIT, LeaseLost, State.COMPLETED, State.FAILED, State.CANCELLED,
+        State.TIMED_OUT, InvalidTransition, State.PENDING, State.COMPLETED, LeaseLost, State.COMPLETED]
+    ended = [(c, await store.get(c.task.id)) for c in (*done, retry, last, slow, cancelled, interrupted, noisy)]
+    assert [(t.state, t.finished_at, t.attempts[0].status, t.attempts[0].finished_at) for _, t in ended] == [
+        (State.COMPLETED, T0 + 2, AttemptStatus.SUCCEEDED, T0 + 2),
+        (State.COMPLETED, T0 + 5, AttemptStatus.SUCCEEDED, T0 + 5),
+        (State.COMPLETED, T0 + 13, AttemptStatus.SUCCEEDED, T0 + 13),
+        (State.RETRY_WAIT, None, AttemptStatus.FAILED, T0 + 3),
+        (State.FAILED, T0 + 6, AttemptStatus.FAILED, T0 + 6),
+        (State.TIMED_OUT, T0 + 8, AttemptStatus.TIMED_OUT, T0 + 8),
+        (State.CANCELLED, T0 + 7, AttemptStatus.CANCELLED, T0 + 7),
+        (State.PENDING, None, AttemptStatus.INTERRUPTED, T0 + 10),
+        (State.COMPLETED, T0 + 11, AttemptStatus.SUCCEEDED, T0 + 11),
+    ]
+    t = ended[-1][1]
+    assert (t.attempts[0].exit_status, t.attempts[0].stderr_tail) == (0, "warning: slow host\n")
+    assert (await store.get(interrupted.task.id)).attempt == 0  # given back, as finish() does
+    for c in (stale, illegal):  # refused: untouched, and the real holders are unharmed
+        t = await store.get(c.task.id)
+        assert (t.state, t.attempts[0].status, t.attempts[0].finished_at) == \
+            (State.RUNNING, AttemptStatus.RUNNING, None)
+    assert await store.renew([stale.lease, illegal.lease], now=T0 + 14, lease_s=LEASE_S) == {}
+
+
+async def test_finish_many_judges_each_lease_at_its_own_time(store: Store) -> None:
+    early, expired, late = [await running(store, type=t) for t in ("early", "expired", "late")]
+    assert await store.renew([late.lease], now=T0 + 20, lease_s=LEASE_S) == {}  # good until T0 + 50
+    endings = [Ending(early.lease, SUCCEEDED, T0 + 5),
+               Ending(expired.lease, SUCCEEDED, expired.lease.expires_at + 1),
+               Ending(late.lease, SUCCEEDED, T0 + 40)]
+    async with changes_nothing(store, expired.task.id):
+        answers = await store.finish_many(endings, policy=POLICY)
+    assert [answers[0], type(answers[1]), answers[2]] == [State.COMPLETED, LeaseLost, State.COMPLETED]
+    ended = [await store.get(c.task.id) for c in (early, late)]
+    assert [(t.finished_at, t.attempts[0].finished_at) for t in ended] == [(T0 + 5, T0 + 5), (T0 + 40, T0 + 40)]
+
+
+async def test_finish_many_of_nothing_is_nothing(store: Store) -> None:
+    assert await store.finish_many([], policy=POLICY) == []
+
+
 async def test_retryable_failure_with_attempts_left_waits_for_backoff(store: Store) -> None:
     c = await running(store, max_attempts=2)
     assert await store.finish(c.lease, FAILED_RETRYABLE, now=T0 + 5, policy=POLICY) is State.RETRY_WAIT
@@ -788,3 +853,70 @@ async def test_writer_keeps_serving_after_a_write_fails(store: Store) -> None:
     with pytest.raises((StoreError, TypeError)):
         await store.add(NewTask("noop", {"when": datetime.now(UTC)}), now=T0)  # not JSON
     assert (await add(store, now=T0 + 1)).state is State.PENDING
+
+
+@sqlite_only
+async def test_finish_many_is_one_transaction_whose_successes_share_their_statements(
+        adapter: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(adapter, SqliteStore)
+    statements: list[str] = []
+    connect = adapter._connect
+
+    def traced(migrate: bool) -> sqlite3.Connection:  # the writer's connection
+        conn = connect(migrate)
+        conn.set_trace_callback(statements.append)
+        return conn
+
+    monkeypatch.setattr(adapter, "_connect", traced)
+    await adapter.open()
+    try:
+        await adapter.add_many([NewTask("noop") for _ in range(200)], now=T0)
+        claimed = await claim(adapter, limit=200)
+        endings = [Ending(c.lease, SUCCEEDED, T0 + 1 + i / 1000) for i, c in enumerate(claimed)]
+        endings[7] = Ending(claimed[7].lease, FAILED_RETRYABLE, T0 + 2)
+        endings[9] = Ending(dataclasses.replace(claimed[9].lease, token="0" * 32), SUCCEEDED, T0 + 2)
+        statements.clear()
+        answers = await adapter.finish_many(endings, policy=POLICY)
+        transactions = [s for s in statements if s.startswith(("BEGIN", "COMMIT")) or s == "ROLLBACK"]
+        assert transactions == ["BEGIN IMMEDIATE", "COMMIT"]
+        assert len(statements) < 20, "198 successes share a few statements, not one or more each"
+        expected: list[Any] = [State.COMPLETED] * 200
+        expected[7], expected[9] = State.RETRY_WAIT, LeaseLost
+        assert [type(a) if isinstance(a, Exception) else a for a in answers] == expected
+        with contextlib.closing(sqlite3.connect(adapter.path)) as db:
+            succeeded = dict(db.execute("SELECT id, finished_at FROM attempts WHERE status = 'succeeded'").fetchall())
+        assert succeeded == {e.lease.attempt_id: e.now for i, e in enumerate(endings) if i not in (7, 9)}
+    finally:
+        await adapter.close()
+
+
+@sqlite_only
+async def test_finish_many_calls_that_share_a_transaction_get_their_own_answers(store: Store) -> None:
+    a, b, c, d = [await running(store, type=t) for t in ("a", "b", "c", "d")]
+    stale = dataclasses.replace(b.lease, token="0" * 32)
+    outcomes = await in_one_transaction(
+        store,
+        store.finish_many([Ending(a.lease, SUCCEEDED, T0 + 1), Ending(stale, SUCCEEDED, T0 + 1)], policy=POLICY),
+        store.finish(c.lease, SUCCEEDED, now=T0 + 2, policy=POLICY),
+        store.finish_many([Ending(b.lease, FAILED_FOR_GOOD, T0 + 3), Ending(a.lease, SUCCEEDED, T0 + 3)],
+                          policy=POLICY),
+        store.finish(d.lease, CANCELLED, now=T0 + 4, policy=POLICY),  # InvalidTransition: nobody cancelled
+    )
+    first, second = outcomes[0], outcomes[2]
+    assert [first[0], type(first[1])] == [State.COMPLETED, LeaseLost]
+    assert outcomes[1] is State.COMPLETED
+    assert [second[0], type(second[1])] == [State.FAILED, LeaseLost]  # a's attempt ended in the first call
+    assert isinstance(outcomes[3], InvalidTransition)
+    assert [(await store.get(x.task.id)).finished_at for x in (a, b, c)] == [T0 + 1, T0 + 3, T0 + 2]
+
+
+@sqlite_only
+async def test_an_ending_sqlite_refuses_fails_alone(store: Store) -> None:
+    a, b, c = [await running(store, type=t) for t in ("a", "b", "c")]
+    unbindable = Outcome(AttemptStatus.FAILED, TaskError("boom", "broke"), stderr_tail=object())  # type: ignore[arg-type]
+    endings = [Ending(a.lease, SUCCEEDED, T0 + 1), Ending(b.lease, unbindable, T0 + 1),
+               Ending(c.lease, FAILED_FOR_GOOD, T0 + 1)]
+    async with changes_nothing(store, b.task.id):
+        answers = await store.finish_many(endings, policy=POLICY)
+    assert [answers[0], type(answers[1]), answers[2]] == [State.COMPLETED, StoreUnavailable, State.FAILED]
+    assert await store.finish(b.lease, FAILED_FOR_GOOD, now=T0 + 2, policy=POLICY) is State.FAILED

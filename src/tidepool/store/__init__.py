@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import anyio
 from anyio.abc import TaskStatus
 
-from ..errors import ConfigError, Conflict, InvalidTransition, LeaseLost
+from ..errors import ConfigError, Conflict, InvalidTransition, LeaseLost, TidepoolError
 from ..lifecycle import Event, RetryPolicy, step
 from ..model import (
     Claimed,
@@ -38,6 +38,15 @@ class PhaseNote:
     lease: Lease
     phase: Phase
     progress: dict[str, object] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How one attempt ended, for finish_many; `now` is when it ended: the lease fence is judged at that time."""
+
+    lease: Lease
+    outcome: Outcome
+    now: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +125,11 @@ class Store(Protocol):
     async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
         """Store a result batch once (rule 7); the acknowledged batch comes back."""
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
-        """End the attempt; the task's new state."""
+        """End the attempt; the task's new state. finish_many of this one ending, its error raised."""
+    async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
+        """End many attempts at once (one transaction where the store can). Each ending gets, in order, its task's
+        new state or its own error: LeaseLost / TaskCancelling when its fence refused it, StoreUnavailable when it
+        was not written. Never raises on account of one ending; an empty list gives []."""
 
     # schedules
     async def save_schedule(self, schedule: Schedule, *, now: float) -> Schedule:

@@ -10,8 +10,8 @@ import anyio
 from anyio.abc import TaskStatus
 
 from .. import schedules
-from ..errors import Conflict, LeaseLost, QueueFull, ScheduleNotFound, TaskCancelling, TaskNotFound
-from ..lifecycle import Ending, Event, RetryPolicy, decide_end, step
+from ..errors import Conflict, LeaseLost, QueueFull, ScheduleNotFound, TaskCancelling, TaskNotFound, TidepoolError
+from ..lifecycle import Event, RetryPolicy, decide_end, step
 from ..model import (
     QUEUED,
     Attempt,
@@ -30,7 +30,7 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import Expired, Node, Page, PhaseNote, cancel_step, retry_step
+from . import Ending, Expired, Node, Page, PhaseNote, cancel_step, retry_step
 
 
 @dataclasses.dataclass
@@ -169,9 +169,22 @@ class MemoryStore:
         return batch
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
-        row = self._fenced(lease, now, ending=True)
-        self._end(row, outcome, now, policy)
-        return row.task.state
+        result = (await self.finish_many([Ending(lease, outcome, now)], policy=policy))[0]
+        if isinstance(result, TidepoolError):
+            raise result
+        return result
+
+    async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
+        results: list[State | TidepoolError] = []
+        for e in endings:
+            try:
+                row = self._fenced(e.lease, e.now, ending=True)
+                self._end(row, e.outcome, e.now, policy)
+            except TidepoolError as exc:  # LeaseLost, InvalidTransition: nothing of this ending was written
+                results.append(exc)
+                continue
+            results.append(row.task.state)
+        return results
 
     # schedules
 
@@ -343,8 +356,8 @@ class MemoryStore:
     def _end(self, row: _Row, outcome: Outcome, now: float, policy: RetryPolicy) -> None:
         assert row.lease is not None
         t = row.task
-        end: Ending = decide_end(t.state, outcome, attempt=t.attempt, max_attempts=t.max_attempts,
-                                 interruptions=t.interruptions, policy=policy, now=now)
+        end = decide_end(t.state, outcome, attempt=t.attempt, max_attempts=t.max_attempts,
+                         interruptions=t.interruptions, policy=policy, now=now)
         row.set_attempt(row.lease.attempt_id, status=end.attempt_status, finished_at=now, error=end.error,
                         exit_status=outcome.exit_status, stderr_tail=outcome.stderr_tail)
         queued = end.state in QUEUED

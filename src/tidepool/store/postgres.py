@@ -45,8 +45,10 @@ from ..errors import (
     StoreUnavailable,
     TaskCancelling,
     TaskNotFound,
+    TidepoolError,
 )
-from ..lifecycle import Ending, Event, RetryPolicy, decide_end, step
+from ..lifecycle import Ending as Decision  # decide_end's answer; an Ending here is the store's (a finish)
+from ..lifecycle import Event, RetryPolicy, decide_end, step
 from ..model import (
     Attempt,
     AttemptStatus,
@@ -65,7 +67,7 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import Expired, Node, Page, PhaseNote, cancel_step, retry_step
+from . import Ending, Expired, Node, Page, PhaseNote, cancel_step, retry_step
 
 I = TypeVar("I")  # noqa: E741  # an item queued for a grouped write
 R = TypeVar("R")
@@ -782,7 +784,43 @@ class PostgresStore:
         return _result(earlier)
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
-        return await _retried(lambda: self._finish(lease, outcome, now, policy), ended=lambda: self._ended(lease))
+        result = (await self.finish_many([Ending(lease, outcome, now)], policy=policy))[0]
+        if isinstance(result, TidepoolError):
+            raise result
+        return result
+
+    async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
+        """Each task's endings on their own path, all tasks at once: their bare successes share grouped
+        statements. A task's endings go in order, so a later one meets the fence an earlier one left."""
+        if len(endings) == 1:  # finish(): no task to start
+            return [await self._finish_one(endings[0], policy)]
+        by_task: dict[str, list[int]] = {}
+        for i, ending in enumerate(endings):
+            by_task.setdefault(ending.lease.task_id, []).append(i)
+        answers: dict[int, State | TidepoolError] = {}
+
+        async def end(indexes: list[int]) -> None:
+            for i in indexes:
+                answers[i] = await self._finish_one(endings[i], policy)
+
+        async with anyio.create_task_group() as tg:
+            for indexes in by_task.values():
+                tg.start_soon(end, indexes)
+        return [answers[i] for i in range(len(endings))]
+
+    async def _finish_one(self, ending: Ending, policy: RetryPolicy) -> State | TidepoolError:
+        """One ending, tried again while the server is away; its error returned, not raised."""
+        lease = ending.lease
+        try:
+            return await _retried(lambda: self._finish(lease, ending.outcome, ending.now, policy),
+                                  ended=lambda: self._ended(lease))
+        except TidepoolError as exc:
+            return exc
+        except Exception as exc:
+            log.error("task %s attempt %s: finish failed: %r", lease.task_id, lease.attempt_id, exc)
+            error = StoreUnavailable(f"task {lease.task_id} attempt {lease.attempt_id}: finish failed: {exc}")
+            error.__cause__ = exc
+            return error
 
     async def _ended(self, lease: Lease) -> State | None:
         """After a retried finish met its own fence: the task's state if this attempt had in fact ended."""
@@ -1390,13 +1428,13 @@ def _may_end(state: State, lease_expires_at: float, now: float) -> bool:
     return state is State.CANCELLING or (state.active and lease_expires_at > now)
 
 
-def _expiry(row: Any, outcome: Outcome, policy: RetryPolicy, now: float) -> Ending:
+def _expiry(row: Any, outcome: Outcome, policy: RetryPolicy, now: float) -> Decision:
     return decide_end(
         State(row[0]), outcome, attempt=row[1], max_attempts=row[2], interruptions=row[3], policy=policy, now=now
     )
 
 
-async def _write_ends(conn: Conn, ends: list[tuple[Lease, Outcome, Ending]], now: float) -> None:
+async def _write_ends(conn: Conn, ends: list[tuple[Lease, Outcome, Decision]], now: float) -> None:
     """Write how attempts ended, all in one statement; the caller holds their task rows locked."""
     await conn.execute(
         WRITE_ENDS,

@@ -2,15 +2,18 @@
 
 Every write is an op queued to one thread that owns the only writing connection. The thread takes
 whatever ops have queued up and runs them in one transaction, so many workers share each fsync
-(PITFALLS: ~4k single-step transactions/s here, ~45k steps/s grouped). An op must raise our own
-errors (LeaseLost, Conflict, ...) before its first write; any other exception rolls back the whole
-batch and fails each of its ops with StoreUnavailable. Reads use a second connection.
+(PITFALLS: ~4k single-step transactions/s here, ~45k steps/s grouped). Each plain op runs inside
+its own savepoint, so an op that raises (LeaseLost, Conflict, or a SQLite error) fails alone and the
+others of its transaction stand; claims and completions of a batch are gathered into shared
+statements. Only a failing transaction as a whole fails every op with StoreUnavailable. Reads use
+a second connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import queue
@@ -56,7 +59,7 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import Expired, Node, Page, PhaseNote, cancel_step, retry_step
+from . import Ending, Expired, Node, Page, PhaseNote, cancel_step, retry_step
 
 T = TypeVar("T")
 log = logging.getLogger("tidepool.store.sqlite")
@@ -475,22 +478,19 @@ class SqliteStore:
         return ack
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
-        # The fast path writes no attempt output: only a bare success may take it.
-        bare = outcome.status is AttemptStatus.SUCCEEDED and outcome.exit_status is None \
-            and outcome.stderr_tail is None
-        if bare and await self._write(_CompleteOp(lease, now)):
-            return State.COMPLETED
+        result = (await self.finish_many([Ending(lease, outcome, now)], policy=policy))[0]
+        if isinstance(result, TidepoolError):
+            raise result
+        return result
 
-        def op(conn: sqlite3.Connection, batch: _Batch) -> State:
-            row = conn.execute(
-                f"SELECT state, attempt, max_attempts, interruptions, lease_expires_at FROM tasks WHERE {FENCE}",
-                (lease.task_id, lease.attempt_id, lease.token)).fetchone()
-            if row is None or not _may_end(State(row[0]), row[4], now):
-                raise _why_lost(conn, lease)
-            return _end(conn, lease, outcome, row, now, policy, batch)
-
-        state: State = await self._write(op)
-        return state
+    async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
+        if not endings:
+            return []
+        try:
+            results: list[State | TidepoolError] = await self._write(_FinishOp(tuple(endings), policy))
+        except StoreUnavailable as exc:  # the transaction failed as a whole (or the store is closed): none written
+            return [exc] * len(endings)
+        return results
 
     # schedules
 
@@ -710,39 +710,32 @@ class _ClaimOp(_Grouped):
         return results
 
 
-@dataclass(frozen=True)
-class _CompleteOp(_Grouped):
-    """Successful attempts, fenced and completed two statements per group. False: take the slow path."""
+@dataclass(frozen=True, eq=False)
+class _FinishOp(_Grouped):
+    """Attempts ending: the bare successes of every finish_many of the group completed a few statements at a
+    time, every other ending (and every success that fast path refused) alone in its own savepoint."""
 
-    lease: Lease
-    now: float
+    endings: tuple[Ending, ...]
+    policy: RetryPolicy
 
     @classmethod
     def run_group(cls, conn: sqlite3.Connection, batch: _Batch, ops: list[Any]) -> list[tuple[Any, None]]:
-        now = max(o.now for o in ops)  # the latest clock fences strictest
-        ids = [o.lease.task_id for o in ops]
-        keys = [v for o in ops for v in (o.lease.task_id, o.lease.attempt_id, o.lease.token)]
-        # `id IN` picks the rows by primary key; `+state` keeps the planner off the state index. No
-        # RETURNING: each returned row is a step that gives the GIL away, and nearly always all succeed.
-        marks = ",".join("?" * len(ops))
-        cur = conn.execute(
-            "UPDATE tasks SET state = 'completed', phase = NULL, error = NULL, updated_at = ?, finished_at = ?, "
-            f"lease_token = NULL WHERE id IN ({marks}) AND +state IN {ACTIVE_SQL} "
-            f"AND lease_expires_at > ? AND (id, lease_attempt_id, lease_token) IN "
-            f"(VALUES {','.join('(?, ?, ?)' for _ in ops)})",
-            (now, now, *ids, now, *keys))
-        attempts = [o.lease.attempt_id for o in ops]
-        if cur.rowcount == len(ops):
-            done = set(attempts)
-        else:  # some were fenced off: the ones completed just now still have an open attempt row
-            done = {r[0] for r in conn.execute(
-                f"SELECT a.id FROM attempts a JOIN tasks t ON t.id = a.task_id WHERE a.id IN ({marks}) "
-                "AND a.status IN ('leased', 'running') AND t.lease_attempt_id = a.id AND t.state = 'completed'",
-                attempts)}
-        if done:
-            conn.execute(f"UPDATE attempts SET status = 'succeeded', finished_at = ? WHERE id IN "
-                         f"({','.join('?' * len(done))})", (now, *done))
-        return [(o.lease.attempt_id in done, None) for o in ops]
+        flat: list[tuple[Ending, RetryPolicy]] = [(e, op.policy) for op in ops for e in op.endings]
+        # Only a task's first ending may go ahead of the others: any later one must meet the fence it left.
+        fast, seen = [], set()
+        for e, _ in flat:
+            fast.append(_bare(e.outcome) and e.lease.task_id not in seen)
+            seen.add(e.lease.task_id)
+        done = _complete(conn, [(e.lease, e.now) for (e, _), f in zip(flat, fast, strict=True) if f])
+        results: list[State | TidepoolError] = []
+        for (e, policy), f in zip(flat, fast, strict=True):
+            if f and e.lease.attempt_id in done:
+                results.append(State.COMPLETED)
+                continue
+            state, error = _run_alone(conn, batch, functools.partial(_finish_one, ending=e, policy=policy))
+            results.append(state if error is None else error)
+        answers = iter(results)
+        return [([next(answers) for _ in op.endings], None) for op in ops]
 
 
 def _groups(ops: list[tuple[Op, asyncio.Future[Any]]]) -> list[list[tuple[Op, asyncio.Future[Any]]]]:
@@ -801,7 +794,7 @@ def _drain(ops: queue.SimpleQueue[Any]) -> list[Any]:
             return items
 
 
-def _run_alone(conn: sqlite3.Connection, batch: _Batch, op: Any) -> tuple[Any, BaseException | None]:
+def _run_alone(conn: sqlite3.Connection, batch: _Batch, op: Any) -> tuple[Any, TidepoolError | None]:
     """One plain op inside a savepoint: whatever it raises fails this op only, not the transaction."""
     conn.execute("SAVEPOINT op")
     try:
@@ -926,6 +919,50 @@ def _why_lost(conn: sqlite3.Connection, lease: Lease) -> LeaseLost:
 def _may_end(state: State, lease_expires_at: float, now: float) -> bool:
     """A worker may end its attempt while its lease is live, and always acknowledge a cancel."""
     return state is State.CANCELLING or (state.active and lease_expires_at > now)
+
+
+def _bare(outcome: Outcome) -> bool:
+    """A success with no attempt output to write: it may take the fast path."""
+    return outcome.status is AttemptStatus.SUCCEEDED and outcome.exit_status is None and outcome.stderr_tail is None
+
+
+def _complete(conn: sqlite3.Connection, ends: list[tuple[Lease, float]]) -> set[str]:
+    """Complete bare successes, each fenced at its own `now`, two statements per chunk (three when the fence
+    refused some); the attempt ids completed. At most one ending per task."""
+    done: set[str] = set()
+    for i in range(0, len(ends), LEASE_CHUNK):
+        chunk = ends[i:i + LEASE_CHUNK]
+        # The join picks the rows by primary key; `+state` keeps the planner off the state index. No
+        # RETURNING: each returned row is a step that gives the GIL away, and nearly always all succeed.
+        cur = conn.execute(
+            "UPDATE tasks SET state = 'completed', phase = NULL, error = NULL, updated_at = v.column4, "
+            f"finished_at = v.column4, lease_token = NULL FROM (VALUES {','.join('(?, ?, ?, ?)' for _ in chunk)}) "
+            "AS v WHERE tasks.id = v.column1 AND tasks.lease_attempt_id = v.column2 AND tasks.lease_token = v.column3 "
+            f"AND +tasks.state IN {ACTIVE_SQL} AND tasks.lease_expires_at > v.column4",
+            [x for lease, now in chunk for x in (lease.task_id, lease.attempt_id, lease.token, now)])
+        if cur.rowcount != len(chunk):  # some were fenced off: the ones completed just now still have an open attempt
+            completed = {r[0] for r in conn.execute(
+                "SELECT a.id FROM attempts a JOIN tasks t ON t.id = a.task_id "
+                f"WHERE a.id IN ({','.join('?' * len(chunk))}) AND a.status IN ('leased', 'running') "
+                "AND t.lease_attempt_id = a.id AND t.state = 'completed'", [lease.attempt_id for lease, _ in chunk])}
+            chunk = [(lease, now) for lease, now in chunk if lease.attempt_id in completed]
+        if chunk:
+            conn.execute(f"UPDATE attempts SET status = 'succeeded', finished_at = v.column2 FROM "
+                         f"(VALUES {','.join('(?, ?)' for _ in chunk)}) AS v WHERE attempts.id = v.column1",
+                         [x for lease, now in chunk for x in (lease.attempt_id, now)])
+        done.update(lease.attempt_id for lease, _ in chunk)
+    return done
+
+
+def _finish_one(conn: sqlite3.Connection, batch: _Batch, *, ending: Ending, policy: RetryPolicy) -> State:
+    """End one attempt the slow way: read its task behind the fence, decide, write."""
+    lease, now = ending.lease, ending.now
+    row = conn.execute(
+        f"SELECT state, attempt, max_attempts, interruptions, lease_expires_at FROM tasks WHERE {FENCE}",
+        (lease.task_id, lease.attempt_id, lease.token)).fetchone()
+    if row is None or not _may_end(State(row[0]), row[4], now):
+        raise _why_lost(conn, lease)
+    return _end(conn, lease, ending.outcome, row, now, policy, batch)
 
 
 def _end(conn: sqlite3.Connection, lease: Lease, outcome: Outcome, row: Any, now: float,
