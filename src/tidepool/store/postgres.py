@@ -790,30 +790,50 @@ class PostgresStore:
         return result
 
     async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
-        """Each task's endings on their own path, all tasks at once: their bare successes share grouped
-        statements. A task's endings go in order, so a later one meets the fence an earlier one left."""
-        if len(endings) == 1:  # finish(): no task to start
+        """Bare successes of distinct tasks in one statement (the common case, no task started); every
+        other ending on its own path, each task's endings in order so a later one meets the fence an earlier
+        one left, all tasks at once."""
+        if len(endings) == 1:  # finish(): nothing to share
             return [await self._finish_one(endings[0], policy)]
-        by_task: dict[str, list[int]] = {}
+        answers: list[State | TidepoolError | None] = [None] * len(endings)
+        maybe_written: set[int] = set()
+        fast, tasks = [], set()
         for i, ending in enumerate(endings):
-            by_task.setdefault(ending.lease.task_id, []).append(i)
-        answers: dict[int, State | TidepoolError] = {}
+            if _bare(ending.outcome) and ending.lease.task_id not in tasks:
+                fast.append(i)
+            tasks.add(ending.lease.task_id)
+        if fast:
+            try:
+                done = await self._complete_group([(endings[i].lease, endings[i].now) for i in fast])
+            except StoreUnavailable:  # perhaps written with the answer lost: their own paths find out
+                done = [False] * len(fast)
+                maybe_written.update(fast)
+            for i, completed in zip(fast, done, strict=True):
+                if completed:
+                    answers[i] = State.COMPLETED
+        by_task: dict[str, list[int]] = {}
+        for i, answer in enumerate(answers):
+            if answer is None:
+                by_task.setdefault(endings[i].lease.task_id, []).append(i)
 
         async def end(indexes: list[int]) -> None:
             for i in indexes:
-                answers[i] = await self._finish_one(endings[i], policy)
+                answers[i] = await self._finish_one(endings[i], policy, maybe_written=i in maybe_written)
 
-        async with anyio.create_task_group() as tg:
-            for indexes in by_task.values():
-                tg.start_soon(end, indexes)
-        return [answers[i] for i in range(len(endings))]
+        if by_task:
+            async with anyio.create_task_group() as tg:
+                for indexes in by_task.values():
+                    tg.start_soon(end, indexes)
+        return [a for a in answers if a is not None]
 
-    async def _finish_one(self, ending: Ending, policy: RetryPolicy) -> State | TidepoolError:
-        """One ending, tried again while the server is away; its error returned, not raised."""
+    async def _finish_one(self, ending: Ending, policy: RetryPolicy, *,
+                          maybe_written: bool = False) -> State | TidepoolError:
+        """One ending, tried again while the server is away; its error returned, not raised. `maybe_written`:
+        an earlier write of it may have committed unanswered, so meeting its own fence is not yet a refusal."""
         lease = ending.lease
         try:
             return await _retried(lambda: self._finish(lease, ending.outcome, ending.now, policy),
-                                  ended=lambda: self._ended(lease))
+                                  ended=lambda: self._ended(lease), retried=maybe_written)
         except TidepoolError as exc:
             return exc
         except Exception as exc:
@@ -833,9 +853,7 @@ class PostgresStore:
         return State(row[0]) if ended else None
 
     async def _finish(self, lease: Lease, outcome: Outcome, now: float, policy: RetryPolicy) -> State:
-        # The grouped fast path writes no attempt output: only a bare success may take it.
-        bare = outcome.status is AttemptStatus.SUCCEEDED and outcome.exit_status is None
-        if bare and outcome.stderr_tail is None and await self._completions((lease, now)):
+        if _bare(outcome) and await self._completions((lease, now)):
             return State.COMPLETED
         async with self._conn() as conn, conn.transaction():
             row = await conn.fetchrow(ENDING_ROW, lease.task_id, lease.attempt_id, lease.token)
@@ -1187,16 +1205,18 @@ class _Group(Generic[I, R]):
                 future.set_result(result)
 
 
-async def _retried(write: Callable[[], Awaitable[R]], *, ended: Callable[[], Awaitable[R | None]] | None = None) -> R:
+async def _retried(write: Callable[[], Awaitable[R]], *, ended: Callable[[], Awaitable[R | None]] | None = None,
+                   retried: bool = False) -> R:
     """A fenced worker write, tried again while the server does not answer, for up to WRITE_RETRY_S.
 
     Safe because of the fence: the retry carries the same lease and the same `now` (when the outcome was
     reached), so it lands only if no one has expired or taken over the lease meanwhile. A blip (a server
     restart, a dropped connection) then costs a moment instead of a re-run of the whole task. When the
-    first try did commit but its answer was lost, the retry meets its own fence: `ended` tells.
+    first try did commit but its answer was lost, the retry meets its own fence: `ended` tells. `retried`:
+    the caller already sent this write once without an answer.
     """
     deadline = time.monotonic() + WRITE_RETRY_S
-    delay, retried = 0.05, False
+    delay = 0.05
     while True:
         try:
             return await write()
@@ -1209,6 +1229,11 @@ async def _retried(write: Callable[[], Awaitable[R]], *, ended: Callable[[], Awa
                 raise
         await anyio.sleep(delay)
         delay, retried = min(delay * 2, 1.0), True
+
+
+def _bare(outcome: Outcome) -> bool:
+    """A success with no attempt output to keep: the grouped completion writes nothing more."""
+    return outcome.status is AttemptStatus.SUCCEEDED and outcome.exit_status is None and outcome.stderr_tail is None
 
 
 def channel_for(schema: str) -> str:
