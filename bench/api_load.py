@@ -91,29 +91,39 @@ def bench_submit(root: Path, clients: int, tasks: int) -> list[Figure]:
 
 
 class Subscriber:
-    """Reads the raw stream, keeping each event's id and (name, task_id)."""
+    """Reads the raw stream; each event's id and (name, task_id) are taken from it once it has ended.
+
+    While the daemon drains, a subscriber only keeps the bytes and counts finished tasks with bytes
+    methods (C speed): parsing 180,000 frames in Python as they arrive cost these clients ~2.7 s of CPU
+    on the same two cores, which measured them more than the daemon.
+    """
+
+    FINISHED = b"event: task.finished\n"
 
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.by_task: dict[str, list[str]] = {}
         self.finished = 0
         self.connected = asyncio.Event()
+        self._frames: list[bytes] = []
 
     async def follow(self, session: aiohttp.ClientSession, url: str, tasks: int) -> None:
         async with session.get(f"{url}/v1/events", timeout=aiohttp.ClientTimeout(total=None)) as r:
-            buffer = b""
+            pending = b""
             async for chunk in r.content.iter_any():
-                buffer += chunk
-                *frames, buffer = buffer.split(b"\n\n")
-                for frame in frames:
-                    self.take(frame)
+                complete, _, pending = (pending + chunk).rpartition(b"\n\n")
+                if complete:
+                    self._frames.append(complete)
+                    self.finished += complete.count(self.FINISHED)
+                    if not self.connected.is_set() and b": connected" in complete:
+                        self.connected.set()
                 if self.finished >= tasks:
-                    return
+                    break
+        for frame in b"\n\n".join(self._frames).split(b"\n\n"):
+            self.take(frame)
 
     def take(self, frame: bytes) -> None:
         fields = dict(line.split(b": ", 1) for line in frame.split(b"\n") if b": " in line and line[:1] != b":")
-        if frame.startswith(b": connected"):
-            self.connected.set()
         if b"id" not in fields:
             return
         self.ids.append(int(fields[b"id"]))
@@ -121,7 +131,6 @@ class Subscriber:
         task_id = json.loads(fields[b"data"]).get("task_id")
         if task_id is not None:
             self.by_task.setdefault(task_id, []).append(name)
-            self.finished += name == "task.finished"
 
     def problems(self, ids: list[str]) -> list[str]:
         found = []

@@ -34,7 +34,7 @@ class Event:
 class Subscription:
     """A reader's position in the bus's ring and its filter."""
 
-    def __init__(self, bus: EventBus, accept: Callable[[Event], bool], next_id: int) -> None:
+    def __init__(self, bus: EventBus, accept: Callable[[Event], bool] | None, next_id: int) -> None:
         self._bus = bus
         self.accept = accept
         self.next_id = next_id
@@ -64,7 +64,12 @@ class Subscription:
         return []
 
     def _read(self, max_events: int) -> list[Event]:
-        batch: list[Event] = []
+        if self.accept is None:  # everything: a slice of the ring, no Python step per event
+            end = min(self._bus.next_id, self.next_id + max_events)
+            batch = self._bus.between(self.next_id, end)
+            self.next_id = end
+            return batch
+        batch = []
         end = min(self._bus.next_id, self.next_id + max_events * 4)  # bounded work per call
         while self.next_id < end and len(batch) < max_events:
             event = self._bus.get(self.next_id)
@@ -102,8 +107,9 @@ class EventBus:
         """A synchronous in-process listener (metrics, logs); must be cheap and must not block."""
         self._listeners.append(listener)
 
-    def subscribe(self, *, accept: Callable[[Event], bool] = lambda e: True, after: int | None = None) -> Subscription:
-        """Read future events, or with `after` every event the ring still holds past that id."""
+    def subscribe(self, *, accept: Callable[[Event], bool] | None = None, after: int | None = None) -> Subscription:
+        """Read future events, or with `after` every event the ring still holds past that id; `accept`
+        filters them (None: every event)."""
         start = self.next_id if after is None else max(after + 1, self.oldest_id())
         sub = Subscription(self, accept, start)
         self._subscribers.add(sub)
@@ -116,6 +122,15 @@ class EventBus:
     def get(self, event_id: int) -> Event | None:
         event = self._ring[event_id % len(self._ring)]
         return event if event is not None and event.id == event_id else None
+
+    def between(self, first: int, end: int) -> list[Event]:
+        """The events with ids first .. end - 1, all of which the ring must still hold."""
+        size = len(self._ring)
+        if end <= first:
+            return []
+        i, j = first % size, end % size
+        events = self._ring[i:j] if i < j else self._ring[i:] + self._ring[:j]
+        return events  # type: ignore[return-value]  # every slot in [oldest_id, next_id) is filled
 
     def oldest_id(self) -> int:
         """The id of the oldest event the ring still holds (the next id when it is empty)."""

@@ -32,6 +32,26 @@ def frame(event: Event) -> bytes:
     return event.encoded
 
 
+class _LastRun:
+    """The frames of the last contiguous run of events joined for a write. Unfiltered subscribers woken
+    by the same events read the same run: the others write it without touching each event again."""
+
+    first: Event | None = None  # held, so these objects stay alive and `is` cannot match a newcomer
+    last: Event | None = None
+    joined = b""
+
+
+def _frames(batch: list[Event]) -> bytes:
+    first, last = batch[0], batch[-1]
+    contiguous = last.id - first.id + 1 == len(batch)  # then its first and last event say what it holds
+    if contiguous and first is _LastRun.first and last is _LastRun.last:
+        return _LastRun.joined
+    joined = b"".join([frame(e) for e in batch])
+    if contiguous:
+        _LastRun.first, _LastRun.last, _LastRun.joined = first, last, joined
+    return joined
+
+
 def _filter(request: web.Request) -> tuple[str | None, list[str]]:
     task_id = request.query.get("task_id") or None
     names = [n for n in request.query.get("type", "").split(",") if n]
@@ -47,7 +67,7 @@ async def events(request: web.Request, daemon: Daemon) -> web.StreamResponse:
         return (task_id is None or e.data.get("task_id") == task_id) and \
             (not names or any(fnmatchcase(e.name, n) for n in names))
 
-    sub = daemon.events.subscribe(accept=accept, after=after)
+    sub = daemon.events.subscribe(accept=accept if task_id is not None or names else None, after=after)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
     try:
@@ -62,7 +82,7 @@ async def events(request: web.Request, daemon: Daemon) -> web.StreamResponse:
                 reason = "slow subscriber" if sub.dropped else "shutdown"
                 await response.write(f"event: stream.closed\ndata: {json.dumps({'reason': reason})}\n\n".encode())
                 break
-            await response.write(b"".join(frame(e) for e in batch) if batch else b": heartbeat\n\n")
+            await response.write(_frames(batch) if batch else b": heartbeat\n\n")
     except (ConnectionResetError, ConnectionError):
         pass
     finally:

@@ -1,0 +1,50 @@
+"""The event bus's ring as subscribers read it, and the SSE writes built from what they read."""
+
+from __future__ import annotations
+
+from tidepool.api.stream import _frames, frame
+from tidepool.events import EventBus
+
+
+def publish(bus: EventBus, n: int) -> None:
+    for i in range(n):
+        bus.publish("task.phase", task_id=f"t{i % 3}", phase="run")
+
+
+async def test_an_unfiltered_subscriber_reads_every_event_in_order_across_the_rings_wrap() -> None:
+    bus = EventBus(ring_size=8)
+    sub = bus.subscribe()
+    seen: list[int] = []
+    for _ in range(5):  # 5 x 5 events through a ring of 8: reads cross its end several times
+        publish(bus, 5)
+        while batch := await sub.next_batch(max_events=3, timeout_s=0):
+            assert len(batch) <= 3
+            seen.extend(e.id for e in batch)
+    assert seen == list(range(1, 26))
+
+
+async def test_a_filtered_subscriber_gets_only_what_it_accepts() -> None:
+    bus = EventBus(ring_size=64)
+    sub = bus.subscribe(accept=lambda e: e.data["task_id"] == "t1")
+    publish(bus, 9)
+    batch = await sub.next_batch(timeout_s=0)
+    assert batch is not None
+    assert [e.id for e in batch] == [2, 5, 8]
+
+
+async def test_a_subscriber_a_whole_ring_behind_is_dropped() -> None:
+    bus = EventBus(ring_size=8)
+    sub = bus.subscribe()
+    publish(bus, 9)
+    assert await sub.next_batch(timeout_s=0) is None
+    assert sub.dropped
+
+
+def test_a_batch_with_the_same_ends_as_the_last_run_but_gaps_gets_its_own_frames() -> None:
+    bus = EventBus(ring_size=64)
+    publish(bus, 6)
+    everything = bus.between(1, 7)
+    assert _frames(everything) == b"".join(frame(e) for e in everything)
+    first_and_last = [everything[0], everything[-1]]  # what a filter might pass: same ends, nothing between
+    assert _frames(first_and_last) == frame(everything[0]) + frame(everything[-1])
+    assert _frames(everything) == b"".join(frame(e) for e in everything)
