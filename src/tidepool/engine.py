@@ -87,7 +87,6 @@ class Engine:
             self._give_back(*item)
 
     def _give_back(self, claimed: Claimed, held: Held, worker_id: str) -> None:
-        self._leases.release(held)
         outcome = Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "released unstarted"))
         self._conclude(claimed.task, held, outcome, worker_id)
 
@@ -100,8 +99,9 @@ class Engine:
                           store_result=lambda b: self._result(held, worker_id, b))
         try:
             outcome = await self._attempt(ctx, held, worker_id)
-        finally:
+        except BaseException:
             self._leases.release(held)
+            raise
         self._conclude(task, held, outcome, worker_id)
 
     async def _attempt(self, ctx: TaskContext, held: Held, worker_id: str) -> Outcome | None:
@@ -213,16 +213,20 @@ class Engine:
         return ack
 
     def _conclude(self, task: Task, held: Held, outcome: Outcome | None, worker_id: str) -> None:
+        """Post the attempt's outcome; its lease is kept (and renewed) until the outcome is written."""
         if outcome is None:
+            self._leases.release(held)
             log.warning("task %s attempt %s abandoned: lease lost, outcome not recorded", task.id,
                         held.lease.attempt_id)
             self._events.publish("task.lease_lost", task_id=task.id, worker_id=worker_id,
                                  attempt_id=held.lease.attempt_id, type=task.type)
             return
+        self._leases.attempt_over(held)
         self.outcomes.post(Posted(task, held, outcome, worker_id, self._clock()))
 
     def _written(self, posted: Posted, answer: State | TidepoolError) -> None:
         """The store's answer to a posted outcome: said in events and logs, once."""
+        self._leases.release(posted.held)
         task, outcome, worker_id = posted.task, posted.outcome, posted.worker_id
         attempt_id = posted.held.lease.attempt_id
         if isinstance(answer, LeaseLost):

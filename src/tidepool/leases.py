@@ -66,6 +66,11 @@ class LeaseKeeper:
         self._held.pop(held.lease.attempt_id, None)
         self._dirty.discard(held.lease.attempt_id)
 
+    def attempt_over(self, held: Held) -> None:
+        """The attempt has ended: its phase notes are moot, but the lease is renewed on until its outcome
+        is written (release), so a slow write cannot let another node run the task again meanwhile."""
+        self._dirty.discard(held.lease.attempt_id)
+
     def note(self, held: Held, phase: Phase, progress: dict[str, object] | None = None) -> None:
         """Record a phase or progress change; written with the next flush unless the task ends first."""
         held.phase = phase

@@ -23,7 +23,7 @@ from .model import Outcome, State, Task
 from .store import Ending, Store
 
 log = logging.getLogger("tidepool.outcomes")
-RETRY_DELAYS_S = (0.2, 0.5, 1.0, 2.0)  # then one last try: well inside any lease
+RETRY_DELAYS_S = (0.2, 0.5, 1.0, 2.0)  # then one last try; the lease is renewed meanwhile (see Engine)
 
 
 @dataclass(eq=False, slots=True)
@@ -36,6 +36,7 @@ class Posted:
     worker_id: str
     now: float
     tries: int = 0
+    retry_at: float = 0.0  # monotonic: not before this after a try the store did not answer
 
 
 class OutcomeWriter:
@@ -46,7 +47,8 @@ class OutcomeWriter:
         self._policy = policy
         self._report = report
         self._retry_delays_s = retry_delays_s
-        self._queue: list[Posted] = []
+        self._queue: list[Posted] = []     # ready to be written
+        self._waiting: list[Posted] = []   # to be tried again at their retry_at
         self._in_flight = 0
         self._posted = anyio.Event()
         self._flushed = anyio.Event()
@@ -61,7 +63,7 @@ class OutcomeWriter:
     @property
     def pending(self) -> int:
         """Outcomes posted and not yet answered by the store."""
-        return len(self._queue) + self._in_flight
+        return len(self._queue) + len(self._waiting) + self._in_flight
 
     async def flushed(self) -> None:
         """Until every outcome posted so far has been written (or given up on)."""
@@ -71,38 +73,47 @@ class OutcomeWriter:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
-            if not self._queue:
+            now = anyio.current_time()
+            due = [p for p in self._waiting if p.retry_at <= now]
+            if not self._queue and not due:
                 self._posted = anyio.Event()
-                await self._posted.wait()
-            batch, self._queue = self._queue, []
+                wait_s = min((p.retry_at for p in self._waiting), default=now + 3600.0) - now
+                with anyio.move_on_after(wait_s):
+                    await self._posted.wait()
+                continue
+            self._waiting = [p for p in self._waiting if p.retry_at > now]
+            batch, self._queue = due + self._queue, []  # the retried first: they waited longest
             self._in_flight = len(batch)
             try:
-                again = await self._write(batch)
+                self._waiting.extend(await self._write(batch))
             finally:
                 self._in_flight = 0
-            if again:
-                self._queue[:0] = again  # before what was posted meanwhile: it waited longest
-                await anyio.sleep(self._retry_delays_s[min(p.tries for p in again) - 1])
             if not self.pending:
                 self._flushed.set()
 
     async def _write(self, batch: list[Posted]) -> list[Posted]:
         """Write a batch and report each answer; the outcomes to try again because the store was away."""
-        endings = [Ending(p.held.lease, p.outcome, p.now) for p in batch]
+        endings = [Ending(p.held.lease, p.outcome, p.now, resent=p.tries > 0) for p in batch]
         try:
-            answers = await self._store.finish_many(endings, policy=self._policy())
-        except StoreUnavailable as exc:  # an adapter that failed as a whole: every outcome shares it
-            answers = [exc] * len(batch)
+            answers: list[State | TidepoolError] = await self._store.finish_many(endings, policy=self._policy())
+        except Exception as exc:  # the adapter failed as a whole: every outcome of the batch shares it
+            if not isinstance(exc, StoreUnavailable):
+                log.exception("outcomes of %d tasks: finish_many failed", len(batch))
+            unavailable = exc if isinstance(exc, StoreUnavailable) else StoreUnavailable(f"finish_many failed: {exc}")
+            answers = [unavailable] * len(batch)
         again = []
         for posted, answer in zip(batch, answers, strict=True):
             if isinstance(answer, StoreUnavailable) and posted.tries < len(self._retry_delays_s):
+                delay_s = self._retry_delays_s[posted.tries]
                 posted.tries += 1
+                posted.retry_at = anyio.current_time() + delay_s
+                log.warning("task %s attempt %s: outcome not written yet, retrying in %.1fs: %s", posted.task.id,
+                            posted.held.lease.attempt_id, delay_s, answer)
                 again.append(posted)
-            else:
+                continue
+            try:
                 self._report(posted, answer)
-        if again:
-            first = again[0]
-            log.warning("task %s attempt %s: outcome not written yet (%d waiting), retrying in %.1fs: %s",
-                        first.task.id, first.held.lease.attempt_id, len(again),
-                        self._retry_delays_s[first.tries - 1], answers[batch.index(first)])
+            except Exception:  # a bug in reporting must not stop the writing of everyone's outcomes
+                log.exception("task %s attempt %s: reporting its outcome failed", posted.task.id,
+                              posted.held.lease.attempt_id)
         return again

@@ -165,17 +165,22 @@ class Daemon:
                  self.pool.statistics().busy, drain_s)
         with anyio.move_on_after(drain_s) as self._drain_wait:
             await self.pool.wait_idle()
-        held = self.leases.held()
-        if held:
-            log.info("node %s drain deadline passed: interrupting %d tasks", self.node_id, len(held))
-            for h in held:
+        stop_s = 1.0 if self._forced else self.settings.execution.stop_timeout_s + 1.0
+        running = self.pool.statistics().busy
+        if running:
+            log.info("node %s drain deadline passed: interrupting %d tasks", self.node_id, running)
+            for h in self.leases.held():
                 h.stop("interrupt")
-            stop_s = 1.0 if self._forced else self.settings.execution.stop_timeout_s + 1.0
             with anyio.move_on_after(stop_s) as self._drain_wait:
                 await self.pool.wait_idle()
             if self.pool.statistics().busy:
                 log.warning("node %s: %d tasks did not stop in %.1fs; their leases expire by time",
                             self.node_id, self.pool.statistics().busy, stop_s)
+        with anyio.move_on_after(stop_s):  # outcomes still unwritten (a slow store) get their own time
+            await self.engine.outcomes.flushed()
+        if self.engine.outcomes.pending:
+            log.warning("node %s: %d outcomes not written; their leases expire by time", self.node_id,
+                        self.engine.outcomes.pending)
         self.events.close()
 
     async def _handle_signals(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

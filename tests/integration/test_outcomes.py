@@ -119,3 +119,26 @@ async def test_a_store_away_longer_than_the_retries_reports_the_outcome_as_not_w
     assert isinstance(answers[task.task.id], StoreUnavailable)
     assert len(flaky.calls) == 3, "the first try and one per retry delay"
     assert (await store.get(task.task.id)).state is State.LEASED, "its lease will expire: nothing was written"
+
+
+async def test_a_report_that_fails_is_logged_and_the_others_are_still_written(store: SqliteStore) -> None:
+    answers: dict[str, State | TidepoolError] = {}
+    tasks = await claimed(store, 3)
+
+    def report(p: Posted, answer: State | TidepoolError) -> None:
+        if p.task.id == tasks[0].task.id:
+            raise RuntimeError("a bug in a listener")
+        answers[p.task.id] = answer
+
+    writer = OutcomeWriter(store, policy=lambda: POLICY, report=report)
+    async with anyio.create_task_group() as tg:
+        await tg.start(writer.run)
+        for c in tasks:
+            writer.post(posted(c, Outcome(AttemptStatus.SUCCEEDED)))
+        await writer.flushed()
+        late = (await claimed(store, 1))[0]  # the writer is still alive for what comes next
+        writer.post(posted(late, Outcome(AttemptStatus.SUCCEEDED)))
+        await writer.flushed()
+        tg.cancel_scope.cancel()
+    assert [answers[c.task.id] for c in tasks[1:]] == [State.COMPLETED] * 2
+    assert answers[late.task.id] is State.COMPLETED

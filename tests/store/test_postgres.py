@@ -21,7 +21,7 @@ from tidepool.errors import ConfigError, LeaseLost, StoreUnavailable
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, Outcome, Phase, State, Worker
 from tidepool.schedules import Schedule
-from tidepool.store import PhaseNote, postgres
+from tidepool.store import Ending, PhaseNote, postgres
 from tidepool.store.postgres import SCHEMA_VERSION, PostgresStore
 
 T0 = 1_700_000_000.0
@@ -330,3 +330,17 @@ async def test_list_and_get_show_attempts_and_results(postgres_schema: tuple[str
         assert json.loads(rows[0][0]) == {"x": 1}
         page = await store.list_tasks()
         assert [a.id for a in page.tasks[0].attempts] == [c.lease.attempt_id]
+
+
+async def test_a_resent_ending_that_was_written_unanswered_gets_its_state_not_lease_lost(
+        postgres_schema: tuple[str, str]) -> None:
+    url, schema = postgres_schema
+    async with nodes(url, schema, 1) as (store,):
+        await store.add_many([NewTask("noop") for _ in range(3)], now=T0)
+        claimed = await drain(store, Worker("node-a", "a-1", "w1"), ANY, 3)
+        endings = [Ending(c.lease, SUCCEEDED, T0 + 1) for c in claimed]
+        assert await store.finish_many(endings, policy=POLICY) == [State.COMPLETED] * 3  # "the answer got lost"
+        again = await store.finish_many([dataclasses.replace(e, resent=True) for e in endings], policy=POLICY)
+        assert again == [State.COMPLETED] * 3
+        fresh = await store.finish_many(endings[:1], policy=POLICY)  # not marked resent: a second ending is refused
+        assert isinstance(fresh[0], LeaseLost)

@@ -42,11 +42,13 @@ class PhaseNote:
 
 @dataclass(frozen=True, slots=True)
 class Ending:
-    """How one attempt ended, for finish_many; `now` is when it ended: the lease fence is judged at that time."""
+    """How one attempt ended, for finish_many; `now` is when it ended: the lease fence is judged at that time.
+    `resent`: an earlier try of this very ending got no answer, so it may have been written already."""
 
     lease: Lease
     outcome: Outcome
     now: float
+    resent: bool = False
 
 
 @dataclass(frozen=True, slots=True)

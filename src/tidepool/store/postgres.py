@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import anyio
@@ -794,9 +794,9 @@ class PostgresStore:
         other ending on its own path, each task's endings in order so a later one meets the fence an earlier
         one left, all tasks at once."""
         if len(endings) == 1:  # finish(): nothing to share
-            return [await self._finish_one(endings[0], policy)]
+            return [await self._finish_one(endings[0], policy, maybe_written=endings[0].resent)]
         answers: list[State | TidepoolError | None] = [None] * len(endings)
-        maybe_written: set[int] = set()
+        maybe_written = {i for i, ending in enumerate(endings) if ending.resent}
         fast, tasks = [], set()
         for i, ending in enumerate(endings):
             if _bare(ending.outcome) and ending.lease.task_id not in tasks:
@@ -824,7 +824,7 @@ class PostgresStore:
             async with anyio.create_task_group() as tg:
                 for indexes in by_task.values():
                     tg.start_soon(end, indexes)
-        return [a for a in answers if a is not None]
+        return cast("list[State | TidepoolError]", answers)  # every slot answered above
 
     async def _finish_one(self, ending: Ending, policy: RetryPolicy, *,
                           maybe_written: bool = False) -> State | TidepoolError:

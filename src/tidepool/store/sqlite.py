@@ -715,8 +715,9 @@ class _ClaimOp(_Grouped):
 
 @dataclass(frozen=True, eq=False)
 class _FinishOp(_Grouped):
-    """Attempts ending: the bare successes of every finish_many of the group completed a few statements at a
-    time, every other ending (and every success that fast path refused) alone in its own savepoint."""
+    """Attempts ending: the bare successes of the finish_many calls of one transaction completed a few
+    statements at a time, every other ending (and every success that fast path refused) alone in its own
+    savepoint."""
 
     endings: tuple[Ending, ...]
     policy: RetryPolicy
