@@ -262,8 +262,9 @@ class Daemon:
         return new
 
     async def _fleet_tags(self, tasks: Sequence[NewTask]) -> list[frozenset[str]]:
-        """The tag sets of every live node's resources, when a submission asks for tags."""
-        return await self._fleet_tag_sets() if any(t.required_tags for t in tasks) else []
+        """The tag sets of every live node's resources, when a submission asks for tags (its own or its type's)."""
+        wants_tags = any(t.required_tags or self.registry.required_tags(t.type) for t in tasks)
+        return await self._fleet_tag_sets() if wants_tags else []
 
     async def _fleet_tag_sets(self) -> list[frozenset[str]]:
         """This node's resource tag sets and, on a shared store, every live node's: what the fleet can serve."""

@@ -10,8 +10,9 @@ pytestmark = pytest.mark.e2e
 
 
 def test_tags_only_another_node_has_are_accepted_and_run_there(fleet: Fleet) -> None:  # noqa: F811
-    plain = fleet.add("plain")
-    windows = fleet.add("windows", **{"resources.vm": {"tags": ["win10"], "count": 1}})
+    win_scan = {"types.win_scan": {"plugins": ["noop"], "required_tags": ["win10"]}}  # tags from the type
+    plain = fleet.add("plain", **win_scan)
+    windows = fleet.add("windows", **{"resources.vm": {"tags": ["win10"], "count": 1}}, **win_scan)
     fleet.start(plain, windows)
     fleet.wait("both nodes registered", lambda: fleet.nodes(plain) == {"plain": True, "windows": True})
 
@@ -19,6 +20,10 @@ def test_tags_only_another_node_has_are_accepted_and_run_there(fleet: Fleet) -> 
     assert accepted.status == 201, accepted
     done = plain.wait_terminal(accepted.body["id"])
     assert done["state"] == "completed" and done["attempts"][-1]["node_id"] == "windows"
+
+    by_type = plain.post("/v1/tasks", {"type": "win_scan"})
+    assert by_type.status == 201, by_type
+    assert plain.wait_terminal(by_type.body["id"])["attempts"][-1]["node_id"] == "windows"
 
     refused = plain.post("/v1/tasks", {"type": "noop", "required_tags": ["gpu"]})
     assert refused.status == 400 and "required_tags" in refused.body["error"]["message"]

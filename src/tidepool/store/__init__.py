@@ -16,6 +16,7 @@ from anyio.abc import TaskStatus
 from ..errors import ConfigError, Conflict, InvalidTransition, LeaseLost, TidepoolError
 from ..lifecycle import Event, RetryPolicy, step
 from ..model import (
+    AttemptStatus,
     Claimed,
     ClaimFilter,
     Lease,
@@ -49,6 +50,19 @@ class Ending:
     outcome: Outcome
     now: float
     resent: bool = False
+
+
+def completable_at_once(endings: Sequence[Ending]) -> list[bool]:
+    """Which endings may share the adapters' grouped completion: a bare success (nothing more to write
+    than the state) that is its task's first ending in the call. Any later ending of a task must meet
+    the fence the first one left, so it goes its own way after it."""
+    fast, seen = [], set()
+    for ending in endings:
+        o = ending.outcome
+        bare = o.status is AttemptStatus.SUCCEEDED and o.exit_status is None and o.stderr_tail is None
+        fast.append(bare and ending.lease.task_id not in seen)
+        seen.add(ending.lease.task_id)
+    return fast
 
 
 @dataclass(frozen=True, slots=True)

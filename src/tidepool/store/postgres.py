@@ -67,7 +67,7 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import Ending, Expired, Node, Page, PhaseNote, cancel_step, retry_step
+from . import Ending, Expired, Node, Page, PhaseNote, cancel_step, completable_at_once, retry_step
 
 I = TypeVar("I")  # noqa: E741  # an item queued for a grouped write
 R = TypeVar("R")
@@ -797,11 +797,7 @@ class PostgresStore:
             return [await self._finish_one(endings[0], policy, maybe_written=endings[0].resent)]
         answers: list[State | TidepoolError | None] = [None] * len(endings)
         maybe_written = {i for i, ending in enumerate(endings) if ending.resent}
-        fast, tasks = [], set()
-        for i, ending in enumerate(endings):
-            if _bare(ending.outcome) and ending.lease.task_id not in tasks:
-                fast.append(i)
-            tasks.add(ending.lease.task_id)
+        fast = [i for i, ok in enumerate(completable_at_once(endings)) if ok]
         if fast:
             try:
                 done = await self._complete_group([(endings[i].lease, endings[i].now) for i in fast])
@@ -853,7 +849,7 @@ class PostgresStore:
         return State(row[0]) if ended else None
 
     async def _finish(self, lease: Lease, outcome: Outcome, now: float, policy: RetryPolicy) -> State:
-        if _bare(outcome) and await self._completions((lease, now)):
+        if completable_at_once([Ending(lease, outcome, now)])[0] and await self._completions((lease, now)):
             return State.COMPLETED
         async with self._conn() as conn, conn.transaction():
             row = await conn.fetchrow(ENDING_ROW, lease.task_id, lease.attempt_id, lease.token)
@@ -1229,11 +1225,6 @@ async def _retried(write: Callable[[], Awaitable[R]], *, ended: Callable[[], Awa
                 raise
         await anyio.sleep(delay)
         delay, retried = min(delay * 2, 1.0), True
-
-
-def _bare(outcome: Outcome) -> bool:
-    """A success with no attempt output to keep: the grouped completion writes nothing more."""
-    return outcome.status is AttemptStatus.SUCCEEDED and outcome.exit_status is None and outcome.stderr_tail is None
 
 
 def channel_for(schema: str) -> str:

@@ -59,7 +59,7 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import Ending, Expired, Node, Page, PhaseNote, cancel_step, retry_step
+from . import Ending, Expired, Node, Page, PhaseNote, cancel_step, completable_at_once, retry_step
 
 T = TypeVar("T")
 log = logging.getLogger("tidepool.store.sqlite")
@@ -725,11 +725,7 @@ class _FinishOp(_Grouped):
     @classmethod
     def run_group(cls, conn: sqlite3.Connection, batch: _Batch, ops: list[Any]) -> list[tuple[Any, None]]:
         flat: list[tuple[Ending, RetryPolicy]] = [(e, op.policy) for op in ops for e in op.endings]
-        # Only a task's first ending may go ahead of the others: any later one must meet the fence it left.
-        fast, seen = [], set()
-        for e, _ in flat:
-            fast.append(_bare(e.outcome) and e.lease.task_id not in seen)
-            seen.add(e.lease.task_id)
+        fast = completable_at_once([e for e, _ in flat])
         done = _complete(conn, [(e.lease, e.now) for (e, _), f in zip(flat, fast, strict=True) if f])
         results: list[State | TidepoolError] = []
         for (e, policy), f in zip(flat, fast, strict=True):
@@ -923,11 +919,6 @@ def _why_lost(conn: sqlite3.Connection, lease: Lease) -> LeaseLost:
 def _may_end(state: State, lease_expires_at: float, now: float) -> bool:
     """A worker may end its attempt while its lease is live, and always acknowledge a cancel."""
     return state is State.CANCELLING or (state.active and lease_expires_at > now)
-
-
-def _bare(outcome: Outcome) -> bool:
-    """A success with no attempt output to write: it may take the fast path."""
-    return outcome.status is AttemptStatus.SUCCEEDED and outcome.exit_status is None and outcome.stderr_tail is None
 
 
 def _complete(conn: sqlite3.Connection, ends: list[tuple[Lease, float]]) -> set[str]:
