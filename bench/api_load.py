@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from _harness import FSYNC_NOTE, Daemon, Figure, arguments, median, report, reproduce, temp_dir
+from _harness import Daemon, Figure, arguments, fsync_note, median, report, reproduce, temp_dir
 
 DEFAULTS: dict[str, Any] = {"clients": 200, "tasks": 10_000, "subscribers": 20, "sse_tasks": 1000, "runs": 3}
 NOOP_EVENTS = ("task.created", "task.leased", "task.phase", "task.phase", "task.phase", "plugin.started",
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         figures += bench_sse(tmp, args.subscribers, args.sse_tasks, args.runs)
     report(f"api_load: {args.clients} HTTP clients x {args.tasks} submits; {args.subscribers} SSE subscribers",
            figures, reproduce("api_load.py", args, DEFAULTS), args.summary,
-           [f"durable figures: {FSYNC_NOTE}", f"submit part took {submit_s:.0f}s including start and drain",
+           [f"durable figures: {fsync_note()}", f"submit part took {submit_s:.0f}s including start and drain",
             "clients, subscribers and the daemon share this machine's CPUs"])
     return 0
 

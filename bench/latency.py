@@ -13,7 +13,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-from _harness import FSYNC_NOTE, Figure, arguments, report, reproduce, running, temp_dir
+from _harness import Figure, arguments, fsync_note, report, reproduce, running, temp_dir
 
 DEFAULTS: dict[str, Any] = {"tasks": 200, "type": "noop"}
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         Figure(b, "POST /v1/tasks round trip p99", 1000 * percentile(post, 99), "ms", "client side"),
     ]
     report(f"latency: {n} {args.type} tasks one at a time, idle daemon (2 baseline workers)", figures,
-           reproduce("latency.py", args, DEFAULTS), args.summary, [f"durable figures: {FSYNC_NOTE}"])
+           reproduce("latency.py", args, DEFAULTS), args.summary, [f"durable figures: {fsync_note()}"])
     return 0
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import asyncpg
 
-from _harness import FSYNC_NOTE, Daemon, Figure, arguments, median, report, reproduce, temp_dir
+from _harness import Daemon, Figure, arguments, fsync_note, median, report, reproduce, temp_dir
 
 DEFAULTS: dict[str, Any] = {"n": 20_000, "workers": 32, "claim_batch": 16, "runs": 3, "pickups": 200,
                             "url": "postgresql://postgres@127.0.0.1:5432/test"}
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                f"{runs}; {args.pickups} single submits on A, run on B"),
         Figure(b, "pickup across nodes p99", median(p99), "ms", "submit on A -> NOTIFY -> B's attempt started"),
     ]
-    notes = [f"durable figures: {FSYNC_NOTE}",
+    notes = [f"durable figures: {fsync_note()}",
              "2 CPUs here run the nodes and PostgreSQL together: more nodes add contention, not cores"]
     report(f"PostgreSQL fleet: N={n} noop tasks, {w} workers per node", figures,
            reproduce("pg_throughput.py", args, DEFAULTS), args.summary, notes)

@@ -20,7 +20,6 @@ import psutil
 HERE = Path(__file__).resolve().parent
 # each takes --summary PATH
 BENCHES = ("throughput.py", "latency.py", "w2.py", "elasticity.py", "api_load.py", "pg_throughput.py")
-FSYNC_NOTE = "the virtual disk here acknowledges fsync in ~0.1 ms, far faster than real disks"
 
 
 def main() -> int:
@@ -48,7 +47,10 @@ def main() -> int:
         value = f["value"]
         shown = f"{value:,.1f}" if abs(value) >= 100 else f"{value:,.3g}"
         print(f"  {f['bench']:<11} {f['name']:<46} {shown:>12} {f['unit']}")
-    print(f"  durable figures: {FSYNC_NOTE}")
+    sys.path.insert(0, str(HERE))
+    from _harness import fsync_note
+
+    print(f"  durable figures: {fsync_note()}")
     print(f"  load average now {_load()} (other work on this machine skews every figure; compare like with like)")
     print("  run times: " + ", ".join(f"{b} {t:.0f}s" for b, t in timings.items()))
     if failed:
