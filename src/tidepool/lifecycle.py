@@ -97,7 +97,7 @@ class RetryPolicy:
 
 
 @dataclass(frozen=True, slots=True)
-class Ending:
+class Decision:
     """What the store writes when an attempt ends: the task's next state and bookkeeping."""
 
     state: State
@@ -108,29 +108,29 @@ class Ending:
 
 
 def decide_end(state: State, outcome: Outcome, *, attempt: int, max_attempts: int,
-               interruptions: int, policy: RetryPolicy, now: float) -> Ending:
+               interruptions: int, policy: RetryPolicy, now: float) -> Decision:
     """How an attempt's outcome moves its task; raises InvalidTransition for an illegal move."""
     status, error = outcome.status, outcome.error
     if state is State.CANCELLING:
-        return Ending(step(state, Event.CANCEL_ACK), _cancelled_status(status), error)
+        return Decision(step(state, Event.CANCEL_ACK), _cancelled_status(status), error)
     if status is AttemptStatus.SUCCEEDED:
-        return Ending(step(state, Event.COMPLETE), status, None)
+        return Decision(step(state, Event.COMPLETE), status, None)
     if status is AttemptStatus.INTERRUPTED:
         if interruptions >= policy.max_interruptions:
             error = TaskError("interrupted", f"interrupted {interruptions + 1} times by shutdowns", False)
-            return Ending(step(state, Event.FAIL), status, error, uncount_attempt=True)
-        return Ending(step(state, Event.INTERRUPT), status, None, now, uncount_attempt=True)
+            return Decision(step(state, Event.FAIL), status, error, uncount_attempt=True)
+        return Decision(step(state, Event.INTERRUPT), status, None, now, uncount_attempt=True)
     if status is AttemptStatus.CANCELLED:
         raise InvalidTransition(state.value, "cancel_ack")
     retry = error is None or error.retryable
     if retry and attempt < max_attempts:
         event = Event.EXPIRE_RETRY if status is AttemptStatus.EXPIRED else Event.FAIL_RETRY
         delay = backoff_s(attempt, base_s=policy.base_s, max_s=policy.max_s, jitter=policy.jitter)
-        return Ending(step(state, event), status, error, now + delay)
+        return Decision(step(state, event), status, error, now + delay)
     if status is AttemptStatus.TIMED_OUT:
-        return Ending(step(state, Event.TIME_OUT), status, error)
+        return Decision(step(state, Event.TIME_OUT), status, error)
     event = Event.EXPIRE_FAIL if status is AttemptStatus.EXPIRED else Event.FAIL
-    return Ending(step(state, event), status, error)
+    return Decision(step(state, event), status, error)
 
 
 def _cancelled_status(status: AttemptStatus) -> AttemptStatus:

@@ -47,8 +47,7 @@ from ..errors import (
     TaskNotFound,
     TidepoolError,
 )
-from ..lifecycle import Ending as Decision  # decide_end's answer; an Ending here is the store's (a finish)
-from ..lifecycle import Event, RetryPolicy, decide_end, step
+from ..lifecycle import Decision, Event, RetryPolicy, decide_end, step
 from ..model import (
     Attempt,
     AttemptStatus,
