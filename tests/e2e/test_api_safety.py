@@ -351,3 +351,17 @@ def test_malformed_requests_get_400_and_at_most_one_log_line_each_without_a_trac
     assert "Traceback" not in log, log
     # aiohttp reports some of these (bad headers) and not others (a bad method): never more than one line each
     assert 1 <= log.count("malformed request refused with 400") <= len(garbage), log
+
+
+@pytest.mark.e2e
+def test_a_blank_line_in_an_unread_body_does_not_switch_the_next_header_deadline_off(
+        make_daemon: Callable[..., Daemon]) -> None:
+    daemon = make_daemon(env={"TIDEPOOL_API_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S)})
+    daemon.start()
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as s:
+        s.sendall(b"POST /healthz HTTP/1.1\r\nHost: tidepool\r\nContent-Length: 10\r\n\r\n")
+        answer = s.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 405"), answer  # answered before its body was read
+        s.sendall(b"ab\r\n\r\nxyzw")  # the rest of that body: it looks like the end of a header block
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: tid")  # the next request stalls
+        assert _cut_off_within(s, 3 * HEADER_TIMEOUT_S + 2), "a stalled request after the body kept its connection"

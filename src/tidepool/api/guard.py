@@ -1,11 +1,11 @@
 """Connection hygiene aiohttp lacks: a deadline for request headers and a cap on open connections.
 
 aiohttp has no deadline for receiving a request's headers, so a client trickling bytes holds its
-connection forever (PITFALLS, slowloris). Each connection is wrapped: if a request's headers are not
-complete within `header_timeout_s` of its first byte (of the connection, for the first request), or
-the node already holds `max_connections`, the connection is closed. The clock for the next request
-on a kept-alive connection starts with its first byte: the app's `next_request` middleware says when
-a request is done. Idle keep-alive connections are closed by aiohttp's keepalive_timeout; bodies
+connection forever (PITFALLS, slowloris). Each connection is wrapped: if a request has not reached
+the app within `header_timeout_s` of its first byte (of the connection, for the first request), or
+the node already holds `max_connections`, the connection is closed. The app's `next_request`
+middleware says when a request arrives and when it is done; the next byte after that starts the
+next request's clock. Idle keep-alive connections are closed by aiohttp's keepalive_timeout; bodies
 have their own deadline where they are read (app.parse).
 
 `TIDEPOOL_API_HEADER_TIMEOUT_S` (read once, at import) overrides the header deadline. It is a private
@@ -40,24 +40,30 @@ class ConnectionGuard:
 
     @web.middleware
     async def next_request(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """After each request, the connection's next bytes start the next header deadline."""
+        """A request's headers are complete once aiohttp hands it to us: its header deadline ends here.
+        After it, the connection's next bytes start the next one."""
+        connection = self._connections.get(request.transport)
+        if connection is not None:
+            connection.request_started()
         try:
             return await handler(request)
         finally:
-            connection = self._connections.get(request.transport)
             if connection is not None:
                 connection.expect_request()
 
 
 class _Guarded(asyncio.Protocol):
-    """Forwards everything to aiohttp's protocol, watching the first request's headers arrive."""
+    """Forwards everything to aiohttp's protocol; cuts the connection when a request's headers take too long.
+
+    The deadline ends when the app sees the request (the middleware says so), not when the bytes look
+    like the end of a header block: a body left unread could hold a blank line and switch it off.
+    """
 
     def __init__(self, inner: asyncio.Protocol, guard: ConnectionGuard) -> None:
         self._inner = inner
         self._guard = guard
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._tail = b""
         self._between_requests = False  # the last request is done; the next one has not begun
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -70,6 +76,12 @@ class _Guarded(asyncio.Protocol):
             return
         self._start_clock()
 
+    def request_started(self) -> None:
+        self._between_requests = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     def expect_request(self) -> None:
         self._between_requests = True
 
@@ -77,11 +89,6 @@ class _Guarded(asyncio.Protocol):
         if self._between_requests:
             self._between_requests = False
             self._start_clock()
-        if self._timer is not None:
-            self._tail = (self._tail + data)[-4096:]
-            if b"\r\n\r\n" in self._tail:
-                self._timer.cancel()
-                self._timer, self._tail = None, b""
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
