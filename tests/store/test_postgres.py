@@ -344,3 +344,14 @@ async def test_a_resent_ending_that_was_written_unanswered_gets_its_state_not_le
         assert again == [State.COMPLETED] * 3
         fresh = await store.finish_many(endings[:1], policy=POLICY)  # not marked resent: a second ending is refused
         assert isinstance(fresh[0], LeaseLost)
+
+
+async def test_a_resent_ending_is_not_credited_with_an_end_someone_else_wrote(postgres_schema: tuple[str, str]) -> None:
+    url, schema = postgres_schema
+    async with nodes(url, schema, 1) as (store,):
+        await store.add_many([NewTask("noop")], now=T0)
+        (c,) = await drain(store, Worker("node-a", "a-1", "w1"), ANY, 1)
+        await store.request_cancel(c.task.id, now=T0 + 1)
+        assert await store.finish_cancels(now=T0 + 100, deadline_s=10) == [c.task.id]  # the reconciler ended it
+        (answer,) = await store.finish_many([Ending(c.lease, SUCCEEDED, T0 + 2, resent=True)], policy=POLICY)
+        assert isinstance(answer, LeaseLost), "the worker's own end was never written: it must not report one"

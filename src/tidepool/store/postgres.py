@@ -828,7 +828,7 @@ class PostgresStore:
         lease = ending.lease
         try:
             return await _retried(lambda: self._finish(lease, ending.outcome, ending.now, policy),
-                                  ended=lambda: self._ended(lease), retried=maybe_written)
+                                  ended=lambda: self._ended(lease, ending.now), retried=maybe_written)
         except TidepoolError as exc:
             return exc
         except Exception as exc:
@@ -837,12 +837,16 @@ class PostgresStore:
             error.__cause__ = exc
             return error
 
-    async def _ended(self, lease: Lease) -> State | None:
-        """After a retried finish met its own fence: the task's state if this attempt had in fact ended."""
+    async def _ended(self, lease: Lease, now: float) -> State | None:
+        """After a retried finish met its own fence: the task's state if this very write had in fact ended
+        the attempt. Its end time tells it from an end someone else wrote meanwhile (the reconciler's
+        cancel deadline, say), which this worker must not report a second time."""
         async with self._conn() as conn:
             row = await conn.fetchrow(
-                "SELECT t.state, a.status FROM attempts a JOIN tasks t ON t.id = a.task_id WHERE a.id = $1",
+                "SELECT t.state, a.status FROM attempts a JOIN tasks t ON t.id = a.task_id "
+                "WHERE a.id = $1 AND a.finished_at = $2",
                 lease.attempt_id,
+                now,
             )
         ended = row is not None and row[1] not in ("leased", "running", "expired")
         return State(row[0]) if ended else None
