@@ -75,6 +75,35 @@ def thread_cpu_s(pid: int) -> dict[int, float]:
     return used
 
 
+async def claim_finish_rate(store: Any, n: int, workers: int, claim_batch: int, lease_s: float) -> float:
+    """Tasks/s of `workers` concurrent claim+finish loops on an open store holding `n` noop tasks: the
+    store's own ceiling, with no pool, engine or leases around it. Raises unless all n were finished."""
+    import anyio
+
+    from tidepool.lifecycle import RetryPolicy
+    from tidepool.model import AttemptStatus, ClaimFilter, Outcome, Worker, new_id
+
+    instance, where, policy, success = new_id(), ClaimFilter(), RetryPolicy(), Outcome(AttemptStatus.SUCCEEDED)
+    done = 0
+
+    async def loop(k: int) -> None:
+        nonlocal done
+        me = Worker("ceiling", instance, f"ceiling/w{k}")
+        while claimed := await store.claim(me, where, limit=claim_batch, now=time.time(), lease_s=lease_s):
+            for c in claimed:
+                await store.finish(c.lease, success, now=time.time(), policy=policy)
+            done += len(claimed)
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for k in range(workers):
+            tg.start_soon(loop, k)
+    elapsed = time.perf_counter() - started
+    if done != n:
+        raise RuntimeError(f"ceiling: {done} of {n} tasks finished")
+    return n / elapsed
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

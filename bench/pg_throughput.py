@@ -27,7 +27,7 @@ from typing import Any
 
 import asyncpg
 
-from _harness import Daemon, Figure, arguments, fsync_note, median, report, reproduce, temp_dir
+from _harness import Daemon, Figure, arguments, claim_finish_rate, fsync_note, median, report, reproduce, temp_dir
 
 DEFAULTS: dict[str, Any] = {"n": 20_000, "workers": 32, "claim_batch": 16, "runs": 3, "pickups": 200,
                             "url": "postgresql://postgres@127.0.0.1:5432/test"}
@@ -106,8 +106,6 @@ def ceiling(url: str, n: int, workers: int, claim_batch: int) -> float:
     """Tasks/s of `workers` concurrent claim+finish loops on PostgresStore itself (uvloop, like the daemon)."""
     import anyio
 
-    from tidepool.lifecycle import RetryPolicy
-    from tidepool.model import AttemptStatus, ClaimFilter, Outcome, Worker, new_id
     from tidepool.store.postgres import PostgresStore
 
     with schema(url) as s:
@@ -116,28 +114,10 @@ def ceiling(url: str, n: int, workers: int, claim_batch: int) -> float:
         async def main() -> float:
             store = PostgresStore(url, schema=s)
             await store.open()
-            done = 0
-            instance, where, policy = new_id(), ClaimFilter(), RetryPolicy()
-
-            async def loop(k: int) -> None:
-                nonlocal done
-                me = Worker("ceiling", instance, f"ceiling/w{k}")
-                while claimed := await store.claim(me, where, limit=claim_batch, now=time.time(), lease_s=60.0):
-                    for c in claimed:
-                        await store.finish(c.lease, Outcome(AttemptStatus.SUCCEEDED), now=time.time(), policy=policy)
-                    done += len(claimed)
-
             try:
-                started = time.perf_counter()
-                async with anyio.create_task_group() as tg:
-                    for k in range(workers):
-                        tg.start_soon(loop, k)
-                elapsed = time.perf_counter() - started
+                return await claim_finish_rate(store, n, workers, claim_batch, lease_s=60.0)
             finally:
                 await store.close()
-            if done != n:
-                raise RuntimeError(f"ceiling: {done} of {n} tasks finished")
-            return n / elapsed
 
         rate: float = anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
         return rate

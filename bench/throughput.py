@@ -19,7 +19,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _harness import Daemon, Figure, arguments, fsync_note, median, report, reproduce, temp_dir, thread_cpu_s
+from _harness import (
+    Daemon,
+    Figure,
+    arguments,
+    claim_finish_rate,
+    fsync_note,
+    median,
+    report,
+    reproduce,
+    temp_dir,
+    thread_cpu_s,
+)
 
 DEFAULTS: dict[str, Any] = {"n": 20_000, "batch": 1000, "workers": 32, "claim_batch": 16, "runs": 3}
 
@@ -76,8 +87,7 @@ def store_ceiling(state_dir: Path, n: int, workers: int, claim_batch: int) -> fl
     """Tasks/s of `workers` concurrent claim+finish loops on SqliteStore itself (uvloop, like the daemon)."""
     import anyio
 
-    from tidepool.lifecycle import RetryPolicy
-    from tidepool.model import AttemptStatus, ClaimFilter, NewTask, Outcome, Worker, new_id
+    from tidepool.model import NewTask
     from tidepool.store.sqlite import SqliteStore
 
     async def main() -> float:
@@ -86,28 +96,9 @@ def store_ceiling(state_dir: Path, n: int, workers: int, claim_batch: int) -> fl
         try:
             for i in range(0, n, 1000):
                 await store.add_many([NewTask("noop")] * min(1000, n - i), now=time.time())
-            instance, where, policy = new_id(), ClaimFilter(), RetryPolicy()
-            done = 0
-
-            async def loop(k: int) -> None:
-                nonlocal done
-                me = Worker("ceiling", instance, f"ceiling/w{k}")
-                while claimed := await store.claim(me, where, limit=claim_batch, now=time.time(), lease_s=30.0):
-                    for c in claimed:
-                        await store.finish(c.lease, Outcome(AttemptStatus.SUCCEEDED), now=time.time(),
-                                           policy=policy)
-                    done += len(claimed)
-
-            started = time.perf_counter()
-            async with anyio.create_task_group() as tg:
-                for k in range(workers):
-                    tg.start_soon(loop, k)
-            elapsed = time.perf_counter() - started
+            return await claim_finish_rate(store, n, workers, claim_batch, lease_s=30.0)
         finally:
             await store.close()
-        if done != n:
-            raise RuntimeError(f"ceiling: {done} of {n} tasks finished")
-        return n / elapsed
 
     rate: float = anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
     return rate
