@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 from tidepool.api.stream import _frames, frame
 from tidepool.events import EventBus
+from tidepool.model import State
 
 
 def publish(bus: EventBus, n: int) -> None:
@@ -48,3 +51,14 @@ def test_a_batch_with_the_same_ends_as_the_last_run_but_gaps_gets_its_own_frames
     first_and_last = [everything[0], everything[-1]]  # what a filter might pass: same ends, nothing between
     assert _frames(first_and_last) == frame(everything[0]) + frame(everything[-1])
     assert _frames(everything) == b"".join(frame(e) for e in everything)
+
+
+def test_a_frame_carries_the_event_as_json_even_what_orjson_refuses() -> None:
+    bus = EventBus(clock=lambda: 1_700_000_000.25)
+    event = bus.publish("task.progress", task_id="t1", message="é ✓", huge=2**70, when=State.RUNNING)
+    lines = frame(event).decode().split("\n")
+    assert lines[:2] == [f"id: {event.id}", "event: task.progress"] and lines[-2:] == ["", ""]
+    assert json.loads(lines[2].removeprefix("data: ")) == {
+        "id": event.id, "event": "task.progress", "ts": "2023-11-14T22:13:20.250000Z", "task_id": "t1",
+        "message": "é ✓", "huge": 2**70, "when": "running"}
+

@@ -8,6 +8,7 @@ import socket
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
+import orjson
 from aiohttp import web
 
 from ..events import Event
@@ -25,10 +26,17 @@ LINGER_S = 0.02  # an event waits at most this long for others to share its writ
 
 
 def frame(event: Event) -> bytes:
-    """The event as one SSE frame, encoded once however many subscribers send it."""
+    """The event as one SSE frame, encoded once however many subscribers send it.
+
+    orjson: every event of every task is encoded once a subscriber follows (measured: 5.7 µs an
+    event with json, 2.5 with orjson, most of the daemon's extra work for 20 subscribers)."""
     if event.encoded is None:
         data = {"id": event.id, "event": event.name, "ts": rfc3339(event.ts), **event.data}
-        event.encoded = f"id: {event.id}\nevent: {event.name}\ndata: {json.dumps(data, default=str)}\n\n".encode()
+        try:
+            text = orjson.dumps(data, default=str)
+        except TypeError:  # what orjson refuses (an integer past 64 bits), json writes
+            text = json.dumps(data, default=str).encode()
+        event.encoded = b"id: %d\nevent: %s\ndata: %s\n\n" % (event.id, event.name.encode(), text)
     return event.encoded
 
 
