@@ -9,10 +9,14 @@ Per run (median of --runs):
            queue, copied before draining, is drained again with pool.claim_batch = --claim-batch.
   ceiling  no daemon: tidepool.store.sqlite.SqliteStore driven by --workers concurrent claim+finish
            loops on the same N tasks; daemon / ceiling shows what the pool, engine and leases cost.
+  bare     no tidepool at all: sqlite3 claiming and completing N tasks 64 per transaction (see
+           sqlite_reference), this machine's speed in this run; the goal of 10,000/s was set when this
+           kind of figure was ~38,000/s, and the machine's speed has varied ~2x between sessions.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -32,7 +36,7 @@ from _harness import (
     thread_cpu_s,
 )
 
-DEFAULTS: dict[str, Any] = {"n": 20_000, "batch": 1000, "workers": 32, "claim_batch": 16, "runs": 3}
+DEFAULTS: dict[str, Any] = {"n": 20_000, "batch": 1000, "workers": 32, "claim_batch": 32, "runs": 3}
 
 
 def enqueue(state_dir: Path, n: int, batch: int) -> float:
@@ -104,11 +108,54 @@ def store_ceiling(state_dir: Path, n: int, workers: int, claim_batch: int) -> fl
     return rate
 
 
+def sqlite_reference(path: Path, n: int, group: int = 64) -> float:
+    """Claim+complete/s of bare sqlite3 (WAL, synchronous=FULL), `group` tasks per transaction: each
+    claim leases a task and inserts its attempt, each completion ends both. What any durable queue on
+    SQLite must write, with no pool, engine or events: a ceiling for this machine in this run."""
+    import sqlite3
+
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.executescript("""
+        CREATE TABLE tasks (id INTEGER PRIMARY KEY, state TEXT NOT NULL, priority INTEGER NOT NULL,
+                            created_at REAL NOT NULL, attempt INTEGER NOT NULL DEFAULT 0, finished_at REAL);
+        CREATE INDEX claimable ON tasks (state, priority DESC, created_at);
+        CREATE TABLE attempts (id INTEGER PRIMARY KEY, task_id INTEGER NOT NULL, token TEXT NOT NULL,
+                               started_at REAL NOT NULL, finished_at REAL, status TEXT NOT NULL);
+        CREATE INDEX attempts_task ON attempts (task_id);
+    """)
+    now = time.time()
+    conn.executemany("INSERT INTO tasks (state, priority, created_at) VALUES ('pending', 0, ?)",
+                     [(now + i,) for i in range(n)])
+    started, done = time.perf_counter(), 0
+    while True:
+        conn.execute("BEGIN IMMEDIATE")
+        ids = conn.execute("UPDATE tasks SET state = 'leased', attempt = attempt + 1 WHERE id IN (SELECT id FROM "
+                           "tasks WHERE state = 'pending' ORDER BY priority DESC, created_at LIMIT ?) RETURNING id",
+                           (group,)).fetchall()
+        now = time.time()
+        conn.executemany("INSERT INTO attempts (task_id, token, started_at, status) VALUES (?, ?, ?, 'running')",
+                         [(i, os.urandom(8).hex(), now) for (i,) in ids])
+        ended = [(now, i) for (i,) in ids]
+        conn.executemany("UPDATE attempts SET status = 'succeeded', finished_at = ? WHERE task_id = ?", ended)
+        conn.executemany("UPDATE tasks SET state = 'completed', finished_at = ? WHERE id = ?", ended)
+        conn.execute("COMMIT")
+        done += len(ids)
+        if not ids:
+            break
+    elapsed = time.perf_counter() - started
+    conn.close()
+    if done != n:
+        raise RuntimeError(f"reference: {done} of {n} tasks completed")
+    return n / elapsed
+
+
 def main(argv: list[str] | None = None) -> int:
     args = arguments(__doc__.splitlines()[0], **DEFAULTS).parse_args(argv)
     n, workers, cb = args.n, args.workers, args.claim_batch
-    rates: dict[str, list[float]] = {k: [] for k in ("enqueue", "drain1", "drainN", "ceil1", "ceilN", "wall1",
-                                                     "loop_us", "others_us")}
+    rates: dict[str, list[float]] = {k: [] for k in ("enqueue", "drain1", "drainN", "ceil1", "ceilN", "bare",
+                                                     "wall1", "loop_us", "others_us")}
     for run in range(args.runs):
         with temp_dir("throughput") as tmp:
             rates["enqueue"].append(enqueue(tmp / "a", n, args.batch))
@@ -121,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             rates["drainN"].append(drain(tmp / "b", n, workers, cb)[0])
             rates["ceil1"].append(store_ceiling(tmp / "c1", n, workers, 1))
             rates["ceilN"].append(store_ceiling(tmp / "c2", n, workers, cb))
+            rates["bare"].append(sqlite_reference(tmp / "bare.db", n))
         print(f"  run {run + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()),
               file=sys.stderr, flush=True)
     m = {k: median(v) for k, v in rates.items()}
@@ -132,8 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         Figure(b, f"drain, {workers} workers, claim_batch {cb}", m["drainN"], "tasks/s", runs),
         Figure(b, f"store ceiling, {workers} loops, claim 1", m["ceil1"], "tasks/s", f"{runs}; SqliteStore alone"),
         Figure(b, f"store ceiling, {workers} loops, claim {cb}", m["ceilN"], "tasks/s", f"{runs}; SqliteStore alone"),
+        Figure(b, "bare sqlite3, claim+complete 64 a transaction", m["bare"], "tasks/s",
+               f"{runs}; this machine now (the goal's reference was ~38,000)"),
         Figure(b, "daemon / ceiling, claim_batch 1", 100 * m["drain1"] / m["ceil1"], "%"),
         Figure(b, f"daemon / ceiling, claim_batch {cb}", 100 * m["drainN"] / m["ceilN"], "%"),
+        Figure(b, f"daemon / bare sqlite3, claim_batch {cb}", 100 * m["drainN"] / m["bare"], "%",
+               "the goal: 10,000 / 38,000 = 26 %"),
         Figure(b, "drain wall, /readyz .. all completed seen", m["wall1"], "s",
                "claim_batch 1; claiming starts just before /readyz"),
         Figure(b, "drain CPU per task, event loop thread", m["loop_us"], "µs", "claim_batch 1; from /proc"),
