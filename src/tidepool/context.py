@@ -20,7 +20,7 @@ class TaskContext:
     """
 
     def __init__(self, task: Task, *, attempt_id: str, workdir: str, resource: Slot | None = None,
-                 report_progress: Callable[[float, str], None],
+                 report_progress: Callable[[TaskContext, float, str], None],
                  store_result: Callable[[ResultBatch], Awaitable[ResultBatch]]) -> None:
         self.task = task
         self.attempt_id = attempt_id
@@ -55,7 +55,7 @@ class TaskContext:
         await anyio.lowlevel.checkpoint()
 
     def progress(self, fraction: float, message: str = "") -> None:
-        self._report_progress(min(1.0, max(0.0, float(fraction))), message)
+        self._report_progress(self, min(1.0, max(0.0, float(fraction))), message)
 
     async def emit(self, result: Any, *, final: bool = False, key: str | None = None) -> ResultBatch:
         """Store a result batch; the same key and content twice is acknowledged once (rule 7)."""

@@ -1,5 +1,6 @@
 """The engine runs each task through its phases and ends it in the state the outcome calls for."""
 
+import gc
 import time
 from pathlib import Path
 
@@ -8,8 +9,9 @@ import pytest
 
 from tidepool.context import TaskContext
 from tidepool.errors import PluginError
+from tidepool.leases import Held
 from tidepool.lifecycle import RetryPolicy
-from tidepool.model import AttemptStatus, State
+from tidepool.model import AttemptStatus, Claimed, State
 from tidepool.settings import TypeSettings
 from tidepool.store.sqlite import SqliteStore
 
@@ -145,3 +147,28 @@ async def test_a_lost_lease_stops_the_plugin_and_its_late_outcome_is_rejected(sq
         task = await node.finished(task_id)
         assert task.state is State.FAILED  # the expiry stands; the late success was rejected
         assert [a.status for a in task.attempts] == [AttemptStatus.EXPIRED]
+
+
+async def test_a_finished_attempt_leaves_no_reference_cycle_behind(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    """Everything an attempt built is freed when it ends, not at the cycle collector's next pass (which,
+    with thousands of attempts a second, cost the event loop ~12% of its time)."""
+    async def progressing(ctx: TaskContext) -> None:
+        ctx.progress(0.5, "halfway")
+        await ctx.emit({"ok": True}, final=True)
+
+    async with running_node(sqlite_store, {"progressing": progressing}, work_root=tmp_path) as node:
+        await node.finished(await node.submit("progressing"))  # warm up: first-use caches are not garbage
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(5):
+                task = await node.finished(await node.submit("progressing"))
+                assert task.state is State.COMPLETED
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            cyclic = [type(o).__name__ for o in gc.garbage if isinstance(o, TaskContext | Held | Claimed)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert cyclic == []
