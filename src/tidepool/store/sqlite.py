@@ -861,8 +861,8 @@ def _insert(conn: sqlite3.Connection, new: NewTask, now: float) -> Task:
 
 def _insert_many(conn: sqlite3.Connection, batch: Sequence[NewTask], now: float) -> list[str]:
     rows = [(new_id(now), n.type, json.dumps(n.payload), n.priority, n.max_attempts, n.timeout_s,
-             json.dumps(sorted(n.required_tags)), n.idempotency_key, n.fingerprint(), now, now,
-             n.available_at if n.available_at is not None else now) for n in batch]
+             json.dumps(sorted(n.required_tags)) if n.required_tags else "[]", n.idempotency_key,
+             n.fingerprint(), now, now, n.available_at if n.available_at is not None else now) for n in batch]
     conn.executemany(
         "INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags, "
         "idempotency_key, fingerprint, created_at, updated_at, available_at) "
