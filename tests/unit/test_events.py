@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 from tidepool.api.stream import _frames, frame
 from tidepool.events import EventBus
@@ -42,6 +44,30 @@ async def test_a_subscriber_a_whole_ring_behind_is_dropped() -> None:
     assert await sub.next_batch(timeout_s=0) is None
     assert sub.dropped
 
+
+
+async def test_a_waiting_subscriber_is_woken_by_a_publish_and_lingers_for_what_follows() -> None:
+    bus = EventBus(ring_size=64)
+    sub = bus.subscribe()
+    waiting = asyncio.create_task(sub.next_batch(timeout_s=5, linger_s=0.05))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    publish(bus, 1)
+    await asyncio.sleep(0.01)
+    publish(bus, 2)  # within the linger: rides along in the same batch
+    batch = await asyncio.wait_for(waiting, 1)
+    assert batch is not None and [e.id for e in batch] == [1, 2, 3]
+
+
+async def test_a_subscriber_with_nothing_to_read_gets_an_empty_batch_at_its_timeout() -> None:
+    bus = EventBus(ring_size=64)
+    sub = bus.subscribe()
+    started = time.monotonic()
+    assert await sub.next_batch(timeout_s=0.1) == []
+    assert 0.09 <= time.monotonic() - started < 1.0
+    publish(bus, 1)  # still subscribed: the next read gets it
+    batch = await sub.next_batch(timeout_s=0.1)
+    assert batch is not None and [e.id for e in batch] == [1]
 
 def test_a_batch_with_the_same_ends_as_the_last_run_but_gaps_gets_its_own_frames() -> None:
     bus = EventBus(ring_size=64)
