@@ -23,7 +23,6 @@ class Event:
     name: str
     ts: float
     data: dict[str, Any]
-    encoded: bytes | None = None  # the SSE frame, encoded once for every subscriber that sends it
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "event": self.name, "ts": self.ts, **self.data}
@@ -91,6 +90,9 @@ class Subscription:
 class EventBus:
     def __init__(self, *, ring_size: int = RING_SIZE, clock: Callable[[], float] = time.time) -> None:
         self._ring: list[Event | None] = [None] * ring_size
+        # Each event's encoded form (the SSE frame), beside it: subscribers reading the same events share
+        # one encoding, and a contiguous run of them is one slice, with no Python step per event.
+        self._encoded: list[bytes | None] = [None] * ring_size
         self.next_id = 1
         self.sleeping: set[Subscription] = set()
         self._subscribers: set[Subscription] = set()
@@ -99,7 +101,9 @@ class EventBus:
 
     def publish(self, name: str, **data: Any) -> Event:
         event = Event(self.next_id, name, self._clock(), data)
-        self._ring[event.id % len(self._ring)] = event
+        slot = event.id % len(self._ring)
+        self._ring[slot] = event
+        self._encoded[slot] = None
         self.next_id += 1
         for listener in self._listeners:
             listener(event)
@@ -137,6 +141,21 @@ class EventBus:
         i, j = first % size, end % size
         events = self._ring[i:j] if i < j else self._ring[i:] + self._ring[:j]
         return events  # type: ignore[return-value]  # every slot in [oldest_id, next_id) is filled
+
+    def encoded(self, first: int, end: int, encode: Callable[[Event], bytes]) -> list[bytes]:
+        """The encoded forms of the events with ids first .. end - 1 (all still in the ring), each made
+        by `encode` the first time it is asked for and kept until its slot is reused."""
+        if end <= first:
+            return []
+        size = len(self._ring)
+        i, j = first % size, end % size
+        forms = self._encoded[i:j] if i < j else self._encoded[i:] + self._encoded[:j]
+        if None in forms:  # C speed: usually every form exists already
+            for k, form in enumerate(forms):
+                if form is None:
+                    slot = (first + k) % size
+                    forms[k] = self._encoded[slot] = encode(self._ring[slot])  # type: ignore[arg-type]
+        return forms  # type: ignore[return-value]  # every None was filled
 
     def oldest_id(self) -> int:
         """The id of the oldest event the ring still holds (the next id when it is empty)."""

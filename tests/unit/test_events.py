@@ -6,8 +6,8 @@ import asyncio
 import json
 import time
 
-from tidepool.api.stream import _frames, frame
-from tidepool.events import EventBus
+from tidepool.api.stream import frame, frames
+from tidepool.events import Event, EventBus
 from tidepool.model import State
 
 
@@ -45,7 +45,6 @@ async def test_a_subscriber_a_whole_ring_behind_is_dropped() -> None:
     assert sub.dropped
 
 
-
 async def test_a_waiting_subscriber_is_woken_by_a_publish_and_lingers_for_what_follows() -> None:
     bus = EventBus(ring_size=64)
     sub = bus.subscribe()
@@ -69,14 +68,26 @@ async def test_a_subscriber_with_nothing_to_read_gets_an_empty_batch_at_its_time
     batch = await sub.next_batch(timeout_s=0.1)
     assert batch is not None and [e.id for e in batch] == [1]
 
-def test_a_batch_with_the_same_ends_as_the_last_run_but_gaps_gets_its_own_frames() -> None:
-    bus = EventBus(ring_size=64)
-    publish(bus, 6)
-    everything = bus.between(1, 7)
-    assert _frames(everything) == b"".join(frame(e) for e in everything)
-    first_and_last = [everything[0], everything[-1]]  # what a filter might pass: same ends, nothing between
-    assert _frames(first_and_last) == frame(everything[0]) + frame(everything[-1])
-    assert _frames(everything) == b"".join(frame(e) for e in everything)
+
+def test_a_write_holds_the_frames_of_its_events_encoded_once_even_across_the_rings_wrap() -> None:
+    bus = EventBus(ring_size=8)
+    publish(bus, 5)
+    encoded: list[int] = []
+
+    def counting(event: Event) -> bytes:
+        encoded.append(event.id)
+        return frame(event)
+
+    for _ in range(3):  # 5 + 3 x 4 events through a ring of 8: the later runs cross its end
+        publish(bus, 4)
+        run = bus.between(bus.next_id - 6, bus.next_id)
+        expected = b"".join(frame(e) for e in run)
+        assert b"".join(bus.encoded(run[0].id, run[-1].id + 1, counting)) == expected
+        assert b"".join(bus.encoded(run[0].id, run[-1].id + 1, counting)) == expected  # a second reader
+        assert frames(bus, run) == expected
+        gaps = [run[0], run[3], run[-1]]  # what a filter might pass
+        assert frames(bus, gaps) == b"".join(frame(e) for e in gaps)
+    assert sorted(encoded) == list(range(4, 18))  # each event encoded once, while the ring held it
 
 
 def test_a_frame_carries_the_event_as_json_even_what_orjson_refuses() -> None:
