@@ -1,9 +1,12 @@
-"""The in-process event bus: one bounded ring of recent events that every subscriber reads at its own pace.
+"""The in-process event bus: one bounded ring of recent events, read by subscribers at their own pace.
 
-Publishing costs the same with or without subscribers: the event goes into the ring, synchronous
-listeners (metrics, logs) see it, and subscribers that sleep are woken. Each subscriber keeps only
-its position in the ring and filters on its own time, so a slow one never slows the pool; one that
-falls a whole ring behind is dropped. The ring also serves Last-Event-ID resumption.
+Publishing costs the same with or without unfiltered subscribers: the event goes into the ring,
+synchronous listeners (metrics, logs) see it, and subscribers that sleep are woken. An unfiltered
+subscriber keeps only its position in the ring, so a slow one never slows the pool; one that falls
+a whole ring behind is dropped. A filtered subscriber (one task, or some event names: a CLI waiting
+for its task) is handed just the events it accepts, found by the task id and name at publish time,
+never by scanning every event; it is dropped once a ring's worth is waiting unread. The ring also
+serves Last-Event-ID resumption.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Any
 
 RING_SIZE = 10_000
@@ -28,13 +32,28 @@ class Event:
         return {"id": self.id, "event": self.name, "ts": self.ts, **self.data}
 
 
-class Subscription:
-    """A reader's position in the bus's ring and its filter."""
+@dataclass(frozen=True)
+class Filter:
+    """Which events a subscriber wants: those of one task, and/or those whose name matches a glob."""
 
-    def __init__(self, bus: EventBus, accept: Callable[[Event], bool] | None, next_id: int) -> None:
+    task_id: str | None = None
+    names: tuple[str, ...] = ()
+
+    def accepts_name(self, name: str) -> bool:
+        return not self.names or any(fnmatchcase(name, glob) for glob in self.names)
+
+    def accepts(self, event: Event) -> bool:
+        return (self.task_id is None or event.data.get("task_id") == self.task_id) and self.accepts_name(event.name)
+
+
+class Subscription:
+    """A reader: of the bus's ring from a position (no filter), or of the events handed to it (filtered)."""
+
+    def __init__(self, bus: EventBus, where: Filter | None, next_id: int, backlog: list[Event]) -> None:
         self._bus = bus
-        self.accept = accept
-        self.next_id = next_id
+        self.where = where
+        self.next_id = next_id            # unfiltered: the next ring position to read
+        self._handed = backlog            # filtered: accepted events not read yet
         self.dropped = False  # fell a whole ring behind
         self.closed = False   # the bus shut down
         self._wake = asyncio.Event()
@@ -49,39 +68,42 @@ class Subscription:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            if self.closed or self.next_id < self._bus.oldest_id():
-                self.dropped = not self.closed
+            if self.where is None and self.next_id < self._bus.oldest_id():
+                self.dropped = True
+            if self.closed or self.dropped:
                 return None
             batch = self._read(max_events)
             if batch:
                 return batch
             if loop.time() >= deadline:
                 return []
-            if self.next_id >= self._bus.next_id:
-                self._wake.clear()
+            self._wake.clear()
+            if self.where is None:
                 self._bus.sleeping.add(self)
-                timer = loop.call_at(deadline, self._wake.set)
-                try:
-                    await self._wake.wait()
-                finally:
-                    timer.cancel()
-                if linger_s:
-                    await asyncio.sleep(linger_s)
+            timer = loop.call_at(deadline, self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                timer.cancel()
+            if linger_s:
+                await asyncio.sleep(linger_s)
 
     def _read(self, max_events: int) -> list[Event]:
-        if self.accept is None:  # everything: a slice of the ring, no Python step per event
+        if self.where is None:  # a slice of the ring, no Python step per event
             end = min(self._bus.next_id, self.next_id + max_events)
             batch = self._bus.between(self.next_id, end)
             self.next_id = end
             return batch
-        batch = []
-        end = min(self._bus.next_id, self.next_id + max_events * 4)  # bounded work per call
-        while self.next_id < end and len(batch) < max_events:
-            event = self._bus.get(self.next_id)
-            self.next_id += 1
-            if event is not None and self.accept(event):
-                batch.append(event)
+        batch, self._handed = self._handed[:max_events], self._handed[max_events:]
         return batch
+
+    def hand(self, event: Event) -> None:
+        """A filtered subscriber's event, from publish; past a ring's worth unread, the reader is dropped."""
+        if len(self._handed) >= self._bus.ring_size:
+            self.dropped, self._handed = True, []
+        elif not self.dropped:
+            self._handed.append(event)
+        self._wake.set()
 
     def wake(self) -> None:
         self._wake.set()
@@ -89,6 +111,7 @@ class Subscription:
 
 class EventBus:
     def __init__(self, *, ring_size: int = RING_SIZE, clock: Callable[[], float] = time.time) -> None:
+        self.ring_size = ring_size
         self._ring: list[Event | None] = [None] * ring_size
         # Each event's encoded form (the SSE frame), beside it: subscribers reading the same events share
         # one encoding, and a contiguous run of them is one slice, with no Python step per event.
@@ -96,12 +119,15 @@ class EventBus:
         self.next_id = 1
         self.sleeping: set[Subscription] = set()
         self._subscribers: set[Subscription] = set()
+        self._by_task: dict[str, list[Subscription]] = {}  # filtered on a task id (and maybe names)
+        self._by_name_only: list[Subscription] = []         # filtered on names alone
+        self._name_routes: dict[str, list[Subscription]] = {}  # event name -> which of those accept it
         self._clock = clock
         self._listeners: list[Callable[[Event], None]] = []
 
     def publish(self, name: str, **data: Any) -> Event:
         event = Event(self.next_id, name, self._clock(), data)
-        slot = event.id % len(self._ring)
+        slot = event.id % self.ring_size
         self._ring[slot] = event
         self._encoded[slot] = None
         self.next_id += 1
@@ -111,31 +137,64 @@ class EventBus:
             for sub in self.sleeping:
                 sub.wake()
             self.sleeping.clear()
+        if self._by_task or self._by_name_only:
+            self._hand_out(event)
         return event
+
+    def _hand_out(self, event: Event) -> None:
+        task_id = event.data.get("task_id")
+        for sub in self._by_task.get(task_id, ()) if task_id is not None else ():
+            if sub.where is not None and sub.where.accepts_name(event.name):
+                sub.hand(event)
+        if self._by_name_only:
+            routes = self._name_routes.get(event.name)
+            if routes is None:  # each name is matched against the globs once, not once per event
+                routes = self._name_routes[event.name] = [
+                    s for s in self._by_name_only if s.where is not None and s.where.accepts_name(event.name)]
+            for sub in routes:
+                sub.hand(event)
 
     def listen(self, listener: Callable[[Event], None]) -> None:
         """A synchronous in-process listener (metrics, logs); must be cheap and must not block."""
         self._listeners.append(listener)
 
-    def subscribe(self, *, accept: Callable[[Event], bool] | None = None, after: int | None = None) -> Subscription:
-        """Read future events, or with `after` every event the ring still holds past that id; `accept`
-        filters them (None: every event)."""
+    def subscribe(self, *, where: Filter | None = None, after: int | None = None) -> Subscription:
+        """Read future events, or with `after` every event the ring still holds past that id as well;
+        `where` filters them (None: every event)."""
         start = self.next_id if after is None else max(after + 1, self.oldest_id())
-        sub = Subscription(self, accept, start)
+        backlog = [e for e in self.since(after) if where.accepts(e)] if where and after is not None else []
+        sub = Subscription(self, where, start, backlog)
         self._subscribers.add(sub)
+        if where is not None:
+            if where.task_id is not None:
+                self._by_task.setdefault(where.task_id, []).append(sub)
+            else:
+                self._by_name_only.append(sub)
+                self._name_routes.clear()
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
         self._subscribers.discard(sub)
         self.sleeping.discard(sub)
+        if sub.where is None:
+            return
+        if sub.where.task_id is not None:
+            subs = self._by_task.get(sub.where.task_id, [])
+            if sub in subs:
+                subs.remove(sub)
+            if not subs:
+                self._by_task.pop(sub.where.task_id, None)
+        elif sub in self._by_name_only:
+            self._by_name_only.remove(sub)
+            self._name_routes.clear()
 
     def get(self, event_id: int) -> Event | None:
-        event = self._ring[event_id % len(self._ring)]
+        event = self._ring[event_id % self.ring_size]
         return event if event is not None and event.id == event_id else None
 
     def between(self, first: int, end: int) -> list[Event]:
         """The events with ids first .. end - 1, all of which the ring must still hold."""
-        size = len(self._ring)
+        size = self.ring_size
         if end <= first:
             return []
         i, j = first % size, end % size
@@ -147,7 +206,7 @@ class EventBus:
         by `encode` the first time it is asked for and kept until its slot is reused."""
         if end <= first:
             return []
-        size = len(self._ring)
+        size = self.ring_size
         i, j = first % size, end % size
         forms = self._encoded[i:j] if i < j else self._encoded[i:] + self._encoded[:j]
         if None in forms:  # C speed: usually every form exists already
@@ -159,7 +218,7 @@ class EventBus:
 
     def oldest_id(self) -> int:
         """The id of the oldest event the ring still holds (the next id when it is empty)."""
-        return max(1, self.next_id - len(self._ring))
+        return max(1, self.next_id - self.ring_size)
 
     def since(self, after: int) -> Iterator[Event]:
         for event_id in range(max(after + 1, self.oldest_id()), self.next_id):
@@ -174,3 +233,6 @@ class EventBus:
             sub.wake()
         self._subscribers.clear()
         self.sleeping.clear()
+        self._by_task.clear()
+        self._by_name_only.clear()
+        self._name_routes.clear()

@@ -7,7 +7,7 @@ import json
 import time
 
 from tidepool.api.stream import frame, frames
-from tidepool.events import Event, EventBus
+from tidepool.events import Event, EventBus, Filter
 from tidepool.model import State
 
 
@@ -30,7 +30,7 @@ async def test_an_unfiltered_subscriber_reads_every_event_in_order_across_the_ri
 
 async def test_a_filtered_subscriber_gets_only_what_it_accepts() -> None:
     bus = EventBus(ring_size=64)
-    sub = bus.subscribe(accept=lambda e: e.data["task_id"] == "t1")
+    sub = bus.subscribe(where=Filter(task_id="t1"))
     publish(bus, 9)
     batch = await sub.next_batch(timeout_s=0)
     assert batch is not None
@@ -44,6 +44,49 @@ async def test_a_subscriber_a_whole_ring_behind_is_dropped() -> None:
     assert await sub.next_batch(timeout_s=0) is None
     assert sub.dropped
 
+
+
+async def test_a_filtered_subscriber_resumes_from_the_ring_then_is_handed_only_what_it_accepts() -> None:
+    bus = EventBus(ring_size=64)
+    publish(bus, 6)  # ids 1..6: task.phase for t0, t1, t2, t0, t1, t2
+    bus.publish("task.finished", task_id="t1", state="completed")  # id 7
+    sub = bus.subscribe(where=Filter(task_id="t1", names=("task.*",)), after=2)
+    waiting = asyncio.create_task(sub.next_batch(timeout_s=5))
+    bus.publish("plugin.started", task_id="t1", plugin="noop")  # its task, not its names
+    bus.publish("task.phase", task_id="t2", phase="run")        # its names, not its task
+    bus.publish("task.phase", task_id="t1", phase="stop")       # id 10
+    batch = await asyncio.wait_for(waiting, 1)
+    assert batch is not None and [e.id for e in batch] == [5, 7, 10]
+
+
+async def test_a_filtered_subscriber_sleeps_through_other_tasks_events() -> None:
+    bus = EventBus(ring_size=64)
+    sub = bus.subscribe(where=Filter(task_id="mine"))
+    names_only = bus.subscribe(where=Filter(names=("task.finished",)))
+    waiting = asyncio.create_task(sub.next_batch(timeout_s=0.2))
+    for _ in range(5):
+        publish(bus, 10)
+        await asyncio.sleep(0)
+    assert await waiting == []
+    bus.unsubscribe(sub)
+    bus.publish("task.phase", task_id="mine", phase="run")  # after unsubscribe: handed to no one
+    bus.publish("task.finished", task_id="other", state="completed")
+    assert sub._handed == []
+    batch = await names_only.next_batch(timeout_s=0)
+    assert batch is not None and [e.name for e in batch] == ["task.finished"]
+
+
+async def test_a_filtered_subscriber_a_ring_behind_is_dropped_and_its_old_events_still_encode() -> None:
+    bus = EventBus(ring_size=8)
+    slow = bus.subscribe(where=Filter(task_id="t0"))
+    lagging = bus.subscribe(where=Filter(task_id="t1"))
+    publish(bus, 24)  # 8 events each for t0 (ids 1, 4, ...), t1 and t2; the ring holds 17..24 only
+    batch = await lagging.next_batch(max_events=3, timeout_s=0)
+    assert batch is not None and [e.id for e in batch] == [2, 5, 8]  # gone from the ring, not from its queue
+    assert frames(bus, batch) == b"".join(frame(e) for e in batch)
+    publish(bus, 3)  # a ninth unread event for t0: a ring's worth waiting
+    assert await slow.next_batch(timeout_s=0) is None
+    assert slow.dropped
 
 async def test_a_waiting_subscriber_is_woken_by_a_publish_and_lingers_for_what_follows() -> None:
     bus = EventBus(ring_size=64)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
 
-from ..events import Event, EventBus
+from ..events import Event, EventBus, Filter
 from ..model import rfc3339
 
 if TYPE_CHECKING:
@@ -40,29 +39,25 @@ def frame(event: Event) -> bytes:
 
 def frames(bus: EventBus, batch: list[Event]) -> bytes:
     """One write's bytes: a contiguous run of the ring (what unfiltered subscribers read) is one slice
-    of the bus's encoded frames; a filtered batch picks its events' frames one by one."""
+    of the bus's encoded frames; a filtered batch takes its events' frames one by one (encoded afresh
+    for an event the ring no longer holds)."""
     first, last = batch[0].id, batch[-1].id
-    if last - first + 1 == len(batch):
+    if last - first + 1 == len(batch) and first >= bus.oldest_id():
         return b"".join(bus.encoded(first, last + 1, frame))
-    return b"".join([bus.encoded(e.id, e.id + 1, frame)[0] for e in batch])
+    oldest = bus.oldest_id()
+    return b"".join([bus.encoded(e.id, e.id + 1, frame)[0] if e.id >= oldest else frame(e) for e in batch])
 
 
-def _filter(request: web.Request) -> tuple[str | None, list[str]]:
+def _filter(request: web.Request) -> Filter | None:
     task_id = request.query.get("task_id") or None
-    names = [n for n in request.query.get("type", "").split(",") if n]
-    return task_id, names
+    names = tuple(n for n in request.query.get("type", "").split(",") if n)
+    return Filter(task_id, names) if task_id is not None or names else None
 
 
 async def events(request: web.Request, daemon: Daemon) -> web.StreamResponse:
-    task_id, names = _filter(request)
     raw_last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
     after = int(raw_last) if raw_last and raw_last.isdigit() else None
-
-    def accept(e: Event) -> bool:
-        return (task_id is None or e.data.get("task_id") == task_id) and \
-            (not names or any(fnmatchcase(e.name, n) for n in names))
-
-    sub = daemon.events.subscribe(accept=accept if task_id is not None or names else None, after=after)
+    sub = daemon.events.subscribe(where=_filter(request), after=after)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
     try:
