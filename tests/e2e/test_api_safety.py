@@ -4,6 +4,8 @@ idempotent and delayed submits, retry answers, the queue limit, and the slowlori
 from __future__ import annotations
 
 import json
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -365,3 +367,32 @@ def test_a_blank_line_in_an_unread_body_does_not_switch_the_next_header_deadline
         s.sendall(b"ab\r\n\r\nxyzw")  # the rest of that body: it looks like the end of a header block
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: tid")  # the next request stalls
         assert _cut_off_within(s, 3 * HEADER_TIMEOUT_S + 2), "a stalled request after the body kept its connection"
+
+
+@pytest.mark.e2e
+def test_a_burst_of_clients_connecting_at_once_waits_in_the_listen_queue_not_in_syn_retries(daemon: Daemon) -> None:
+    """The kernel completes handshakes while the daemon is busy (here: stopped) only for as many clients
+    as the listen backlog holds; the rest wait a second for a SYN retry. 300 must all get in and be served."""
+    assert daemon.proc is not None
+    clients = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(300)]
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        for s in clients:
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", daemon.port))
+        time.sleep(0.5)  # loopback handshakes take microseconds: what is not connected now was dropped
+        _, writable, _ = select.select([], clients, [], 0)
+        connected = sum(1 for s in writable if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    try:
+        assert connected == len(clients)
+        for s in clients:
+            s.setblocking(True)
+            s.settimeout(20)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: tidepool\r\nConnection: close\r\n\r\n")
+        answers = [s.recv(64) for s in clients]
+        assert all(a.startswith(b"HTTP/1.1 200") for a in answers), {a[:20] for a in answers}
+    finally:
+        for s in clients:
+            s.close()
