@@ -9,7 +9,8 @@ sse     a fresh daemon per run; --subscribers raw HTTP/1.1 readers follow GET /v
         task: a contiguous run of event ids (no gap, no repeat) and, per task, the nine events of a
         noop task in order. Drain throughput = tasks / (first attempt start .. last finish), both
         stamped by the daemon; the same run without subscribers gives the ratio (median of --runs,
-        runs alternating). The subscribers run in this process, on the same CPUs as the daemon.
+        runs alternating). The subscribers run in this process, on the same CPUs as the daemon. A third
+        run of each round has --subscribers streams filtered on other tasks' ids (waiting clients).
 """
 
 from __future__ import annotations
@@ -186,7 +187,25 @@ async def sse_run(daemon: Daemon, subscribers: int, tasks: int) -> int:
     return len(subs[0].ids) if subs else 0
 
 
-def drain_once(root: Path, subscribers: int, tasks: int) -> tuple[float, int, float, float]:
+async def followers_run(daemon: Daemon, followers: int, tasks: int) -> None:
+    """`followers` streams filtered on a task of their own (as `tidepool submit --wait` follows one),
+    none of them in the batch: what waiting clients cost a pool busy with other work."""
+    host, port = daemon.url.removeprefix("http://").rsplit(":", 1)
+    streams = []
+    for i in range(followers):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"GET /v1/events?task_id=elsewhere{i} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+        await reader.readuntil(b": connected\n\n")
+        streams.append(writer)
+    try:
+        await asyncio.to_thread(daemon.submit_batch, [{"type": "noop"}] * tasks)
+        await asyncio.to_thread(daemon.wait_drained, poll_s=0.05, timeout_s=300)
+    finally:
+        for writer in streams:
+            writer.close()
+
+
+def drain_once(root: Path, subscribers: int, tasks: int, *, filtered: bool = False) -> tuple[float, int, float, float]:
     """(drain tasks/s from the daemon's own stamps, events each subscriber received, the daemon's CPU
     seconds and this process's (the subscribers') CPU seconds from the submit to the end of the drain)."""
     daemon = Daemon(root)
@@ -194,7 +213,10 @@ def drain_once(root: Path, subscribers: int, tasks: int) -> tuple[float, int, fl
     try:
         proc = psutil.Process(daemon.pid)
         cpu_before, own_before = sum(proc.cpu_times()[:2]), time.process_time()
-        if subscribers:
+        if subscribers and filtered:
+            asyncio.run(followers_run(daemon, subscribers, tasks))
+            events = 0
+        elif subscribers:
             events = asyncio.run(sse_run(daemon, subscribers, tasks))
         else:
             daemon.submit_batch([{"type": "noop"}] * tasks)
@@ -211,11 +233,12 @@ def drain_once(root: Path, subscribers: int, tasks: int) -> tuple[float, int, fl
 
 
 def bench_sse(root: Path, subscribers: int, tasks: int, runs: int) -> list[Figure]:
-    with_subs, without, events = [], [], 0
+    with_subs, followed, without, events = [], [], [], 0
     for run in range(runs):
         with_subs.append(drain_once(root / f"sse-{run}", subscribers, tasks))
         events = with_subs[-1][1]
         without.append(drain_once(root / f"plain-{run}", 0, tasks))
+        followed.append(drain_once(root / f"followed-{run}", subscribers, tasks, filtered=True))
     b = "api_load"
     note = f"median of {runs}, n={tasks}"
     rate_with, rate_without = median([r[0] for r in with_subs]), median([r[0] for r in without])
@@ -232,6 +255,8 @@ def bench_sse(root: Path, subscribers: int, tasks: int, runs: int) -> list[Figur
                f"submit .. drained, {note}"),
         Figure(b, "sse: the subscribers' own CPU (this process)", median([r[3] for r in with_subs]), "s",
                "competes with the daemon for the same cores"),
+        Figure(b, f"sse: drain with {subscribers} task-filtered followers / without",
+               median([r[0] for r in followed]) / rate_without, "x", "each follows a task not in the batch"),
     ]
 
 
