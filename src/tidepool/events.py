@@ -5,8 +5,8 @@ synchronous listeners (metrics, logs) see it, and subscribers that sleep are wok
 subscriber keeps only its position in the ring, so a slow one never slows the pool; one that falls
 a whole ring behind is dropped. A filtered subscriber (one task, or some event names: a CLI waiting
 for its task) is handed just the events it accepts, found by the task id and name at publish time,
-never by scanning every event; it is dropped once a ring's worth is waiting unread. The ring also
-serves Last-Event-ID resumption.
+never by scanning every event; it too is dropped once its oldest unread event has left the ring.
+The ring also serves Last-Event-ID resumption.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class Subscription:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            if self.where is None and self.next_id < self._bus.oldest_id():
-                self.dropped = True
+            if self._a_ring_behind():
+                self.dropped, self._handed = True, []
             if self.closed or self.dropped:
                 return None
             batch = self._read(max_events)
@@ -85,7 +85,7 @@ class Subscription:
                 await self._wake.wait()
             finally:
                 timer.cancel()
-            if linger_s:
+            if linger_s and loop.time() < deadline:  # woken by an event, not by the deadline
                 await asyncio.sleep(linger_s)
 
     def _read(self, max_events: int) -> list[Event]:
@@ -97,11 +97,19 @@ class Subscription:
         batch, self._handed = self._handed[:max_events], self._handed[max_events:]
         return batch
 
+    def _a_ring_behind(self) -> bool:
+        """Its next event has left the ring: a position the ring moved past, or (filtered) an unread
+        event the ring no longer holds."""
+        if self.where is None:
+            return self.next_id < self._bus.oldest_id()
+        return bool(self._handed) and self._handed[0].id < self._bus.oldest_id()
+
     def hand(self, event: Event) -> None:
-        """A filtered subscriber's event, from publish; past a ring's worth unread, the reader is dropped."""
-        if len(self._handed) >= self._bus.ring_size:
+        """A filtered subscriber's event, from publish. One a ring behind is dropped here as well, so it
+        never holds events the ring has let go."""
+        if self._a_ring_behind():
             self.dropped, self._handed = True, []
-        elif not self.dropped:
+        if not self.dropped:
             self._handed.append(event)
         self._wake.set()
 
@@ -124,6 +132,7 @@ class EventBus:
         self._name_routes: dict[str, list[Subscription]] = {}  # event name -> which of those accept it
         self._clock = clock
         self._listeners: list[Callable[[Event], None]] = []
+        self._closed = False
 
     def publish(self, name: str, **data: Any) -> Event:
         event = Event(self.next_id, name, self._clock(), data)
@@ -164,6 +173,9 @@ class EventBus:
         start = self.next_id if after is None else max(after + 1, self.oldest_id())
         backlog = [e for e in self.since(after) if where.accepts(e)] if where and after is not None else []
         sub = Subscription(self, where, start, backlog)
+        if self._closed:  # the node is shutting down: the stream ends with its final event at once
+            sub.closed = True
+            return sub
         self._subscribers.add(sub)
         if where is not None:
             if where.task_id is not None:
@@ -227,7 +239,8 @@ class EventBus:
                 yield event
 
     def close(self) -> None:
-        """Shutdown: every subscription ends with its final event."""
+        """Shutdown: every subscription ends with its final event, and any made later at once."""
+        self._closed = True
         for sub in list(self._subscribers):
             sub.closed = True
             sub.wake()

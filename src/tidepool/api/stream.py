@@ -38,14 +38,12 @@ def frame(event: Event) -> bytes:
 
 
 def frames(bus: EventBus, batch: list[Event]) -> bytes:
-    """One write's bytes: a contiguous run of the ring (what unfiltered subscribers read) is one slice
-    of the bus's encoded frames; a filtered batch takes its events' frames one by one (encoded afresh
-    for an event the ring no longer holds)."""
+    """One write's bytes, from the bus's encoded frames (a batch just read is all still in the ring): a
+    contiguous run, what unfiltered subscribers read, is one slice; a filtered batch goes event by event."""
     first, last = batch[0].id, batch[-1].id
-    if last - first + 1 == len(batch) and first >= bus.oldest_id():
+    if last - first + 1 == len(batch):
         return b"".join(bus.encoded(first, last + 1, frame))
-    oldest = bus.oldest_id()
-    return b"".join([bus.encoded(e.id, e.id + 1, frame)[0] if e.id >= oldest else frame(e) for e in batch])
+    return b"".join([bus.encoded(e.id, e.id + 1, frame)[0] for e in batch])
 
 
 def _filter(request: web.Request) -> Filter | None:
@@ -57,13 +55,14 @@ def _filter(request: web.Request) -> Filter | None:
 async def events(request: web.Request, daemon: Daemon) -> web.StreamResponse:
     raw_last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
     after = int(raw_last) if raw_last and raw_last.isdigit() else None
+    gap = after is not None and daemon.events.oldest_id() > after + 1  # judged where the resume starts
     sub = daemon.events.subscribe(where=_filter(request), after=after)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
     try:
         await response.prepare(request)
         _bound_send_buffer(request)
-        if after is not None and daemon.events.oldest_id() > after + 1:
+        if gap:
             await response.write(b"event: stream.gap\ndata: {\"missed\": true}\n\n")
         await response.write(b": connected\n\n")
         while True:
