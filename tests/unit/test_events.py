@@ -66,13 +66,16 @@ async def test_a_filtered_subscriber_sleeps_through_other_tasks_events() -> None
     bus = EventBus(ring_size=64)
     sub = bus.subscribe(where=Filter(task_id="mine"))
     names_only = bus.subscribe(where=Filter(names=("task.finished",)))
-    waiting = asyncio.create_task(sub.next_batch(timeout_s=0.2))
+    waiting = asyncio.create_task(sub.next_batch(timeout_s=30))
     await asyncio.sleep(0)  # it waits now
     for _ in range(5):
         publish(bus, 10)
         assert not sub._wake.is_set()  # other tasks' events do not wake it
         await asyncio.sleep(0)
-    assert await waiting == []
+    assert not waiting.done()
+    mine = bus.publish("task.phase", task_id="mine", phase="run")
+    batch = await asyncio.wait_for(waiting, 5)
+    assert batch == [mine]
     bus.unsubscribe(sub)
     bus.publish("task.phase", task_id="mine", phase="run")  # after unsubscribe: handed to no one
     bus.publish("task.finished", task_id="other", state="completed")
