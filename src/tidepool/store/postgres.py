@@ -952,13 +952,7 @@ class PostgresStore:
     async def finish_cancels(self, *, now: float, deadline_s: float) -> list[str]:
         error = TaskError("cancel_deadline", f"the worker did not stop within {deadline_s}s")
         args = (now - deadline_s, now, json.dumps(error.to_json()), step(State.CANCELLING, Event.CANCEL_ACK).value)
-        done: list[str] = []
-        while True:
-            async with self._conn() as conn:
-                rows = await conn.fetch(FINISH_CANCELS, *args)
-            done.extend(r[0] for r in rows)
-            if len(rows) < SWEEP:
-                return done
+        return await self._sweep_ids(FINISH_CANCELS, *args)
 
     async def prune(self, *, before: float) -> int:
         pruned = 0
@@ -980,13 +974,18 @@ class PostgresStore:
     async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[str]:
         error = TaskError("unserviceable", message, retryable=False)
         args = (sorted(tags), step(State.PENDING, Event.UNSERVICEABLE).value, json.dumps(error.to_json()), now)
-        failed: list[str] = []
+        return await self._sweep_ids(FAIL_UNSERVICEABLE, *args)
+
+    async def _sweep_ids(self, sql: str, *args: Any) -> list[str]:
+        """Run a statement that moves up to SWEEP rows and returns their ids, until it moves fewer:
+        one short transaction each, never one long one holding every row's lock."""
+        ids: list[str] = []
         while True:
             async with self._conn() as conn:
-                rows = await conn.fetch(FAIL_UNSERVICEABLE, *args)
-            failed.extend(r[0] for r in rows)
+                rows = await conn.fetch(sql, *args)
+            ids.extend(r[0] for r in rows)
             if len(rows) < SWEEP:
-                return failed
+                return ids
 
     # the fleet
 
