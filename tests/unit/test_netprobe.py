@@ -8,10 +8,10 @@ import socket
 import ssl
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 import anyio
@@ -245,12 +245,12 @@ async def test_tcp_connect_resolves_a_host_name_once_and_reports_the_address(
     assert result["open"] == [port]
 
 
-async def test_tcp_connect_scans_ipv6_loopback() -> None:
+async def test_tcp_connect_scans_ipv6_loopback(unavailable: Callable[[str], NoReturn]) -> None:
     try:
         listener = socket.socket(socket.AF_INET6)
         listener.bind(("::1", 0))
     except OSError:
-        pytest.skip("no IPv6 loopback here")
+        unavailable("no IPv6 loopback here")
     with listener:
         listener.listen(16)
         port = listener.getsockname()[1]

@@ -9,7 +9,9 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -123,9 +125,12 @@ def test_drop_in_grants_raw_sockets_and_nothing_else() -> None:
 # --- systemd-analyze verify ---------------------------------------------------------------------
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
-needs_systemd_analyze = pytest.mark.skipif(
-    SYSTEMD_ANALYZE is None, reason="systemd-analyze not installed (Debian: apt-get install systemd)"
-)
+
+
+@pytest.fixture
+def systemd_analyze(unavailable: Callable[[str], NoReturn]) -> None:
+    if SYSTEMD_ANALYZE is None:
+        unavailable("systemd-analyze not installed (Debian: apt-get install systemd)")
 
 # "file:line: ..." is systemd's parser speaking about our text (unknown key, bad value): always
 # an error.
@@ -169,14 +174,14 @@ def verify(unit_text: str, drop_in_text: str, tmp_path: Path) -> tuple[list[str]
     return errors, tolerated
 
 
-@needs_systemd_analyze
+@pytest.mark.usefixtures("systemd_analyze")
 def test_systemd_analyze_verify_finds_no_error(tmp_path: Path) -> None:
     errors, tolerated = verify(UNIT_TEXT, DROP_IN_TEXT, tmp_path)
     print("tolerated:", *tolerated, sep="\n  ")
     assert errors == []
 
 
-@needs_systemd_analyze
+@pytest.mark.usefixtures("systemd_analyze")
 @pytest.mark.parametrize(
     ("unit_text", "drop_in_text", "culprit"),
     [
