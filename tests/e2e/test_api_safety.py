@@ -270,16 +270,21 @@ def test_retry_runs_a_failed_task_again_and_refuses_a_pending_one(daemon: Daemon
 HEADER_TIMEOUT_S = 1.5
 
 
-@pytest.mark.e2e
-def test_a_client_trickling_its_headers_is_cut_off_while_others_are_served(
-        make_daemon: Callable[..., Daemon]) -> None:
+@pytest.fixture
+def short_deadline(make_daemon: Callable[..., Daemon]) -> Daemon:
+    """A daemon whose header deadline is HEADER_TIMEOUT_S, so that cut-offs show within seconds."""
     daemon = make_daemon(env={"TIDEPOOL_API_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S)})
     daemon.start()
+    return daemon
+
+
+@pytest.mark.e2e
+def test_a_client_trickling_its_headers_is_cut_off_while_others_are_served(short_deadline: Daemon) -> None:
     request = b"GET /healthz HTTP/1.1\r\nHost: tidepool\r\nUser-Agent: slowloris\r\n\r\n"
     outcome: dict[str, float | int | str] = {}
 
     def trickle() -> None:
-        with socket.create_connection(("127.0.0.1", daemon.port), timeout=30) as s:
+        with socket.create_connection(("127.0.0.1", short_deadline.port), timeout=30) as s:
             started = time.monotonic()
             try:
                 for i, byte in enumerate(request):
@@ -303,7 +308,7 @@ def test_a_client_trickling_its_headers_is_cut_off_while_others_are_served(
     slow.start()
     served = 0
     while slow.is_alive():
-        r = call(daemon, "GET", "/v1/pool", timeout_s=2.0)  # others are served meanwhile, promptly
+        r = call(short_deadline, "GET", "/v1/pool", timeout_s=2.0)  # others are served meanwhile, promptly
         assert r.status == 200
         served += 1
         time.sleep(0.1)
@@ -327,11 +332,8 @@ def _cut_off_within(s: socket.socket, seconds: float) -> bool:
 
 
 @pytest.mark.e2e
-def test_the_header_deadline_applies_to_every_request_of_a_kept_alive_connection(
-        make_daemon: Callable[..., Daemon]) -> None:
-    daemon = make_daemon(env={"TIDEPOOL_API_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S)})
-    daemon.start()
-    with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as s:
+def test_the_header_deadline_applies_to_every_request_of_a_kept_alive_connection(short_deadline: Daemon) -> None:
+    with socket.create_connection(("127.0.0.1", short_deadline.port), timeout=10) as s:
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: tidepool\r\n\r\n")
         first = s.recv(4096)
         assert first.startswith(b"HTTP/1.1 200"), first
@@ -356,11 +358,8 @@ def test_malformed_requests_get_400_and_at_most_one_log_line_each_without_a_trac
 
 
 @pytest.mark.e2e
-def test_a_blank_line_in_an_unread_body_does_not_switch_the_next_header_deadline_off(
-        make_daemon: Callable[..., Daemon]) -> None:
-    daemon = make_daemon(env={"TIDEPOOL_API_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S)})
-    daemon.start()
-    with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as s:
+def test_a_blank_line_in_an_unread_body_does_not_switch_the_next_header_deadline_off(short_deadline: Daemon) -> None:
+    with socket.create_connection(("127.0.0.1", short_deadline.port), timeout=10) as s:
         s.sendall(b"POST /healthz HTTP/1.1\r\nHost: tidepool\r\nContent-Length: 10\r\n\r\n")
         answer = s.recv(4096)
         assert answer.startswith(b"HTTP/1.1 405"), answer  # answered before its body was read
