@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, TypeVar
 
 RING_SIZE = 10_000
+T = TypeVar("T")
 
 
 @dataclass(slots=True)  # built for every step of every task: plain is cheaper than frozen
@@ -27,9 +28,6 @@ class Event:
     name: str
     ts: float
     data: dict[str, Any]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "event": self.name, "ts": self.ts, **self.data}
 
 
 @dataclass(frozen=True)
@@ -200,31 +198,18 @@ class EventBus:
             self._by_name_only.remove(sub)
             self._name_routes.clear()
 
-    def get(self, event_id: int) -> Event | None:
-        event = self._ring[event_id % self.ring_size]
-        return event if event is not None and event.id == event_id else None
-
     def between(self, first: int, end: int) -> list[Event]:
         """The events with ids first .. end - 1, all of which the ring must still hold."""
-        size = self.ring_size
-        if end <= first:
-            return []
-        i, j = first % size, end % size
-        events = self._ring[i:j] if i < j else self._ring[i:] + self._ring[:j]
-        return events  # type: ignore[return-value]  # every slot in [oldest_id, next_id) is filled
+        return _window(self._ring, first, end)  # type: ignore[arg-type]  # [oldest_id, next_id) is filled
 
     def encoded(self, first: int, end: int, encode: Callable[[Event], bytes]) -> list[bytes]:
         """The encoded forms of the events with ids first .. end - 1 (all still in the ring), each made
         by `encode` the first time it is asked for and kept until its slot is reused."""
-        if end <= first:
-            return []
-        size = self.ring_size
-        i, j = first % size, end % size
-        forms = self._encoded[i:j] if i < j else self._encoded[i:] + self._encoded[:j]
+        forms = _window(self._encoded, first, end)
         if None in forms:  # C speed: usually every form exists already
             for k, form in enumerate(forms):
                 if form is None:
-                    slot = (first + k) % size
+                    slot = (first + k) % self.ring_size
                     forms[k] = self._encoded[slot] = encode(self._ring[slot])  # type: ignore[arg-type]
         return forms  # type: ignore[return-value]  # every None was filled
 
@@ -232,11 +217,9 @@ class EventBus:
         """The id of the oldest event the ring still holds (the next id when it is empty)."""
         return max(1, self.next_id - self.ring_size)
 
-    def since(self, after: int) -> Iterator[Event]:
-        for event_id in range(max(after + 1, self.oldest_id()), self.next_id):
-            event = self.get(event_id)
-            if event is not None:
-                yield event
+    def since(self, after: int) -> list[Event]:
+        """Every event past `after` that the ring still holds."""
+        return self.between(max(after + 1, self.oldest_id()), self.next_id)
 
     def close(self) -> None:
         """Shutdown: every subscription ends with its final event, and any made later at once."""
@@ -249,3 +232,11 @@ class EventBus:
         self._by_task.clear()
         self._by_name_only.clear()
         self._name_routes.clear()
+
+
+def _window(ring: list[T], first: int, end: int) -> list[T]:
+    """The slots of ids first .. end - 1 of a ring indexed by id modulo its size, across its end."""
+    if end <= first:
+        return []
+    i, j = first % len(ring), end % len(ring)
+    return ring[i:j] if i < j else ring[i:] + ring[:j]
