@@ -20,6 +20,8 @@ run: $(BIN)/tidepool
 	$(BIN)/tidepool run --config $(CONFIG)
 
 test: $(VENV)/.dev
+	@# the dashboard test drives Debian's chromium (never `playwright install`)
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
 	$(BIN)/python -m pytest

@@ -1,4 +1,4 @@
-"""Fixtures every test directory may use: the PostgreSQL test server and the CI skip policy."""
+"""Fixtures every test directory may use: the PostgreSQL test server and the missing-prerequisite policy."""
 
 from __future__ import annotations
 
@@ -13,15 +13,14 @@ POSTGRES_URL = os.environ.get("TIDEPOOL_TEST_POSTGRES_URL", "postgresql://postgr
 
 
 def _unavailable(reason: str) -> NoReturn:
-    # CI runs a real server: a missing one there is a broken build, never a quiet skip.
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason} (CI is set, so this fails instead of skipping)", pytrace=False)
-    pytest.skip(reason)
+    # `make test` provides what the suite needs (PostgreSQL is one of this machine's services, the
+    # Makefile installs chromium): a missing piece is a broken setup, never a test quietly not run.
+    pytest.fail(f"{reason}: this test needs it and does not skip", pytrace=False)
 
 
 @pytest.fixture
 def unavailable() -> Callable[[str], NoReturn]:
-    """Call with a reason: skips the test on a developer machine, fails it when CI is set."""
+    """Call with what is missing: the test fails, naming it."""
     return _unavailable
 
 

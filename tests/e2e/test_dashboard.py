@@ -23,7 +23,7 @@ TOKEN = "dashboard-test-token"
 async def browser_page(unavailable: Callable[[str], NoReturn]) -> AsyncIterator[tuple[Any, list[str]]]:
     """(a Chromium page, the uncaught errors of its scripts)."""
     if not Path(CHROMIUM).exists():
-        unavailable(f"{CHROMIUM} is missing (apt-get install chromium); CI installs it and runs this test")
+        unavailable(f"{CHROMIUM} is missing (apt-get install chromium; `make test` installs it)")
     try:
         from playwright.async_api import async_playwright
     except ImportError:

@@ -1,7 +1,7 @@
 """PostgreSQL-only behaviour: several nodes on one schema, the schema's version, driver failures.
 
-Runs against the real server (tests/conftest.py: skipped with a reason when none is reachable,
-failed when CI is set). Each test gets a schema of its own, dropped afterwards.
+Runs against the real server (tests/conftest.py: failed, naming the address, when none is
+reachable). Each test gets a schema of its own, dropped afterwards.
 """
 
 from __future__ import annotations
