@@ -67,6 +67,27 @@ async def test_a_submitted_task_s_events_arrive_in_order(daemon: Daemon, session
 
 
 @pytest.mark.e2e
+async def test_an_http_1_0_client_gets_plain_frames(daemon: Daemon, session: aiohttp.ClientSession) -> None:
+    """HTTP/1.0 has no chunked encoding: the stream is the frames themselves, ended by the close."""
+    host, port = daemon.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"GET /v1/events HTTP/1.0\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
+        await reader.readuntil(b": connected\n\n")
+        (task_id,) = await submit(session, daemon)
+        body = await asyncio.wait_for(reader.readuntil(b"event: task.finished\ndata: "), 10)
+        body += await reader.readuntil(b"\n\n")
+    finally:
+        writer.close()
+    frames = [f for f in body.decode().split("\n\n") if f]
+    parsed = [dict(line.split(": ", 1) for line in f.split("\n")) for f in frames]  # fails on a chunk size
+    mine = [Sse(p["event"], json.loads(p["data"]), int(p["id"])) for p in parsed]
+    assert shape([e for e in mine if e.task_id == task_id]) == NOOP_EVENTS
+
+
+@pytest.mark.e2e
 async def test_reconnecting_with_last_event_id_misses_no_event(daemon: Daemon,
                                                                session: aiohttp.ClientSession) -> None:
     first = await EventStream.open(session, daemon)

@@ -88,6 +88,7 @@ async def events(request: web.Request, daemon: Daemon, shared: SharedChunks) -> 
                                            "X-Accel-Buffering": "no"})
     try:
         await response.prepare(request)
+        chunked = response.headers.get("Transfer-Encoding") == "chunked"  # not for an HTTP/1.0 client
         _bound_send_buffer(request)
         if gap:
             await response.write(b"event: stream.gap\ndata: {\"missed\": true}\n\n")
@@ -100,7 +101,7 @@ async def events(request: web.Request, daemon: Daemon, shared: SharedChunks) -> 
                 break
             if not batch:
                 await response.write(b": heartbeat\n\n")
-            elif sub.where is None:
+            elif sub.where is None and chunked:
                 await _send(request, shared.of(batch))
             else:
                 await response.write(frames(daemon.events, batch))
