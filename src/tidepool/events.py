@@ -21,7 +21,7 @@ from fnmatch import fnmatchcase
 from typing import Any, TypeVar
 
 RING_SIZE = 10_000
-LINGER_S = 0.02  # a waiting subscriber is woken this long after the event that ends its wait
+LINGER_S = 0.02  # a waiting subscriber is woken at most this long after the event that ends its wait
 T = TypeVar("T")
 
 
@@ -72,11 +72,13 @@ class Subscription:
         while True:
             if self._a_ring_behind():
                 self.dropped, self._handed = True, []
-            if self.closed or self.dropped:
+            if self.dropped:
                 return None
             batch = self._read(max_events)
             if batch:
                 return batch
+            if self.closed:  # shut down, and everything published before has been read
+                return None
             if loop.time() >= deadline:
                 return []
             self._wake.clear()
@@ -89,11 +91,12 @@ class Subscription:
                 await self._wake.wait()
             finally:
                 self._waiting = False
+                self._bus.sleeping.discard(self)
                 timer.cancel()
 
     def _read(self, max_events: int) -> list[Event]:
         if self.where is None:  # a slice of the ring, no Python step per event
-            until = self._bus.next_id if self._until is None else self._until
+            until = self._bus.next_id if self._until is None or self._until <= self.next_id else self._until
             end = min(until, self.next_id + max_events)
             batch = self._bus.between(self.next_id, end)
             self.next_id = end
@@ -156,11 +159,11 @@ class EventBus:
         self.next_id += 1
         for listener in self._listeners:
             listener(event)
+        if self._by_task or self._by_name_only:
+            self._hand_out(event)
         if self.sleeping:
             self.wake_later(self.sleeping)
             self.sleeping.clear()
-        if self._by_task or self._by_name_only:
-            self._hand_out(event)
         return event
 
     def _hand_out(self, event: Event) -> None:
@@ -177,16 +180,21 @@ class EventBus:
                 sub.hand(event)
 
     def wake_later(self, subs: Iterable[Subscription]) -> None:
-        """Wake these waiting subscribers a linger from now, with every other one due by then."""
+        """Wake these waiting subscribers at most a linger from now, with every other one due by then."""
         self._due.update(subs)
-        if self._tick is None:
+        if self._tick is not None:
+            return
+        try:
             self._tick = asyncio.get_running_loop().call_later(self.linger_s, self._wake_due)
+        except RuntimeError:  # published off the event loop: no linger then, and publish never raises
+            self._wake_due()
 
     def _wake_due(self) -> None:
         self._tick = None
         due, self._due = self._due, set()
         for sub in due:
-            sub.wake(until=self.next_id)
+            if sub._waiting:  # one woken by its deadline meanwhile has read, or is still writing
+                sub.wake(until=self.next_id)
 
     def listen(self, listener: Callable[[Event], None]) -> None:
         """A synchronous in-process listener (metrics, logs); must be cheap and must not block."""

@@ -140,6 +140,32 @@ async def test_subscribers_woken_together_read_the_same_run_while_events_keep_co
     assert runs == [[1, 2]] * 3  # the later events wait for the next wake: every reader wrote the same run
 
 
+async def test_a_subscriber_its_deadline_woke_misses_nothing_published_while_it_writes() -> None:
+    bus = EventBus(ring_size=64, linger_s=0.05)
+    sub = bus.subscribe()
+    reading = asyncio.create_task(sub.next_batch(timeout_s=0.02))
+    await asyncio.sleep(0.01)
+    publish(bus, 1)  # its wake is due in 50 ms: the deadline comes first
+    batch = await reading
+    assert batch is not None and [e.id for e in batch] == [1]
+    await asyncio.sleep(0.06)  # writing while the bus's wake goes off
+    publish(bus, 1)
+    batch = await asyncio.wait_for(sub.next_batch(timeout_s=5), 1)  # at once, not at the next heartbeat
+    assert batch is not None and [e.id for e in batch] == [2]
+
+
+async def test_at_shutdown_subscribers_first_read_what_was_published_before() -> None:
+    bus = EventBus(ring_size=64, linger_s=5)
+    subs = [bus.subscribe(), bus.subscribe(where=Filter(task_id="t0"))]
+    waiting = [asyncio.create_task(sub.next_batch(timeout_s=10)) for sub in subs]
+    await asyncio.sleep(0.01)
+    publish(bus, 3)  # for t0, t1 and t2; the subscribers' wake is 5 s away
+    bus.close()
+    batches = [await asyncio.wait_for(w, 1) for w in waiting]
+    assert [[e.id for e in b or []] for b in batches] == [[1, 2, 3], [1]]
+    assert [await sub.next_batch(timeout_s=10) for sub in subs] == [None, None]
+
+
 def test_subscribers_reading_the_same_run_share_one_framed_chunk() -> None:
     bus = EventBus(ring_size=64)
     publish(bus, 10)

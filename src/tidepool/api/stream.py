@@ -114,8 +114,8 @@ async def events(request: web.Request, daemon: Daemon, shared: SharedChunks) -> 
 
 async def _send(request: web.Request, framed: bytes) -> None:
     """An already framed chunk straight to the transport (aiohttp would frame a copy of it), then wait
-    while the transport's buffer is over its limit, as aiohttp's own write does. Only after the stream's
-    first write through aiohttp, which sends the headers."""
+    while the transport's buffer is over its limit, as aiohttp's own write does. Only for a chunked,
+    uncompressed response once prepare() has sent its headers."""
     transport = request.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the subscriber has gone")
