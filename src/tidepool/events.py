@@ -1,13 +1,11 @@
 """The in-process event bus: one bounded ring of recent events, read by subscribers at their own pace.
 
 Publishing costs the same with or without unfiltered subscribers: the event goes into the ring,
-synchronous listeners (metrics, logs) see it, and subscribers that sleep are woken, all together a
-linger later (one timer): what follows rides along, and those at one position read the same run,
-which the SSE writer then frames once for all of them. An unfiltered subscriber keeps only its
-position in the ring, so a slow one never slows the pool; one that falls a whole ring behind is
-dropped. A filtered subscriber (one task, or some event names: a CLI waiting for its task) is handed
-just the events it accepts, found by the task id and name at publish time, never by scanning every
-event; it too is dropped once its oldest unread event has left the ring.
+synchronous listeners (metrics, logs) see it, and subscribers that sleep are woken. An unfiltered
+subscriber keeps only its position in the ring, so a slow one never slows the pool; one that falls
+a whole ring behind is dropped. A filtered subscriber (one task, or some event names: a CLI waiting
+for its task) is handed just the events it accepts, found by the task id and name at publish time,
+never by scanning every event; it too is dropped once its oldest unread event has left the ring.
 The ring also serves Last-Event-ID resumption.
 """
 
@@ -15,13 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, TypeVar
 
 RING_SIZE = 10_000
-LINGER_S = 0.02  # a waiting subscriber is woken at most this long after the event that ends its wait
 T = TypeVar("T")
 
 
@@ -57,16 +54,15 @@ class Subscription:
         self._handed = backlog            # filtered: accepted events not read yet
         self.dropped = False  # fell a whole ring behind
         self.closed = False   # the bus shut down
-        self._waiting = False
-        self._until: int | None = None    # unfiltered: read up to here, the bus's next id when it woke us
         self._wake = asyncio.Event()
 
-    async def next_batch(self, *, max_events: int = 512, timeout_s: float = 15.0) -> list[Event] | None:
+    async def next_batch(self, *, max_events: int = 512, timeout_s: float = 15.0,
+                         linger_s: float = 0.0) -> list[Event] | None:
         """The accepted events after the last batch, waiting up to timeout_s for one ([] if none came);
-        None once this subscription is over (see `dropped`). A wait ends the bus's linger after the event
-        that ends it, so what follows rides along in the same batch."""
-        # asyncio's own timer, not anyio's scopes: this runs per subscriber per write, and the scopes
-        # were half of what 20 subscribers cost the event loop (measured with py-spy).
+        None once this subscription is over (see `dropped`). Once woken it lingers `linger_s` so that
+        what follows rides along: a busy pool then costs each subscriber a few writes a second."""
+        # asyncio's own timer and sleep, not anyio's scopes: this runs per subscriber per write, and the
+        # scopes were half of what 20 subscribers cost the event loop (measured with py-spy).
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
@@ -77,31 +73,26 @@ class Subscription:
             batch = self._read(max_events)
             if batch:
                 return batch
-            if self.closed:  # shut down, and everything published before has been read
+            if self.closed:  # shut down, and everything published before it has been read
                 return None
             if loop.time() >= deadline:
                 return []
             self._wake.clear()
-            self._until = None
             if self.where is None:
                 self._bus.sleeping.add(self)
             timer = loop.call_at(deadline, self._wake.set)
-            self._waiting = True
             try:
                 await self._wake.wait()
             finally:
-                self._waiting = False
-                self._bus.sleeping.discard(self)
                 timer.cancel()
+            if linger_s and loop.time() < deadline:  # woken by an event, not by the deadline
+                await asyncio.sleep(linger_s)
 
     def _read(self, max_events: int) -> list[Event]:
         if self.where is None:  # a slice of the ring, no Python step per event
-            until = self._bus.next_id if self._until is None or self._until <= self.next_id else self._until
-            end = min(until, self.next_id + max_events)
+            end = min(self._bus.next_id, self.next_id + max_events)
             batch = self._bus.between(self.next_id, end)
             self.next_id = end
-            if end >= until:
-                self._until = None
             return batch
         batch, self._handed = self._handed[:max_events], self._handed[max_events:]
         return batch
@@ -120,29 +111,21 @@ class Subscription:
             self.dropped, self._handed = True, []
         if not self.dropped:
             self._handed.append(event)
-        if self._waiting:
-            self._bus.wake_later((self,))
+        self._wake.set()
 
-    def wake(self, *, until: int | None = None) -> None:
-        self._until = until
+    def wake(self) -> None:
         self._wake.set()
 
 
 class EventBus:
-    def __init__(self, *, ring_size: int = RING_SIZE, linger_s: float = LINGER_S,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, *, ring_size: int = RING_SIZE, clock: Callable[[], float] = time.time) -> None:
         self.ring_size = ring_size
-        self.linger_s = linger_s
         self._ring: list[Event | None] = [None] * ring_size
         # Each event's encoded form (the SSE frame), beside it: subscribers reading the same events share
         # one encoding, and a contiguous run of them is one slice, with no Python step per event.
         self._encoded: list[bytes | None] = [None] * ring_size
         self.next_id = 1
-        self.sleeping: set[Subscription] = set()  # unfiltered, waiting for any event
-        # Woken together, one linger after the first event that ends their wait: unfiltered subscribers at
-        # one position then read the same run of events, and one timer serves them all.
-        self._due: set[Subscription] = set()
-        self._tick: asyncio.TimerHandle | None = None
+        self.sleeping: set[Subscription] = set()
         self._subscribers: set[Subscription] = set()
         self._by_task: dict[str, list[Subscription]] = {}  # filtered on a task id (and maybe names)
         self._by_name_only: list[Subscription] = []         # filtered on names alone
@@ -159,11 +142,12 @@ class EventBus:
         self.next_id += 1
         for listener in self._listeners:
             listener(event)
+        if self.sleeping:
+            for sub in self.sleeping:
+                sub.wake()
+            self.sleeping.clear()
         if self._by_task or self._by_name_only:
             self._hand_out(event)
-        if self.sleeping:
-            self.wake_later(self.sleeping)
-            self.sleeping.clear()
         return event
 
     def _hand_out(self, event: Event) -> None:
@@ -178,23 +162,6 @@ class EventBus:
                     s for s in self._by_name_only if s.where is not None and s.where.accepts_name(event.name)]
             for sub in routes:
                 sub.hand(event)
-
-    def wake_later(self, subs: Iterable[Subscription]) -> None:
-        """Wake these waiting subscribers at most a linger from now, with every other one due by then."""
-        self._due.update(subs)
-        if self._tick is not None:
-            return
-        try:
-            self._tick = asyncio.get_running_loop().call_later(self.linger_s, self._wake_due)
-        except RuntimeError:  # published off the event loop: no linger then, and publish never raises
-            self._wake_due()
-
-    def _wake_due(self) -> None:
-        self._tick = None
-        due, self._due = self._due, set()
-        for sub in due:
-            if sub._waiting:  # one woken by its deadline meanwhile has read, or is still writing
-                sub.wake(until=self.next_id)
 
     def listen(self, listener: Callable[[Event], None]) -> None:
         """A synchronous in-process listener (metrics, logs); must be cheap and must not block."""
@@ -221,7 +188,6 @@ class EventBus:
     def unsubscribe(self, sub: Subscription) -> None:
         self._subscribers.discard(sub)
         self.sleeping.discard(sub)
-        self._due.discard(sub)
         if sub.where is None:
             return
         if sub.where.task_id is not None:
@@ -265,10 +231,6 @@ class EventBus:
             sub.wake()
         self._subscribers.clear()
         self.sleeping.clear()
-        self._due.clear()
-        if self._tick is not None:
-            self._tick.cancel()
-            self._tick = None
         self._by_task.clear()
         self._by_name_only.clear()
         self._name_routes.clear()

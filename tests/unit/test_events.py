@@ -6,8 +6,8 @@ import asyncio
 import json
 import time
 
-from tidepool.api.stream import SharedChunks, chunk, frame, frames
-from tidepool.events import Event, EventBus, Filter, Subscription
+from tidepool.api.stream import frame, frames
+from tidepool.events import Event, EventBus, Filter
 from tidepool.model import State
 
 
@@ -100,9 +100,9 @@ async def test_a_filtered_subscriber_a_ring_behind_is_dropped_and_holds_nothing(
 
 
 async def test_a_waiting_subscriber_is_woken_by_a_publish_and_lingers_for_what_follows() -> None:
-    bus = EventBus(ring_size=64, linger_s=0.5)  # ample for a busy machine
+    bus = EventBus(ring_size=64)
     sub = bus.subscribe()
-    waiting = asyncio.create_task(sub.next_batch(timeout_s=5))
+    waiting = asyncio.create_task(sub.next_batch(timeout_s=5, linger_s=0.5))  # ample for a busy machine
     await asyncio.sleep(0.01)
     assert not waiting.done()
     publish(bus, 1)
@@ -113,71 +113,26 @@ async def test_a_waiting_subscriber_is_woken_by_a_publish_and_lingers_for_what_f
 
 
 async def test_a_subscriber_with_nothing_to_read_gets_an_empty_batch_at_its_timeout() -> None:
-    bus = EventBus(ring_size=64, linger_s=5)
+    bus = EventBus(ring_size=64)
     sub = bus.subscribe()
     started = time.monotonic()
-    assert await sub.next_batch(timeout_s=0.1) == []  # the deadline ends it: no linger after
+    assert await sub.next_batch(timeout_s=0.1, linger_s=5) == []  # the deadline ends it: no linger after
     assert 0.09 <= time.monotonic() - started < 5
     publish(bus, 1)  # still subscribed: the next read gets it
     batch = await sub.next_batch(timeout_s=0.1)
     assert batch is not None and [e.id for e in batch] == [1]
 
 
-async def test_subscribers_woken_together_read_the_same_run_while_events_keep_coming() -> None:
-    bus = EventBus(ring_size=64, linger_s=0.01)
-    runs: list[list[int]] = []
-
-    async def read(sub: Subscription) -> None:
-        batch = await sub.next_batch(timeout_s=5)
-        assert batch is not None
-        runs.append([e.id for e in batch])
-        publish(bus, 1)  # published between this reader's read and the next one's
-
-    readers = [asyncio.create_task(read(bus.subscribe())) for _ in range(3)]
-    await asyncio.sleep(0.01)
-    publish(bus, 2)
-    await asyncio.wait_for(asyncio.gather(*readers), 1)
-    assert runs == [[1, 2]] * 3  # the later events wait for the next wake: every reader wrote the same run
-
-
-async def test_a_subscriber_its_deadline_woke_misses_nothing_published_while_it_writes() -> None:
-    bus = EventBus(ring_size=64, linger_s=0.05)
-    sub = bus.subscribe()
-    reading = asyncio.create_task(sub.next_batch(timeout_s=0.02))
-    await asyncio.sleep(0.01)
-    publish(bus, 1)  # its wake is due in 50 ms: the deadline comes first
-    batch = await reading
-    assert batch is not None and [e.id for e in batch] == [1]
-    await asyncio.sleep(0.06)  # writing while the bus's wake goes off
-    publish(bus, 1)
-    batch = await asyncio.wait_for(sub.next_batch(timeout_s=5), 1)  # at once, not at the next heartbeat
-    assert batch is not None and [e.id for e in batch] == [2]
-
-
 async def test_at_shutdown_subscribers_first_read_what_was_published_before() -> None:
-    bus = EventBus(ring_size=64, linger_s=5)
+    bus = EventBus(ring_size=64)
     subs = [bus.subscribe(), bus.subscribe(where=Filter(task_id="t0"))]
-    waiting = [asyncio.create_task(sub.next_batch(timeout_s=10)) for sub in subs]
+    waiting = [asyncio.create_task(sub.next_batch(timeout_s=10, linger_s=0.05)) for sub in subs]
     await asyncio.sleep(0.01)
-    publish(bus, 3)  # for t0, t1 and t2; the subscribers' wake is 5 s away
+    publish(bus, 3)  # for t0, t1 and t2: woken, the subscribers linger
     bus.close()
     batches = [await asyncio.wait_for(w, 1) for w in waiting]
     assert [[e.id for e in b or []] for b in batches] == [[1, 2, 3], [1]]
     assert [await sub.next_batch(timeout_s=10) for sub in subs] == [None, None]
-
-
-def test_subscribers_reading_the_same_run_share_one_framed_chunk() -> None:
-    bus = EventBus(ring_size=64)
-    publish(bus, 10)
-    shared = SharedChunks(bus)
-    body = frames(bus, bus.between(1, 11))
-    whole = shared.of(bus.between(1, 11))
-    assert whole == chunk(body) == b"%x\r\n%s\r\n" % (len(body), body)
-    assert shared.of(bus.between(1, 11)) is whole  # the next subscriber writes the same bytes, not a copy
-    parts = [bus.between(1, 4), bus.between(4, 8), bus.between(8, 11)]  # a burst, read in parts
-    first_reader = [shared.of(p) for p in parts]
-    assert all(a is b for a, b in zip((shared.of(p) for p in parts), first_reader, strict=True))
-    assert b"".join(first_reader) == b"".join(chunk(frames(bus, p)) for p in parts)
 
 
 def test_a_write_holds_the_frames_of_its_events_encoded_once_even_across_the_rings_wrap() -> None:

@@ -37,7 +37,6 @@ M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DAEMON: web.AppKey[Daemon] = web.AppKey("daemon")
 TOKEN: web.AppKey[str | None] = web.AppKey("token")
-SHARED_CHUNKS: web.AppKey[stream.SharedChunks] = web.AppKey("shared_chunks")
 BODY_TIMEOUT_S = 30.0
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics"})  # and /static/: everything else needs the token
@@ -242,7 +241,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def events(request: web.Request) -> web.StreamResponse:
-    return await stream.events(request, request.app[DAEMON], request.app[SHARED_CHUNKS])
+    return await stream.events(request, request.app[DAEMON])
 
 
 async def openapi_json(request: web.Request) -> web.Response:
@@ -257,7 +256,6 @@ def build_app(daemon: Daemon, *, token: str | None = None) -> web.Application:
     app = web.Application(middlewares=[errors_as_json, require_token], client_max_size=daemon.max_body_kb * 1024)
     app[DAEMON] = daemon
     app[TOKEN] = token
-    app[SHARED_CHUNKS] = stream.SharedChunks(daemon.events)
     app.router.add_post("/v1/tasks", submit)
     app.router.add_route("*", "/v1/tasks/batch", batch_only)  # every method, or GET falls through to {id}
     app.router.add_get("/v1/tasks", list_tasks)

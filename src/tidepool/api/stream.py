@@ -21,6 +21,7 @@ HEARTBEAT_S = 15.0
 # a stalled reader from the bounded queue for tens of thousands of events. Fixed, it holds ~1k events.
 SEND_BUFFER = 128 * 1024
 MAX_BATCH = 512  # events written to one subscriber in one go
+LINGER_S = 0.02  # an event waits at most this long for others to share its write
 
 
 def frame(event: Event) -> bytes:
@@ -45,41 +46,13 @@ def frames(bus: EventBus, batch: list[Event]) -> bytes:
     return b"".join([bus.encoded(e.id, e.id + 1, frame)[0] for e in batch])
 
 
-def chunk(body: bytes) -> bytes:
-    """`body` as one HTTP/1.1 chunk of a chunked response."""
-    return b"%x\r\n%s\r\n" % (len(body), body)
-
-
-class SharedChunks:
-    """Recent runs of events, each framed once as an HTTP chunk for every subscriber that reads it.
-
-    The subscribers the bus wakes together read the same runs: each of 20 joining ~60 KB of frames and
-    framing a copy through aiohttp was a third of what they cost the event loop (measured). A few runs
-    are kept, as a burst is read in several (MAX_BATCH) by one subscriber after another."""
-
-    KEEP = 8
-
-    def __init__(self, bus: EventBus) -> None:
-        self._bus = bus
-        self._runs: dict[tuple[int, int], bytes] = {}
-
-    def of(self, batch: list[Event]) -> bytes:
-        key = (batch[0].id, batch[-1].id)
-        framed = self._runs.get(key)
-        if framed is None:
-            if len(self._runs) >= self.KEEP:
-                del self._runs[next(iter(self._runs))]  # the oldest
-            framed = self._runs[key] = chunk(frames(self._bus, batch))
-        return framed
-
-
 def _filter(request: web.Request) -> Filter | None:
     task_id = request.query.get("task_id") or None
     names = tuple(n for n in request.query.get("type", "").split(",") if n)
     return Filter(task_id, names) if task_id is not None or names else None
 
 
-async def events(request: web.Request, daemon: Daemon, shared: SharedChunks) -> web.StreamResponse:
+async def events(request: web.Request, daemon: Daemon) -> web.StreamResponse:
     raw_last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
     after = int(raw_last) if raw_last and raw_last.isdigit() else None
     gap = after is not None and daemon.events.oldest_id() > after + 1  # judged where the resume starts
@@ -88,39 +61,22 @@ async def events(request: web.Request, daemon: Daemon, shared: SharedChunks) -> 
                                            "X-Accel-Buffering": "no"})
     try:
         await response.prepare(request)
-        chunked = response.headers.get("Transfer-Encoding") == "chunked"  # not for an HTTP/1.0 client
         _bound_send_buffer(request)
         if gap:
             await response.write(b"event: stream.gap\ndata: {\"missed\": true}\n\n")
         await response.write(b": connected\n\n")
         while True:
-            batch = await sub.next_batch(max_events=MAX_BATCH, timeout_s=HEARTBEAT_S)
+            batch = await sub.next_batch(max_events=MAX_BATCH, timeout_s=HEARTBEAT_S, linger_s=LINGER_S)
             if batch is None:  # dropped for falling behind, or the node is shutting down
                 reason = "slow subscriber" if sub.dropped else "shutdown"
                 await response.write(f"event: stream.closed\ndata: {json.dumps({'reason': reason})}\n\n".encode())
                 break
-            if not batch:
-                await response.write(b": heartbeat\n\n")
-            elif sub.where is None and chunked:
-                await _send(request, shared.of(batch))
-            else:
-                await response.write(frames(daemon.events, batch))
+            await response.write(frames(daemon.events, batch) if batch else b": heartbeat\n\n")
     except (ConnectionResetError, ConnectionError):
         pass
     finally:
         daemon.events.unsubscribe(sub)
     return response
-
-
-async def _send(request: web.Request, framed: bytes) -> None:
-    """An already framed chunk straight to the transport (aiohttp would frame a copy of it), then wait
-    while the transport's buffer is over its limit, as aiohttp's own write does. Only for a chunked,
-    uncompressed response once prepare() has sent its headers."""
-    transport = request.transport
-    if transport is None or transport.is_closing():
-        raise ConnectionResetError("the subscriber has gone")
-    transport.write(framed)
-    await request.writer.drain()
 
 
 def _bound_send_buffer(request: web.Request) -> None:
