@@ -827,7 +827,7 @@ class PostgresStore:
         an earlier write of it may have committed unanswered, so meeting its own fence is not yet a refusal."""
         lease = ending.lease
         try:
-            return await _retried(lambda: self._finish(lease, ending.outcome, ending.now, policy),
+            return await _retried(lambda: self._finish(ending, policy),
                                   ended=lambda: self._ended(lease, ending.now), retried=maybe_written)
         except TidepoolError as exc:
             return exc
@@ -851,8 +851,9 @@ class PostgresStore:
         ended = row is not None and row[1] not in ("leased", "running", "expired")
         return State(row[0]) if ended else None
 
-    async def _finish(self, lease: Lease, outcome: Outcome, now: float, policy: RetryPolicy) -> State:
-        if completable_at_once([Ending(lease, outcome, now)])[0] and await self._completions((lease, now)):
+    async def _finish(self, ending: Ending, policy: RetryPolicy) -> State:
+        lease, outcome, now = ending.lease, ending.outcome, ending.now
+        if completable_at_once([ending])[0] and await self._completions((lease, now)):
             return State.COMPLETED
         async with self._conn() as conn, conn.transaction():
             row = await conn.fetchrow(ENDING_ROW, lease.task_id, lease.attempt_id, lease.token)
