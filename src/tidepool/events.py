@@ -1,12 +1,13 @@
 """The in-process event bus: one bounded ring of recent events, read by subscribers at their own pace.
 
-Publishing costs the same with or without unfiltered subscribers: the event goes into the ring,
-synchronous listeners (metrics, logs) see it, and subscribers that sleep are woken. An unfiltered
-subscriber keeps only its position in the ring, so a slow one never slows the pool; one that falls
-a whole ring behind is dropped. A filtered subscriber (one task, or some event names: a CLI waiting
-for its task) is handed just the events it accepts, found by the task id and name at publish time,
-never by scanning every event; it too is dropped once its oldest unread event has left the ring.
-The ring also serves Last-Event-ID resumption.
+Publishing costs the same with or without unfiltered readers: the event goes into the ring,
+synchronous listeners (metrics, logs) see it, and readers that sleep are woken. An unfiltered reader
+(a Subscription, or the API's fan-out, which serves every unfiltered stream) keeps only its position
+in the ring, so a slow one never slows the pool; one that falls a whole ring behind is dropped. A
+filtered subscriber (one task, or some event names: a CLI waiting for its task) is handed just the
+events it accepts, found by the task id and name at publish time, never by scanning every event; it
+too is dropped once its oldest unread event has left the ring. The ring also serves Last-Event-ID
+resumption, and keeps each event's encoded frame beside it.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 RING_SIZE = 10_000
 T = TypeVar("T")
+
+
+class Waker(Protocol):
+    def wake(self) -> None: ...
 
 
 @dataclass(slots=True)  # built for every step of every task: plain is cheaper than frozen
@@ -79,7 +84,7 @@ class Subscription:
                 return []
             self._wake.clear()
             if self.where is None:
-                self._bus.sleeping.add(self)
+                self._bus.wake_at_next_publish(self)
             timer = loop.call_at(deadline, self._wake.set)
             try:
                 await self._wake.wait()
@@ -125,7 +130,7 @@ class EventBus:
         # one encoding, and a contiguous run of them is one slice, with no Python step per event.
         self._encoded: list[bytes | None] = [None] * ring_size
         self.next_id = 1
-        self.sleeping: set[Subscription] = set()
+        self._sleeping: set[Waker] = set()
         self._subscribers: set[Subscription] = set()
         self._by_task: dict[str, list[Subscription]] = {}  # filtered on a task id (and maybe names)
         self._by_name_only: list[Subscription] = []         # filtered on names alone
@@ -142,10 +147,10 @@ class EventBus:
         self.next_id += 1
         for listener in self._listeners:
             listener(event)
-        if self.sleeping:
-            for sub in self.sleeping:
-                sub.wake()
-            self.sleeping.clear()
+        if self._sleeping:
+            for sleeper in self._sleeping:
+                sleeper.wake()
+            self._sleeping.clear()
         if self._by_task or self._by_name_only:
             self._hand_out(event)
         return event
@@ -162,6 +167,17 @@ class EventBus:
                     s for s in self._by_name_only if s.where is not None and s.where.accepts_name(event.name)]
             for sub in routes:
                 sub.hand(event)
+
+    def wake_at_next_publish(self, sleeper: Waker) -> None:
+        """Call sleeper.wake() once, at the next publish (or at close): an unfiltered reader's wait."""
+        self._sleeping.add(sleeper)
+
+    def stop_waking(self, sleeper: Waker) -> None:
+        self._sleeping.discard(sleeper)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def listen(self, listener: Callable[[Event], None]) -> None:
         """A synchronous in-process listener (metrics, logs); must be cheap and must not block."""
@@ -187,7 +203,7 @@ class EventBus:
 
     def unsubscribe(self, sub: Subscription) -> None:
         self._subscribers.discard(sub)
-        self.sleeping.discard(sub)
+        self._sleeping.discard(sub)
         if sub.where is None:
             return
         if sub.where.task_id is not None:
@@ -230,7 +246,9 @@ class EventBus:
             sub.closed = True
             sub.wake()
         self._subscribers.clear()
-        self.sleeping.clear()
+        for sleeper in self._sleeping:  # the fan-out, waiting for events that will not come now
+            sleeper.wake()
+        self._sleeping.clear()
         self._by_task.clear()
         self._by_name_only.clear()
         self._name_routes.clear()

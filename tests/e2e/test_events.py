@@ -67,6 +67,28 @@ async def test_a_submitted_task_s_events_arrive_in_order(daemon: Daemon, session
 
 
 @pytest.mark.e2e
+async def test_a_stream_that_joins_while_events_flow_gets_every_one_from_where_it_joined(
+        daemon: Daemon, session: aiohttp.ClientSession) -> None:
+    """Streams at different positions are written together: the late one neither misses nor repeats."""
+    early = await EventStream.open(session, daemon)
+    ids = set(await submit(session, daemon, 200, type="sleep", payload={"seconds": 0.05}))
+    first = await early.until(lambda e: e.event == "task.finished")  # the pool is at work now
+    late = await EventStream.open(session, daemon)
+    rest = await early.until(finished(ids - {first[-1].task_id or ""}), timeout_s=60)
+    joined = await late.until(lambda e: e.id == rest[-1].id, timeout_s=60)
+    early.close()
+    late.close()
+
+    everything = first + rest
+    assert [e.id for e in everything] == list(range(everything[0].id or 0, (everything[-1].id or 0) + 1))
+    assert joined[0].id is not None and everything[0].id is not None
+    assert everything[0].id < joined[0].id, "the late stream starts where it joined, not at the beginning"
+    assert sum(e.event == "task.finished" for e in joined) > 0, "it joined while tasks still ran"
+    tail = [(e.id, e.event, e.task_id) for e in everything if (e.id or 0) >= joined[0].id]
+    assert [(e.id, e.event, e.task_id) for e in joined] == tail
+
+
+@pytest.mark.e2e
 async def test_an_http_1_0_client_gets_plain_frames(daemon: Daemon, session: aiohttp.ClientSession) -> None:
     """HTTP/1.0 has no chunked encoding: the stream is the frames themselves, ended by the close."""
     host, port = daemon.url.removeprefix("http://").rsplit(":", 1)

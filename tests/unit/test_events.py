@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
+from functools import partial
 
-from tidepool.api.stream import frame, frames
+import anyio
+
+from tidepool.api.stream import Fanout, frame, frames
 from tidepool.events import Event, EventBus, Filter
 from tidepool.model import State
 
@@ -174,3 +178,56 @@ async def test_a_subscriber_arriving_after_shutdown_is_ended_at_once() -> None:
         sub = bus.subscribe(where=where)
         assert await asyncio.wait_for(sub.next_batch(timeout_s=5), 1) is None
         assert sub.closed and not sub.dropped
+
+
+async def test_the_fanout_sends_each_stream_the_events_past_its_own_position_then_the_final_event() -> None:
+    """Streams at different positions are written in one pass: one from the start, one mid-ring, one caught
+    up; a stream at one position never gets another's run."""
+    bus = EventBus(ring_size=64)
+    publish(bus, 10)  # ids 1..10
+    fanout = Fanout(bus)
+    loop = asyncio.get_running_loop()
+    pairs = [socket.socketpair() for _ in range(3)]
+    starts = (1, 5, 11)
+    received = [b""] * len(pairs)
+    transports: list[asyncio.BaseTransport] = []
+
+    async def read_until(i: int, marker: bytes) -> None:
+        theirs = pairs[i][1]
+        theirs.setblocking(False)
+        while marker not in received[i]:
+            data = await loop.sock_recv(theirs, 1 << 16)
+            assert data, "the stream's connection closed early"
+            received[i] += data
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fanout.run)
+        for (ours, _), start in zip(pairs, starts, strict=True):
+            transport, _ = await loop.create_connection(asyncio.Protocol, sock=ours)
+            transports.append(transport)
+            tg.start_soon(partial(fanout.follow, transport, chunked=False, next_id=start))
+        publish(bus, 5)  # ids 11..15
+        with anyio.fail_after(5):
+            for i in range(len(pairs)):
+                await read_until(i, b"id: 15\n")
+        for i, start in enumerate(starts):
+            assert frame_ids(received[i]) == list(range(start, 16)), f"stream from {start}"
+
+        bus.publish("task.finished", task_id="t0", state="completed")  # id 16, then the shutdown
+        bus.close()
+        with anyio.fail_after(5):
+            for i in range(len(pairs)):
+                await read_until(i, b"event: stream.closed")
+        tg.cancel_scope.cancel()
+    for i, start in enumerate(starts):
+        assert frame_ids(received[i]) == list(range(start, 17)), "what was published before the shutdown"
+        assert received[i].endswith(b'event: stream.closed\ndata: {"reason": "shutdown"}\n\n')
+    for transport in transports:
+        transport.close()
+    await asyncio.sleep(0)  # the transports let go of their sockets
+    for _, theirs in pairs:
+        theirs.close()
+
+
+def frame_ids(stream: bytes) -> list[int]:
+    return [int(line[4:]) for line in stream.decode().splitlines() if line.startswith("id: ")]

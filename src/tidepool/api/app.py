@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DAEMON: web.AppKey[Daemon] = web.AppKey("daemon")
+FANOUT: web.AppKey[stream.Fanout] = web.AppKey("fanout")
 TOKEN: web.AppKey[str | None] = web.AppKey("token")
 BODY_TIMEOUT_S = 30.0
 STATIC = Path(__file__).parent / "static"
@@ -241,7 +242,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def events(request: web.Request) -> web.StreamResponse:
-    return await stream.events(request, request.app[DAEMON])
+    return await stream.events(request, request.app[DAEMON], request.app[FANOUT])
 
 
 async def openapi_json(request: web.Request) -> web.Response:
@@ -252,9 +253,10 @@ async def dashboard(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC / "index.html")
 
 
-def build_app(daemon: Daemon, *, token: str | None = None) -> web.Application:
+def build_app(daemon: Daemon, fanout: stream.Fanout, *, token: str | None = None) -> web.Application:
     app = web.Application(middlewares=[errors_as_json, require_token], client_max_size=daemon.max_body_kb * 1024)
     app[DAEMON] = daemon
+    app[FANOUT] = fanout
     app[TOKEN] = token
     app.router.add_post("/v1/tasks", submit)
     app.router.add_route("*", "/v1/tasks/batch", batch_only)  # every method, or GET falls through to {id}
@@ -310,15 +312,18 @@ async def serve_api(daemon: Daemon, listen: str, *, token: str | None = None,
                     task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
     """Bind `listen` ("host:port" or "unix:/path"), report the bound address, serve until cancelled."""
     guard = ConnectionGuard()
-    app = build_app(daemon, token=token)
+    fanout = stream.Fanout(daemon.events)
+    app = build_app(daemon, fanout, token=token)
     app.middlewares.insert(0, guard.next_request)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
     await runner.setup()
     try:
-        site = GuardedSite(runner, listen, guard)
-        await site.start()
-        task_status.started(site.bound)
-        await anyio.sleep_forever()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fanout.run)
+            site = GuardedSite(runner, listen, guard)
+            await site.start()
+            task_status.started(site.bound)
+            await anyio.sleep_forever()
     finally:
         with anyio.CancelScope(shield=True):
             await runner.cleanup()
