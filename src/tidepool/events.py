@@ -1,13 +1,13 @@
-"""The in-process event bus: one bounded ring of recent events, read by subscribers at their own pace.
+"""The in-process event bus: one bounded ring of recent events, read at each reader's own pace.
 
 Publishing costs the same with or without unfiltered readers: the event goes into the ring,
-synchronous listeners (metrics, logs) see it, and readers that sleep are woken. An unfiltered reader
-(a Subscription, or the API's fan-out, which serves every unfiltered stream) keeps only its position
-in the ring, so a slow one never slows the pool; one that falls a whole ring behind is dropped. A
-filtered subscriber (one task, or some event names: a CLI waiting for its task) is handed just the
-events it accepts, found by the task id and name at publish time, never by scanning every event; it
-too is dropped once its oldest unread event has left the ring. The ring also serves Last-Event-ID
-resumption, and keeps each event's encoded frame beside it.
+synchronous listeners (metrics, logs) see it, and a reader waiting for events (the API's fan-out,
+which serves every unfiltered stream) is woken. That reader keeps one position in the ring per
+stream, so a slow stream never slows the pool; one whose next event has left the ring is dropped.
+A filtered Subscription (one task, or some event names: a CLI waiting for its task) is handed just
+the events it accepts, found by the task id and name at publish time, never by scanning every
+event; it too is dropped once its oldest unread event has left the ring. The ring also serves
+Last-Event-ID resumption, and keeps each event's encoded frame beside it.
 """
 
 from __future__ import annotations
@@ -50,13 +50,12 @@ class Filter:
 
 
 class Subscription:
-    """A reader: of the bus's ring from a position (no filter), or of the events handed to it (filtered)."""
+    """A filtered reader: the events the bus hands it at publish (and, resuming, those the ring held)."""
 
-    def __init__(self, bus: EventBus, where: Filter | None, next_id: int, backlog: list[Event]) -> None:
+    def __init__(self, bus: EventBus, where: Filter, backlog: list[Event]) -> None:
         self._bus = bus
         self.where = where
-        self.next_id = next_id            # unfiltered: the next ring position to read
-        self._handed = backlog            # filtered: accepted events not read yet
+        self._handed = backlog  # accepted events not read yet
         self.dropped = False  # fell a whole ring behind
         self.closed = False   # the bus shut down
         self._wake = asyncio.Event()
@@ -75,7 +74,7 @@ class Subscription:
                 self.dropped, self._handed = True, []
             if self.dropped:
                 return None
-            batch = self._read(max_events)
+            batch, self._handed = self._handed[:max_events], self._handed[max_events:]
             if batch:
                 return batch
             if self.closed:  # shut down, and everything published before it has been read
@@ -83,8 +82,6 @@ class Subscription:
             if loop.time() >= deadline:
                 return []
             self._wake.clear()
-            if self.where is None:
-                self._bus.wake_at_next_publish(self)
             timer = loop.call_at(deadline, self._wake.set)
             try:
                 await self._wake.wait()
@@ -93,24 +90,12 @@ class Subscription:
             if linger_s and loop.time() < deadline:  # woken by an event, not by the deadline
                 await asyncio.sleep(linger_s)
 
-    def _read(self, max_events: int) -> list[Event]:
-        if self.where is None:  # a slice of the ring, no Python step per event
-            end = min(self._bus.next_id, self.next_id + max_events)
-            batch = self._bus.between(self.next_id, end)
-            self.next_id = end
-            return batch
-        batch, self._handed = self._handed[:max_events], self._handed[max_events:]
-        return batch
-
     def _a_ring_behind(self) -> bool:
-        """Its next event has left the ring: a position the ring moved past, or (filtered) an unread
-        event the ring no longer holds."""
-        if self.where is None:
-            return self.next_id < self._bus.oldest_id()
+        """An unread event the ring no longer holds."""
         return bool(self._handed) and self._handed[0].id < self._bus.oldest_id()
 
     def hand(self, event: Event) -> None:
-        """A filtered subscriber's event, from publish. One a ring behind is dropped here as well, so it
+        """An accepted event, from publish. One a ring behind is dropped here as well, so it
         never holds events the ring has let go."""
         if self._a_ring_behind():
             self.dropped, self._handed = True, []
@@ -158,13 +143,13 @@ class EventBus:
     def _hand_out(self, event: Event) -> None:
         task_id = event.data.get("task_id")
         for sub in self._by_task.get(task_id, ()) if task_id is not None else ():
-            if sub.where is not None and sub.where.accepts_name(event.name):
+            if sub.where.accepts_name(event.name):
                 sub.hand(event)
         if self._by_name_only:
             routes = self._name_routes.get(event.name)
             if routes is None:  # each name is matched against the globs once, not once per event
                 routes = self._name_routes[event.name] = [
-                    s for s in self._by_name_only if s.where is not None and s.where.accepts_name(event.name)]
+                    s for s in self._by_name_only if s.where.accepts_name(event.name)]
             for sub in routes:
                 sub.hand(event)
 
@@ -183,29 +168,24 @@ class EventBus:
         """A synchronous in-process listener (metrics, logs); must be cheap and must not block."""
         self._listeners.append(listener)
 
-    def subscribe(self, *, where: Filter | None = None, after: int | None = None) -> Subscription:
-        """Read future events, or with `after` every event the ring still holds past that id as well;
-        `where` filters them (None: every event)."""
-        start = self.next_id if after is None else max(after + 1, self.oldest_id())
-        backlog = [e for e in self.since(after) if where.accepts(e)] if where and after is not None else []
-        sub = Subscription(self, where, start, backlog)
+    def subscribe(self, where: Filter, *, after: int | None = None) -> Subscription:
+        """Read the future events `where` accepts, or with `after` those the ring still holds past that
+        id as well. (Unfiltered readers keep a position in the ring instead: see the API's fan-out.)"""
+        backlog = [e for e in self.since(after) if where.accepts(e)] if after is not None else []
+        sub = Subscription(self, where, backlog)
         if self._closed:  # the node is shutting down: the stream ends with its final event at once
             sub.closed = True
             return sub
         self._subscribers.add(sub)
-        if where is not None:
-            if where.task_id is not None:
-                self._by_task.setdefault(where.task_id, []).append(sub)
-            else:
-                self._by_name_only.append(sub)
-                self._name_routes.clear()
+        if where.task_id is not None:
+            self._by_task.setdefault(where.task_id, []).append(sub)
+        else:
+            self._by_name_only.append(sub)
+            self._name_routes.clear()
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
         self._subscribers.discard(sub)
-        self._sleeping.discard(sub)
-        if sub.where is None:
-            return
         if sub.where.task_id is not None:
             subs = self._by_task.get(sub.where.task_id, [])
             if sub in subs:

@@ -144,6 +144,22 @@ async def test_reconnecting_with_last_event_id_misses_no_event(daemon: Daemon,
 
 
 @pytest.mark.e2e
+async def test_a_last_event_id_from_before_a_restart_replays_this_run_after_a_gap_notice(
+        daemon: Daemon, session: aiohttp.ClientSession) -> None:
+    """Ids start again at 1 in each run: one this run never gave comes from an earlier one, whose last
+    events are gone, while none of this run's has been seen (the dashboard reconnects like this)."""
+    for where in ({}, {"type": "task.*,plugin.*"}):
+        stream = await EventStream.open(session, daemon, last_id=10**9, **where)
+        assert [e.event for e in stream.pending] == ["stream.gap"]
+        (task_id,) = await submit(session, daemon)
+        events = await stream.until(finished({task_id}))
+        stream.close()
+        assert shape(by_task(events, task_id)) == NOOP_EVENTS
+        if not where:
+            assert next(e.id for e in events if e.id is not None) == 1, "this run's events from its first"
+
+
+@pytest.mark.e2e
 async def test_filters_by_task_id_and_event_type(daemon: Daemon, session: aiohttp.ClientSession) -> None:
     a, b = await submit(session, daemon, 2)
     daemon.wait_for("both tasks to end", lambda: all(daemon.task(t)["state"] == "completed" for t in (a, b)))

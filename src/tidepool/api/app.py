@@ -271,7 +271,7 @@ def build_app(daemon: Daemon, fanout: stream.Fanout, *, token: str | None = None
     app.router.add_post("/v1/schedules", create_schedule)
     app.router.add_delete("/v1/schedules/{name}", delete_schedule)
     app.router.add_post(r"/v1/schedules/{name}/{action:pause|resume}", pause_schedule)
-    app.router.add_get("/v1/events", events)
+    app.router.add_get("/v1/events", events, allow_head=False)  # a HEAD must not start a stream
     app.router.add_get("/v1/openapi.json", openapi_json)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -325,5 +325,6 @@ async def serve_api(daemon: Daemon, listen: str, *, token: str | None = None,
             task_status.started(site.bound)
             await anyio.sleep_forever()
     finally:
+        fanout.close()  # every stream ends with its final event now, not when cleanup gives up on it
         with anyio.CancelScope(shield=True):
             await runner.cleanup()

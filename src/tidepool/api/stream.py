@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import socket
 import time
@@ -25,6 +26,8 @@ from ..model import rfc3339
 
 if TYPE_CHECKING:
     from ..service import Daemon
+
+log = logging.getLogger("tidepool.api")
 
 HEARTBEAT_S = 15.0
 # The kernel's send buffer is part of a subscriber's backlog: autotuned, it grows to megabytes and hides
@@ -74,8 +77,7 @@ class _Stream:
 
     def __init__(self, transport: asyncio.Transport, *, chunked: bool, next_id: int) -> None:
         self._transport = transport
-        sock = transport.get_extra_info("socket")
-        self._fd: int | None = sock.fileno() if sock is not None else None
+        self._direct = transport.get_extra_info("sslcontext") is None  # a TLS transport must encrypt it
         self.chunked = chunked   # HTTP/1.1; an HTTP/1.0 client gets the frames themselves
         self.next_id = next_id   # the first event it has not been sent
         self.last_sent = time.monotonic()
@@ -85,33 +87,28 @@ class _Stream:
     def backlogged(self) -> bool:
         return self._transport.get_write_buffer_size() > BACKLOG_BYTES
 
-    def send(self, data: bytes) -> bool:
-        """Write `data` (already framed) after whatever is still queued; False once the connection is gone.
+    def send(self, frames: bytes) -> bool:
+        """Write `frames` after whatever is still queued; False if the connection is gone.
 
         With nothing queued, the bytes go straight to the socket with os.write, which lets go of the GIL
         while the kernel copies them (the transport's own write holds it throughout): the SQLite writer
         thread runs meanwhile. What the socket does not take is queued on the transport, in order."""
-        if self._transport.is_closing():
-            self.end()
+        if self._transport.is_closing():  # checked right before the write: the socket is still ours
             return False
+        data = chunk(frames) if self.chunked else frames
         sent = 0
-        if self._fd is not None and not self._transport.get_write_buffer_size():
+        sock = self._transport.get_extra_info("socket")
+        if self._direct and sock is not None and not self._transport.get_write_buffer_size():
             try:
-                sent = os.write(self._fd, data)
+                sent = os.write(sock.fileno(), data)
             except BlockingIOError:
                 pass
             except OSError:  # reset or gone: the transport finds out on its own side
-                self.end()
                 return False
         if sent < len(data):
             self._transport.write(data[sent:])
         self.last_sent = time.monotonic()
         return True
-
-    def end(self, final: bytes | None = None) -> None:
-        if final is not None and not self.ended.is_set():
-            self.send(chunk(final) if self.chunked else final)
-        self.ended.set()
 
 
 class Fanout:
@@ -126,7 +123,7 @@ class Fanout:
         """Send the connection every event from next_id on, until the stream ends (shutdown, dropped, gone)."""
         stream = _Stream(transport, chunked=chunked, next_id=next_id)
         if self._bus.closed:
-            stream.end(closed_frame("shutdown"))
+            self._end(stream, closed_frame("shutdown"))
             return
         self._streams.add(stream)
         self._wake.set()
@@ -146,53 +143,57 @@ class Fanout:
                 if not self._streams:
                     self._wake.clear()
                     await self._wake.wait()
-                    continue
-                await self._serve_once()
+                elif self._bus.closed:
+                    self.close()
+                else:
+                    await self._serve_once()
         finally:
             self._bus.stop_waking(self)
 
-    async def _serve_once(self) -> None:
-        """Wait for events, then write; a heartbeat's time at most, less while a stream is behind."""
-        if self._bus.closed:
-            self._end_all()
-            return
-        self._wake.clear()
-        self._bus.wake_at_next_publish(self)
-        with anyio.move_on_after(self._patience()) as waited:
-            await self._wake.wait()
-        if self._bus.closed:
-            return
-        if not waited.cancelled_caught:  # woken by events: let what follows ride along
-            await asyncio.sleep(LINGER_S)
-        else:
-            self._heartbeat_idle()
-        self._write_all()
+    def close(self) -> None:
+        """Shutdown: every stream gets what was published before it (all of it: this is the last write),
+        then its final event. Synchronous, so that no cancellation can come between."""
+        end, oldest = self._bus.next_id, self._bus.oldest_id()
+        for stream in list(self._streams):
+            if stream.next_id < oldest:
+                self._end(stream, closed_frame("slow subscriber"))
+                continue
+            rest = b"".join(self._bus.encoded(stream.next_id, end, frame))
+            if not rest or self._send(stream, rest):
+                self._end(stream, closed_frame("shutdown"))
 
-    def _patience(self) -> float:
-        """How long to wait for events: a stream behind that can take more waits a linger at most; one
-        behind whose reader is not reading (backlogged) is looked at again a few times a second."""
-        behind = [s for s in self._streams if s.next_id < self._bus.next_id]
-        if any(not s.backlogged for s in behind):
-            return LINGER_S
-        return BACKLOGGED_POLL_S if behind else HEARTBEAT_S
+    async def _serve_once(self) -> None:
+        """Write what is new. A stream that is behind and can take more is written again at once;
+        otherwise wait for events (then linger for what follows), or for a heartbeat's time."""
+        if any(s.next_id < self._bus.next_id and not s.backlogged for s in self._streams):
+            await asyncio.sleep(0)  # the pool's callbacks run between two rounds of writes
+        else:
+            self._wake.clear()
+            self._bus.wake_at_next_publish(self)
+            behind = any(s.next_id < self._bus.next_id for s in self._streams)  # and not reading
+            with anyio.move_on_after(BACKLOGGED_POLL_S if behind else HEARTBEAT_S) as waited:
+                await self._wake.wait()
+            if not waited.cancelled_caught and not self._bus.closed:
+                await asyncio.sleep(LINGER_S)
+        if not self._bus.closed:  # else run() ends the streams with what is left
+            self._write_all()
+            self._heartbeat_idle()
 
     def _write_all(self) -> None:
         """Each stream gets the events past its position; streams at one position share one encoding."""
         end, oldest = self._bus.next_id, self._bus.oldest_id()
-        shared: dict[tuple[int, int, bool], bytes] = {}
+        shared: dict[tuple[int, int], bytes] = {}
         for stream in list(self._streams):
             first = stream.next_id
             if first < oldest:  # its next event has left the ring: it fell too far behind
-                self._streams.discard(stream)
-                stream.end(closed_frame("slow subscriber"))
+                self._end(stream, closed_frame("slow subscriber"))
             elif first < end and not stream.backlogged:
                 upto = min(end, first + MAX_BATCH)
-                key = (first, upto, stream.chunked)
-                if key not in shared:
-                    run = b"".join(self._bus.encoded(first, upto, frame))
-                    shared[key] = chunk(run) if stream.chunked else run
-                if stream.send(shared[key]):
-                    stream.next_id = upto
+                if (first, upto) not in shared:
+                    shared[first, upto] = b"".join(self._bus.encoded(first, upto, frame))
+                if not self._send(stream, shared[first, upto]):
+                    continue
+                stream.next_id = upto
 
     def _heartbeat_idle(self) -> None:
         """A comment line to each stream sent nothing for a heartbeat's time: proxies keep it open, and a
@@ -200,21 +201,24 @@ class Fanout:
         now = time.monotonic()
         for stream in list(self._streams):
             if now - stream.last_sent >= HEARTBEAT_S:
-                stream.send(chunk(b": heartbeat\n\n") if stream.chunked else b": heartbeat\n\n")
+                self._send(stream, b": heartbeat\n\n")
 
-    def _end_all(self) -> None:
-        """Shutdown: every stream gets what was published before it (all of it: this is the last write),
-        then the final event."""
-        end, oldest = self._bus.next_id, self._bus.oldest_id()
-        for stream in list(self._streams):
-            if stream.next_id < oldest:
-                stream.end(closed_frame("slow subscriber"))
-                continue
-            if stream.next_id < end:
-                run = b"".join(self._bus.encoded(stream.next_id, end, frame))
-                stream.send(chunk(run) if stream.chunked else run)
-            stream.end(closed_frame("shutdown"))
-        self._streams.clear()
+    def _send(self, stream: _Stream, frames: bytes) -> bool:
+        """One stream's write; a stream whose connection is gone, or whose write fails, ends alone."""
+        try:
+            if stream.send(frames):
+                return True
+        except Exception:  # one stream's failure must not end the others, nor the API
+            log.exception("event stream: write failed; ending the stream")
+        self._streams.discard(stream)
+        stream.ended.set()
+        return False
+
+    def _end(self, stream: _Stream, final: bytes) -> None:
+        """The stream's last frame; its handler then returns."""
+        if self._send(stream, final):
+            self._streams.discard(stream)
+            stream.ended.set()
 
 
 def _filter(request: web.Request) -> Filter | None:
@@ -227,10 +231,15 @@ async def events(request: web.Request, daemon: Daemon, fanout: Fanout) -> web.St
     raw_last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
     after = int(raw_last) if raw_last and raw_last.isdigit() else None
     bus = daemon.events
-    gap = after is not None and bus.oldest_id() > after + 1  # judged where the resume starts
+    if after is not None and after >= bus.next_id:
+        # An id this process never gave: the client read a run before a restart. It has seen none of
+        # this run's events, and those of the last run past its id are gone.
+        after, gap = 0, True
+    else:
+        gap = after is not None and bus.oldest_id() > after + 1  # judged where the resume starts
     where = _filter(request)
     # Where the stream starts is fixed now, so that nothing published while the response starts is missed.
-    sub = bus.subscribe(where=where, after=after) if where is not None else None
+    sub = bus.subscribe(where, after=after) if where is not None else None
     next_id = bus.next_id if after is None else max(after + 1, bus.oldest_id())
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
