@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
+import psutil
 import pytest
 
 from .api_helpers import NOOP_EVENTS, EventStream, Sse, shape
@@ -199,10 +200,11 @@ async def test_a_subscriber_that_never_reads_is_dropped_and_the_pool_keeps_going
         make_daemon: Callable[..., Daemon], session: aiohttp.ClientSession) -> None:
     daemon = make_daemon({"pool": {"min_workers": 4, "max_workers": 4}, "log": {"level": "warning"}})
     daemon.start()
-    slow = socket.socket()
-    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
-    slow.connect(("127.0.0.1", daemon.port))
-    slow.sendall(b"GET /v1/events HTTP/1.1\r\nHost: tidepool\r\n\r\n")
+    slow, mute = socket.socket(), socket.socket()  # mute never reads at all
+    for sock in (slow, mute):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+        sock.connect(("127.0.0.1", daemon.port))
+        sock.sendall(b"GET /v1/events HTTP/1.1\r\nHost: tidepool\r\n\r\n")
     healthy = await EventStream.open(session, daemon, type="task.finished")
 
     n = 2500  # ~9 events each: far more than one subscriber's queue and the socket buffers hold
@@ -231,6 +233,15 @@ async def test_a_subscriber_that_never_reads_is_dropped_and_the_pool_keeps_going
     assert got < n, f"the slow subscriber cannot have been sent all {n} finishes ({got})"
     ids = [int(line[4:]) for line in received.decode().splitlines() if line.startswith("id: ")]
     assert ids == list(range(ids[0], ids[0] + len(ids))), "what it got is the stream up to the drop, no holes"
+
+    # A dropped client that never reads its last bytes gets a heartbeat's time (15 s), then the daemon
+    # lets go of its connection rather than hold one of its connection slots for ever.
+    assert daemon.proc is not None
+    server = psutil.Process(daemon.proc.pid)
+    port = mute.getsockname()[1]
+    daemon.wait_for("the daemon to cut the connection of a client that never reads", lambda: not any(
+        c.raddr and c.raddr.port == port for c in server.net_connections(kind="tcp")), timeout_s=40)
+    mute.close()
 
 
 @pytest.mark.e2e

@@ -249,11 +249,13 @@ async def events(request: web.Request, daemon: Daemon, fanout: Fanout) -> web.St
         if gap:
             await response.write(b"event: stream.gap\ndata: {\"missed\": true}\n\n")
         await response.write(b": connected\n\n")
+        final = b""
         if sub is not None:
-            await _follow_filtered(response, sub, bus)
+            final = await _follow_filtered(response, sub, bus)
         elif request.transport is not None:
             chunked = response.headers.get("Transfer-Encoding", "") == "chunked"
             await fanout.follow(request.transport, chunked=chunked, next_id=next_id)
+        await _finish(request, response, final)
     except (ConnectionResetError, ConnectionError):
         pass
     finally:
@@ -262,14 +264,23 @@ async def events(request: web.Request, daemon: Daemon, fanout: Fanout) -> web.St
     return response
 
 
-async def _follow_filtered(response: web.StreamResponse, sub: Subscription, bus: EventBus) -> None:
-    """A filtered stream writes what it is handed, each batch as it comes."""
+async def _follow_filtered(response: web.StreamResponse, sub: Subscription, bus: EventBus) -> bytes:
+    """A filtered stream writes what it is handed, each batch as it comes; its final event once over."""
     while True:
         batch = await sub.next_batch(max_events=MAX_BATCH, timeout_s=HEARTBEAT_S, linger_s=LINGER_S)
         if batch is None:  # dropped for falling behind, or the node is shutting down
-            await response.write(closed_frame("slow subscriber" if sub.dropped else "shutdown"))
-            return
+            return closed_frame("slow subscriber" if sub.dropped else "shutdown")
         await response.write(frames(bus, batch) if batch else b": heartbeat\n\n")
+
+
+async def _finish(request: web.Request, response: web.StreamResponse, final: bytes) -> None:
+    """The final event and the end of the body. A client that does not read them (one dropped as slow
+    may never read again) gets a heartbeat's time, then its connection is cut, so that it cannot hold
+    one of the server's connections for ever."""
+    with anyio.move_on_after(HEARTBEAT_S) as waited:
+        await response.write_eof(final)
+    if waited.cancelled_caught and request.transport is not None:
+        request.transport.abort()
 
 
 def _bound_send_buffer(request: web.Request) -> None:
