@@ -200,11 +200,15 @@ async def test_a_subscriber_that_never_reads_is_dropped_and_the_pool_keeps_going
         make_daemon: Callable[..., Daemon], session: aiohttp.ClientSession) -> None:
     daemon = make_daemon({"pool": {"min_workers": 4, "max_workers": 4}, "log": {"level": "warning"}})
     daemon.start()
-    slow, mute = socket.socket(), socket.socket()  # mute never reads at all
-    for sock in (slow, mute):
+    # slow reads once the pool is done; the mute ones never read at all: unfiltered, filtered, HTTP/1.0
+    slow, *mute = [socket.socket() for _ in range(4)]
+    requests = [b"GET /v1/events HTTP/1.1\r\nHost: tidepool\r\n\r\n"] * 2 + [
+        b"GET /v1/events?type=task.*,plugin.* HTTP/1.1\r\nHost: tidepool\r\n\r\n",
+        b"GET /v1/events HTTP/1.0\r\n\r\n"]
+    for sock, request in zip([slow, *mute], requests, strict=True):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
         sock.connect(("127.0.0.1", daemon.port))
-        sock.sendall(b"GET /v1/events HTTP/1.1\r\nHost: tidepool\r\n\r\n")
+        sock.sendall(request)
     healthy = await EventStream.open(session, daemon, type="task.finished")
 
     n = 2500  # ~9 events each: far more than one subscriber's queue and the socket buffers hold
@@ -234,14 +238,15 @@ async def test_a_subscriber_that_never_reads_is_dropped_and_the_pool_keeps_going
     ids = [int(line[4:]) for line in received.decode().splitlines() if line.startswith("id: ")]
     assert ids == list(range(ids[0], ids[0] + len(ids))), "what it got is the stream up to the drop, no holes"
 
-    # A dropped client that never reads its last bytes gets a heartbeat's time (15 s), then the daemon
-    # lets go of its connection rather than hold one of its connection slots for ever.
+    # A client that stops reading is dropped; if it does not read its last bytes within a heartbeat's time
+    # (15 s) the daemon lets go of its connection rather than hold one of its connection slots for ever.
     assert daemon.proc is not None
     server = psutil.Process(daemon.proc.pid)
-    port = mute.getsockname()[1]
-    daemon.wait_for("the daemon to cut the connection of a client that never reads", lambda: not any(
-        c.raddr and c.raddr.port == port for c in server.net_connections(kind="tcp")), timeout_s=40)
-    mute.close()
+    ports = {sock.getsockname()[1] for sock in mute}
+    daemon.wait_for("the daemon to cut the connections of clients that never read", lambda: not any(
+        c.raddr and c.raddr.port in ports for c in server.net_connections(kind="tcp")), timeout_s=60)
+    for sock in mute:
+        sock.close()
 
 
 @pytest.mark.e2e

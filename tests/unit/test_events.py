@@ -6,11 +6,10 @@ import asyncio
 import json
 import socket
 import time
-from functools import partial
 
 import anyio
 
-from tidepool.api.stream import Fanout, frame, frames
+from tidepool.api.stream import Fanout, Stream, frame, frames
 from tidepool.events import Event, EventBus, Filter
 from tidepool.model import State
 
@@ -184,7 +183,7 @@ async def test_the_fanout_sends_each_stream_the_events_past_its_own_position_the
         for (ours, _), start in zip(pairs, starts, strict=True):
             transport, _ = await loop.create_connection(asyncio.Protocol, sock=ours)
             transports.append(transport)
-            tg.start_soon(partial(fanout.follow, transport, chunked=False, next_id=start))
+            tg.start_soon(fanout.follow, Stream(transport, chunked=False, next_id=start))
         publish(bus, 5)  # ids 11..15
         with anyio.fail_after(5):
             for i in range(len(pairs)):
@@ -232,7 +231,7 @@ async def test_a_reading_stream_keeps_up_with_events_faster_than_one_write_a_lin
     async with anyio.create_task_group() as tg:
         tg.start_soon(fanout.run)
         transport, _ = await loop.create_connection(asyncio.Protocol, sock=ours)
-        tg.start_soon(partial(fanout.follow, transport, chunked=False, next_id=1))
+        tg.start_soon(fanout.follow, Stream(transport, chunked=False, next_id=1))
         with anyio.fail_after(30):
             async with anyio.create_task_group() as reading:
                 reading.start_soon(read)
@@ -256,7 +255,7 @@ async def test_streams_cut_off_mid_linger_still_end_with_what_was_published_and_
     theirs.setblocking(False)
     transport, _ = await loop.create_connection(asyncio.Protocol, sock=ours)
     async with anyio.create_task_group() as handlers:  # aiohttp's handlers: not the API's task group
-        handlers.start_soon(partial(fanout.follow, transport, chunked=False, next_id=1))
+        handlers.start_soon(fanout.follow, Stream(transport, chunked=False, next_id=1))
         async with anyio.create_task_group() as api:
             api.start_soon(fanout.run)
             for _ in range(3):
@@ -288,7 +287,7 @@ async def test_a_stream_whose_next_event_has_left_the_ring_is_dropped_with_a_not
     async with anyio.create_task_group() as tg:
         tg.start_soon(fanout.run)
         with anyio.fail_after(5):
-            await fanout.follow(transport, chunked=False, next_id=1)  # returns once the stream has ended
+            await fanout.follow(Stream(transport, chunked=False, next_id=1))  # returns once the stream has ended
         tg.cancel_scope.cancel()
     received = await loop.sock_recv(theirs, 1 << 16)
     transport.close()

@@ -2,8 +2,13 @@
 
 Unfiltered streams (dashboards, tails) are written together by one Fanout. Each time events arrive
 it waits a linger for more, encodes each event once, frames the run once, and writes the same bytes
-to every stream at that position: one send per stream and no coroutine step per stream. A filtered
-stream (a CLI following its task) reads its own subscription, which is handed only its events.
+to every stream at that position: one send per stream and no coroutine step per stream; a stream
+that is behind and can take more is written again at once. A filtered stream (a CLI following its
+task) reads its own subscription, which is handed only its events.
+
+Every stream is written straight to its transport, never through aiohttp's drain, so a client that
+stops reading holds no coroutine: it is dropped as a slow subscriber, and its connection is cut if it
+does not take its final event within a heartbeat's time.
 """
 
 from __future__ import annotations
@@ -72,8 +77,9 @@ def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-class _Stream:
-    """One unfiltered stream's connection, written only by the Fanout once it follows."""
+class Stream:
+    """One event stream's connection, written straight to its transport (by the Fanout once it follows),
+    never through aiohttp's drain: a client that stops reading must not hold a coroutine for ever."""
 
     def __init__(self, transport: asyncio.Transport, *, chunked: bool, next_id: int) -> None:
         self._transport = transport
@@ -110,19 +116,36 @@ class _Stream:
         self.last_sent = time.monotonic()
         return True
 
+    async def drained(self, *, limit: int, within_s: float) -> bool:
+        """Wait until at most `limit` bytes are queued; False if the client did not take them in time.
+
+        A poll, not aiohttp's drain under a deadline: a cancelled drain leaves its protocol's waiter
+        cancelled, and every later drain on that connection raises CancelledError at once (found with a
+        client that never reads). No event says when a buffer has emptied; only a stalled client waits."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while self._transport.get_write_buffer_size() > limit:
+            if self._transport.is_closing() or loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+    def abort(self) -> None:
+        self._transport.abort()
+
 
 class Fanout:
     """Writes every unfiltered stream, for as long as the API serves: see the module docstring."""
 
     def __init__(self, bus: EventBus) -> None:
         self._bus = bus
-        self._streams: set[_Stream] = set()
+        self._streams: set[Stream] = set()
         self._wake = asyncio.Event()
+        self._closed = False
 
-    async def follow(self, transport: asyncio.Transport, *, chunked: bool, next_id: int) -> None:
-        """Send the connection every event from next_id on, until the stream ends (shutdown, dropped, gone)."""
-        stream = _Stream(transport, chunked=chunked, next_id=next_id)
-        if self._bus.closed:
+    async def follow(self, stream: Stream) -> None:
+        """Send the stream every event from its next_id on, until it ends (shutdown, dropped, gone)."""
+        if self._closed or self._bus.closed:
             self._end(stream, closed_frame("shutdown"))
             return
         self._streams.add(stream)
@@ -146,13 +169,20 @@ class Fanout:
                 elif self._bus.closed:
                     self.close()
                 else:
-                    await self._serve_once()
+                    try:
+                        await self._serve_once()
+                    except Exception:  # a bug here must cost the streams, not the API
+                        log.exception("event streams: the fan-out failed; ending every stream")
+                        for stream in self._streams:
+                            stream.ended.set()
+                        self._streams.clear()
         finally:
             self._bus.stop_waking(self)
 
     def close(self) -> None:
         """Shutdown: every stream gets what was published before it (all of it: this is the last write),
         then its final event. Synchronous, so that no cancellation can come between."""
+        self._closed = True
         end, oldest = self._bus.next_id, self._bus.oldest_id()
         for stream in list(self._streams):
             if stream.next_id < oldest:
@@ -171,7 +201,8 @@ class Fanout:
             self._wake.clear()
             self._bus.wake_at_next_publish(self)
             behind = any(s.next_id < self._bus.next_id for s in self._streams)  # and not reading
-            with anyio.move_on_after(BACKLOGGED_POLL_S if behind else HEARTBEAT_S) as waited:
+            heartbeat_due = min(s.last_sent for s in self._streams) + HEARTBEAT_S - time.monotonic()
+            with anyio.move_on_after(BACKLOGGED_POLL_S if behind else max(0.0, heartbeat_due)) as waited:
                 await self._wake.wait()
             if not waited.cancelled_caught and not self._bus.closed:
                 await asyncio.sleep(LINGER_S)
@@ -203,7 +234,7 @@ class Fanout:
             if now - stream.last_sent >= HEARTBEAT_S:
                 self._send(stream, b": heartbeat\n\n")
 
-    def _send(self, stream: _Stream, frames: bytes) -> bool:
+    def _send(self, stream: Stream, frames: bytes) -> bool:
         """One stream's write; a stream whose connection is gone, or whose write fails, ends alone."""
         try:
             if stream.send(frames):
@@ -214,7 +245,7 @@ class Fanout:
         stream.ended.set()
         return False
 
-    def _end(self, stream: _Stream, final: bytes) -> None:
+    def _end(self, stream: Stream, final: bytes) -> None:
         """The stream's last frame; its handler then returns."""
         if self._send(stream, final):
             self._streams.discard(stream)
@@ -229,7 +260,7 @@ def _filter(request: web.Request) -> Filter | None:
 
 async def events(request: web.Request, daemon: Daemon, fanout: Fanout) -> web.StreamResponse:
     raw_last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
-    after = int(raw_last) if raw_last and raw_last.isdigit() else None
+    after = int(raw_last) if raw_last and raw_last.isascii() and raw_last.isdigit() and len(raw_last) <= 20 else None
     bus = daemon.events
     if after is not None and after >= bus.next_id:
         # An id this process never gave: the client read a run before a restart. It has seen none of
@@ -249,13 +280,16 @@ async def events(request: web.Request, daemon: Daemon, fanout: Fanout) -> web.St
         if gap:
             await response.write(b"event: stream.gap\ndata: {\"missed\": true}\n\n")
         await response.write(b": connected\n\n")
+        if request.transport is None:  # gone already
+            return response
+        chunked = response.headers.get("Transfer-Encoding", "") == "chunked"
+        stream = Stream(request.transport, chunked=chunked, next_id=next_id)
         final = b""
         if sub is not None:
-            final = await _follow_filtered(response, sub, bus)
-        elif request.transport is not None:
-            chunked = response.headers.get("Transfer-Encoding", "") == "chunked"
-            await fanout.follow(request.transport, chunked=chunked, next_id=next_id)
-        await _finish(request, response, final)
+            final = await _follow_filtered(stream, sub, bus)
+        else:
+            await fanout.follow(stream)
+        await _finish(stream, response, final)
     except (ConnectionResetError, ConnectionError):
         pass
     finally:
@@ -264,23 +298,29 @@ async def events(request: web.Request, daemon: Daemon, fanout: Fanout) -> web.St
     return response
 
 
-async def _follow_filtered(response: web.StreamResponse, sub: Subscription, bus: EventBus) -> bytes:
-    """A filtered stream writes what it is handed, each batch as it comes; its final event once over."""
+async def _follow_filtered(stream: Stream, sub: Subscription, bus: EventBus) -> bytes:
+    """A filtered stream writes what it is handed, each batch as it comes; its final event once over.
+    One whose client leaves its backlog full for a heartbeat's time is dropped as a slow subscriber."""
     while True:
         batch = await sub.next_batch(max_events=MAX_BATCH, timeout_s=HEARTBEAT_S, linger_s=LINGER_S)
         if batch is None:  # dropped for falling behind, or the node is shutting down
             return closed_frame("slow subscriber" if sub.dropped else "shutdown")
-        await response.write(frames(bus, batch) if batch else b": heartbeat\n\n")
+        if not await stream.drained(limit=BACKLOG_BYTES, within_s=HEARTBEAT_S):
+            return closed_frame("slow subscriber")
+        if not stream.send(frames(bus, batch) if batch else b": heartbeat\n\n"):
+            return b""  # the connection is gone
 
 
-async def _finish(request: web.Request, response: web.StreamResponse, final: bytes) -> None:
-    """The final event and the end of the body. A client that does not read them (one dropped as slow
-    may never read again) gets a heartbeat's time, then its connection is cut, so that it cannot hold
-    one of the server's connections for ever."""
-    with anyio.move_on_after(HEARTBEAT_S) as waited:
-        await response.write_eof(final)
-    if waited.cancelled_caught and request.transport is not None:
-        request.transport.abort()
+async def _finish(stream: Stream, response: web.StreamResponse, final: bytes) -> None:
+    """The final event, then the end of the body once the client has taken everything. One that does not
+    within a heartbeat's time (a client dropped as slow may never read again) has its connection cut:
+    closing it gracefully would wait for those bytes for ever, holding one of the connections."""
+    if final:
+        stream.send(final)
+    if await stream.drained(limit=0, within_s=HEARTBEAT_S):
+        await response.write_eof()
+    else:
+        stream.abort()
 
 
 def _bound_send_buffer(request: web.Request) -> None:
