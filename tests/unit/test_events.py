@@ -294,3 +294,31 @@ async def test_a_stream_whose_next_event_has_left_the_ring_is_dropped_with_a_not
     await asyncio.sleep(0)
     theirs.close()
     assert received == b'event: stream.closed\ndata: {"reason": "slow subscriber"}\n\n'
+
+
+async def test_a_stream_whose_client_takes_nothing_of_its_backlog_is_dropped_before_the_ring_wraps() -> None:
+    """On a quiet node the ring may never wrap: a client that stopped reading is dropped by time as well."""
+    bus = EventBus()  # 10,000 events: far more than are published here
+    fanout = Fanout(bus, stall_s=0.3)
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    theirs.setblocking(False)
+    transport, _ = await loop.create_connection(asyncio.Protocol, sock=ours)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fanout.run)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as following:
+                following.start_soon(fanout.follow, Stream(transport, chunked=False, next_id=1))
+                publish(bus, 5000)  # ~1 MB: more than the socket pair and the backlog hold, and nobody reads
+            # follow() returned: the stream ended although the ring still holds everything
+        tg.cancel_scope.cancel()
+    received = b""
+    with anyio.fail_after(10):
+        while b"event: stream.closed" not in received:
+            received += await loop.sock_recv(theirs, 1 << 20)
+    transport.close()
+    await asyncio.sleep(0)
+    theirs.close()
+    ids = frame_ids(received)
+    assert ids == list(range(1, len(ids) + 1)) and len(ids) < 5000, "a prefix of the stream, then the notice"
+    assert received.endswith(b'event: stream.closed\ndata: {"reason": "slow subscriber"}\n\n')

@@ -88,10 +88,21 @@ class Stream:
         self.next_id = next_id   # the first event it has not been sent
         self.last_sent = time.monotonic()
         self.ended = anyio.Event()
+        self._stalled: tuple[float, int] | None = None  # since when its backlog has been full, and its size
 
     @property
     def backlogged(self) -> bool:
         return self._transport.get_write_buffer_size() > BACKLOG_BYTES
+
+    def stalled_for(self, now: float) -> float:
+        """How long its backlog has been full without its client taking a byte of it (0 if it is not)."""
+        queued = self._transport.get_write_buffer_size()
+        if queued <= BACKLOG_BYTES:
+            self._stalled = None
+            return 0.0
+        if self._stalled is None or queued < self._stalled[1]:  # (newly) full, or the client took some
+            self._stalled = (now, queued)
+        return now - self._stalled[0]
 
     def send(self, frames: bytes) -> bool:
         """Write `frames` after whatever is still queued; False if the connection is gone.
@@ -137,8 +148,9 @@ class Stream:
 class Fanout:
     """Writes every unfiltered stream, for as long as the API serves: see the module docstring."""
 
-    def __init__(self, bus: EventBus) -> None:
+    def __init__(self, bus: EventBus, *, stall_s: float = HEARTBEAT_S) -> None:
         self._bus = bus
+        self._stall_s = stall_s  # a stream whose client takes nothing of a full backlog this long is dropped
         self._streams: set[Stream] = set()
         self._wake = asyncio.Event()
         self._closed = False
@@ -212,11 +224,11 @@ class Fanout:
 
     def _write_all(self) -> None:
         """Each stream gets the events past its position; streams at one position share one encoding."""
-        end, oldest = self._bus.next_id, self._bus.oldest_id()
+        end, oldest, now = self._bus.next_id, self._bus.oldest_id(), time.monotonic()
         shared: dict[tuple[int, int], bytes] = {}
         for stream in list(self._streams):
             first = stream.next_id
-            if first < oldest:  # its next event has left the ring: it fell too far behind
+            if first < oldest or stream.stalled_for(now) >= self._stall_s:  # fell a ring behind, or stopped
                 self._end(stream, closed_frame("slow subscriber"))
             elif first < end and not stream.backlogged:
                 upto = min(end, first + MAX_BATCH)
