@@ -185,9 +185,8 @@ class Fanout:
                         await self._serve_once()
                     except Exception:  # a bug here must cost the streams, not the API
                         log.exception("event streams: the fan-out failed; ending every stream")
-                        for stream in self._streams:
-                            stream.ended.set()
-                        self._streams.clear()
+                        for stream in list(self._streams):
+                            self._drop(stream)
         finally:
             self._bus.stop_waking(self)
 
@@ -253,15 +252,18 @@ class Fanout:
                 return True
         except Exception:  # one stream's failure must not end the others, nor the API
             log.exception("event stream: write failed; ending the stream")
-        self._streams.discard(stream)
-        stream.ended.set()
+        self._drop(stream)
         return False
 
     def _end(self, stream: Stream, final: bytes) -> None:
         """The stream's last frame; its handler then returns."""
-        if self._send(stream, final):
-            self._streams.discard(stream)
-            stream.ended.set()
+        self._send(stream, final)
+        self._drop(stream)
+
+    def _drop(self, stream: Stream) -> None:
+        """No more writes to it; its handler returns."""
+        self._streams.discard(stream)
+        stream.ended.set()
 
 
 def _filter(request: web.Request) -> Filter | None:
