@@ -744,6 +744,20 @@ async def test_first_phase_note_starts_the_task_and_records_progress(store: Stor
     assert (ta.phase, ta.progress, ta.attempts[0].status) == (Phase.STOP, progress, AttemptStatus.RUNNING)
 
 
+
+async def test_phase_notes_written_together_refuse_only_the_lost_and_the_cancelled(store: Store) -> None:
+    live, stolen, cancelled = [await running(store, type=t) for t in ("live", "stolen", "cancelled")]
+    stale = dataclasses.replace(stolen.lease, token="0" * 32)
+    assert await store.request_cancel(cancelled.task.id, now=T0 + 1) is State.CANCELLING
+    notes = [PhaseNote(live.lease, Phase.STOP, {"fraction": 1.0}), PhaseNote(stale, Phase.STOP),
+             PhaseNote(cancelled.lease, Phase.STOP)]
+    async with changes_nothing(store, stolen.task.id, cancelled.task.id):
+        lost = await store.set_phase(notes, now=T0 + 2)
+    assert set(lost) == {stale.attempt_id, cancelled.lease.attempt_id}
+    assert type(lost[stale.attempt_id]) is LeaseLost and isinstance(lost[cancelled.lease.attempt_id], TaskCancelling)
+    t = await store.get(live.task.id)
+    assert (t.state, t.phase, t.progress, t.updated_at) == (State.RUNNING, Phase.STOP, {"fraction": 1.0}, T0 + 2)
+
 # SQLite only
 
 

@@ -445,21 +445,9 @@ class SqliteStore:
 
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
         def op(conn: sqlite3.Connection, batch: _Batch) -> dict[str, LeaseLost]:
-            lost = {}
-            for note in notes:
-                lease = note.lease
-                progress = None if note.progress is None else json.dumps(note.progress)
-                cur = conn.execute(
-                    "UPDATE tasks SET phase = ?, progress = coalesce(?, progress), updated_at = ?, "
-                    f"state = 'running' WHERE {FENCE} AND state IN {ACTIVE_SQL} AND lease_expires_at > ? "
-                    "RETURNING (SELECT status FROM attempts WHERE id = ?)",
-                    (note.phase, progress, now, lease.task_id, lease.attempt_id, lease.token, now,
-                     lease.attempt_id))
-                row = cur.fetchone()
-                if row is None:
-                    lost[lease.attempt_id] = _why_lost(conn, lease)
-                elif row[0] == AttemptStatus.LEASED:
-                    conn.execute("UPDATE attempts SET status = 'running' WHERE id = ?", (lease.attempt_id,))
+            lost: dict[str, LeaseLost] = {}
+            for i in range(0, len(notes), LEASE_CHUNK):
+                lost.update(_note_phases(conn, notes[i:i + LEASE_CHUNK], now))
             return lost
 
         lost: dict[str, LeaseLost] = await self._write(op)
@@ -911,6 +899,31 @@ def _lease(conn: sqlite3.Connection, leased: list[tuple[Worker, Claimed, float]]
                                  "'leased', ?)" for _ in chunk),
             [x for w, c, now in chunk for x in (c.lease.attempt_id, c.task.id, c.task.id, w.node_id,
                                                  w.instance_id, w.worker_id, now)])
+
+
+def _note_phases(conn: sqlite3.Connection, notes: Sequence[PhaseNote], now: float) -> dict[str, LeaseLost]:
+    """Write the notes of live leases, two statements for the lot: the lease keeper flushes every running
+    attempt's notes together, and a statement per note held the writer ~4 ms for 50 of them, with every
+    claim queued behind it (measured in W2). The notes refused are found only when some were."""
+    rows = ",".join("(?, ?, ?, ?, ?)" for _ in notes)
+    cur = conn.execute(
+        "UPDATE tasks SET phase = v.column4, progress = coalesce(v.column5, progress), updated_at = ?, "
+        f"state = 'running' FROM (VALUES {rows}) AS v WHERE tasks.id = v.column1 "
+        "AND tasks.lease_attempt_id = v.column2 AND tasks.lease_token = v.column3 "
+        f"AND +tasks.state IN {ACTIVE_SQL} AND tasks.lease_expires_at > ?",
+        [now, *(x for n in notes for x in (n.lease.task_id, n.lease.attempt_id, n.lease.token, n.phase,
+                                           None if n.progress is None else json.dumps(n.progress))), now])
+    lost: dict[str, LeaseLost] = {}
+    if cur.rowcount != len(notes):  # a written note leaves its task running under the same live lease
+        for n in notes:
+            if conn.execute(f"SELECT 1 FROM tasks WHERE {FENCE} AND state = 'running' AND lease_expires_at > ?",
+                            (n.lease.task_id, n.lease.attempt_id, n.lease.token, now)).fetchone() is None:
+                lost[n.lease.attempt_id] = _why_lost(conn, n.lease)
+    written = [n.lease.attempt_id for n in notes if n.lease.attempt_id not in lost]
+    if written:  # an attempt's first note starts it
+        conn.execute(f"UPDATE attempts SET status = 'running' WHERE status = 'leased' "
+                     f"AND id IN ({','.join('?' * len(written))})", written)
+    return lost
 
 
 def _why_lost(conn: sqlite3.Connection, lease: Lease) -> LeaseLost:
