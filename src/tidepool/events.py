@@ -107,14 +107,23 @@ class Subscription:
         self._wake.set()
 
 
+def first_id_of_this_run() -> int:
+    """The first event id of a daemon run: microseconds since the epoch. A run publishes far fewer than
+    one event a microsecond, so its ids stay below the next run's first: an id from an earlier run is
+    told apart at resume (unless the clock was set back between the two runs)."""
+    return time.time_ns() // 1000
+
+
 class EventBus:
-    def __init__(self, *, ring_size: int = RING_SIZE, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, *, ring_size: int = RING_SIZE, clock: Callable[[], float] = time.time,
+                 first_id: int = 1) -> None:
         self.ring_size = ring_size
         self._ring: list[Event | None] = [None] * ring_size
         # Each event's encoded form (the SSE frame), beside it: subscribers reading the same events share
         # one encoding, and a contiguous run of them is one slice, with no Python step per event.
         self._encoded: list[bytes | None] = [None] * ring_size
-        self.next_id = 1
+        self.first_id = first_id
+        self.next_id = first_id
         self._sleeping: set[Waker] = set()
         self._subscribers: set[Subscription] = set()
         self._by_task: dict[str, list[Subscription]] = {}  # filtered on a task id (and maybe names)
@@ -213,7 +222,7 @@ class EventBus:
 
     def oldest_id(self) -> int:
         """The id of the oldest event the ring still holds (the next id when it is empty)."""
-        return max(1, self.next_id - self.ring_size)
+        return max(self.first_id, self.next_id - self.ring_size)
 
     def since(self, after: int) -> list[Event]:
         """Every event past `after` that the ring still holds."""

@@ -27,7 +27,7 @@ from .api import serve_api
 from .api.app import load_token
 from .engine import Engine, EngineConfig
 from .errors import ConfigError, InvalidRequest, StoreUnavailable, TaskNotFound
-from .events import EventBus
+from .events import EventBus, first_id_of_this_run
 from .guards import Guards
 from .leases import LeaseKeeper
 from .lifecycle import retry_policy
@@ -65,7 +65,7 @@ class Daemon:
         self.pending_restart: list[str] = []
         self._boot_settings = settings  # what the running store, API and node were built from
         self.store: Store = open_store(settings.store.url)
-        self.events = EventBus()
+        self.events = EventBus(first_id=first_id_of_this_run())
         self.metrics = Metrics(node_id=self.node_id, version=__version__, pool=lambda: self.pool.statistics(),
                                counts=self.store.counts, guards=lambda: self.guards.statistics(),
                                draining=lambda: self.draining)

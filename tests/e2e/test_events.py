@@ -147,17 +147,36 @@ async def test_reconnecting_with_last_event_id_misses_no_event(daemon: Daemon,
 @pytest.mark.e2e
 async def test_a_last_event_id_from_before_a_restart_replays_this_run_after_a_gap_notice(
         daemon: Daemon, session: aiohttp.ClientSession) -> None:
-    """Ids start again at 1 in each run: one this run never gave comes from an earlier one, whose last
-    events are gone, while none of this run's has been seen (the dashboard reconnects like this)."""
+    """A client that read the last run (the dashboard reconnects like this) has seen none of this run's
+    events, and those of the last run past its id are gone: it is told so, then gets this run's from its
+    first, even once this run has published more events than the last one had."""
+    stream = await EventStream.open(session, daemon)
+    before = await stream.until(finished(set(await submit(session, daemon))))
+    stream.close()
+    last_id = before[-1].id
+    assert last_id is not None
+    daemon.stop()
+    daemon.start()
+    async with aiohttp.ClientSession() as fresh:  # the old session's connections died with the last run
+        await _resume_after_restart(fresh, daemon, last_id)
+
+
+async def _resume_after_restart(session: aiohttp.ClientSession, daemon: Daemon, last_id: int) -> None:
+    busy = set(await submit(session, daemon, 3))  # this run's event count now passes the last run's
+    everything = await EventStream.open(session, daemon, last_id=0)
+    first_of_run = (await everything.next()).id
+    everything.close()
+    assert first_of_run is not None and first_of_run > last_id, "a run's ids lie above the last run's"
     for where in ({}, {"type": "task.*,plugin.*"}):
-        stream = await EventStream.open(session, daemon, last_id=10**9, **where)
-        assert [e.event for e in stream.pending] == ["stream.gap"]
+        resumed = await EventStream.open(session, daemon, last_id=last_id, **where)
+        assert [e.event for e in resumed.pending] == ["stream.gap"]
         (task_id,) = await submit(session, daemon)
-        events = await stream.until(finished({task_id}))
-        stream.close()
+        events = await resumed.until(finished({task_id}))
+        resumed.close()
         assert shape(by_task(events, task_id)) == NOOP_EVENTS
+        assert {e.task_id for e in events if e.event == "task.finished"} >= busy, "this run's events before it"
         if not where:
-            assert next(e.id for e in events if e.id is not None) == 1, "this run's events from its first"
+            assert next(e.id for e in events if e.id is not None) == first_of_run, "this run's events from its first"
 
 
 @pytest.mark.e2e

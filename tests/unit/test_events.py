@@ -13,7 +13,7 @@ from functools import partial
 import anyio
 
 from tidepool.api.stream import Fanout, Stream, frame, frames
-from tidepool.events import Event, EventBus, Filter
+from tidepool.events import Event, EventBus, Filter, first_id_of_this_run
 from tidepool.model import State
 
 
@@ -139,6 +139,18 @@ def test_a_write_holds_the_frames_of_its_events_encoded_once_even_across_the_rin
         gaps = [run[0], run[3], run[-1]]  # what a filter might pass
         assert frames(bus, gaps) == b"".join(frame(e) for e in gaps)
     assert sorted(encoded) == list(range(4, 18))  # each event encoded once, while the ring held it
+
+
+def test_a_run_numbers_its_events_from_its_first_id_and_resumes_only_from_its_own() -> None:
+    first = first_id_of_this_run()
+    assert first_id_of_this_run() >= first > 1_700_000_000_000_000  # microseconds: later runs start higher
+    bus = EventBus(ring_size=4, first_id=first)
+    assert bus.oldest_id() == first and bus.since(first - 1) == []
+    publish(bus, 3)
+    assert [e.id for e in bus.since(first - 1)] == [first, first + 1, first + 2]
+    publish(bus, 3)  # six through a ring of four: the first two are gone
+    assert bus.oldest_id() == first + 2
+    assert [e.id for e in bus.since(first)] == [first + 2, first + 3, first + 4, first + 5]
 
 
 def test_a_frame_carries_the_event_as_json_even_what_orjson_refuses() -> None:

@@ -276,10 +276,12 @@ async def events(request: web.Request, daemon: Daemon, fanout: Fanout) -> web.St
     raw_last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
     after = int(raw_last) if raw_last and raw_last.isascii() and raw_last.isdigit() and len(raw_last) <= 20 else None
     bus = daemon.events
-    if after is not None and after >= bus.next_id:
-        # An id this process never gave: the client read a run before a restart. It has seen none of
-        # this run's events, and those of the last run past its id are gone.
-        after, gap = 0, True
+    if after == 0:  # everything: this run's events from its first
+        after = bus.first_id - 1
+    if after is not None and not bus.first_id - 1 <= after < bus.next_id:
+        # An id this run never gave: the client read an earlier run. It has seen none of this run's
+        # events, and those of the earlier run past its id are gone.
+        after, gap = bus.first_id - 1, True
     else:
         gap = after is not None and bus.oldest_id() > after + 1  # judged where the resume starts
     where = _filter(request)
