@@ -299,16 +299,19 @@ class Daemon:
         return ids
 
     async def cancel(self, task_id: str) -> State:
-        state = await self.store.request_cancel(task_id, now=time.time())
-        if state is State.CANCELLING:
-            self.events.publish("task.cancel_requested", task_id=task_id, worker_id=None)
+        answer = await self.store.request_cancel(task_id, now=time.time())
+        if not answer.moved:  # a repeated cancel: nothing happened, so nothing to say (rule 8)
+            return answer.state
+        if answer.state is State.CANCELLING:
+            self.events.publish("task.cancel_requested", task_id=task_id, worker_id=None, type=answer.type)
             held = self.leases.find(task_id)
             if held is not None:
                 held.stop("cancel")
-        elif state is State.CANCELLED:
-            self.events.publish("task.finished", task_id=task_id, worker_id=None, state=state.value, error=None)
-        log.info("task %s cancel requested -> %s", task_id, state.value)
-        return state
+        elif answer.state is State.CANCELLED:
+            self.events.publish("task.finished", task_id=task_id, worker_id=None, state=answer.state.value,
+                                error=None, type=answer.type)
+        log.info("task %s cancel requested -> %s", task_id, answer.state.value)
+        return answer.state
 
     async def retry(self, task_id: str) -> Task:
         task = await self.store.retry(task_id, now=time.time())

@@ -180,6 +180,26 @@ async def _resume_after_restart(session: aiohttp.ClientSession, daemon: Daemon, 
 
 
 @pytest.mark.e2e
+async def test_a_repeated_cancel_is_a_no_op_that_publishes_nothing(daemon: Daemon,
+                                                                   session: aiohttp.ClientSession) -> None:
+    """SPEC rule 8: cancelling a cancelled task changes nothing, so no second task.finished either (it used
+    to be published, and counted in the metrics, on every repeat)."""
+    finishes = await EventStream.open(session, daemon, type="task.finished,task.cancel_requested")
+    later = "2999-01-01T00:00:00Z"
+    (task_id,) = await submit(session, daemon, available_at=later)
+    for _ in range(3):
+        async with session.post(f"{daemon.url}/v1/tasks/{task_id}/cancel") as r:
+            assert r.status == 202 and (await r.json())["state"] == "cancelled"
+    (marker,) = await submit(session, daemon, available_at=later)
+    async with session.post(f"{daemon.url}/v1/tasks/{marker}/cancel") as r:
+        assert r.status == 202
+    events = await finishes.until(lambda e: e.task_id == marker)
+    finishes.close()
+    assert [(e.event, e.task_id, e.data["state"], e.data["type"]) for e in events] == [
+        ("task.finished", task_id, "cancelled", "noop"), ("task.finished", marker, "cancelled", "noop")]
+
+
+@pytest.mark.e2e
 async def test_filters_by_task_id_and_event_type(daemon: Daemon, session: aiohttp.ClientSession) -> None:
     a, b = await submit(session, daemon, 2)
     daemon.wait_for("both tasks to end", lambda: all(daemon.task(t)["state"] == "completed" for t in (a, b)))

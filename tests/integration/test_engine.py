@@ -122,7 +122,7 @@ async def test_cancel_while_running_runs_the_stop_phase_and_ends_cancelled(sqlit
         task_id = await node.submit("watched")
         await node.until(lambda: "plugin.started" in node.names(task_id))
         # the cancel lands in the store only, as from another node; the next renewal notices it
-        assert await node.store.request_cancel(task_id, now=time.time()) is State.CANCELLING
+        assert (await node.store.request_cancel(task_id, now=time.time())).state is State.CANCELLING
         task = await node.finished(task_id)
         assert stopped.is_set()
         assert task.state is State.CANCELLED

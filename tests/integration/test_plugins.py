@@ -191,7 +191,7 @@ async def test_cancel_kills_the_running_tree_and_releases_the_slot(sqlite_store:
         await node.until(lambda: len(pids(pidfile)) == 4)
         assert slots.statistics().resources["nic"].in_use == 1
         # as Daemon.cancel does it: commit the cancel, then fire the attempt's scope
-        assert await node.store.request_cancel(task_id, now=time.time()) is State.CANCELLING
+        assert (await node.store.request_cancel(task_id, now=time.time())).state is State.CANCELLING
         held = node.leases.find(task_id)
         assert held is not None
         held.stop("cancel")

@@ -41,7 +41,7 @@ from tidepool.model import (
     new_id,
     sha256_of,
 )
-from tidepool.store import Ending, PhaseNote, Store
+from tidepool.store import CancelAnswer, Ending, PhaseNote, Store
 from tidepool.store.sqlite import SqliteStore
 
 T0 = 1_700_000_000.0
@@ -101,11 +101,11 @@ async def task_in(store: Store, state: State, *, now: float = T0, **fields: Any)
         return await add(store, now=now, type=state.value, **fields)
     if state is State.CANCELLED:
         task = await add(store, now=now, type=state.value, **fields)
-        assert await store.request_cancel(task.id, now=now) is State.CANCELLED
+        assert await store.request_cancel(task.id, now=now) == CancelAnswer(State.CANCELLED, True, task.type)
         return await store.get(task.id)
     c = await (leased if state is State.LEASED else running)(store, now=now, type=state.value, **fields)
     if state is State.CANCELLING:
-        assert await store.request_cancel(c.task.id, now=now) is State.CANCELLING
+        assert await store.request_cancel(c.task.id, now=now) == CancelAnswer(State.CANCELLING, True, c.task.type)
     elif state not in (State.LEASED, State.RUNNING):
         outcome = {State.RETRY_WAIT: FAILED_RETRYABLE, State.COMPLETED: SUCCEEDED,
                    State.FAILED: FAILED_FOR_GOOD, State.TIMED_OUT: TIMED_OUT}[state]
@@ -437,7 +437,7 @@ async def test_finish_many_gives_each_ending_what_finish_alone_would(store: Stor
     retry, last = await running(store, type="retry", max_attempts=2), await running(store, type="last", max_attempts=1)
     slow, stale, cancelled = [await running(store, type=t) for t in ("slow", "stale", "cancelled")]
     interrupted, illegal, noisy = [await running(store, type=t) for t in ("interrupted", "illegal", "noisy")]
-    assert await store.request_cancel(cancelled.task.id, now=T0 + 1) is State.CANCELLING
+    assert (await store.request_cancel(cancelled.task.id, now=T0 + 1)).state is State.CANCELLING
     with_output = Outcome(AttemptStatus.SUCCEEDED, exit_status=0, stderr_tail="warning: slow host\n")
     endings = [
         Ending(done[0].lease, SUCCEEDED, T0 + 2),
@@ -562,7 +562,7 @@ async def test_promote_due_moves_only_due_retry_waits_to_pending(store: Store) -
 @pytest.mark.parametrize("state", [State.PENDING, State.RETRY_WAIT])
 async def test_cancel_of_a_queued_task_ends_it_at_once(store: Store, state: State) -> None:
     task = await task_in(store, state)
-    assert await store.request_cancel(task.id, now=T0 + 7) is State.CANCELLED
+    assert (await store.request_cancel(task.id, now=T0 + 7)).state is State.CANCELLED
     t = await store.get(task.id)
     assert (t.state, t.finished_at) == (State.CANCELLED, T0 + 7)
     assert await claim(store, now=T0 + 86400) == []
@@ -573,7 +573,7 @@ async def test_cancel_of_a_queued_task_ends_it_at_once(store: Store, state: Stat
 async def test_cancel_of_a_held_task_waits_for_its_worker(
         store: Store, held: State, reported: Outcome) -> None:
     c = await (leased if held is State.LEASED else running)(store)
-    assert await store.request_cancel(c.task.id, now=T0 + 1) is State.CANCELLING
+    assert (await store.request_cancel(c.task.id, now=T0 + 1)).state is State.CANCELLING
     async with changes_nothing(store, c.task.id):
         lost = await store.renew([c.lease], now=T0 + 2, lease_s=LEASE_S)
         assert isinstance(lost[c.lease.attempt_id], TaskCancelling)
@@ -601,7 +601,7 @@ async def test_cancelling_task_whose_worker_died_ends_cancelled_at_lease_expiry(
 async def test_repeated_cancel_is_a_no_op(store: Store, state: State) -> None:
     task = await task_in(store, state)
     async with changes_nothing(store, task.id):
-        assert await store.request_cancel(task.id, now=T0 + 9) is state
+        assert await store.request_cancel(task.id, now=T0 + 9) == CancelAnswer(state, False, task.type)
 
 
 @pytest.mark.parametrize("state", [State.COMPLETED, State.FAILED, State.TIMED_OUT])
@@ -748,7 +748,7 @@ async def test_first_phase_note_starts_the_task_and_records_progress(store: Stor
 async def test_phase_notes_written_together_refuse_only_the_lost_and_the_cancelled(store: Store) -> None:
     live, stolen, cancelled = [await running(store, type=t) for t in ("live", "stolen", "cancelled")]
     stale = dataclasses.replace(stolen.lease, token="0" * 32)
-    assert await store.request_cancel(cancelled.task.id, now=T0 + 1) is State.CANCELLING
+    assert (await store.request_cancel(cancelled.task.id, now=T0 + 1)).state is State.CANCELLING
     notes = [PhaseNote(live.lease, Phase.STOP, {"fraction": 1.0}), PhaseNote(stale, Phase.STOP),
              PhaseNote(cancelled.lease, Phase.STOP)]
     async with changes_nothing(store, stolen.task.id, cancelled.task.id):

@@ -104,7 +104,7 @@ async def test_two_nodes_promote_and_cancel_each_task_once(postgres_schema: tupl
         for c in claimed[:150]:
             assert await a.finish(c.lease, failing, now=T0 + 2, policy=POLICY) is State.RETRY_WAIT
         for c in claimed[150:]:
-            assert await b.request_cancel(c.task.id, now=T0 + 2) is State.CANCELLING
+            assert (await b.request_cancel(c.task.id, now=T0 + 2)).state is State.CANCELLING
         promoted = await asyncio.gather(*(s.promote_due(now=T0 + 3600) for s in (a, b, a, b)))
         cancelled = await asyncio.gather(*(s.finish_cancels(now=T0 + 3600, deadline_s=60) for s in (a, b, a, b)))
         assert sum(promoted) == 150

@@ -75,7 +75,7 @@ async def test_overlap_skip_waits_for_the_previous_task(store: Store) -> None:
     (first,) = await store.fire_schedules(now=61.0, max_attempts=3)
     (skipped,) = await store.fire_schedules(now=121.0, max_attempts=3)
     assert skipped.reason == "overlap" and skipped.task_id is None
-    assert await store.request_cancel(first.task_id or "", now=122.0) is State.CANCELLED
+    assert (await store.request_cancel(first.task_id or "", now=122.0)).state is State.CANCELLED
     (second,) = await store.fire_schedules(now=181.0, max_attempts=3)
     assert second.task_id is not None and second.task_id != first.task_id
 

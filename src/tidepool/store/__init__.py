@@ -73,6 +73,13 @@ class Expired:
 
 
 @dataclass(frozen=True, slots=True)
+class CancelAnswer:
+    state: State  # where the cancel left the task
+    moved: bool   # False for a repeated cancel, which found it there already and changed nothing
+    type: str     # the task's type, for the events and metrics of a cancel
+
+
+@dataclass(frozen=True, slots=True)
 class Page:
     tasks: list[Task]
     next_cursor: str | None
@@ -125,8 +132,9 @@ class Store(Protocol):
         """Newest first, without results."""
     async def counts(self) -> dict[State, int]:
         """How many tasks are in each non-terminal state."""
-    async def request_cancel(self, task_id: str, *, now: float) -> State:
-        """pending/retry_wait -> cancelled, leased/running -> cancelling; terminal -> Conflict."""
+    async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
+        """pending/retry_wait -> cancelled, leased/running -> cancelling; cancelling and cancelled stay
+        (a no-op, rule 8); any other terminal state -> Conflict."""
     async def retry(self, task_id: str, *, now: float) -> Task:
         """failed/timed_out/cancelled -> pending with max_attempts more attempts; else Conflict."""
 

@@ -30,7 +30,7 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import Ending, Expired, Node, Page, PhaseNote, cancel_step, retry_step
+from . import CancelAnswer, Ending, Expired, Node, Page, PhaseNote, cancel_step, retry_step
 
 
 @dataclasses.dataclass
@@ -103,15 +103,17 @@ class MemoryStore:
                 counts[row.task.state] = counts.get(row.task.state, 0) + 1
         return counts
 
-    async def request_cancel(self, task_id: str, *, now: float) -> State:
+    async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
         row = self._row(task_id)
         state = cancel_step(row.task.state)
-        if state is State.CANCELLED and row.task.state is not State.CANCELLED:
+        if state is row.task.state:
+            return CancelAnswer(state, False, row.task.type)
+        if state is State.CANCELLED:
             row.update(state=state, finished_at=now, updated_at=now, phase=None)
-        elif state is State.CANCELLING and row.task.state is not State.CANCELLING:
+        else:
             row.update(state=state, updated_at=now)
             row.cancel_requested_at = now
-        return state
+        return CancelAnswer(state, True, row.task.type)
 
     async def retry(self, task_id: str, *, now: float) -> Task:
         row = self._row(task_id)

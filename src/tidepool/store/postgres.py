@@ -66,7 +66,7 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import Ending, Expired, Node, Page, PhaseNote, cancel_step, completable_at_once, retry_step
+from . import CancelAnswer, Ending, Expired, Node, Page, PhaseNote, cancel_step, completable_at_once, retry_step
 
 I = TypeVar("I")  # noqa: E741  # an item queued for a grouped write
 R = TypeVar("R")
@@ -666,18 +666,21 @@ class PostgresStore:
             )
         return {State(r[0]): r[1] for r in rows}
 
-    async def request_cancel(self, task_id: str, *, now: float) -> State:
+    async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
         async with self._conn() as conn, conn.transaction():
-            current = await _lock_state(conn, task_id)
+            row = await conn.fetchrow("SELECT state, type FROM tasks WHERE id = $1 FOR NO KEY UPDATE", task_id)
+            if row is None:
+                raise TaskNotFound(task_id)
+            current = State(row["state"])
             target = cancel_step(current)
             if target is current:
-                return target
+                return CancelAnswer(target, False, row["type"])
             if target is State.CANCELLED:
                 sql = "UPDATE tasks SET state = $1, phase = NULL, finished_at = $2, updated_at = $2 WHERE id = $3"
             else:
                 sql = "UPDATE tasks SET state = $1, cancel_requested_at = $2, updated_at = $2 WHERE id = $3"
             await conn.execute(sql, target.value, now, task_id)
-            return target
+            return CancelAnswer(target, True, row["type"])
 
     async def retry(self, task_id: str, *, now: float) -> Task:
         async with self._conn() as conn, conn.transaction():

@@ -59,7 +59,7 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import Ending, Expired, Node, Page, PhaseNote, cancel_step, completable_at_once, retry_step
+from . import CancelAnswer, Ending, Expired, Node, Page, PhaseNote, cancel_step, completable_at_once, retry_step
 
 T = TypeVar("T")
 log = logging.getLogger("tidepool.store.sqlite")
@@ -385,15 +385,15 @@ class SqliteStore:
 
         return await self._read(read)
 
-    async def request_cancel(self, task_id: str, *, now: float) -> State:
-        def op(conn: sqlite3.Connection, batch: _Batch) -> State:
-            row = conn.execute("SELECT state FROM tasks WHERE id = ?", (task_id,)).fetchone()
+    async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
+        def op(conn: sqlite3.Connection, batch: _Batch) -> CancelAnswer:
+            row = conn.execute("SELECT state, type FROM tasks WHERE id = ?", (task_id,)).fetchone()
             if row is None:
                 raise TaskNotFound(task_id)
             current = State(row[0])
             target = cancel_step(current)
             if target is current:
-                return target
+                return CancelAnswer(target, False, row[1])
             if target is State.CANCELLED:
                 conn.execute("UPDATE tasks SET state = ?, phase = NULL, finished_at = ?, updated_at = ? "
                              "WHERE id = ?", (target, now, now, task_id))
@@ -401,10 +401,10 @@ class SqliteStore:
             else:
                 conn.execute("UPDATE tasks SET state = ?, cancel_requested_at = ?, updated_at = ? WHERE id = ?",
                              (target, now, now, task_id))
-            return target
+            return CancelAnswer(target, True, row[1])
 
-        state: State = await self._write(op)
-        return state
+        answer: CancelAnswer = await self._write(op)
+        return answer
 
     async def retry(self, task_id: str, *, now: float) -> Task:
         def op(conn: sqlite3.Connection, batch: _Batch) -> Task:
