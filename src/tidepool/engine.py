@@ -162,16 +162,24 @@ class Engine:
             raise denied(plugin.name, ctx.task.type)
         ctx.enter_plugin(plugin.name)
         self._events.publish("plugin.started", task_id=ctx.task.id, worker_id=worker_id, plugin=plugin.name)
-        started = time.monotonic()
-        if plugin.timeout_s is None:
-            await plugin.run(ctx)
-        else:
-            with anyio.move_on_after(plugin.timeout_s) as scope:
+        started, outcome = time.monotonic(), "stopped"  # unless it returns or raises: the attempt was stopped
+        try:
+            if plugin.timeout_s is None:
                 await plugin.run(ctx)
-            if scope.cancelled_caught:
-                raise _PluginTimedOut(f"plugin {plugin.name} timed out after {plugin.timeout_s}s")
-        self._events.publish("plugin.finished", task_id=ctx.task.id, worker_id=worker_id, plugin=plugin.name,
-                             duration_s=round(time.monotonic() - started, 6))
+            else:
+                with anyio.move_on_after(plugin.timeout_s) as scope:
+                    await plugin.run(ctx)
+                if scope.cancelled_caught:
+                    outcome = "timed_out"
+                    raise _PluginTimedOut(f"plugin {plugin.name} timed out after {plugin.timeout_s}s")
+            outcome = "succeeded"
+        except Exception:
+            if outcome == "stopped":
+                outcome = "failed"
+            raise
+        finally:  # every plugin.started has its plugin.finished, however the plugin ended
+            self._events.publish("plugin.finished", task_id=ctx.task.id, worker_id=worker_id, plugin=plugin.name,
+                                 duration_s=round(time.monotonic() - started, 6), outcome=outcome)
 
     def _required_tags(self, task: Task) -> frozenset[str]:
         type_tags = self.registry.required_tags(task.type)

@@ -12,6 +12,7 @@ from tidepool.errors import PluginError
 from tidepool.leases import Held
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, Claimed, State
+from tidepool.plugins import PluginDef, Registry
 from tidepool.settings import TypeSettings
 from tidepool.store.sqlite import SqliteStore
 
@@ -35,6 +36,26 @@ async def test_phases_run_in_order_with_events(sqlite_store: SqliteStore, tmp_pa
             "task.leased", "task.phase:initialize", "task.phase:prepare", "task.phase:run",
             "plugin.started", "plugin.finished", "task.phase:stop", "task.finished",
         ]
+
+
+async def test_every_plugin_started_has_its_plugin_finished_saying_how_it_ended(sqlite_store: SqliteStore,
+                                                                                tmp_path: Path) -> None:
+    async def broken(ctx: TaskContext) -> None:
+        raise RuntimeError("scanner crashed")
+
+    plugins = {"noop": PluginDef("noop", noop), "broken": PluginDef("broken", broken),
+               "forever": PluginDef("forever", forever), "capped": PluginDef("capped", forever, timeout_s=0.05)}
+    types = {"noop": TypeSettings(plugins=("noop",)), "broken": TypeSettings(plugins=("broken",)),
+             "slow": TypeSettings(plugins=("forever",), timeout_s=0.1), "capped": TypeSettings(plugins=("capped",))}
+    async with running_node(sqlite_store, {}, registry=Registry(plugins, types), work_root=tmp_path) as node:
+        ended = {t: await node.finished(await node.submit(t, max_attempts=1)) for t in types}
+        outcomes = {t: [(e.name, e.data.get("outcome")) for e in node.seen
+                        if e.data.get("task_id") == task.id and e.name.startswith("plugin.")]
+                    for t, task in ended.items()}
+    # a plugin that returned, raised, overran its own timeout, or was stopped with its attempt (here by
+    # the run phase's deadline; a cancel, a lost lease or a shutdown stop it the same way)
+    assert outcomes == {t: [("plugin.started", None), ("plugin.finished", outcome)] for t, outcome in
+                        (("noop", "succeeded"), ("broken", "failed"), ("capped", "timed_out"), ("slow", "stopped"))}
 
 
 async def test_scope_enrichment_and_results_reach_the_store(sqlite_store: SqliteStore, tmp_path: Path) -> None:
