@@ -129,8 +129,9 @@ class Pool:
 
     def statistics(self) -> PoolStats:
         baseline = sum(1 for w in self._workers.values() if w.kind == "baseline")
+        claiming = self._claiming and self._may_claim()  # not while draining, nor while a host guard holds it
         return PoolStats(self.config.min_workers, self.config.max_workers, self.config.idle_timeout_s,
-                         len(self._workers), self._busy, baseline, len(self._workers) - baseline, self._claiming)
+                         len(self._workers), self._busy, baseline, len(self._workers) - baseline, claiming)
 
     def wake(self, n: int = 1) -> None:
         self.waker.wake(n)

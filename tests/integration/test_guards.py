@@ -46,10 +46,12 @@ async def test_with_floors_above_what_is_free_nothing_is_claimed_until_they_are_
         await anyio.sleep(1.0)  # twenty polls' worth of chances to claim
         assert [(await node.store.get(i)).state for i in ids] == [State.PENDING] * 3
         assert not [e for e in node.seen if e.name == "task.leased"]
+        assert not node.pool.statistics().claiming, "GET /v1/pool and the metric say so"
 
         guards.configure(min_free_memory_mb=0, min_free_disk_mb=0)
         for task_id in ids:
             assert (await node.finished(task_id, timeout_s=5)).state is State.COMPLETED
+        assert node.pool.statistics().claiming
     assert names(events) == [("guard.tripped", "memory"), ("guard.tripped", "disk"),
                              ("guard.cleared", "memory"), ("guard.cleared", "disk")]
     tripped = next(e for e in events.since(0) if e.name == "guard.tripped")
