@@ -20,7 +20,7 @@ log = logging.getLogger("tidepool.scheduler")
 
 
 class Scheduler:
-    def __init__(self, store: Store, events: EventBus, *, max_attempts: Callable[[], int],
+    def __init__(self, store: Store, events: EventBus, *, max_attempts: Callable[[str], int],
                  wake: Callable[[int], None], interval_s: float = 0.5,
                  clock: Callable[[], float] = time.time) -> None:
         self._store = store
@@ -51,7 +51,7 @@ class Scheduler:
             await anyio.sleep(self.interval_s)
 
     async def tick(self) -> list[Fired]:
-        fired = await self._store.fire_schedules(now=self._clock(), max_attempts=self._max_attempts())
+        fired = await self._store.fire_schedules(now=self._clock(), max_attempts=self._max_attempts)
         created = 0
         for f in fired:
             if f.task_id is not None:

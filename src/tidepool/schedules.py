@@ -186,10 +186,11 @@ def set_paused(schedule: Schedule, paused: bool, now: float) -> Schedule:
     return start(replace(schedule, paused=False), now)
 
 
-def fire(schedule: Schedule, now: float, *, max_attempts: int, running: Callable[[str], bool],
+def fire(schedule: Schedule, now: float, *, max_attempts: Callable[[str], int], running: Callable[[str], bool],
          add: Callable[[NewTask], str | None]) -> tuple[list[Fired], Schedule]:
     """Fire a due schedule inside the store's transaction: `add` creates a task (None if its tick's
-    key exists already), `running` says whether the schedule's last task is still unfinished."""
+    key exists already), `running` says whether the schedule's last task is still unfinished, and
+    `max_attempts` gives a task of a type its attempt budget."""
     if rewound(schedule, now):
         return [], start(schedule, now)
     firing = plan(schedule, now)
@@ -199,7 +200,7 @@ def fire(schedule: Schedule, now: float, *, max_attempts: int, running: Callable
         if schedule.overlap == "skip" and last_task is not None and running(last_task):
             fired.append(Fired(schedule.name, tick, None, "overlap"))
             continue
-        task_id = add(task_for(schedule, tick, max_attempts=max_attempts))
+        task_id = add(task_for(schedule, tick, max_attempts=max_attempts(schedule.type)))
         if task_id is not None:
             fired.append(Fired(schedule.name, tick, task_id))
             last_task, last_run = task_id, tick

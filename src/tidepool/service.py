@@ -89,7 +89,7 @@ class Daemon:
         self.reconciler = Reconciler(self.store, self.events, config=_reconciler_config(settings),
                                      policy=lambda: self.engine.policy, wake=self.pool.wake,
                                      fleet_tags=self._fleet_tag_sets)
-        self.scheduler = Scheduler(self.store, self.events, max_attempts=lambda: self.settings.retry.max_attempts,
+        self.scheduler = Scheduler(self.store, self.events, max_attempts=self.max_attempts_for,
                                    wake=self.pool.wake)
         self.started_at = time.time()
         self.heartbeat = Heartbeat(self.store, self._describe)
@@ -103,9 +103,11 @@ class Daemon:
     def max_body_kb(self) -> int:
         return self.settings.api.max_body_kb
 
-    @property
-    def default_max_attempts(self) -> int:
-        return self.settings.retry.max_attempts
+    def max_attempts_for(self, task_type: str) -> int:
+        """The attempt budget of a new task of `task_type` that names none: its type's, else retry's."""
+        settings = self.registry.types.get(task_type)
+        own = None if settings is None else settings.max_attempts
+        return self.settings.retry.max_attempts if own is None else own
 
     # running
 

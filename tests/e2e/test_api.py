@@ -85,3 +85,26 @@ def test_bad_requests_are_refused_with_json_errors_and_change_nothing(make_daemo
     assert (listed.status, listed.body) == (200, {"tasks": [], "next_cursor": None})
     assert not any(daemon.get("/v1/pool").body["queue"].values())
     assert daemon.query("SELECT count(*) FROM tasks") == [(0,)]
+
+
+@pytest.mark.e2e
+def test_a_types_max_attempts_applies_unless_the_request_gives_its_own(make_daemon: Callable[..., Daemon]) -> None:
+    daemon = make_daemon({"retry": {"max_attempts": 4, "backoff_base_s": 0.0, "jitter": 0.0},
+                          "plugins.fail": {"command": ["false"]},
+                          "types.failer": {"plugins": ["fail"], "max_attempts": 1}})
+    daemon.start()
+
+    task = daemon.submit("failer")
+    assert task["max_attempts"] == 1, "the type's max_attempts, not retry.max_attempts"
+    ended = daemon.wait_terminal(task["id"])
+    assert ended["state"] == "failed" and len(ended["attempts"]) == 1, ended
+
+    own = daemon.submit("failer", max_attempts=2)
+    assert own["max_attempts"] == 2, "the request's own max_attempts wins over the type's"
+    assert len(daemon.wait_terminal(own["id"])["attempts"]) == 2
+    assert daemon.submit("noop")["max_attempts"] == 4, "a type without one gets retry.max_attempts"
+
+    r = daemon.post("/v1/tasks/batch", {"tasks": [{"type": "failer"}, {"type": "failer", "max_attempts": 3},
+                                                  {"type": "noop"}]})
+    assert r.status == 201, r
+    assert [daemon.task(i)["max_attempts"] for i in r.body["ids"]] == [1, 3, 4]

@@ -32,6 +32,14 @@ def test_an_every_second_schedule_fires_each_tick_once(daemon: Daemon) -> None:
     assert listing[0]["name"] == "tick" and listing[0]["last_task_id"] is not None
 
 
+def test_a_scheduled_task_gets_its_type_s_attempt_budget(make_daemon: Callable[..., Daemon]) -> None:
+    daemon = make_daemon({"types.once": {"plugins": ["noop"], "max_attempts": 1}})
+    daemon.start()
+    assert daemon.post("/v1/schedules", {"name": "once", "type": "once", "every_s": 1}).status == 201
+    daemon.wait_for("a tick", lambda: scheduled(daemon, "once"), timeout_s=10)
+    assert {t["max_attempts"] for t in scheduled(daemon, "once")} == {1}  # not retry.max_attempts (3)
+
+
 @pytest.mark.parametrize("catch_up", ["all", "last", "none"])
 def test_restart_across_ticks_follows_catch_up(make_daemon: Callable[..., Daemon], catch_up: str) -> None:
     daemon = make_daemon()

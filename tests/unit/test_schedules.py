@@ -88,7 +88,7 @@ def test_catch_up_none_still_fires_a_tick_that_is_on_time() -> None:
 
 def test_clock_going_back_restarts_from_now_without_firing() -> None:
     schedule = start(every(60.0), 10_000.0)
-    fired, saved = fire(schedule, 100.0, max_attempts=3, running=lambda _: False, add=lambda _: "t")
+    fired, saved = fire(schedule, 100.0, max_attempts=lambda _: 3, running=lambda _: False, add=lambda _: "t")
     assert fired == []
     assert saved.next_tick_at == 120.0
 
@@ -96,18 +96,20 @@ def test_clock_going_back_restarts_from_now_without_firing() -> None:
 def test_overlap_skip_skips_while_the_previous_task_runs() -> None:
     schedule = replace(start(every(60.0, overlap="skip"), 0.0), last_task_id="busy")
     added: list[NewTask] = []
-    fired, saved = fire(schedule, 61.0, max_attempts=3, running=lambda task_id: task_id == "busy",
+    fired, saved = fire(schedule, 61.0, max_attempts=lambda _: 3, running=lambda task_id: task_id == "busy",
                         add=lambda new: added.append(new) or "t2")
     assert added == [] and fired[0].reason == "overlap" and saved.last_task_id == "busy"
-    fired, saved = fire(saved, 121.0, max_attempts=3, running=lambda _: False, add=lambda new: "t3")
+    fired, saved = fire(saved, 121.0, max_attempts=lambda _: 3, running=lambda _: False, add=lambda new: "t3")
     assert fired[0].task_id == "t3" and saved.last_task_id == "t3"
 
 
-def test_a_tick_fires_one_task_with_its_idempotency_key() -> None:
+def test_a_tick_fires_one_task_with_its_idempotency_key_and_its_type_s_attempt_budget() -> None:
     schedule = start(every(60.0), 0.0)
     added: list[NewTask] = []
-    fire(schedule, 60.0, max_attempts=3, running=lambda _: False, add=lambda new: added.append(new) or "t")
-    assert [n.idempotency_key for n in added] == ["schedule:s:1970-01-01T00:01:00+00:00"]
+    budgets = {schedule.type: 1}
+    fire(schedule, 60.0, max_attempts=budgets.__getitem__, running=lambda _: False,
+         add=lambda new: added.append(new) or "t")
+    assert [(n.idempotency_key, n.max_attempts) for n in added] == [("schedule:s:1970-01-01T00:01:00+00:00", 1)]
 
 
 def test_jitter_is_the_same_on_every_node_and_within_bounds() -> None:

@@ -132,14 +132,14 @@ def _http(status: int, code: str, message: str) -> ApiError:
 async def submit(request: web.Request) -> web.Response:
     daemon = request.app[DAEMON]
     body = await parse(request, SubmitTask)
-    task, created = await daemon.submit(body.to_new(default_max_attempts=daemon.default_max_attempts))
+    task, created = await daemon.submit(body.to_new(default_max_attempts=daemon.max_attempts_for(body.type)))
     return web.json_response(task_json(task), status=201 if created else 200)
 
 
 async def submit_batch(request: web.Request) -> web.Response:
     daemon = request.app[DAEMON]
     body = await parse(request, SubmitBatch)
-    news = [t.to_new(default_max_attempts=daemon.default_max_attempts) for t in body.tasks]
+    news = [t.to_new(default_max_attempts=daemon.max_attempts_for(t.type)) for t in body.tasks]
     ids = await daemon.submit_many(news)
     return web.json_response({"ids": ids}, status=201)
 

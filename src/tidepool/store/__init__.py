@@ -162,7 +162,7 @@ class Store(Protocol):
     async def delete_schedule(self, name: str) -> None:
         """ScheduleNotFound if unknown."""
     async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule: ...
-    async def fire_schedules(self, *, now: float, max_attempts: int) -> list[Fired]:
+    async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int]) -> list[Fired]:
         """In one transaction per schedule: create the due ticks' tasks and advance next_run_at."""
 
     # the reconciler

@@ -208,7 +208,7 @@ class MemoryStore:
         self._schedules[name] = schedules.set_paused(self._schedules[name], paused, now)
         return self._schedules[name]
 
-    async def fire_schedules(self, *, now: float, max_attempts: int) -> list[Fired]:
+    async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int]) -> list[Fired]:
         fired: list[Fired] = []
         for schedule in list(self._schedules.values()):
             if schedule.paused or schedule.next_run_at is None or schedule.next_run_at > now:

@@ -912,7 +912,7 @@ class PostgresStore:
             await conn.execute(SAVE_SCHEDULE, *_schedule_args(saved))
         return saved
 
-    async def fire_schedules(self, *, now: float, max_attempts: int) -> list[Fired]:
+    async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int]) -> list[Fired]:
         async with self._conn() as conn:
             due = await conn.fetch("SELECT name FROM schedules WHERE NOT paused AND next_run_at <= $1", now)
             fired: list[Fired] = []
@@ -1327,7 +1327,7 @@ async def _locked_schedule(conn: Conn, name: str) -> Schedule | None:
     return None if row is None else _schedule(row)
 
 
-async def _fire(conn: Conn, name: str, now: float, max_attempts: int) -> list[Fired]:
+async def _fire(conn: Conn, name: str, now: float, max_attempts: Callable[[str], int]) -> list[Fired]:
     """Fire one due schedule, holding its row; nothing when another node holds or has just fired it."""
     row = await conn.fetchrow(DUE_SCHEDULE, name, now)
     if row is None:
@@ -1335,7 +1335,7 @@ async def _fire(conn: Conn, name: str, now: float, max_attempts: int) -> list[Fi
     schedule = _schedule(row)
     # schedules.fire() asks its questions synchronously: answer them from what the store holds now.
     ticks = schedules.plan(schedule, now).fire
-    keys = [schedules.task_for(schedule, t, max_attempts=max_attempts).idempotency_key for t in ticks]
+    keys = [schedules.task_for(schedule, t, max_attempts=max_attempts(schedule.type)).idempotency_key for t in ticks]
     used = await conn.fetch("SELECT idempotency_key FROM tasks WHERE idempotency_key = ANY($1::text[])", keys)
     taken = {r[0] for r in used}
     last_active = schedule.last_task_id is not None and await conn.fetchval(

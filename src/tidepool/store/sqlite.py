@@ -526,7 +526,7 @@ class SqliteStore:
         saved: Schedule = await self._write(op)
         return saved
 
-    async def fire_schedules(self, *, now: float, max_attempts: int) -> list[Fired]:
+    async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int]) -> list[Fired]:
         """Fire every due tick in one transaction: tasks created and next_run_at advanced together."""
         def op(conn: sqlite3.Connection, batch: _Batch) -> list[Fired]:
             rows = conn.execute(f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE paused = 0 AND next_run_at <= ?",
