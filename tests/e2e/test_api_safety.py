@@ -401,3 +401,62 @@ def test_a_burst_of_clients_connecting_at_once_waits_in_the_listen_queue_not_in_
     finally:
         for s in clients:
             s.close()
+
+
+# every route that reads a JSON body, with DEEP where the nested arrays go
+DEEP_BODIES = [("POST", "/v1/tasks", '{"type": "noop", "payload": {"a": DEEP}}'),
+               ("POST", "/v1/tasks/batch", '{"tasks": [{"type": "noop", "payload": {"a": DEEP}}]}'),
+               ("POST", "/v1/schedules", '{"name": "deep", "type": "noop", "every_s": 60, "payload": {"a": DEEP}}'),
+               ("PATCH", "/v1/pool", '{"max_workers": DEEP}')]
+
+
+@pytest.mark.e2e
+def test_json_nested_too_deeply_is_400_on_every_route_that_reads_a_body(daemon: Daemon) -> None:
+    pool_before = call(daemon, "GET", "/v1/pool").body
+    for depth in (990, 5000, 300):  # beyond the interpreter's recursion limit, far beyond, beyond pydantic's
+        for method, path, template in DEEP_BODIES:
+            raw = template.replace("DEEP", "[" * depth + "]" * depth)
+            r = call(daemon, method, path, data=raw.encode())
+            assert r.status == 400 and r.error["code"] == "invalid_json", (depth, path, r)
+            assert "body" in r.error["message"], r
+    assert store_counts(daemon) == (0, dict.fromkeys(("pending", "leased", "running", "retry_wait", "cancelling"), 0))
+    assert call(daemon, "GET", "/v1/schedules").body == {"schedules": []}
+    pool_after = call(daemon, "GET", "/v1/pool").body
+    assert pool_after["max_workers"] == pool_before["max_workers"]
+    assert "Traceback" not in daemon.log(200), daemon.log(200)
+
+
+@pytest.mark.e2e
+def test_available_at_must_be_an_instant_the_task_json_can_show(daemon: Daemon) -> None:
+    empty = store_counts(daemon)
+    for at in ("9999-12-31T23:59:59-01:00", "0001-01-01T00:00:00+01:00", "0001-01-01T00:00:00Z",
+               "0999-12-31T23:59:59Z", "9999-12-31T23:59:59.999999Z"):
+        r = call(daemon, "POST", "/v1/tasks", {"type": "noop", "available_at": at})
+        assert r.status == 400 and r.error["code"] == "invalid_request", (at, r)
+        assert r.error["message"].startswith("available_at:"), r
+        r = call(daemon, "POST", "/v1/tasks/batch", {"tasks": [{"type": "noop"}, {"type": "noop", "available_at": at}]})
+        assert r.status == 400 and r.error["message"].startswith("tasks.1.available_at:"), (at, r)
+    assert store_counts(daemon) == empty
+
+    for at, shown in (("9999-12-31T23:59:59Z", "9999-12-31T23:59:59.000000Z"),
+                      ("9999-12-31T23:59:59+00:00", "9999-12-31T23:59:59.000000Z"),
+                      ("2100-01-02T03:04:05", "2100-01-02T03:04:05.000000Z"),  # naive: UTC
+                      ("2100-01-02T00:30:00+01:00", "2100-01-01T23:30:00.000000Z"),
+                      ("1000-01-01T00:00:00Z", "1000-01-01T00:00:00.000000Z")):
+        r = call(daemon, "POST", "/v1/tasks", {"type": "noop", "available_at": at})
+        assert r.status == 201 and r.body["available_at"] == shown, (at, r)
+
+
+@pytest.mark.e2e
+def test_only_a_cursor_the_api_handed_out_is_accepted(daemon: Daemon) -> None:
+    ids = [daemon.submit("noop", available_at=later(3600))["id"] for _ in range(3)]
+    for cursor in ("zzz", "0", "%20", ids[1].upper(), ids[1] + "0", ids[1][:-1], ids[1][:-1] + "g"):
+        r = call(daemon, "GET", f"/v1/tasks?cursor={cursor}")
+        assert r.status == 400 and r.error["code"] == "invalid_request", (cursor, r)
+        assert r.error["message"].startswith("cursor:"), r
+
+    first = call(daemon, "GET", "/v1/tasks?limit=2").body
+    assert [t["id"] for t in first["tasks"]] == ids[:0:-1] and first["next_cursor"]
+    rest = call(daemon, "GET", f"/v1/tasks?limit=2&cursor={first['next_cursor']}").body
+    assert ([t["id"] for t in rest["tasks"]], rest["next_cursor"]) == ([ids[0]], None)
+    assert call(daemon, "GET", f"/v1/tasks?cursor={'0' * 32}").body == {"tasks": [], "next_cursor": None}

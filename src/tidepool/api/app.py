@@ -6,6 +6,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -41,6 +42,7 @@ TOKEN: web.AppKey[str | None] = web.AppKey("token")
 BODY_TIMEOUT_S = 30.0
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics"})  # and /static/: everything else needs the token
+CURSOR = re.compile(r"[0-9a-f]{32}")  # a next_cursor is a task id (model.new_id)
 UNAUTHORIZED = {"error": {"code": "unauthorized", "message": "a valid 'Authorization: Bearer <token>' is required"}}
 
 
@@ -104,13 +106,16 @@ async def parse(request: web.Request, model: type[M]) -> M:
         json.loads(raw or b"null", parse_constant=_no_constant)
     except ValueError as exc:
         raise _http(400, "invalid_json", f"body is not valid JSON: {exc}") from None
+    except RecursionError:  # the decoder recurses per level: deep nesting must not reach the 500 handler
+        raise _http(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
     try:
         # Strict: JSON true is not the integer 1 and "5" is not 5; RFC 3339 strings still make datetimes.
         return model.model_validate_json(raw or b"null", strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "body"
-        raise _http(400, "invalid_request", f"{field}: {first['msg']}") from None
+        code = "invalid_json" if first["type"] == "json_invalid" else "invalid_request"  # e.g. nested too deeply
+        raise _http(400, code, f"{field}: {first['msg']}") from None
 
 
 def _no_constant(name: str) -> None:
@@ -170,8 +175,11 @@ async def list_tasks(request: web.Request) -> web.Response:
         raise _http(400, "invalid_request", "limit: expected an integer") from None
     if not 1 <= limit <= MAX_LIST_LIMIT:
         raise _http(400, "invalid_request", f"limit: must be between 1 and {MAX_LIST_LIMIT}")
+    cursor = q.get("cursor") or None
+    if cursor is not None and not CURSOR.fullmatch(cursor):
+        raise _http(400, "invalid_request", "cursor: pass back a next_cursor of an earlier page")
     page = await request.app[DAEMON].store.list_tasks(state=state, type=q.get("type") or None, limit=limit,
-                                                      cursor=q.get("cursor") or None)
+                                                      cursor=cursor)
     return web.json_response({"tasks": [task_json(t, results=False) for t in page.tasks],
                               "next_cursor": page.next_cursor})
 

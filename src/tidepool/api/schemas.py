@@ -5,12 +5,17 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from ..model import Attempt, NewTask, ResultBatch, Task, rfc3339
 from ..schedules import Schedule
 
 MAX_LIST_LIMIT = 1000
+# The instants the task JSON can show: model.rfc3339 writes years below 1000 with fewer than four digits, and
+# a float epoch within microseconds of year 10000 rounds up into it.
+EARLIEST = datetime(1000, 1, 1, tzinfo=UTC)
+LATEST = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC)
 
 
 class SubmitTask(BaseModel):
@@ -27,11 +32,21 @@ class SubmitTask(BaseModel):
     idempotency_key: str | None = Field(None, min_length=1, max_length=512)
     available_at: datetime | None = None
 
+    @field_validator("available_at")
+    @classmethod
+    def _in_range(cls, at: datetime | None) -> datetime | None:
+        """A naive time means UTC; the instant must lie between EARLIEST and LATEST."""
+        if at is None:
+            return None
+        at = at if at.tzinfo else at.replace(tzinfo=UTC)
+        if not EARLIEST <= at <= LATEST:  # aware datetimes compare as instants, whatever their offset
+            raise PydanticCustomError("datetime_range", "must lie between {earliest} and {latest}",
+                                      {"earliest": f"{EARLIEST:%Y-%m-%dT%H:%M:%SZ}",
+                                       "latest": f"{LATEST:%Y-%m-%dT%H:%M:%SZ}"})
+        return at
+
     def to_new(self, *, default_max_attempts: int) -> NewTask:
-        available = None
-        if self.available_at is not None:
-            at = self.available_at if self.available_at.tzinfo else self.available_at.replace(tzinfo=UTC)
-            available = at.timestamp()
+        available = None if self.available_at is None else self.available_at.timestamp()
         return NewTask(self.type, self.payload, self.priority, self.max_attempts or default_max_attempts,
                        self.timeout_s, tuple(sorted(set(self.required_tags))), self.idempotency_key, available)
 
