@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 import aiohttp
+from yarl import URL
 
 TERMINAL = frozenset({"completed", "failed", "timed_out", "cancelled"})
 
@@ -27,6 +28,10 @@ class Unreachable(Exception):
     """No daemon answered at the address."""
 
 
+class InvalidAddress(ValueError):
+    """The address is neither http(s)://host[:port] nor unix:/path."""
+
+
 class Client:
     """`async with Client("http://127.0.0.1:8470") as c: task = await c.submit("sleep", {"seconds": 1})`.
 
@@ -36,6 +41,7 @@ class Client:
     def __init__(self, url: str = "http://127.0.0.1:8470", *, token: str | None = None,
                  timeout_s: float = 30.0) -> None:
         self.url = url
+        _check_address(url)
         connector = None
         if url.startswith("unix:"):
             connector = aiohttp.UnixConnector(path=url.removeprefix("unix:"))
@@ -59,7 +65,7 @@ class Client:
         try:
             async with self._session.request(method, self._base + path, json=body) as response:
                 data = await response.json(content_type=None)
-        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
             raise Unreachable(f"no tidepool daemon answered at {self.url}: {exc}") from None
         if response.status >= 400:
             err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
@@ -100,7 +106,10 @@ class Client:
 
     async def events(self, *, task_id: str | None = None, types: str | None = None,
                      last_event_id: int | None = None) -> AsyncIterator[dict[str, Any]]:
-        """Follow GET /v1/events: each event's JSON data, as it happens."""
+        """Follow GET /v1/events: each event's JSON data with its SSE name under "event", as it happens.
+
+        The stream's own notices come as well: stream.connected (from here on nothing is missed),
+        stream.gap (events were missed) and stream.closed (the daemon ended the stream: this one ends)."""
         query = urlencode([(k, v) for k, v in (("task_id", task_id), ("type", types)) if v])
         headers = {"Last-Event-ID": str(last_event_id)} if last_event_id is not None else {}
         try:
@@ -110,26 +119,38 @@ class Client:
                     body = await response.json(content_type=None)
                     err = body.get("error", {}) if isinstance(body, dict) else {}
                     raise ApiError(response.status, err.get("code", "error"), err.get("message", ""))
-                data: list[str] = []
+                name, data = "message", []
                 async for raw in response.content:
                     line = raw.decode().rstrip("\r\n")
                     if line == ": connected":  # from here on no event of ours can be missed
                         yield {"event": "stream.connected"}
-                    elif line.startswith("data: "):
-                        data.append(line[6:])
-                    elif not line and data:
-                        yield json.loads("\n".join(data))
-                        data = []
-        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
+                    elif line.startswith("event:"):  # the notices' data carries no name: this line does
+                        name = line[6:].strip()
+                    elif line.startswith("data:"):
+                        data.append(line[5:].removeprefix(" "))
+                    elif not line:
+                        if data:
+                            yield {**json.loads("\n".join(data)), "event": name}
+                            if name == "stream.closed":
+                                return
+                        name, data = "message", []
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
             raise Unreachable(f"event stream from {self.url} broke: {exc}") from None
 
     async def wait(self, task_id: str, *, on_change: Callable[[dict[str, Any]], None] | None = None,
                    poll_s: float = 2.0) -> dict[str, Any]:
-        """Until the task is terminal, following its events; on_change sees the task and each event."""
+        """Until the task is terminal, following its events; on_change sees the task and each event.
+
+        A stream the daemon closed (shutdown) is followed by a re-read of the task: Unreachable once
+        the daemon is gone."""
         task = await self.get(task_id)
         if on_change is not None:
             on_change(task)
+        closed = False
         while task["state"] not in TERMINAL:
+            if closed:  # a daemon shutting down closes each new stream at once: do not spin on it
+                await asyncio.sleep(poll_s)
+            closed = False
             with contextlib.suppress(asyncio.TimeoutError):
                 async with asyncio.timeout(poll_s * 10):  # the stream is the fast path; re-read now and then
                     async for event in self.events(task_id=task_id):
@@ -141,5 +162,19 @@ class Client:
                             on_change(event)
                         if event["event"] == "task.finished":
                             break
+                        closed = event["event"] == "stream.closed"
             task = await self.get(task_id)
         return task
+
+
+def _check_address(url: str) -> None:
+    if url.startswith("unix:"):
+        if not url.removeprefix("unix:"):
+            raise InvalidAddress(f"{url!r} names no socket: use unix:/path/to/api.sock")
+        return
+    try:
+        parts = URL(url)
+    except ValueError as exc:
+        raise InvalidAddress(f"{url!r} is not an address ({exc}): use http://host:port or unix:/path") from None
+    if parts.scheme not in ("http", "https") or not parts.host:
+        raise InvalidAddress(f"{url!r} is not an address: use http://host:port or unix:/path")

@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from . import schedules
 from .errors import ConfigError, InvalidRequest
@@ -178,6 +185,23 @@ BUILTIN_TYPES: dict[str, TypeSettings] = {
 }
 
 
+class _Environment(EnvSettingsSource):
+    """TIDEPOOL_* variables; a list or table that is not JSON is refused naming its variable and key
+    (pydantic-settings itself names only the section)."""
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo | None, value: Any) -> Any:
+        try:
+            return super().decode_complex_value(field_name, field, value)  # type: ignore[arg-type]
+        except ValueError:
+            prefix = self.env_prefix.lower()
+            names = [n for n, v in self.env_vars.items() if v == value and n.lower().startswith(prefix)
+                     and n[len(prefix):].lower().split("__")[-1] == field_name.lower()]
+            name = names[0].upper() if names else f"{self.env_prefix}{field_name}".upper()
+            key = name[len(prefix):].lower().replace("__", ".")
+            raise ValueError(f"config: {key}: {name}={value!r} is not JSON; "
+                             "write a list as '[\"a\", \"b\"]' and a table as '{\"k\": \"v\"}'") from None
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="TIDEPOOL_", env_nested_delimiter="__", extra="forbid", frozen=True,
@@ -206,7 +230,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # env beats file beats default; the file's content arrives as init arguments.
-        return env_settings, init_settings
+        return _Environment(settings_cls), init_settings
 
     @model_validator(mode="before")
     @classmethod
@@ -254,6 +278,8 @@ def parse(data: dict[str, Any]) -> Settings:
         settings = Settings(**data)
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
+    except SettingsError as exc:  # an environment value it could not even decode
+        raise ConfigError(str(exc.__cause__ or exc)) from None
     _check_references(settings)
     return settings
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from .conftest import Daemon, free_port, to_toml
+from .conftest import Daemon, clean_env, free_port, to_toml
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]
 OK, TASK_FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
@@ -29,6 +31,26 @@ def test_submit_wait_exits_0_when_completed_and_1_when_failed(daemon: Daemon, cl
     assert task["error"]["code"] == "invalid_argument"
     assert len(task["attempts"]) == 1, "an invalid argument must not be retried"
     assert "payload.seconds" in bad.stderr
+
+
+@pytest.mark.e2e
+def test_submit_wait_exits_3_without_a_traceback_when_the_daemon_shuts_down(daemon: Daemon, tmp_path: Path) -> None:
+    script = Path(sys.executable).with_name("tidepool")
+    prefix = [str(script)] if script.exists() else [sys.executable, "-m", "tidepool"]
+    waiting = subprocess.Popen([*prefix, "submit", "sleep", "--payload", '{"seconds": 30}', "--wait", "--url",
+                                daemon.url], cwd=tmp_path, env=clean_env(), stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        daemon.wait_for("the task to run", lambda: daemon.get("/v1/tasks?state=running").body["tasks"])
+        daemon.stop()  # SIGTERM: the task's event stream gets stream.closed, then the daemon is gone
+        _, stderr = waiting.communicate(timeout=30)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
+    assert waiting.returncode == UNREACHABLE, stderr
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1].startswith("tidepool: ") and f"127.0.0.1:{daemon.port}" in stderr
 
 
 @pytest.mark.e2e
@@ -55,12 +77,29 @@ def test_every_client_command_exits_3_with_one_line_naming_the_address_when_no_d
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("url", ["garbage", "ftp://127.0.0.1:8470", "http://127.0.0.1:99999", "http://"])
+def test_a_url_that_is_no_address_is_a_usage_error_naming_url(cli: Cli, url: str) -> None:
+    for args in (["pool"], ["show", "x"], ["submit", "noop"]):
+        result = cli(*args, "--url", url)
+        assert result.returncode == USAGE, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("tidepool: --url: ") and repr(url) in lines[0], result.stderr
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize(("config", "env", "key"), [
     ({"pool": {"min_workers": 4, "max_workers": 2}}, {}, "pool.max_workers"),
     ({"pool": {"max_worker": 3}}, {}, "pool.max_worker"),
     ({}, {"TIDEPOOL_LEASE__DURATION_S": "soon"}, "lease.duration_s"),
-], ids=["max-below-min", "unknown-key", "bad-env-override"])
-def test_run_with_an_invalid_config_exits_2_naming_the_key(tmp_path: Path, cli: Cli, config: dict[str, dict[str, int]],
+    ({}, {"TIDEPOOL_POOL__TASK_TYPES": "sleep"}, "pool.task_types: TIDEPOOL_POOL__TASK_TYPES"),
+    ({}, {"TIDEPOOL_PLUGINS__DENY": "noop"}, "plugins.deny: TIDEPOOL_PLUGINS__DENY"),
+    ({"types.x": {"plugins": ["nothere"]}}, {}, "types.x.plugins: unknown plugin 'nothere'"),
+    ({}, {"TIDEPOOL_PLUGINS__DENY": '["noop"]'}, "types.noop.plugins: plugin 'noop' is denied"),
+    ({}, {"TIDEPOOL_API__LISTEN": "0.0.0.0:18541"}, "api.token_file is required"),
+    ({}, {"TIDEPOOL_STORE__URL": "mysql://x"}, "store.url: unsupported URL"),
+], ids=["max-below-min", "unknown-key", "bad-env-override", "env-list-not-json", "env-deny-not-json",
+        "unknown-plugin", "denied-plugin", "off-loopback-without-token", "unsupported-store"])
+def test_run_with_an_invalid_config_exits_2_naming_the_key(tmp_path: Path, cli: Cli, config: dict[str, dict[str, Any]],
                                                             env: dict[str, str], key: str) -> None:
     path = tmp_path / "bad.toml"
     port = free_port()
@@ -68,10 +107,11 @@ def test_run_with_an_invalid_config_exits_2_naming_the_key(tmp_path: Path, cli: 
                              "store": {"url": f"sqlite:///{tmp_path / 'var' / 'bad.db'}"}, **config}))
     result = cli("run", "--config", str(path), env=env)
     assert result.returncode == USAGE, result.stderr
-    assert key in result.stderr
+    assert key in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "var" / "bad.db").exists(), "an invalid config must not touch the store"
     check = cli("config", "check", "--config", str(path), env=env)
-    assert check.returncode == USAGE and key in check.stderr
+    assert check.returncode == USAGE and key in check.stderr, check.stderr
+    assert len(check.stderr.strip().splitlines()) == 1 and check.stdout == "", "one line, no config printed"
 
 
 @pytest.mark.e2e

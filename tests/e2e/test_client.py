@@ -7,9 +7,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
-from tidepool.client import ApiError, Client, Unreachable
+from tidepool.client import ApiError, Client, InvalidAddress, Unreachable
 
 from .conftest import Daemon, free_port
 
@@ -44,6 +45,34 @@ async def test_submit_get_wait_and_the_pool(daemon: Daemon) -> None:
         pool = await client.pool()
         assert pool["node_id"] == "e2e-node" and pool["workers"] >= pool["min_workers"]
         assert set(pool["queue"]) >= {"pending", "running", "retry_wait"}
+
+
+@pytest.mark.e2e
+async def test_events_name_the_streams_own_notices_and_end_at_stream_closed(daemon: Daemon) -> None:
+    async with Client(daemon.url) as client:
+        stream = client.events(last_event_id=1)  # an id this run never gave: the stream says events were missed
+        assert await anext(stream) == {"event": "stream.gap", "missed": True}
+        assert await anext(stream) == {"event": "stream.connected"}
+        await anyio.to_thread.run_sync(daemon.stop)
+        rest = [event async for event in stream]
+        assert rest[-1] == {"event": "stream.closed", "reason": "shutdown"}
+        assert all(isinstance(e["event"], str) for e in rest) and "worker.started" in {e["event"] for e in rest}
+
+
+@pytest.mark.e2e
+async def test_wait_raises_unreachable_when_the_daemon_shuts_down_under_it(daemon: Daemon) -> None:
+    async with Client(daemon.url) as client:
+        task = await client.submit("sleep", {"seconds": 30})
+
+        async def stop_once_running() -> None:
+            while (await client.get(task["id"]))["state"] != "running":
+                await anyio.sleep(0.05)
+            await anyio.to_thread.run_sync(daemon.stop)  # SIGTERM: the stream closes, then the daemon is gone
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_once_running)
+            with pytest.raises(Unreachable, match="no tidepool daemon answered"):
+                await client.wait(task["id"], poll_s=0.2)
 
 
 @pytest.mark.e2e
@@ -93,6 +122,9 @@ async def test_cancel_retry_and_the_errors_they_raise(daemon: Daemon) -> None:
     async with Client(f"http://127.0.0.1:{free_port()}", timeout_s=2) as nobody:
         with pytest.raises(Unreachable, match="no tidepool daemon answered"):
             await nobody.pool()
+    for url in ("garbage", "ftp://127.0.0.1:8470", "http://127.0.0.1:99999", "unix:"):
+        with pytest.raises(InvalidAddress, match=r"is not an address|names no socket"):
+            Client(url)
 
 
 @pytest.mark.e2e

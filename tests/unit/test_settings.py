@@ -58,6 +58,25 @@ def test_bad_env_value_names_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
         settings.parse({})
 
 
+@pytest.mark.parametrize(("variable", "key"), [
+    ("TIDEPOOL_POOL__TASK_TYPES", "pool.task_types"),
+    ("TIDEPOOL_PLUGINS__DENY", "plugins.deny"),
+    ("TIDEPOOL_TYPES__SCAN__PLUGINS", "types.scan.plugins"),
+    ("TIDEPOOL_TYPES", "types"),
+])
+def test_env_list_or_table_that_is_not_json_names_the_variable_and_key(
+        monkeypatch: pytest.MonkeyPatch, variable: str, key: str) -> None:
+    monkeypatch.setenv(variable, "noop")
+    with pytest.raises(ConfigError) as info:
+        settings.parse({})
+    assert str(info.value).startswith(f"config: {key}: {variable}=") and "\n" not in str(info.value)
+
+
+def test_env_list_given_as_json_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDEPOOL_POOL__TASK_TYPES", '["sleep", "scan*"]')
+    assert settings.parse({}).pool.task_types == ("sleep", "scan*")
+
+
 def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         settings.load(tmp_path / "nope.toml")
