@@ -286,19 +286,21 @@ class Daemon:
             self.pool.wake(1)
         return task, created
 
-    async def submit_many(self, news: list[NewTask]) -> list[str]:
+    async def submit_many(self, news: list[NewTask]) -> list[tuple[str, bool]]:
         fleet = await self._fleet_tags(news)
         for i, new in enumerate(news):
             try:
                 news[i] = self.check(new, fleet_tags=fleet)
             except InvalidRequest as exc:
                 raise InvalidRequest(f"tasks.{i}.{exc.field}", str(exc).split(": ", 1)[1]) from None
-        ids = await self.store.add_many(news, now=time.time(), max_queued=self.settings.pool.max_queued)
-        for task_id, new in zip(ids, news, strict=True):
+        added = await self.store.add_many(news, now=time.time(), max_queued=self.settings.pool.max_queued)
+        fresh = [(task_id, new) for (task_id, created), new in zip(added, news, strict=True) if created]
+        for task_id, new in fresh:
             self.events.publish("task.created", task_id=task_id, worker_id=None, type=new.type,
                                 priority=new.priority)
-        self.pool.wake(len(ids))
-        return ids
+        if fresh:
+            self.pool.wake(len(fresh))
+        return added
 
     async def cancel(self, task_id: str) -> State:
         answer = await self.store.request_cancel(task_id, now=time.time())

@@ -228,6 +228,14 @@ def test_the_same_idempotency_key_returns_the_task_and_a_different_body_conflict
     assert in_batch.status == 409, in_batch
     assert store_counts(daemon)[0] == 1
 
+    # a batch sent again (its answer was lost) finds its keyed tasks: 200 with the same ids, none twice
+    batch = {"tasks": [body, {"type": "noop", "idempotency_key": "order-18"}]}
+    resent = call(daemon, "POST", "/v1/tasks/batch", batch)
+    assert resent.status == 201 and resent.body["ids"][0] == first.body["id"], resent
+    assert call(daemon, "POST", "/v1/tasks/batch", batch).body == resent.body
+    assert call(daemon, "POST", "/v1/tasks/batch", batch).status == 200
+    assert store_counts(daemon)[0] == 2
+
 
 @pytest.mark.e2e
 def test_a_task_with_available_at_in_the_future_waits_until_then(daemon: Daemon) -> None:

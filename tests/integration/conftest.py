@@ -48,7 +48,8 @@ class Node:
         return task.id
 
     async def submit_many(self, type: str, n: int, payload: dict[str, Any] | None = None) -> list[str]:
-        ids = await self.store.add_many([NewTask(type, payload or {}) for _ in range(n)], now=time.time())
+        added = await self.store.add_many([NewTask(type, payload or {}) for _ in range(n)], now=time.time())
+        ids = [task_id for task_id, _ in added]
         self.pool.wake(n)
         return ids
 

@@ -216,17 +216,28 @@ async def test_same_key_with_another_body_is_a_conflict_and_changes_nothing(stor
     assert [t.id for t in (await store.list_tasks()).tasks] == [first.id]
 
 
-async def test_add_many_with_a_used_or_repeated_key_inserts_nothing(store: Store) -> None:
+async def test_add_many_with_a_key_used_for_another_body_or_repeated_inserts_nothing(store: Store) -> None:
     first = await add(store, idempotency_key="used")
     with pytest.raises(Conflict):
-        await store.add_many([NewTask("noop"), NewTask("noop", idempotency_key="used")], now=T0)
+        await store.add_many([NewTask("noop"), NewTask("scan", idempotency_key="used")], now=T0)
     with pytest.raises(Conflict):
         await store.add_many([NewTask("noop", idempotency_key="twice")] * 2, now=T0)
     assert [t.id for t in (await store.list_tasks()).tasks] == [first.id]
     await add(store, idempotency_key="twice")  # the refused batch did not keep its key
 
-    ids = await store.add_many([NewTask("noop", {"n": n}) for n in range(3)], now=T0 + 1)
+    added = await store.add_many([NewTask("noop", {"n": n}) for n in range(3)], now=T0 + 1)
+    ids = [task_id for task_id, _ in added]
     assert [(await store.get(i)).payload for i in ids] == [{"n": 0}, {"n": 1}, {"n": 2}]
+
+
+async def test_a_resubmitted_batch_finds_its_keyed_tasks_and_adds_only_the_rest(store: Store) -> None:
+    """A client that lost the answer to a batch sends it again: its keyed tasks are not made twice."""
+    batch = [NewTask("noop", {"n": n}, idempotency_key=f"k{n}") for n in range(3)]
+    first = await store.add_many(batch, now=T0)
+    assert [created for _, created in first] == [True] * 3
+    again = await store.add_many([*batch, NewTask("noop", {"n": 3})], now=T0 + 1, max_queued=4)
+    assert again[:3] == [(task_id, False) for task_id, _ in first] and again[3][1]
+    assert len((await store.list_tasks()).tasks) == 4
 
 
 async def test_add_over_max_queued_raises_queue_full(store: Store) -> None:
@@ -296,7 +307,8 @@ async def test_task_without_attempts_left_is_never_claimed(store: Store) -> None
 
 
 async def test_eight_concurrent_claimers_never_claim_a_task_twice(store: Store) -> None:
-    ids = await store.add_many([NewTask("noop")] * 200, now=T0)
+    added = await store.add_many([NewTask("noop")] * 200, now=T0)
+    ids = [task_id for task_id, _ in added]
 
     async def claimer(n: int) -> list[Claimed]:
         mine: list[Claimed] = []
@@ -652,7 +664,8 @@ async def test_unserviceable_fails_only_queued_tasks_with_exactly_those_tags(sto
 
 
 async def test_two_nodes_failing_the_same_tags_at_once_fail_each_task_once(store: Store) -> None:
-    ids = await store.add_many([NewTask("noop", {"n": n}, required_tags=("gpu",)) for n in range(300)], now=T0)
+    added = await store.add_many([NewTask("noop", {"n": n}, required_tags=("gpu",)) for n in range(300)], now=T0)
+    ids = [task_id for task_id, _ in added]
     both = await asyncio.gather(*(store.fail_unserviceable(frozenset({"gpu"}), now=T0 + 1, message="gone")
                                   for _ in range(2)))
     assert Counter(both[0] + both[1]) == Counter(ids)

@@ -62,7 +62,8 @@ async def drain(store: PostgresStore, worker: Worker, where: ClaimFilter, limit:
 async def test_two_nodes_claiming_at_once_never_claim_a_task_twice(postgres_schema: tuple[str, str]) -> None:
     url, schema = postgres_schema
     async with nodes(url, schema, 2) as (a, b):
-        ids = await a.add_many([NewTask("noop", {"n": n}) for n in range(500)], now=T0)
+        added = await a.add_many([NewTask("noop", {"n": n}) for n in range(500)], now=T0)
+        ids = [task_id for task_id, _ in added]
         # Filters that differ per claimer: claims of one node also race each other, ungrouped.
         claimers = [
             drain(store, Worker(f"node-{k}", f"{k}-1", f"w{i}"), ClaimFilter((glob,)), 1 + i % 4)
@@ -80,7 +81,8 @@ async def test_two_nodes_claiming_at_once_never_claim_a_task_twice(postgres_sche
 async def test_two_nodes_expiring_at_once_expire_each_lease_once(postgres_schema: tuple[str, str]) -> None:
     url, schema = postgres_schema
     async with nodes(url, schema, 2) as (a, b):
-        ids = await a.add_many([NewTask("noop", max_attempts=3) for _ in range(600)], now=T0)
+        added = await a.add_many([NewTask("noop", max_attempts=3) for _ in range(600)], now=T0)
+        ids = [task_id for task_id, _ in added]
         claimed = await drain(a, Worker("node-a", "a-1", "w1"), ANY, 64)
         assert len(claimed) == 600
         late = T0 + LEASE_S + 5

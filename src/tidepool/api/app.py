@@ -145,8 +145,10 @@ async def submit_batch(request: web.Request) -> web.Response:
     daemon = request.app[DAEMON]
     body = await parse(request, SubmitBatch)
     news = [t.to_new(default_max_attempts=daemon.max_attempts_for(t.type)) for t in body.tasks]
-    ids = await daemon.submit_many(news)
-    return web.json_response({"ids": ids}, status=201)
+    added = await daemon.submit_many(news)
+    # 200 for a batch resubmitted whole (every task found by its idempotency_key), as a single submit
+    return web.json_response({"ids": [task_id for task_id, _ in added]},
+                             status=201 if any(created for _, created in added) else 200)
 
 
 async def batch_only(request: web.Request) -> web.Response:

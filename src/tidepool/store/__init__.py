@@ -123,8 +123,10 @@ class Store(Protocol):
     async def add(self, new: NewTask, *, now: float, max_queued: int | None = None) -> tuple[Task, bool]:
         """Insert a task; with a known idempotency_key return (existing, False) or raise Conflict."""
     async def add_many(self, batch: Sequence[NewTask], *, now: float,
-                       max_queued: int | None = None) -> list[str]:
-        """Insert all tasks in one transaction, or none (QueueFull, Conflict)."""
+                       max_queued: int | None = None) -> list[tuple[str, bool]]:
+        """Insert all tasks in one transaction, or none (QueueFull, Conflict): (id, created) in the batch's
+        order. A task whose idempotency_key is already used with the same body is that task, not created
+        again (a resubmitted batch); with another body, or a key twice in the batch, Conflict."""
     async def get(self, task_id: str) -> Task:
         """The task with its attempts and results; TaskNotFound if unknown."""
     async def list_tasks(self, *, state: State | None = None, type: str | None = None, limit: int = 50,

@@ -74,14 +74,14 @@ class MemoryStore:
         return self._insert(new, now), True
 
     async def add_many(self, batch: Sequence[NewTask], *, now: float,
-                       max_queued: int | None = None) -> list[str]:
+                       max_queued: int | None = None) -> list[tuple[str, bool]]:
         keys = [n.idempotency_key for n in batch if n.idempotency_key]
         if len(keys) != len(set(keys)):
             raise Conflict("idempotency_key repeats within the batch")
-        if any(n.idempotency_key and n.idempotency_key in self._keys for n in batch):
-            raise Conflict("an idempotency_key of the batch is already used")
-        self._check_room(len(batch), max_queued)
-        return [self._insert(n, now).id for n in batch]
+        existing = [self._existing(n) for n in batch]
+        self._check_room(sum(1 for e in existing if e is None), max_queued)
+        return [(self._insert(n, now).id, True) if e is None else (e.id, False)
+                for n, e in zip(batch, existing, strict=True)]
 
     async def get(self, task_id: str) -> Task:
         row = self._row(task_id)

@@ -618,24 +618,31 @@ class PostgresStore:
                 await _check_room(conn, 1, max_queued)
                 return await _insert(conn, new, now)
 
-    async def add_many(self, batch: Sequence[NewTask], *, now: float, max_queued: int | None = None) -> list[str]:
-        keys = [n.idempotency_key for n in batch if n.idempotency_key]
-        if len(keys) != len(set(keys)):
+    async def add_many(self, batch: Sequence[NewTask], *, now: float,
+                       max_queued: int | None = None) -> list[tuple[str, bool]]:
+        keyed = {n.idempotency_key: n for n in batch if n.idempotency_key}
+        if len(keyed) != sum(1 for n in batch if n.idempotency_key):
             raise Conflict("idempotency_key repeats within the batch")
-        rows = [_insert_args(n, now) for n in batch]
         async with self._conn() as conn, conn.transaction():
-            used = "SELECT 1 FROM tasks WHERE idempotency_key = ANY($1::text[]) LIMIT 1"
-            if keys and await conn.fetchval(used, keys):
-                raise Conflict("an idempotency_key of the batch is already used")
+            existing: dict[str | None, str] = {}
+            if keyed:
+                for r in await conn.fetch("SELECT idempotency_key, id, fingerprint FROM tasks "
+                                          "WHERE idempotency_key = ANY($1::text[])", list(keyed)):
+                    if r["fingerprint"] != keyed[r["idempotency_key"]].fingerprint():
+                        raise Conflict(f"idempotency_key {r['idempotency_key']!r} was used with another body")
+                    existing[r["idempotency_key"]] = r["id"]
+            rows = [_insert_args(n, now) for n in batch if n.idempotency_key not in existing]
             if max_queued is not None:
-                await _check_room(conn, len(batch), max_queued)
+                await _check_room(conn, len(rows), max_queued)
             try:
                 await conn.executemany(INSERT_MANY, rows)
             except asyncpg.UniqueViolationError:  # a concurrent submit took a key since the check
-                raise Conflict("an idempotency_key of the batch is already used") from None
+                raise Conflict("an idempotency_key of the batch was used meanwhile; submit it again") from None
             if rows:
                 await conn.execute(NOTIFY, str(len(rows)))
-        return [r[0] for r in rows]
+        created = iter(r[0] for r in rows)
+        return [(existing[n.idempotency_key], False) if n.idempotency_key in existing else (next(created), True)
+                for n in batch]
 
     async def get(self, task_id: str) -> Task:
         async with self._conn() as conn:

@@ -331,18 +331,20 @@ class SqliteStore:
         return result
 
     async def add_many(self, batch_: Sequence[NewTask], *, now: float,
-                       max_queued: int | None = None) -> list[str]:
-        def op(conn: sqlite3.Connection, batch: _Batch) -> list[str]:
+                       max_queued: int | None = None) -> list[tuple[str, bool]]:
+        def op(conn: sqlite3.Connection, batch: _Batch) -> list[tuple[str, bool]]:
             keys = [n.idempotency_key for n in batch_ if n.idempotency_key]
             if len(keys) != len(set(keys)):
                 raise Conflict("idempotency_key repeats within the batch")
-            if keys and _keys_used(conn, keys):
-                raise Conflict("an idempotency_key of the batch is already used")
-            _check_room(conn, batch, len(batch_), max_queued)
-            return _insert_many(conn, batch_, now)
+            existing = _existing_ids(conn, batch_) if keys else {}
+            fresh = [n for n in batch_ if n.idempotency_key not in existing]
+            _check_room(conn, batch, len(fresh), max_queued)
+            created = iter(_insert_many(conn, fresh, now))
+            return [(existing[n.idempotency_key], False) if n.idempotency_key in existing else (next(created), True)
+                    for n in batch_]
 
-        ids: list[str] = await self._write(op)
-        return ids
+        added: list[tuple[str, bool]] = await self._write(op)
+        return added
 
     async def get(self, task_id: str) -> Task:
         def read(conn: sqlite3.Connection) -> Task:
@@ -773,7 +775,7 @@ def _is_active(conn: sqlite3.Connection, task_id: str) -> bool:
 
 def _add_once(conn: sqlite3.Connection, new: NewTask, now: float) -> str | None:
     """The new task's id, or None when a task for this key exists already (a tick fires once)."""
-    if _keys_used(conn, [new.idempotency_key or ""]):
+    if conn.execute("SELECT 1 FROM tasks WHERE idempotency_key = ?", (new.idempotency_key,)).fetchone():
         return None
     return _insert_many(conn, [new], now)[0]
 
@@ -831,10 +833,20 @@ def _existing(conn: sqlite3.Connection, new: NewTask) -> Task | None:
     return _task(row[:-1])
 
 
-def _keys_used(conn: sqlite3.Connection, keys: list[str]) -> bool:
-    marks = ",".join("?" * len(keys))
-    return conn.execute(f"SELECT 1 FROM tasks WHERE idempotency_key IN ({marks}) LIMIT 1", keys).fetchone() \
-        is not None
+def _existing_ids(conn: sqlite3.Connection, batch: Sequence[NewTask]) -> dict[str | None, str]:
+    """The tasks the batch's keys already name, by key; Conflict if one was used with another body."""
+    found: dict[str | None, str] = {}
+    keyed = {n.idempotency_key: n for n in batch if n.idempotency_key}
+    keys = list(keyed)
+    for i in range(0, len(keys), LEASE_CHUNK):
+        chunk = keys[i:i + LEASE_CHUNK]
+        for key, task_id, fingerprint in conn.execute(
+                f"SELECT idempotency_key, id, fingerprint FROM tasks WHERE idempotency_key IN "
+                f"({','.join('?' * len(chunk))})", chunk):
+            if fingerprint != keyed[key].fingerprint():
+                raise Conflict(f"idempotency_key {key!r} was used with another body")
+            found[key] = task_id
+    return found
 
 
 def _check_room(conn: sqlite3.Connection, batch: _Batch, n: int, max_queued: int | None) -> None:
