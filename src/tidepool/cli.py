@@ -191,6 +191,8 @@ def _with_client(args: argparse.Namespace, settings: Settings,
         return UNREACHABLE
     except ApiError as exc:
         print(f"tidepool: {exc.message} ({exc.status} {exc.code})", file=sys.stderr)
+        if exc.status == 503:  # the daemon answers but its store does not (SPEC §5: 3)
+            return UNREACHABLE
         return USAGE if exc.status in (400, 404, 409, 413, 415) else TASK_FAILED
 
 

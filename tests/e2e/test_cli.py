@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,33 @@ def test_every_client_command_exits_3_with_one_line_naming_the_address_when_no_d
         assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0], (args, result.stderr)
     by_url = cli("pool", "--url", f"http://127.0.0.1:{port}")
     assert by_url.returncode == UNREACHABLE and f"127.0.0.1:{port}" in by_url.stderr
+
+
+@pytest.mark.e2e
+def test_a_daemon_whose_store_is_down_is_unreachable_exit_3(cli: Cli) -> None:
+    """SPEC §5: exit 3 when the daemon or its store cannot be reached; the daemon says the latter with a 503.
+    A stand-in answers as a daemon does while its store is down (making a real store fail for root is not
+    something a test can do reliably)."""
+    class StoreDown(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"error": {"code": "store_unavailable", "message": "store unavailable"}}).encode()
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), StoreDown) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            result = cli("pool", "--url", f"http://127.0.0.1:{server.server_address[1]}")
+        finally:
+            server.shutdown()
+    assert result.returncode == UNREACHABLE, result.stderr
+    assert "store unavailable" in result.stderr
 
 
 @pytest.mark.e2e
