@@ -137,20 +137,23 @@ class Pool:
         self.waker.wake(n)
 
     def resize(self, *, min_workers: int | None = None, max_workers: int | None = None,
-               idle_timeout_s: float | None = None) -> None:
-        """Change sizes live: grows at once, shrinks by retiring idle workers, never touches running tasks."""
+               idle_timeout_s: float | None = None) -> bool:
+        """Change sizes live: grows at once, shrinks by retiring idle workers, never touches running tasks.
+        False when nothing changed (and nothing was announced)."""
         c = self.config
         new_min = c.min_workers if min_workers is None else min_workers
         new_max = c.max_workers if max_workers is None else max_workers
         if new_max < new_min:
             raise ValueError(f"pool.max_workers ({new_max}) is below pool.min_workers ({new_min})")
-        c.min_workers, c.max_workers = new_min, new_max
-        if idle_timeout_s is not None:
-            c.idle_timeout_s = idle_timeout_s
+        new_idle = c.idle_timeout_s if idle_timeout_s is None else idle_timeout_s
+        if (new_min, new_max, new_idle) == (c.min_workers, c.max_workers, c.idle_timeout_s):
+            return False
+        c.min_workers, c.max_workers, c.idle_timeout_s = new_min, new_max, new_idle
         self._reconcile_baseline()
         self._events.publish("pool.resized", min_workers=new_min, max_workers=new_max,
                              idle_timeout_s=c.idle_timeout_s)
         self.waker.wake_all()  # so workers over the new sizes notice and retire
+        return True
 
     def stop_claiming(self) -> None:
         self._claiming = False

@@ -325,9 +325,9 @@ class Daemon:
         return task
 
     def resize(self, **sizes: Any) -> None:
-        self.pool.resize(**sizes)
-        log.info("pool resized: min %d max %d idle %.1fs", self.pool.config.min_workers,
-                 self.pool.config.max_workers, self.pool.config.idle_timeout_s)
+        if self.pool.resize(**sizes):
+            log.info("pool resized: min %d max %d idle %.1fs", self.pool.config.min_workers,
+                     self.pool.config.max_workers, self.pool.config.idle_timeout_s)
 
     async def pool_view(self) -> dict[str, Any]:
         stats = self.pool.statistics()

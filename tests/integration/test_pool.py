@@ -67,6 +67,9 @@ async def test_resize_live_grows_and_retires_without_touching_running_tasks(sqli
         await node.until(lambda: node.pool.statistics().workers == 5)
         node.pool.resize(min_workers=1, max_workers=1)
         await node.until(lambda: node.pool.statistics().workers == 1)
+        assert not node.pool.resize(min_workers=1, idle_timeout_s=30.0) and not node.pool.resize()  # no change
+        resized = [(e.data["min_workers"], e.data["max_workers"]) for e in node.seen if e.name == "pool.resized"]
+        assert resized == [(5, 6), (1, 1)], "a resize that changes nothing announces nothing"
         with anyio.fail_after(5):  # the phase is written behind; it lands within a flush
             while (await node.store.get(running)).state is not State.RUNNING:
                 await anyio.sleep(0.01)
