@@ -22,6 +22,7 @@ from . import schedules
 from .errors import ConfigError, InvalidRequest
 
 DEFAULT_PATHS = (Path("config/tidepool.toml"), Path("/etc/tidepool/tidepool.toml"))
+ENV_PREFIX = "TIDEPOOL_"
 
 
 class Section(BaseModel):
@@ -204,7 +205,7 @@ class _Environment(EnvSettingsSource):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="TIDEPOOL_", env_nested_delimiter="__", extra="forbid", frozen=True,
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True,
         case_sensitive=False,
     )
 
@@ -274,6 +275,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Settings:
 
 def parse(data: dict[str, Any]) -> Settings:
     """Validate a config mapping merged with the environment's TIDEPOOL_* overrides."""
+    _check_env_sections()
     try:
         settings = Settings(**data)
     except ValidationError as exc:
@@ -282,6 +284,17 @@ def parse(data: dict[str, Any]) -> Settings:
         raise ConfigError(str(exc.__cause__ or exc)) from None
     _check_references(settings)
     return settings
+
+
+def _check_env_sections() -> None:
+    """TIDEPOOL_<SECTION>__<KEY> with a section that does not exist is a typo, not a setting: pydantic-settings
+    reads only the sections it knows and would drop it without a word."""
+    sections = set(Settings.model_fields)
+    for name in sorted(n for n in os.environ if n.upper().startswith(ENV_PREFIX)):
+        section, nested, _ = name[len(ENV_PREFIX):].partition("__")
+        if nested and section.lower() not in sections:
+            raise ConfigError(f"config: {name}: there is no section {section.lower()!r}; "
+                              f"sections are {', '.join(sorted(sections))}")
 
 
 def _describe(exc: ValidationError) -> str:

@@ -77,6 +77,15 @@ def test_env_list_given_as_json_is_read(monkeypatch: pytest.MonkeyPatch) -> None
     assert settings.parse({}).pool.task_types == ("sleep", "scan*")
 
 
+def test_env_override_of_a_section_that_does_not_exist_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDEPOOL_POL__MAX_WORKERS", "40")  # a typo that would otherwise change nothing
+    with pytest.raises(ConfigError, match=r"^config: TIDEPOOL_POL__MAX_WORKERS: there is no section 'pol'"):
+        settings.parse({})
+    monkeypatch.delenv("TIDEPOOL_POL__MAX_WORKERS")
+    monkeypatch.setenv("TIDEPOOL_TEST_POSTGRES_URL", "x")  # not a setting's form: the tests' own variable
+    assert settings.parse({}).pool.max_workers == 16
+
+
 def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         settings.load(tmp_path / "nope.toml")
