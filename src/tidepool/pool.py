@@ -50,12 +50,14 @@ class PoolConfig:
 
 
 class Waker:
-    """Wakes sleeping workers one per unit of new work; a wake nobody waits for is kept as a permit."""
+    """Wakes sleeping workers one per unit of new work; a wake nobody waits for is kept as a permit, up to
+    one per worker: workers whose claims looked at the queue before the work went in come back empty, and
+    each must claim again rather than sleep a poll interval."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_permits: int = 1) -> None:
         self._waiters: collections.deque[anyio.Event] = collections.deque()
         self._permits = 0
-        self.max_permits = 1
+        self.max_permits = max_permits
 
     def wake(self, n: int = 1) -> None:
         while n > 0 and self._waiters:
@@ -104,7 +106,7 @@ class Pool:
         self._may_claim = may_claim
         self._clock = clock
         self._monotonic = monotonic
-        self.waker = Waker()
+        self.waker = Waker(config.max_workers)
         self._workers: dict[str, _WorkerState] = {}
         self._ids = itertools.count(1)
         self._busy = 0
@@ -149,6 +151,7 @@ class Pool:
         if (new_min, new_max, new_idle) == (c.min_workers, c.max_workers, c.idle_timeout_s):
             return False
         c.min_workers, c.max_workers, c.idle_timeout_s = new_min, new_max, new_idle
+        self.waker.max_permits = new_max
         self._reconcile_baseline()
         self._events.publish("pool.resized", min_workers=new_min, max_workers=new_max,
                              idle_timeout_s=c.idle_timeout_s)

@@ -84,6 +84,44 @@ async def test_waker_keeps_a_wake_that_came_before_the_wait() -> None:
         await waker.wait(timeout_s=30)  # returns at once: the permit was kept
 
 
+async def test_work_that_arrives_while_every_worker_is_mid_claim_is_started_at_once(
+        sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    """Each worker's claim looked at the queue before the tasks went in, so each comes back empty: the wakes
+    that came meanwhile must send every one of them to claim again, not one (the rest used to sleep a whole
+    poll interval: seen on PostgreSQL, whose claims run beside the insert)."""
+    looked, answer = anyio.Event(), anyio.Event()
+    in_claim = 0
+
+    class LateAnswers:  # the real store; its claims only hold their (empty) answer back while the test adds
+        def __getattr__(self, name: str) -> object:
+            return getattr(sqlite_store, name)
+
+        async def claim(self, *args: object, **kwargs: object) -> object:
+            nonlocal in_claim
+            claimed = await sqlite_store.claim(*args, **kwargs)  # type: ignore[arg-type]
+            in_claim += 1
+            if in_claim == 4:
+                looked.set()
+            await answer.wait()
+            return claimed
+
+    gate = anyio.Event()
+
+    async def blocked(ctx: TaskContext) -> None:
+        await gate.wait()
+
+    config = PoolConfig(min_workers=4, max_workers=4, poll_interval_s=30.0)  # a missed wake costs 30 s
+    async with running_node(LateAnswers(), {"blocked": blocked}, pool=config,  # type: ignore[arg-type]
+                            work_root=tmp_path) as node:
+        with anyio.fail_after(5):
+            await looked.wait()
+        await node.submit_many("blocked", 4)  # adds and wakes 4 while all 4 claims are out
+        answer.set()
+        with anyio.fail_after(5):
+            await node.until(lambda: node.pool.statistics().busy == 4)
+        gate.set()
+
+
 async def test_idle_pool_sleeps_instead_of_polling(sqlite_store: SqliteStore, tmp_path: Path) -> None:
     claims = 0
     original = sqlite_store.claim
