@@ -200,7 +200,7 @@ class Metrics:
 
     def _plugin_finished(self, d: dict[str, Any], ts: float) -> None:
         duration_s = d.get("duration_s")
-        if duration_s is not None:
+        if duration_s is not None and d.get("outcome") == "succeeded":  # what the histogram says it counts
             self.plugin_duration.observe(d["plugin"], duration_s)
 
     def _task_retry_scheduled(self, d: dict[str, Any], ts: float) -> None:

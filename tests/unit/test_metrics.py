@@ -89,7 +89,9 @@ async def test_task_events_move_counters_and_histograms() -> None:
                 end=("task.finished", {"state": "failed", "error": limit, "type": "scan"}))
     run_attempt(bus, clock, lost, phases=[("initialize", 0), ("prepare", 0), ("run", 0), ("stop", 1.0)],
                 end=("task.lease_lost", {"attempt_id": "a", "type": "scan"}))
-    bus.publish("plugin.finished", task_id=ok, worker_id="w1", plugin="noop", duration_s=0.0004)
+    bus.publish("plugin.finished", task_id=ok, worker_id="w1", plugin="noop", duration_s=0.0004, outcome="succeeded")
+    for outcome in ("failed", "timed_out", "stopped"):  # not runs that succeeded: not in the histogram
+        bus.publish("plugin.finished", task_id=slow, worker_id="w1", plugin="noop", duration_s=1.0, outcome=outcome)
 
     s = await scrape(metrics)
     assert value(s, "tidepool_tasks_created_total", type="noop") == 1
