@@ -238,6 +238,14 @@ async def test_a_resubmitted_batch_finds_its_keyed_tasks_and_adds_only_the_rest(
     again = await store.add_many([*batch, NewTask("noop", {"n": 3})], now=T0 + 1, max_queued=4)
     assert again[:3] == [(task_id, False) for task_id, _ in first] and again[3][1]
     assert len((await store.list_tasks()).tasks) == 4
+    # answered even with the queue over max_queued, as a single submit of a known key is
+    assert await store.add_many(batch, now=T0 + 2, max_queued=1) == [(i, False) for i, _ in first]
+
+    # two sends of one batch at once (a client's retry while the first is still in flight): one task each
+    twice = [NewTask("noop", {"m": n}, idempotency_key=f"m{n}") for n in range(20)]
+    a, b = await asyncio.gather(store.add_many(twice, now=T0 + 3), store.add_many(twice, now=T0 + 3))
+    assert [i for i, _ in a] == [i for i, _ in b] and all(x != y for (_, x), (_, y) in zip(a, b, strict=True))
+    assert len((await store.list_tasks(limit=100)).tasks) == 24
 
 
 async def test_add_over_max_queued_raises_queue_full(store: Store) -> None:

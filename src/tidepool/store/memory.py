@@ -79,7 +79,8 @@ class MemoryStore:
         if len(keys) != len(set(keys)):
             raise Conflict("idempotency_key repeats within the batch")
         existing = [self._existing(n) for n in batch]
-        self._check_room(sum(1 for e in existing if e is None), max_queued)
+        if None in existing:  # a batch sent again whole is answered even when the queue is full
+            self._check_room(existing.count(None), max_queued)
         return [(self._insert(n, now).id, True) if e is None else (e.id, False)
                 for n, e in zip(batch, existing, strict=True)]
 

@@ -623,26 +623,17 @@ class PostgresStore:
         keyed = {n.idempotency_key: n for n in batch if n.idempotency_key}
         if len(keyed) != sum(1 for n in batch if n.idempotency_key):
             raise Conflict("idempotency_key repeats within the batch")
-        async with self._conn() as conn, conn.transaction():
-            existing: dict[str | None, str] = {}
-            if keyed:
-                for r in await conn.fetch("SELECT idempotency_key, id, fingerprint FROM tasks "
-                                          "WHERE idempotency_key = ANY($1::text[])", list(keyed)):
-                    if r["fingerprint"] != keyed[r["idempotency_key"]].fingerprint():
-                        raise Conflict(f"idempotency_key {r['idempotency_key']!r} was used with another body")
-                    existing[r["idempotency_key"]] = r["id"]
-            rows = [_insert_args(n, now) for n in batch if n.idempotency_key not in existing]
-            if max_queued is not None:
-                await _check_room(conn, len(rows), max_queued)
+        async with self._conn() as conn:
             try:
-                await conn.executemany(INSERT_MANY, rows)
-            except asyncpg.UniqueViolationError:  # a concurrent submit took a key since the check
-                raise Conflict("an idempotency_key of the batch was used meanwhile; submit it again") from None
-            if rows:
-                await conn.execute(NOTIFY, str(len(rows)))
-        created = iter(r[0] for r in rows)
-        return [(existing[n.idempotency_key], False) if n.idempotency_key in existing else (next(created), True)
-                for n in batch]
+                async with conn.transaction():
+                    return await _add_many(conn, batch, keyed, now, max_queued)
+            except asyncpg.UniqueViolationError:
+                pass  # a submit of one of the keys, in flight beside this one, committed first: now it is seen
+            try:
+                async with conn.transaction():
+                    return await _add_many(conn, batch, keyed, now, max_queued)
+            except asyncpg.UniqueViolationError:
+                raise Conflict("an idempotency_key of the batch is being used meanwhile; submit it again") from None
 
     async def get(self, task_id: str) -> Task:
         async with self._conn() as conn:
@@ -1283,6 +1274,27 @@ async def _schema_version(conn: Conn, schema: str) -> int:
     if await conn.fetchval("SELECT to_regclass($1)", f'"{schema}".schema_version') is None:
         return 0
     return int(await conn.fetchval(f'SELECT coalesce(max(version), 0) FROM "{schema}".schema_version'))
+
+
+async def _add_many(conn: Conn, batch: Sequence[NewTask], keyed: dict[str, NewTask], now: float,
+                    max_queued: int | None) -> list[tuple[str, bool]]:
+    """add_many's transaction: the keyed tasks that exist already are those tasks (same body), the rest go in."""
+    existing: dict[str | None, str] = {}
+    if keyed:
+        for r in await conn.fetch("SELECT idempotency_key, id, fingerprint FROM tasks "
+                                  "WHERE idempotency_key = ANY($1::text[])", list(keyed)):
+            if r["fingerprint"] != keyed[r["idempotency_key"]].fingerprint():
+                raise Conflict(f"idempotency_key {r['idempotency_key']!r} was used with another body")
+            existing[r["idempotency_key"]] = r["id"]
+    rows = [_insert_args(n, now) for n in batch if n.idempotency_key not in existing]
+    if rows:
+        if max_queued is not None:
+            await _check_room(conn, len(rows), max_queued)
+        await conn.executemany(INSERT_MANY, rows)
+        await conn.execute(NOTIFY, str(len(rows)))
+    created = iter(r[0] for r in rows)
+    return [(existing[n.idempotency_key], False) if n.idempotency_key in existing else (next(created), True)
+            for n in batch]
 
 
 async def _lock_state(conn: Conn, task_id: str) -> State:

@@ -338,7 +338,8 @@ class SqliteStore:
                 raise Conflict("idempotency_key repeats within the batch")
             existing = _existing_ids(conn, batch_) if keys else {}
             fresh = [n for n in batch_ if n.idempotency_key not in existing]
-            _check_room(conn, batch, len(fresh), max_queued)
+            if fresh:  # a batch sent again whole is answered even when the queue is full, as a single submit
+                _check_room(conn, batch, len(fresh), max_queued)
             created = iter(_insert_many(conn, fresh, now))
             return [(existing[n.idempotency_key], False) if n.idempotency_key in existing else (next(created), True)
                     for n in batch_]
