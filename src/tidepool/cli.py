@@ -191,9 +191,11 @@ def _with_client(args: argparse.Namespace, settings: Settings,
         return UNREACHABLE
     except ApiError as exc:
         print(f"tidepool: {exc.message} ({exc.status} {exc.code})", file=sys.stderr)
-        if exc.status == 503:  # the daemon answers but its store does not (SPEC §5: 3)
+        if exc.status in (429, 503):  # the daemon answers but cannot take it now: its store is down, or full
             return UNREACHABLE
-        return USAGE if exc.status in (400, 404, 409, 413, 415) else TASK_FAILED
+        if exc.status in (400, 401, 404, 409, 413, 415):  # the request or the token: usage or config (2)
+            return USAGE
+        return TASK_FAILED
 
 
 def _url(listen: str) -> str:

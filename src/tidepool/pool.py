@@ -66,7 +66,9 @@ class Waker:
         self._permits = min(self.max_permits, self._permits + n)
 
     def wake_all(self) -> None:
-        self.wake(len(self._waiters) + self.max_permits)
+        """Every sleeping worker (a resize or shutdown for them to notice); no permits: a worker not asleep
+        sees the change at its next turn anyway."""
+        self.wake(len(self._waiters))
 
     async def wait(self, timeout_s: float) -> None:
         if self._permits:

@@ -79,6 +79,23 @@ def test_every_client_command_exits_3_with_one_line_naming_the_address_when_no_d
 
 
 @pytest.mark.e2e
+def test_a_refused_token_is_exit_2_and_a_full_queue_exit_3_never_the_task_failed_code(
+        make_daemon: Callable[..., Daemon], cli: Cli, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    daemon = make_daemon({"api": {"token_file": str(token)}, "pool": {"max_queued": 1}})
+    daemon.start()
+    daemon.token = "s3cret"
+    daemon.submit("noop", available_at="2999-01-01T00:00:00Z")  # the queue is full from here on
+    refused = cli("pool", "--url", daemon.url)  # no config here, so no token
+    assert refused.returncode == USAGE and "401" in refused.stderr, refused.stderr
+    config = tmp_path / "client.toml"
+    config.write_text(to_toml({"api": {"listen": f"127.0.0.1:{daemon.port}", "token_file": str(token)}}))
+    full = cli("submit", "noop", "--config", str(config))
+    assert full.returncode == UNREACHABLE and "429" in full.stderr, full.stderr
+
+
+@pytest.mark.e2e
 def test_a_daemon_whose_store_is_down_is_unreachable_exit_3(cli: Cli) -> None:
     """SPEC §5: exit 3 when the daemon or its store cannot be reached; the daemon says the latter with a 503.
     A stand-in answers as a daemon does while its store is down (making a real store fail for root is not
