@@ -150,23 +150,11 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
-    _check_startable(settings)
+    from .service import check_startable  # the daemon's modules: not loaded for the client commands
+
+    check_startable(settings)
     print(json.dumps(settings.model_dump(mode="json"), indent=2))
     return OK
-
-
-def _check_startable(settings: Settings) -> None:
-    """What `run` refuses before it starts anything, by the same calls: the store URL, each type's plugins
-    (with allow/deny), resource machinery, the API's token. Nothing is opened, bound or connected."""
-    from .api.app import load_token
-    from .plugins import Registry
-    from .resources import ResourcePool
-    from .store import open_store
-
-    open_store(settings.store.url)
-    Registry.from_settings(settings.plugins, settings.all_types, kill_grace_s=settings.execution.kill_grace_s)
-    ResourcePool.from_settings(settings.resources)
-    load_token(settings.api.token_file, settings.api.listen)
 
 
 # talking to the daemon

@@ -464,6 +464,16 @@ async def serve(settings: Settings, *, config_path: Path | None = None, notifier
     await Daemon(settings, config_path=config_path, notifier=notifier).run(task_status=task_status)
 
 
+def check_startable(settings: Settings) -> None:
+    """What a daemon of these settings would refuse before it starts anything, by the calls it starts with
+    (`tidepool config check`): the store URL, each type's plugins with allow/deny, the resource slots, the
+    API's token. Nothing is opened, bound or connected; ConfigError names what is wrong."""
+    open_store(settings.store.url)
+    _registry(settings)
+    ResourcePool.from_settings(settings.resources)
+    load_token(settings.api.token_file, settings.api.listen)
+
+
 def _registry(settings: Settings) -> Registry:
     return Registry.from_settings(settings.plugins, settings.all_types, kill_grace_s=settings.execution.kill_grace_s)
 
