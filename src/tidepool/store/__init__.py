@@ -6,7 +6,7 @@ suite (tests/store/test_contract.py). Every worker write is fenced by attempt id
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -202,6 +202,15 @@ class Store(Protocol):
         Hints only: a missed wake-up costs latency (the pool's poll stays), never correctness.
         In-process adapters have nothing to hear: the daemon wakes its own pool on submit.
         """
+
+
+def batch_answer(batch: Sequence[NewTask], existing: Mapping[str | None, str],
+                 created: Iterable[str]) -> list[tuple[str, bool]]:
+    """add_many's answer in the batch's order: (the task its key found, False), else (the next id created,
+    True)."""
+    new = iter(created)
+    return [(existing[n.idempotency_key], False) if n.idempotency_key in existing else (next(new), True)
+            for n in batch]
 
 
 def cancel_step(state: State) -> State:

@@ -30,7 +30,7 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import CancelAnswer, Ending, Expired, Node, Page, PhaseNote, cancel_step, retry_step
+from . import CancelAnswer, Ending, Expired, Node, Page, PhaseNote, batch_answer, cancel_step, retry_step
 
 
 @dataclasses.dataclass
@@ -78,11 +78,11 @@ class MemoryStore:
         keys = [n.idempotency_key for n in batch if n.idempotency_key]
         if len(keys) != len(set(keys)):
             raise Conflict("idempotency_key repeats within the batch")
-        existing = [self._existing(n) for n in batch]
-        if None in existing:  # a batch sent again whole is answered even when the queue is full
-            self._check_room(existing.count(None), max_queued)
-        return [(self._insert(n, now).id, True) if e is None else (e.id, False)
-                for n, e in zip(batch, existing, strict=True)]
+        existing = {n.idempotency_key: task.id for n in batch if (task := self._existing(n)) is not None}
+        fresh = [n for n in batch if n.idempotency_key not in existing]
+        if fresh:  # a batch sent again whole is answered even when the queue is full
+            self._check_room(len(fresh), max_queued)
+        return batch_answer(batch, existing, [self._insert(n, now).id for n in fresh])
 
     async def get(self, task_id: str) -> Task:
         row = self._row(task_id)

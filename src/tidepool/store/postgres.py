@@ -66,7 +66,18 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import CancelAnswer, Ending, Expired, Node, Page, PhaseNote, cancel_step, completable_at_once, retry_step
+from . import (
+    CancelAnswer,
+    Ending,
+    Expired,
+    Node,
+    Page,
+    PhaseNote,
+    batch_answer,
+    cancel_step,
+    completable_at_once,
+    retry_step,
+)
 
 I = TypeVar("I")  # noqa: E741  # an item queued for a grouped write
 R = TypeVar("R")
@@ -1292,9 +1303,7 @@ async def _add_many(conn: Conn, batch: Sequence[NewTask], keyed: dict[str, NewTa
             await _check_room(conn, len(rows), max_queued)
         await conn.executemany(INSERT_MANY, rows)
         await conn.execute(NOTIFY, str(len(rows)))
-    created = iter(r[0] for r in rows)
-    return [(existing[n.idempotency_key], False) if n.idempotency_key in existing else (next(created), True)
-            for n in batch]
+    return batch_answer(batch, existing, (r[0] for r in rows))
 
 
 async def _lock_state(conn: Conn, task_id: str) -> State:

@@ -59,7 +59,18 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import CancelAnswer, Ending, Expired, Node, Page, PhaseNote, cancel_step, completable_at_once, retry_step
+from . import (
+    CancelAnswer,
+    Ending,
+    Expired,
+    Node,
+    Page,
+    PhaseNote,
+    batch_answer,
+    cancel_step,
+    completable_at_once,
+    retry_step,
+)
 
 T = TypeVar("T")
 log = logging.getLogger("tidepool.store.sqlite")
@@ -340,9 +351,7 @@ class SqliteStore:
             fresh = [n for n in batch_ if n.idempotency_key not in existing]
             if fresh:  # a batch sent again whole is answered even when the queue is full, as a single submit
                 _check_room(conn, batch, len(fresh), max_queued)
-            created = iter(_insert_many(conn, fresh, now))
-            return [(existing[n.idempotency_key], False) if n.idempotency_key in existing else (next(created), True)
-                    for n in batch_]
+            return batch_answer(batch_, existing, _insert_many(conn, fresh, now))
 
         added: list[tuple[str, bool]] = await self._write(op)
         return added
