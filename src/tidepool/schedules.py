@@ -209,5 +209,10 @@ def fire(schedule: Schedule, now: float, *, max_attempts: Callable[[str], int], 
 
 
 def task_for(schedule: Schedule, tick: float, *, max_attempts: int) -> NewTask:
-    key = f"schedule:{schedule.name}:{datetime.fromtimestamp(tick, UTC).isoformat()}"
-    return NewTask(schedule.type, dict(schedule.payload), schedule.priority, max_attempts, None, (), key, None)
+    return NewTask(schedule.type, dict(schedule.payload), schedule.priority, max_attempts, None, (),
+                   tick_key(schedule, tick), None)
+
+
+def tick_key(schedule: Schedule, tick: float) -> str:
+    """The idempotency key of a tick's task: one task per tick, however many nodes fire it."""
+    return f"schedule:{schedule.name}:{datetime.fromtimestamp(tick, UTC).isoformat()}"

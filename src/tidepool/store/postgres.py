@@ -1363,7 +1363,7 @@ async def _fire(conn: Conn, name: str, now: float, max_attempts: Callable[[str],
     schedule = _schedule(row)
     # schedules.fire() asks its questions synchronously: answer them from what the store holds now.
     ticks = schedules.plan(schedule, now).fire
-    keys = [schedules.task_for(schedule, t, max_attempts=max_attempts(schedule.type)).idempotency_key for t in ticks]
+    keys = [schedules.tick_key(schedule, t) for t in ticks]
     used = await conn.fetch("SELECT idempotency_key FROM tasks WHERE idempotency_key = ANY($1::text[])", keys)
     taken = {r[0] for r in used}
     last_active = schedule.last_task_id is not None and await conn.fetchval(
