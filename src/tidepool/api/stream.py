@@ -64,8 +64,13 @@ def frames(bus: EventBus, batch: list[Event]) -> bytes:
     contiguous run is one slice; a filtered batch goes event by event."""
     first, last = batch[0].id, batch[-1].id
     if last - first + 1 == len(batch):
-        return b"".join(bus.encoded(first, last + 1, frame))
+        return frames_between(bus, first, last + 1)
     return b"".join([bus.encoded(e.id, e.id + 1, frame)[0] for e in batch])
+
+
+def frames_between(bus: EventBus, first: int, end: int) -> bytes:
+    """The frames of the events with ids first .. end - 1 (all still in the ring), as one write."""
+    return b"".join(bus.encoded(first, end, frame))
 
 
 def closed_frame(reason: str) -> bytes:
@@ -199,7 +204,7 @@ class Fanout:
             if stream.next_id < oldest:
                 self._end(stream, closed_frame("slow subscriber"))
                 continue
-            rest = b"".join(self._bus.encoded(stream.next_id, end, frame))
+            rest = frames_between(self._bus, stream.next_id, end)
             if not rest or self._send(stream, rest):
                 self._end(stream, closed_frame("shutdown"))
 
@@ -232,7 +237,7 @@ class Fanout:
             elif first < end and not stream.backlogged:
                 upto = min(end, first + MAX_BATCH)
                 if (first, upto) not in shared:
-                    shared[first, upto] = b"".join(self._bus.encoded(first, upto, frame))
+                    shared[first, upto] = frames_between(self._bus, first, upto)
                 if not self._send(stream, shared[first, upto]):
                     continue
                 stream.next_id = upto
