@@ -233,6 +233,7 @@ class Engine:
                                  attempt_id=held.lease.attempt_id, type=task.type)
             return
         self._leases.attempt_over(held)
+        outcome.progress = held.progress
         self.outcomes.post(Posted(task, held, outcome, worker_id, self._clock()))
 
     def _written(self, posted: Posted, answer: State | TidepoolError) -> None:

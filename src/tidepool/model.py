@@ -181,7 +181,7 @@ class ClaimFilter:
         return not required or any(set(required) <= tags for tags in self.tag_sets)
 
 
-@dataclass(slots=True)  # hot path: plain is 4x cheaper to build than frozen; treat as immutable
+@dataclass(slots=True)  # hot path: plain is 4x cheaper to build than frozen; immutable once posted
 class Outcome:
     """How an attempt ended, as the engine reports it to the store."""
 
@@ -189,6 +189,9 @@ class Outcome:
     error: TaskError | None = None
     exit_status: int | None = None
     stderr_tail: str | None = None
+    # The attempt's last progress report, written with its end: the lease keeper writes notes behind, so
+    # the last one may not be in the store yet. None keeps what the store has.
+    progress: dict[str, Any] | None = None
 
 
 def canonical_json(value: Any) -> str:

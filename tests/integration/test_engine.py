@@ -74,6 +74,16 @@ async def test_scope_enrichment_and_results_reach_the_store(sqlite_store: Sqlite
         assert [(r.plugin, r.payload, r.final) for r in task.results] == [("second", {"double": 42}, True)]
 
 
+async def test_a_finished_task_shows_its_last_progress_report(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    async def reports(ctx: TaskContext) -> None:  # ends long before the lease keeper's next flush
+        ctx.progress(0.5, "halfway")
+        ctx.progress(1.0, "done")
+
+    async with running_node(sqlite_store, {"reports": reports}, work_root=tmp_path) as node:
+        task = await node.finished(await node.submit("reports"))
+    assert (task.state, task.progress) == (State.COMPLETED, {"fraction": 1.0, "message": "done"})
+
+
 async def test_run_phase_timeout_ends_timed_out(sqlite_store: SqliteStore, tmp_path: Path) -> None:
     types = {"slow": TypeSettings(plugins=("forever",), timeout_s=0.1)}
     async with running_node(sqlite_store, {"forever": forever}, types=types, work_root=tmp_path) as node:

@@ -765,6 +765,24 @@ async def test_first_phase_note_starts_the_task_and_records_progress(store: Stor
     assert (ta.phase, ta.progress, ta.attempts[0].status) == (Phase.STOP, progress, AttemptStatus.RUNNING)
 
 
+async def test_an_ending_writes_the_attempts_last_progress_else_keeps_the_flushed_one(store: Store) -> None:
+    """The lease keeper writes notes behind, so an attempt's last report may reach the store only with
+    its end: a completed task must not show the progress of some earlier flush."""
+    flushed, final = {"fraction": 0.5, "message": "half"}, {"fraction": 1.0, "message": "all"}
+    grouped, alone, silent, single = [await running(store, type=t) for t in ("grouped", "alone", "silent", "single")]
+    for c in (grouped, alone, silent, single):
+        assert await store.set_phase([PhaseNote(c.lease, Phase.RUN, flushed)], now=T0 + 1) == {}
+    failed = Outcome(AttemptStatus.FAILED, TaskError("boom", "the plugin broke", True), progress=final)
+    endings = [Ending(grouped.lease, Outcome(AttemptStatus.SUCCEEDED, progress=final), T0 + 2),  # completed together
+               Ending(alone.lease, failed, T0 + 2),  # each on its own path
+               Ending(silent.lease, Outcome(AttemptStatus.SUCCEEDED), T0 + 2)]  # nothing new to say
+    assert await store.finish_many(endings, policy=POLICY) == [State.COMPLETED, State.RETRY_WAIT, State.COMPLETED]
+    assert await store.finish(single.lease, Outcome(AttemptStatus.SUCCEEDED, progress=final), now=T0 + 2,
+                              policy=POLICY) is State.COMPLETED
+    progress = [(await store.get(c.task.id)).progress for c in (grouped, alone, silent, single)]
+    assert progress == [final, final, flushed, final]
+
+
 
 async def test_phase_notes_written_together_refuse_only_the_lost_and_the_cancelled(store: Store) -> None:
     live, stolen, cancelled = [await running(store, type=t) for t in ("live", "stolen", "cancelled")]

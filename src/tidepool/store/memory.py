@@ -366,6 +366,7 @@ class MemoryStore:
         queued = end.state in QUEUED
         row.update(
             state=end.state, error=end.error, updated_at=now, phase=None,
+            progress=t.progress if outcome.progress is None else outcome.progress,
             attempt=t.attempt - 1 if end.uncount_attempt else t.attempt,
             interruptions=t.interruptions + 1 if end.uncount_attempt else t.interruptions,
             available_at=end.available_at if end.available_at is not None else t.available_at,

@@ -380,11 +380,11 @@ noted AS (
 )
 SELECT lease_attempt_id FROM noted"""
 COMPLETE = f"""
-WITH l AS (SELECT * FROM {LEASES.format(types=", $4::float8[]", names=", now")}),
-locked AS MATERIALIZED ({FENCED.format(cols=", l.now", now="l.now")}),
+WITH l AS (SELECT * FROM {LEASES.format(types=", $4::float8[], $5::text[]", names=", now, progress")}),
+locked AS MATERIALIZED ({FENCED.format(cols=", l.now, l.progress", now="l.now")}),
 done AS (
-    UPDATE tasks t SET state = 'completed', phase = NULL, error = NULL, updated_at = locked.now,
-        finished_at = locked.now, lease_token = NULL
+    UPDATE tasks t SET state = 'completed', phase = NULL, progress = coalesce(locked.progress, t.progress),
+        error = NULL, updated_at = locked.now, finished_at = locked.now, lease_token = NULL
     FROM locked WHERE t.id = locked.id RETURNING t.lease_attempt_id, locked.now
 ), succeeded AS (
     UPDATE attempts a SET status = 'succeeded', finished_at = done.now FROM done
@@ -418,15 +418,16 @@ WHERE id = $1 AND lease_attempt_id = $2 AND lease_token = $3 FOR NO KEY UPDATE""
 WRITE_ENDS = """
 WITH e AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int[],
-                         $7::float8[], $8::float8[], $9::int[], $10::text[])
+                         $7::float8[], $8::float8[], $9::int[], $10::text[], $11::text[])
         AS e(task_id, attempt_id, state, status, error, uncount, available_at, finished_at, exit_status,
-             stderr_tail)
+             stderr_tail, progress)
 ), ended AS (
-    UPDATE attempts a SET status = e.status, finished_at = $11, error = e.error,
+    UPDATE attempts a SET status = e.status, finished_at = $12, error = e.error,
         exit_status = e.exit_status, stderr_tail = e.stderr_tail
     FROM e WHERE a.id = e.attempt_id
 )
-UPDATE tasks t SET state = e.state, phase = NULL, error = e.error, updated_at = $11,
+UPDATE tasks t SET state = e.state, phase = NULL, progress = coalesce(e.progress, t.progress), error = e.error,
+    updated_at = $12,
     attempt = t.attempt - e.uncount, interruptions = t.interruptions + e.uncount,
     available_at = coalesce(e.available_at, t.available_at), finished_at = e.finished_at,
     lease_token = NULL
@@ -811,7 +812,8 @@ class PostgresStore:
         fast = [i for i, ok in enumerate(completable_at_once(endings)) if ok]
         if fast:
             try:
-                done = await self._complete_group([(endings[i].lease, endings[i].now) for i in fast])
+                done = await self._complete_group([(endings[i].lease, endings[i].now, endings[i].outcome.progress)
+                                                   for i in fast])
             except StoreUnavailable:  # perhaps written with the answer lost: their own paths find out
                 done = [False] * len(fast)
                 maybe_written.update(fast)
@@ -865,7 +867,7 @@ class PostgresStore:
 
     async def _finish(self, ending: Ending, policy: RetryPolicy) -> State:
         lease, outcome, now = ending.lease, ending.outcome, ending.now
-        if completable_at_once([ending])[0] and await self._completions((lease, now)):
+        if completable_at_once([ending])[0] and await self._completions((lease, now, outcome.progress)):
             return State.COMPLETED
         async with self._conn() as conn, conn.transaction():
             row = await conn.fetchrow(ENDING_ROW, lease.task_id, lease.attempt_id, lease.token)
@@ -885,11 +887,12 @@ class PostgresStore:
                 await conn.execute(NOTIFY, "1")  # back in the queue at once (interrupted): others may take it
         return end.state
 
-    async def _complete_group(self, calls: list[tuple[Lease, float]]) -> list[bool]:
+    async def _complete_group(self, calls: list[tuple[Lease, float, dict[str, Any] | None]]) -> list[bool]:
         """Bare successes of many workers, fenced and completed in one statement; False: the slow path."""
-        leases = [lease for lease, _ in calls]
+        leases = [lease for lease, _, _ in calls]
         async with self._conn() as conn:
-            done = await conn.fetch(COMPLETE, *_lease_arrays(leases), [now for _, now in calls])
+            done = await conn.fetch(COMPLETE, *_lease_arrays(leases), [now for _, now, _ in calls],
+                                    [None if p is None else json.dumps(p) for _, _, p in calls])
         completed = {r[0] for r in done}
         return [lease.attempt_id in completed for lease in leases]
 
@@ -1498,6 +1501,7 @@ async def _write_ends(conn: Conn, ends: list[tuple[Lease, Outcome, Decision]], n
         [None if e.available_at is not None else now for _, _, e in ends],  # queued again: not finished
         [o.exit_status for _, o, _ in ends],
         [o.stderr_tail for _, o, _ in ends],
+        [None if o.progress is None else json.dumps(o.progress) for _, o, _ in ends],
         now,
     )
 

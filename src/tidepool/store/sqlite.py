@@ -731,7 +731,8 @@ class _FinishOp(_Grouped):
     def run_group(cls, conn: sqlite3.Connection, batch: _Batch, ops: list[Any]) -> list[tuple[Any, None]]:
         flat: list[tuple[Ending, RetryPolicy]] = [(e, op.policy) for op in ops for e in op.endings]
         fast = completable_at_once([e for e, _ in flat])
-        done = _complete(conn, [(e.lease, e.now) for (e, _), f in zip(flat, fast, strict=True) if f])
+        done = _complete(conn, [(e.lease, e.now, _progress_json(e.outcome))
+                                for (e, _), f in zip(flat, fast, strict=True) if f])
         results: list[State | TidepoolError] = []
         for (e, policy), f in zip(flat, fast, strict=True):
             if f and e.lease.attempt_id in done:
@@ -961,7 +962,7 @@ def _may_end(state: State, lease_expires_at: float, now: float) -> bool:
     return state is State.CANCELLING or (state.active and lease_expires_at > now)
 
 
-def _complete(conn: sqlite3.Connection, ends: list[tuple[Lease, float]]) -> set[str]:
+def _complete(conn: sqlite3.Connection, ends: list[tuple[Lease, float, str | None]]) -> set[str]:
     """Complete bare successes, each fenced at its own `now`, two statements per chunk (three when the fence
     refused some); the attempt ids completed. At most one ending per task."""
     done: set[str] = set()
@@ -970,22 +971,23 @@ def _complete(conn: sqlite3.Connection, ends: list[tuple[Lease, float]]) -> set[
         # The join picks the rows by primary key; `+state` keeps the planner off the state index. No
         # RETURNING: each returned row is a step that gives the GIL away, and nearly always all succeed.
         cur = conn.execute(
-            "UPDATE tasks SET state = 'completed', phase = NULL, error = NULL, updated_at = v.column4, "
-            f"finished_at = v.column4, lease_token = NULL FROM (VALUES {','.join('(?, ?, ?, ?)' for _ in chunk)}) "
+            "UPDATE tasks SET state = 'completed', phase = NULL, progress = coalesce(v.column5, progress), "
+            "error = NULL, updated_at = v.column4, finished_at = v.column4, lease_token = NULL "
+            f"FROM (VALUES {','.join('(?, ?, ?, ?, ?)' for _ in chunk)}) "
             "AS v WHERE tasks.id = v.column1 AND tasks.lease_attempt_id = v.column2 AND tasks.lease_token = v.column3 "
             f"AND +tasks.state IN {ACTIVE_SQL} AND tasks.lease_expires_at > v.column4",
-            [x for lease, now in chunk for x in (lease.task_id, lease.attempt_id, lease.token, now)])
+            [x for lease, now, p in chunk for x in (lease.task_id, lease.attempt_id, lease.token, now, p)])
         if cur.rowcount != len(chunk):  # some were fenced off: the ones completed just now still have an open attempt
             completed = {r[0] for r in conn.execute(
                 "SELECT a.id FROM attempts a JOIN tasks t ON t.id = a.task_id "
                 f"WHERE a.id IN ({','.join('?' * len(chunk))}) AND a.status IN ('leased', 'running') "
-                "AND t.lease_attempt_id = a.id AND t.state = 'completed'", [lease.attempt_id for lease, _ in chunk])}
-            chunk = [(lease, now) for lease, now in chunk if lease.attempt_id in completed]
+                "AND t.lease_attempt_id = a.id AND t.state = 'completed'", [end[0].attempt_id for end in chunk])}
+            chunk = [end for end in chunk if end[0].attempt_id in completed]
         if chunk:
             conn.execute(f"UPDATE attempts SET status = 'succeeded', finished_at = v.column2 FROM "
                          f"(VALUES {','.join('(?, ?)' for _ in chunk)}) AS v WHERE attempts.id = v.column1",
-                         [x for lease, now in chunk for x in (lease.attempt_id, now)])
-        done.update(lease.attempt_id for lease, _ in chunk)
+                         [x for lease, now, _ in chunk for x in (lease.attempt_id, now)])
+        done.update(lease.attempt_id for lease, _, _ in chunk)
     return done
 
 
@@ -1013,13 +1015,18 @@ def _end(conn: sqlite3.Connection, lease: Lease, outcome: Outcome, row: Any, now
     queued = end.available_at is not None
     uncount = 1 if end.uncount_attempt else 0
     conn.execute(
-        "UPDATE tasks SET state = ?, phase = NULL, error = ?, updated_at = ?, attempt = attempt - ?, "
-        "interruptions = interruptions + ?, available_at = coalesce(?, available_at), finished_at = ?, "
-        "lease_token = NULL WHERE id = ?",
-        (end.state, error, now, uncount, uncount, end.available_at, None if queued else now, lease.task_id))
+        "UPDATE tasks SET state = ?, phase = NULL, progress = coalesce(?, progress), error = ?, updated_at = ?, "
+        "attempt = attempt - ?, interruptions = interruptions + ?, available_at = coalesce(?, available_at), "
+        "finished_at = ?, lease_token = NULL WHERE id = ?",
+        (end.state, _progress_json(outcome), error, now, uncount, uncount, end.available_at,
+         None if queued else now, lease.task_id))
     if queued and batch.queued is not None:
         batch.queued += 1
     return end.state
+
+
+def _progress_json(outcome: Outcome) -> str | None:
+    return None if outcome.progress is None else json.dumps(outcome.progress)
 
 
 def _task(row: Any, *, attempts: tuple[Attempt, ...] = (), leased_by: str | None = None,
