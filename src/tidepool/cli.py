@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -266,13 +267,12 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
         facts = Table.grid(padding=(0, 2))
         for key in ("id", "type", "state", "phase", "progress", "attempt", "max_attempts", "priority", "node_id",
                     "error", "payload", "created_at", "finished_at"):
-            value = task[key]
-            facts.add_row(key, json.dumps(value) if isinstance(value, dict | list) else str(value))
+            facts.add_row(key, _fact(key, task[key]))
         console.print(facts)
-        attempts = Table("#", "status", "node", "worker", "started", "finished", "error", title="attempts")
+        attempts = Table("#", "status", "worker", "started (UTC)", "took", "error", title="attempts")
         for a in task["attempts"]:
-            attempts.add_row(str(a["number"]), a["status"], a["node_id"], a["worker_id"], a["started_at"],
-                             a["finished_at"] or "-", (a["error"] or {}).get("message", ""))
+            attempts.add_row(str(a["number"]), a["status"], a["worker_id"], a["started_at"][:19].replace("T", " "),
+                             _took(a["started_at"], a["finished_at"]), _fact("error", a["error"]))
         console.print(attempts)
         for r in task["results"]:
             console.print(f"result {r['plugin']}#{r['sequence']}{' (final)' if r['final'] else ''}: "
@@ -280,6 +280,25 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
         return OK
 
     return _with_client(args, settings, body)
+
+
+def _fact(key: str, value: Any) -> str:
+    """One field of a task as a person reads it: "-" for none, progress and errors as sentences."""
+    if value is None:
+        return "-"
+    if key == "progress":
+        fraction = f"{value['fraction'] * 100:.0f}%" if "fraction" in value else ""
+        return " ".join(p for p in (fraction, value.get("message", "")) if p) or "-"
+    if key == "error":
+        return f"{value.get('code')}: {value.get('message')}"
+    return json.dumps(value) if isinstance(value, dict | list) else str(value)
+
+
+def _took(started: str, finished: str | None) -> str:
+    if finished is None:
+        return "-"
+    seconds = (datetime.fromisoformat(finished) - datetime.fromisoformat(started)).total_seconds()
+    return f"{seconds:.2f}s"
 
 
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:

@@ -56,6 +56,18 @@ def test_submit_wait_exits_3_without_a_traceback_when_the_daemon_shuts_down(daem
 
 
 @pytest.mark.e2e
+def test_show_prints_a_finished_task_as_a_person_reads_it(daemon: Daemon, cli: Cli) -> None:
+    task_id = cli("submit", "sleep", "--payload", '{"seconds": 0.2}', "--wait", "--url", daemon.url).stdout.split()[0]
+    shown = cli("show", task_id, "--url", daemon.url)
+    assert shown.returncode == OK, shown.stderr
+    facts = dict(line.split(None, 1) for line in shown.stdout.splitlines() if line[:1].isalpha() and " " in line)
+    assert (facts["state"].strip(), facts["error"].strip(), facts["phase"].strip()) == ("completed", "-", "-")
+    assert facts["progress"].strip() == "100% slept 0.20s of 0.2s"  # the last report, not an earlier flush
+    assert "None" not in shown.stdout
+    assert f"{daemon.task(task_id)['attempts'][0]['worker_id']} " in shown.stdout and "succeeded" in shown.stdout
+
+
+@pytest.mark.e2e
 def test_show_of_an_unknown_task_is_a_usage_error(daemon: Daemon, cli: Cli) -> None:
     shown = cli("show", "06H2NOSUCHTASK000000000000", "--url", daemon.url)
     assert shown.returncode == USAGE
