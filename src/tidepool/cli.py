@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.live import Live
 from rich.table import Column, Table
@@ -271,7 +272,7 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
         console.print(facts)
         attempts = Table("#", "status", "worker", "started (UTC)", "took", "error", title="attempts")
         for a in task["attempts"]:
-            attempts.add_row(str(a["number"]), a["status"], a["worker_id"], a["started_at"][:19].replace("T", " "),
+            attempts.add_row(str(a["number"]), a["status"], a["worker_id"], _when(a["started_at"]),
                              _took(a["started_at"], a["finished_at"]), _fact("error", a["error"]))
         console.print(attempts)
         for r in task["results"]:
@@ -294,6 +295,16 @@ def _fact(key: str, value: Any) -> str:
     return json.dumps(value) if isinstance(value, dict | list) else str(value)
 
 
+def _table(*columns: Column | str) -> Table:
+    """A listing: a rule under the header, one space between columns."""
+    return Table(*columns, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, show_edge=False)
+
+
+def _when(ts: str | None) -> str:
+    """An RFC 3339 UTC time to the second, as tables show it (the JSON keeps the microseconds)."""
+    return "-" if ts is None else ts[:19].replace("T", " ")
+
+
 def _took(started: str, finished: str | None) -> str:
     if finished is None:
         return "-"
@@ -307,13 +318,14 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
         if args.json:
             print(json.dumps(page, indent=2))
             return OK
-        table = Table("type", "state", "phase", "progress", "attempt", "node", "created")
-        table.columns.insert(0, Column("id", no_wrap=True, min_width=32))
+        # On a narrow terminal the id, type and state stay whole; the other columns give way.
+        table = _table(Column("id", no_wrap=True, min_width=32), Column("type", no_wrap=True),
+                       Column("state", no_wrap=True), "phase", "progress", "attempt", "node", "created (UTC)")
         for t in page["tasks"]:
             progress = t["progress"] or {}
             fraction = f"{progress['fraction'] * 100:.0f}%" if "fraction" in progress else ""
             table.add_row(t["id"], t["type"], Text(t["state"], style=_STYLE.get(t["state"], "")), t["phase"] or "",
-                          fraction, f"{t['attempt']}/{t['max_attempts']}", t["node_id"] or "", t["created_at"])
+                          fraction, f"{t['attempt']}/{t['max_attempts']}", t["node_id"] or "", _when(t["created_at"]))
         Console().print(table)
         return OK
 
@@ -372,13 +384,14 @@ def cmd_nodes(args: argparse.Namespace, settings: Settings) -> int:
         if args.json:
             print(json.dumps(data, indent=2))
             return OK
-        table = Table("node", "alive", "host", "pid", "version", "started", "heartbeat", "types", "tags", "max")
+        table = _table(Column("node", no_wrap=True), "alive", "host", "pid", "version", "started (UTC)",
+                       "heartbeat (UTC)", "types", "tags", "max")
         for n in data["nodes"]:
             alive = Text("yes", style="green") if n["alive"] else Text("stopped" if n["stopped_at"] else "no",
                                                                       style="red")
             tags = "; ".join(",".join(t) for t in n["tags"]) or "-"
-            table.add_row(n["node_id"], alive, n["hostname"], str(n["pid"]), n["version"], n["started_at"],
-                          n["heartbeat_at"], ",".join(n["task_types"]), tags, str(n["max_workers"]))
+            table.add_row(n["node_id"], alive, n["hostname"], str(n["pid"]), n["version"], _when(n["started_at"]),
+                          _when(n["heartbeat_at"]), ",".join(n["task_types"]), tags, str(n["max_workers"]))
         Console().print(table)
         return OK
 
@@ -391,13 +404,13 @@ def cmd_schedules(args: argparse.Namespace, settings: Settings) -> int:
         if args.json:
             print(json.dumps(data, indent=2))
             return OK
-        print(f"{'NAME':<20} {'TYPE':<12} {'WHEN':<16} {'NEXT RUN':<28} {'LAST RUN':<28} LAST TASK")
+        table = _table(Column("name", no_wrap=True), "type", "when", "next run (UTC)", "last run (UTC)", "last task")
         for s in data["schedules"]:
             when = s["cron"] or f"every {s['every_s']:g}s"
-            state = "paused" if s["paused"] else (s["next_run_at"] or "-")
+            next_run = "paused" if s["paused"] else _when(s["next_run_at"])
             last = f"{s['last_task_id'] or '-'} {s['last_task_state'] or ''}".strip()
-            last_run = s["last_run_at"] or "-"
-            print(f"{s['name'][:20]:<20} {s['type'][:12]:<12} {when[:16]:<16} {state:<28} {last_run:<28} {last}")
+            table.add_row(s["name"], s["type"], when, next_run, _when(s["last_run_at"]), last)
+        Console().print(table)
         return OK
 
     return _with_client(args, settings, body)

@@ -68,6 +68,21 @@ def test_show_prints_a_finished_task_as_a_person_reads_it(daemon: Daemon, cli: C
 
 
 @pytest.mark.e2e
+def test_list_and_schedules_print_whole_rows_with_times_to_the_second(daemon: Daemon, cli: Cli) -> None:
+    task_id = cli("submit", "noop", "--wait", "--url", daemon.url).stdout.split()[0]
+    daemon.post("/v1/schedules", {"name": "hourly", "type": "noop", "every_s": 3600})
+    wide = {"COLUMNS": "120"}
+    row = next(line for line in cli("list", "--url", daemon.url, env=wide).stdout.splitlines() if task_id in line)
+    created = daemon.task(task_id)["created_at"]  # RFC 3339 with microseconds in the JSON
+    assert row.split() == [task_id, "noop", "completed", "1/3", daemon.task(task_id)["node_id"],
+                           created[:10], created[11:19]], row
+    schedules = cli("schedules", "--url", daemon.url, env=wide).stdout
+    (hourly,) = [line.split() for line in schedules.splitlines() if line.split()[:1] == ["hourly"]]
+    assert hourly[:4] == ["hourly", "noop", "every", "3600s"] and len(hourly[5]) == 8, schedules
+    assert "…" not in schedules
+
+
+@pytest.mark.e2e
 def test_show_of_an_unknown_task_is_a_usage_error(daemon: Daemon, cli: Cli) -> None:
     shown = cli("show", "06H2NOSUCHTASK000000000000", "--url", daemon.url)
     assert shown.returncode == USAGE
