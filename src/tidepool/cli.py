@@ -240,6 +240,8 @@ class _Progress:
         event = seen.get("event")
         if event is None:  # the task itself
             self.state, self.phase = seen["state"], seen["phase"] or ""
+            if seen["progress"]:
+                self.fraction, self.message = seen["progress"].get("fraction"), seen["progress"].get("message", "")
         elif event == "task.leased":
             self.state = "leased"
         elif event == "task.phase":

@@ -141,21 +141,28 @@ class Client:
                    poll_s: float = 2.0) -> dict[str, Any]:
         """Until the task is terminal, following its events; on_change sees the task and each event.
 
-        A stream the daemon closed (shutdown) is followed by a re-read of the task: Unreachable once
-        the daemon is gone."""
+        A daemon streams the events of its own node: a task that another node of a fleet runs sends
+        none here after it was created. So a stream silent for `poll_s` * 2.5 is closed and the task read
+        again. A stream the daemon closed (shutdown) is followed by a re-read too: Unreachable once the
+        daemon is gone."""
         task = await self.get(task_id)
         if on_change is not None:
             on_change(task)
         closed = False
+        silence_s = poll_s * 2.5
         while task["state"] not in TERMINAL:
             if closed:  # a daemon shutting down closes each new stream at once: do not spin on it
                 await asyncio.sleep(poll_s)
             closed = False
             with contextlib.suppress(asyncio.TimeoutError):
-                async with asyncio.timeout(poll_s * 10):  # the stream is the fast path; re-read now and then
+                async with asyncio.timeout(silence_s) as silence:
                     async for event in self.events(task_id=task_id):
-                        if event["event"] == "stream.connected":  # it may have ended before we listened
-                            if (task := await self.get(task_id))["state"] in TERMINAL:
+                        silence.reschedule(asyncio.get_running_loop().time() + silence_s)
+                        if event["event"] == "stream.connected":  # what happened before we listened
+                            task = await self.get(task_id)
+                            if on_change is not None:
+                                on_change(task)
+                            if task["state"] in TERMINAL:
                                 break
                             continue
                         if on_change is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -30,13 +31,15 @@ async def test_submit_get_wait_and_the_pool(daemon: Daemon) -> None:
         assert (await client.submit("sleep", {"seconds": 1.0}, priority=3, max_attempts=2,
                                     idempotency_key="client-1"))["id"] == task["id"], "same key, same task"
 
-        seen: list[dict[str, Any]] = []  # the task first, then each of its events as it happens
+        seen: list[dict[str, Any]] = []  # the task, again once the stream listens, then each of its events
         final = await client.wait(task["id"], on_change=seen.append)
         assert final["state"] == "completed" and final["attempts"][0]["status"] == "succeeded"
-        assert seen[0]["id"] == task["id"] and {e.get("task_id") for e in seen[1:]} == {task["id"]}
-        names = [e["event"] for e in seen[1:]]
+        assert [s["id"] for s in seen[:2]] == [task["id"]] * 2 and "event" not in seen[1]
+        events = seen[2:]
+        assert {e.get("task_id") for e in events} == {task["id"]}
+        names = [e["event"] for e in events]
         assert "task.progress" in names and names[-1] == "task.finished", names
-        phases = [e["phase"] for e in seen[1:] if e["event"] == "task.phase"]
+        phases = [e["phase"] for e in events if e["event"] == "task.phase"]
         assert phases and ["initialize", "prepare", "run", "stop"][-len(phases):] == phases, "from when it listened"
 
         got = await client.get(task["id"])
@@ -45,6 +48,21 @@ async def test_submit_get_wait_and_the_pool(daemon: Daemon) -> None:
         pool = await client.pool()
         assert pool["node_id"] == "e2e-node" and pool["workers"] >= pool["min_workers"]
         assert set(pool["queue"]) >= {"pending", "running", "retry_wait"}
+
+
+@pytest.mark.e2e
+async def test_wait_on_a_running_task_reports_where_it_is_before_its_next_event(daemon: Daemon) -> None:
+    async with Client(daemon.url) as client:
+        task = await client.submit("sleep", {"seconds": 3.0})
+        while (await client.get(task["id"]))["phase"] != "run":
+            await asyncio.sleep(0.05)
+        seen: list[dict[str, Any]] = []
+        waiting = asyncio.create_task(client.wait(task["id"], on_change=seen.append))
+        while len(seen) < 2:  # the task as first read, then as read once the stream listens
+            await asyncio.sleep(0.01)
+        # its next event (progress at 1 s) is not due yet: `submit --wait` shows this read, not "pending"
+        assert [(s.get("event"), s["state"], s["phase"]) for s in seen] == [(None, "running", "run")] * 2
+        assert (await waiting)["state"] == "completed"
 
 
 @pytest.mark.e2e

@@ -27,6 +27,8 @@ from typing import Any, NoReturn
 
 import pytest
 
+from tidepool.client import Client
+
 from ..conftest import POSTGRES_URL
 from .conftest import Daemon, free_port
 
@@ -253,6 +255,24 @@ def test_three_nodes_run_600_tasks_each_exactly_once_and_list_each_other(fleet: 
     table = subprocess.run(tidepool, cwd=fleet.root, env={**b.env, "COLUMNS": "200"}, capture_output=True,
                            text=True, timeout=30, check=True).stdout
     assert all(f" {name} " in table for name in ("a", "b", "c")) and table.count(" yes ") == 3, table
+
+
+def test_waiting_through_a_node_that_does_not_run_the_task_ends_soon_after_the_task(fleet: Fleet) -> None:
+    """A daemon streams its own node's events: a follower of a task run elsewhere hears nothing after
+    `task.created` and must find the end by reading the task again after a silence."""
+    a, b = fleet.add("a", pool={"task_types": ["noop"]}), fleet.add("b")
+    fleet.start(a, b)
+
+    async def follow() -> tuple[dict[str, Any], float]:
+        async with Client(a.url) as client:
+            task = await client.submit("append", {"file": str(fleet.done_file), "seconds": 0.2})
+            started = time.monotonic()
+            return await client.wait(task["id"], poll_s=1.0), time.monotonic() - started
+
+    final, waited_s = asyncio.run(follow())
+    assert final["state"] == "completed" and final["node_id"] == "b"
+    # a silence of 2.5 * poll_s, then a read; it used to be the stream's whole 10 * poll_s
+    assert waited_s < 8.0, waited_s
 
 
 def test_sigkill_of_a_node_mid_run_its_tasks_finish_on_the_others_after_lease_expiry(fleet: Fleet) -> None:
