@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         return UNREACHABLE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `tidepool list | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        return OK
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -155,7 +158,9 @@ def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
     from .service import check_startable  # the daemon's modules: not loaded for the client commands
 
     check_startable(settings)
-    print(json.dumps(settings.model_dump(mode="json"), indent=2))
+    effective = settings.model_dump(mode="json")
+    effective["node"]["id"] = settings.node.node_id  # an empty id means the host name: say which
+    print(json.dumps(effective, indent=2))
     return OK
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -80,6 +81,21 @@ def test_list_and_schedules_print_whole_rows_with_times_to_the_second(daemon: Da
     (hourly,) = [line.split() for line in schedules.splitlines() if line.split()[:1] == ["hourly"]]
     assert hourly[:4] == ["hourly", "noop", "every", "3600s"] and len(hourly[5]) == 8, schedules
     assert "…" not in schedules
+
+
+@pytest.mark.e2e
+def test_a_reader_that_stops_early_gets_no_traceback(daemon: Daemon) -> None:
+    """`tidepool list --json | head`: more than a pipe's buffer, and the reader goes away."""
+    padded = {"type": "noop", "payload": {"pad": "x" * 500}}
+    assert daemon.post("/v1/tasks/batch", {"tasks": [padded] * 200}).status == 201
+    script = Path(sys.executable).with_name("tidepool")
+    with subprocess.Popen([str(script), "list", "--json", "--limit", "200", "--url", daemon.url],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env()) as lister:
+        assert lister.stdout is not None and lister.stderr is not None
+        assert lister.stdout.read(100)
+        lister.stdout.close()
+        assert lister.wait(timeout=30) == OK
+        assert lister.stderr.read() == b""
 
 
 @pytest.mark.e2e
@@ -197,3 +213,4 @@ def test_config_check_of_a_valid_file_exits_0_and_prints_the_effective_config(tm
     assert effective["pool"]["min_workers"] == 3
     assert effective["pool"]["max_workers"] == 12, "the environment beats the file"
     assert effective["api"]["listen"] == "127.0.0.1:18999"
+    assert effective["node"]["id"] == socket.gethostname(), "no id configured: the host name, as the daemon uses"
