@@ -44,7 +44,7 @@ class StoreSettings(Section):
 
 
 class PoolSettings(Section):
-    min_workers: int = Field(2, ge=0)
+    min_workers: int = Field(2, ge=1)  # the baseline is what polls the queue: with none, nothing claims
     max_workers: int = Field(16, ge=1)
     idle_timeout_s: float = Field(30.0, gt=0)
     poll_interval_s: float = Field(2.0, gt=0)

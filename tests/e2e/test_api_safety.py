@@ -181,6 +181,7 @@ def test_bad_requests_are_refused_naming_the_field_and_change_nothing(make_daemo
     refused(400, "invalid_request", "tasks", path="/v1/tasks/batch", body={"tasks": []})
     refused(405, "method_not_allowed", "", "GET", "/v1/tasks/batch")
     refused(400, "invalid_request", "min_workers", "PATCH", "/v1/pool", body={"min_workers": "many"})
+    refused(400, "invalid_request", "min_workers", "PATCH", "/v1/pool", body={"min_workers": 0})  # nothing would claim
     refused(400, "invalid_request", "max_workers", "PATCH", "/v1/pool", body={"min_workers": 8, "max_workers": 4})
     assert daemon.query("SELECT count(*) FROM tasks") == [(0,)]
     pool_after = call(daemon, "GET", "/v1/pool").body

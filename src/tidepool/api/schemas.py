@@ -60,7 +60,7 @@ class SubmitBatch(BaseModel):
 class PoolPatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    min_workers: int | None = Field(None, ge=0, le=10_000)
+    min_workers: int | None = Field(None, ge=1, le=10_000)  # as pool.min_workers
     max_workers: int | None = Field(None, ge=1, le=10_000)
     idle_timeout_s: float | None = Field(None, gt=0)
 
