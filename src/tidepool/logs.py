@@ -139,7 +139,7 @@ def lifecycle(event: Event) -> None:
             task_log.debug("task %s plugin %s finished in %.3fs", task_id, d.get("plugin"), d.get("duration_s", 0),
                            extra=extra)
     elif name == "worker.started":
-        worker_log.info("worker %s started (%s)", d.get("worker_id"), d.get("kind"),
+        worker_log.info("worker %s started (%s, %s)", d.get("worker_id"), d.get("kind"), d.get("reason"),
                         extra={"worker_id": d.get("worker_id")})
     elif name == "worker.stopped":
         worker_log.info("worker %s stopped (%s, %s)", d.get("worker_id"), d.get("kind"), d.get("reason"),

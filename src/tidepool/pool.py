@@ -125,7 +125,7 @@ class Pool:
         async with anyio.create_task_group() as tg:
             self._tg = tg
             await tg.start(self._engine.outcomes.run)  # the workers' outcomes are written behind them
-            self._reconcile_baseline()
+            self._reconcile_baseline("start")
             task_status.started()
             while True:  # the supervisor's tick: proof for the watchdog that the loop runs
                 self.last_tick = self._monotonic()
@@ -154,7 +154,7 @@ class Pool:
             return False
         c.min_workers, c.max_workers, c.idle_timeout_s = new_min, new_max, new_idle
         self.waker.max_permits = new_max
-        self._reconcile_baseline()
+        self._reconcile_baseline("resize")
         self._events.publish("pool.resized", min_workers=new_min, max_workers=new_max,
                              idle_timeout_s=c.idle_timeout_s)
         self.waker.wake_all()  # so workers over the new sizes notice and retire
@@ -177,7 +177,7 @@ class Pool:
 
     # workers
 
-    def _reconcile_baseline(self) -> None:
+    def _reconcile_baseline(self, reason: str) -> None:
         workers = list(self._workers.values())
         baseline = [w for w in workers if w.kind == "baseline"]
         for worker in baseline[self.config.min_workers:]:
@@ -189,15 +189,16 @@ class Pool:
             if demand:
                 demand.pop().kind = "baseline"  # at max_workers already: keep one instead of adding one
             else:
-                self._spawn("baseline")
+                self._spawn("baseline", reason)
 
-    def _spawn(self, kind: str) -> None:
+    def _spawn(self, kind: str, reason: str) -> None:
+        """A new worker; `reason` says why: "start", "resize", or "busy" (a claim found every worker busy)."""
         if self._tg is None or not self._claiming or len(self._workers) >= self.config.max_workers:
             return
         worker = _WorkerState(f"{self._node_id}/w{next(self._ids)}", kind)
         self._workers[worker.id] = worker
         self._tg.start_soon(self._work, worker, name=worker.id)
-        self._events.publish("worker.started", worker_id=worker.id, kind=kind)
+        self._events.publish("worker.started", worker_id=worker.id, kind=kind, reason=reason)
 
     async def _work(self, worker: _WorkerState) -> None:
         reason = "stopped"
@@ -259,7 +260,7 @@ class Pool:
         self._busy += 1
         worker.busy = True
         if self._busy >= len(self._workers) and len(self._workers) < self.config.max_workers:
-            self._spawn("demand")
+            self._spawn("demand", "busy")
         try:
             if len(claimed) == 1 and self._claiming:
                 await self._engine.run(claimed[0], worker.id)

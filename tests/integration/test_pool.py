@@ -33,6 +33,8 @@ async def test_pool_grows_from_2_to_8_under_a_burst_and_back_after_idle(sqlite_s
         started = [e for e in node.seen if e.name == "worker.started"]
         stopped = [e for e in node.seen if e.name == "worker.stopped"]
         assert len(started) == 8  # never above max_workers
+        assert [(e.data["kind"], e.data["reason"]) for e in started] == [("baseline", "start")] * 2 + \
+            [("demand", "busy")] * 6
         assert [e.data["reason"] for e in stopped] == ["idle"] * 6
         assert all(e.data["kind"] == "demand" for e in stopped)
 

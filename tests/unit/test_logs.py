@@ -160,12 +160,12 @@ def test_each_step_of_a_task_is_one_debug_line_with_the_task_id_first(caplog: py
         phase("stop"),
     ]
     with caplog.at_level(logging.DEBUG, logger="tidepool"):
-        bus.publish("worker.started", worker_id=worker, kind="baseline")
+        bus.publish("worker.started", worker_id=worker, kind="baseline", reason="start")
         for name, data in steps:
             bus.publish(name, task_id=task_id, worker_id=None if name == "task.created" else worker, **data)
         bus.publish("worker.stopped", worker_id=worker, kind="baseline", reason="shutdown")
     assert [r.getMessage() for r in caplog.records] == [
-        "worker node/w1 started (baseline)",
+        "worker node/w1 started (baseline, start)",
         f"task {task_id} created: type noop priority 5",
         f"task {task_id} attempt {attempt_id} leased by node/w1 (attempt 1)",
         f"task {task_id} attempt {attempt_id} phase initialize",
@@ -185,5 +185,5 @@ def test_at_info_level_task_steps_are_not_logged(caplog: pytest.LogCaptureFixtur
     bus.listen(logs.lifecycle)
     with caplog.at_level(logging.INFO, logger="tidepool"):
         bus.publish("task.phase", task_id=new_id(), worker_id="w", attempt_id=new_id(), phase="run")
-        bus.publish("worker.started", worker_id="node/w9", kind="demand")
-    assert [r.getMessage() for r in caplog.records] == ["worker node/w9 started (demand)"]
+        bus.publish("worker.started", worker_id="node/w9", kind="demand", reason="busy")
+    assert [r.getMessage() for r in caplog.records] == ["worker node/w9 started (demand, busy)"]
