@@ -83,6 +83,12 @@ def validate(schedule: Schedule) -> Schedule:
     """Refuse a schedule that cannot run, naming the field; InvalidRequest is a 400 at the API."""
     if (schedule.cron is None) == (schedule.every_s is None):
         raise InvalidRequest("cron", "set exactly one of cron or every_s")
+    if schedule.cron is not None and not schedule.cron.startswith("@") and (fields := len(schedule.cron.split())) != 5:
+        # croniter would read a sixth field as seconds (and a seventh as years): ticks every second,
+        # below the floor of every_s, and documented nowhere. A cron here is the classic five fields
+        # (or an alias such as @daily).
+        raise InvalidRequest("cron", f"{schedule.cron!r} must have five fields, minute hour day-of-month "
+                                     f"month day-of-week, not {fields}")
     if schedule.cron is not None and not croniter.is_valid(schedule.cron):
         raise InvalidRequest("cron", f"not a cron expression: {schedule.cron!r}")
     if schedule.every_s is not None and not (math.isfinite(schedule.every_s) and schedule.every_s >= MIN_EVERY_S):

@@ -149,3 +149,20 @@ def test_a_cron_that_never_fires_is_refused() -> None:
     with pytest.raises(InvalidRequest) as info:
         validate(Schedule(name="x", type="noop", cron="0 0 30 2 *"))  # 30 February
     assert info.value.field == "cron"
+
+
+@pytest.mark.parametrize("cron", [
+    "* * * * * *",  # croniter reads a sixth field as seconds: every second, below the floor of every_s
+    "0 2 * *",
+])
+def test_a_cron_without_exactly_five_fields_is_refused(cron: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        validate(Schedule(name="x", type="noop", cron=cron))
+    assert info.value.field == "cron"
+
+
+def test_a_five_field_cron_or_an_alias_is_accepted() -> None:
+    schedule = validate(Schedule(name="x", type="noop", cron="*/15 * * * *"))
+    assert next_tick(schedule, at(2026, 1, 1, 0, 7)) == at(2026, 1, 1, 0, 15)
+    hourly = validate(Schedule(name="x", type="noop", cron="@hourly"))
+    assert next_tick(hourly, at(2026, 1, 1, 0, 7)) == at(2026, 1, 1, 1, 0)

@@ -1,8 +1,14 @@
 """Settings: TOML plus TIDEPOOL_<SECTION>__<KEY>; bad keys and values are errors naming the key."""
 
+import inspect
+import re
+from collections.abc import Iterator
+from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import get_args, get_origin
 
 import pytest
+from pydantic import BaseModel
 
 from tidepool import settings
 from tidepool.errors import ConfigError
@@ -21,6 +27,39 @@ def test_example_config_is_valid_and_equals_the_defaults() -> None:
     assert loaded == settings.Settings()
 
 
+def test_example_config_mentions_every_key_of_every_section() -> None:
+    written = _example_keys()
+    missing = [f"{section}.{key}" for section, key in _settings_keys(settings.Settings)
+               if key not in set().union(*(keys for header, keys in written.items() if fnmatchcase(header, section)))]
+    assert not missing, f"config/tidepool.toml does not mention {', '.join(missing)} (SPEC §7)"
+
+
+def _example_keys() -> dict[str, set[str]]:
+    """Each table header of the example file, commented out or not, with the keys written under it."""
+    keys: dict[str, set[str]] = {"": set()}
+    header = ""
+    for line in (ROOT / "config" / "tidepool.toml").read_text().splitlines():
+        if match := re.match(r"#?\s*\[\[?([\w.]+)\]\]?\s*(#|$)", line):
+            header = match[1]
+            keys.setdefault(header, set())
+        else:  # `key = value` or, in a comment, `or every_s = 3600`
+            keys[header] |= set(re.findall(r"(\w+)\s*=", line))
+    return keys
+
+
+def _settings_keys(model: type[BaseModel], section: str = "") -> Iterator[tuple[str, str]]:
+    """(section, key) for every key of every model reachable from Settings; a table's name is `*`."""
+    for name, field in model.model_fields.items():
+        args = get_args(field.annotation) or (field.annotation,)
+        nested = next((a for a in args if inspect.isclass(a) and issubclass(a, BaseModel)), None)
+        if nested is None:
+            yield section, name
+            continue
+        # `[plugins.NAME]` tables sit beside allow/deny in the file; the model gathers them under defs.
+        path = section if name == "defs" else f"{section}.{name}".lstrip(".")
+        yield from _settings_keys(nested, f"{path}.*" if get_origin(field.annotation) is dict else path)
+
+
 def test_env_beats_file_beats_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write(tmp_path, "[pool]\nmax_workers = 8\nmin_workers = 3\n")
     monkeypatch.setenv("TIDEPOOL_POOL__MAX_WORKERS", "40")
@@ -30,6 +69,7 @@ def test_env_beats_file_beats_default(tmp_path: Path, monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize(("text", "named"), [
     ("[pool]\nmin_workers = 4\nmax_workers = 2\n", "pool.max_workers (2) is below pool.min_workers (4)"),
+    ("[pool]\nmin_workers = 0\n", "pool.min_workers"),  # no baseline: nothing would claim
     ("[pool]\nmax_wrokers = 2\n", "unknown key pool.max_wrokers"),
     ("[poool]\n", "unknown key poool"),
     ("[lease]\nrenew_every_s = 20.0\n", "lease.renew_every_s"),
