@@ -280,7 +280,8 @@ class Metrics:
                 queue.add_metric([state], n)
             yield queue
         yield from self._guard_families()
-        yield self.created.family("tidepool_tasks_created", "Tasks submitted through this node's API, by type.")
+        yield self.created.family("tidepool_tasks_created",
+                                  "Tasks created on this node (submitted to its API or fired by a schedule), by type.")
         yield self.finished.family("tidepool_tasks_finished",
                                    "Tasks that reached a terminal state on this node, by type and state.")
         yield self.retries.family("tidepool_task_retries", "Attempts that failed and left their task to retry.")

@@ -56,6 +56,8 @@ class Scheduler:
         for f in fired:
             if f.task_id is not None:
                 created += 1
+                self._events.publish("task.created", task_id=f.task_id, worker_id=None, type=f.type,
+                                     priority=f.priority, schedule=f.schedule)
                 self._events.publish("schedule.fired", task_id=f.task_id, worker_id=None, schedule=f.schedule,
                                      tick=rfc3339(f.tick))
                 log.info("schedule %s fired for %s: task %s", f.schedule, rfc3339(f.tick), f.task_id)

@@ -77,6 +77,8 @@ class Fired:
     task_id: str | None          # None when skipped
     reason: str | None = None    # why skipped: "overlap", or "missed" (catch_up dropped `count` ticks)
     count: int = 1
+    type: str | None = None      # the task's type and priority, when one was created
+    priority: int = 0
 
 
 def validate(schedule: Schedule) -> Schedule:
@@ -208,7 +210,7 @@ def fire(schedule: Schedule, now: float, *, max_attempts: Callable[[str], int], 
             continue
         task_id = add(task_for(schedule, tick, max_attempts=max_attempts(schedule.type)))
         if task_id is not None:
-            fired.append(Fired(schedule.name, tick, task_id))
+            fired.append(Fired(schedule.name, tick, task_id, type=schedule.type, priority=schedule.priority))
             last_task, last_run = task_id, tick
     return fired, replace(schedule, next_tick_at=firing.next_tick_at, next_run_at=firing.next_run_at,
                           last_run_at=last_run, last_task_id=last_task)

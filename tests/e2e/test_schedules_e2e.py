@@ -1,12 +1,15 @@
 """Schedules on the real daemon: ticks fire on time, and a restart across ticks follows catch_up."""
 
+import asyncio
 import itertools
 import time
 from collections.abc import Callable
 from datetime import datetime
 
+import aiohttp
 import pytest
 
+from .api_helpers import EventStream
 from .conftest import Daemon
 
 pytestmark = pytest.mark.e2e
@@ -30,6 +33,28 @@ def test_an_every_second_schedule_fires_each_tick_once(daemon: Daemon) -> None:
     assert all(b - a == 1.0 for a, b in itertools.pairwise(ticks))  # one task per tick, none missed
     listing = daemon.get("/v1/schedules").body["schedules"]
     assert listing[0]["name"] == "tick" and listing[0]["last_task_id"] is not None
+
+
+def test_a_scheduled_task_is_created_like_a_submitted_one_in_events_and_metrics(daemon: Daemon) -> None:
+    assert daemon.post("/v1/schedules", {"name": "tick", "type": "noop", "every_s": 1}).status == 201
+    daemon.wait_for("two ticks", lambda: len(scheduled(daemon, "tick")) >= 2, timeout_s=10)
+    assert daemon.post("/v1/schedules/tick/pause").status == 200
+    time.sleep(0.5)  # a pass in flight when the pause landed
+    tasks = scheduled(daemon, "tick")
+    metrics = daemon.get("/metrics").body
+    assert f'tidepool_tasks_created_total{{type="noop"}} {float(len(tasks))}' in metrics, metrics
+    first = min(tasks, key=lambda t: t["created_at"])
+
+    async def replayed() -> list[str]:  # everything the ring holds of the first scheduled task
+        async with aiohttp.ClientSession() as session:
+            stream = await EventStream.open(session, daemon, last_id=0, task_id=first["id"])
+            try:
+                return [e.event for e in await stream.until(lambda e: e.event == "task.finished")]
+            finally:
+                stream.close()
+
+    names = asyncio.run(replayed())
+    assert names[:3] == ["task.created", "schedule.fired", "task.leased"], names
 
 
 def test_a_scheduled_task_gets_its_type_s_attempt_budget(make_daemon: Callable[..., Daemon]) -> None:
