@@ -20,6 +20,14 @@ from fnmatch import fnmatchcase
 from typing import Any, Protocol, TypeVar
 
 RING_SIZE = 10_000
+# Every name published (SPEC §5, plus task.lease_lost and reconciler.pass); a test holds it to the publish
+# calls. A stream's `type` filter that matches none of them is a typo, refused rather than streamed as silence.
+EVENT_NAMES = frozenset({
+    "task.created", "task.leased", "task.phase", "plugin.started", "plugin.finished", "task.progress",
+    "task.result", "task.retry_scheduled", "task.expired", "task.cancel_requested", "task.finished",
+    "task.lease_lost", "worker.started", "worker.stopped", "pool.resized", "guard.tripped", "guard.cleared",
+    "schedule.fired", "schedule.skipped", "reconciler.pass",
+})
 T = TypeVar("T")
 
 

@@ -15,6 +15,8 @@ import pytest
 from .api_helpers import NOOP_EVENTS, EventStream, Sse, shape
 from .conftest import Daemon
 
+UNKNOWN_ID = "06H2NOSUCHTASK000000000000"
+
 
 @pytest.fixture
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
@@ -232,6 +234,89 @@ async def test_filters_by_task_id_and_event_type(daemon: Daemon, session: aiohtt
     events = await only_c.until(lambda e: e.event == "task.finished")
     only_c.close()
     assert [(e.event, e.task_id, e.data["state"]) for e in events] == [("task.finished", c, "cancelled")]
+
+
+async def refusal(session: aiohttp.ClientSession, daemon: Daemon, query: list[tuple[str, str]], *,
+                  headers: dict[str, str] | None = None) -> tuple[int, dict[str, str]]:
+    """The status and JSON error of a request that must be refused before its stream starts."""
+    async with session.get(f"{daemon.url}/v1/events", params=query, headers=headers or {}) as r:
+        assert r.content_type == "application/json", f"{query} {headers}: a {r.status} {r.content_type} answer"
+        error: dict[str, str] = (await r.json())["error"]
+        return r.status, error
+
+
+async def replay(session: aiohttp.ClientSession, daemon: Daemon, query: list[tuple[str, str]]) -> EventStream:
+    """The ring from its first event (Last-Event-ID: 0), for queries EventStream.open cannot send (a repeated
+    parameter): what is replayed happened already, so no `: connected` wait is needed."""
+    response = await session.get(f"{daemon.url}/v1/events", params=query, headers={"Last-Event-ID": "0"},
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_read=None))
+    assert response.status == 200 and response.content_type == "text/event-stream", await response.text()
+    return EventStream(response)
+
+
+@pytest.mark.e2e
+async def test_an_unknown_task_id_is_a_404_like_every_route_gives_not_a_silent_stream(
+        daemon: Daemon, session: aiohttp.ClientSession) -> None:
+    for task_id in (UNKNOWN_ID, "not-a-task-id"):  # the task routes answer a malformed id as an unknown one
+        status, error = await refusal(session, daemon, [("task_id", task_id)])
+        task_route = daemon.get(f"/v1/tasks/{task_id}")
+        assert (status, error["code"]) == (task_route.status, task_route.error["code"]) == (404, "not_found")
+        assert task_id in error["message"]
+    assert UNKNOWN_ID not in daemon.log(200), "a 404 is not logged, as no other 4xx is"
+
+
+@pytest.mark.e2e
+async def test_a_type_that_matches_no_event_is_a_400_naming_type(daemon: Daemon,
+                                                                 session: aiohttp.ClientSession) -> None:
+    for query in ([("type", "bogus")], [("type", "nosuch.*")],
+                  [("type", "task.created,task.finshed")],          # one typo in a list is not ignored
+                  [("type", "task.created"), ("type", "bogus")]):   # nor in a repeated parameter
+        status, error = await refusal(session, daemon, query)
+        assert (status, error["code"]) == (400, "invalid_request"), query
+        assert error["message"].startswith("type: ") and "task.finished" in error["message"], error
+    assert "bogus" not in daemon.log(200), "a 400 is not logged, as no other 4xx is"
+
+
+@pytest.mark.e2e
+async def test_a_repeated_type_parameter_counts_every_value(daemon: Daemon, session: aiohttp.ClientSession) -> None:
+    (task_id,) = await submit(session, daemon)
+    daemon.wait_terminal(task_id)
+    stream = await replay(session, daemon, [("type", "plugin.started"), ("type", "task.finished")])
+    events = await stream.until(lambda e: e.event == "task.finished")
+    stream.close()
+    assert [(e.event, e.task_id) for e in events] == [("plugin.started", task_id), ("task.finished", task_id)]
+
+
+@pytest.mark.e2e
+async def test_a_last_event_id_that_is_not_a_non_negative_integer_is_a_400_naming_it(
+        daemon: Daemon, session: aiohttp.ClientSession) -> None:
+    for value in ("abc", "-5", "1.5", "0x10"):
+        status, error = await refusal(session, daemon, [], headers={"Last-Event-ID": value})
+        assert (status, error["code"]) == (400, "invalid_request"), value
+        assert error["message"].startswith("Last-Event-ID: "), error
+    status, error = await refusal(session, daemon, [("last_event_id", "abc")])  # its form for header-less clients
+    assert status == 400 and error["message"].startswith("last_event_id: "), error
+    assert "Traceback" not in daemon.log(200)
+
+
+@pytest.mark.e2e
+async def test_every_valid_filter_and_resume_form_still_streams(daemon: Daemon,
+                                                                session: aiohttp.ClientSession) -> None:
+    (task_id,) = await submit(session, daemon)
+    daemon.wait_terminal(task_id)
+    expected = {  # each query, replayed from Last-Event-ID: 0, and the task's events it must deliver
+        (("task_id", task_id),): NOOP_EVENTS,
+        (("type", "task.*"),): [n for n in NOOP_EVENTS if n.startswith("task.")],
+        (("type", "task.created,task.finished"),): ["task.created", "task.finished"],
+        (("type", " task.created , task.finished"),): ["task.created", "task.finished"],
+        (("type", "plugin.started"), ("type", "task.finished")): ["plugin.started", "task.finished"],
+        (): NOOP_EVENTS,
+    }
+    for query, names in expected.items():
+        stream = await replay(session, daemon, list(query))
+        events = await stream.until(lambda e: e.event == "task.finished" and e.task_id == task_id)
+        stream.close()
+        assert shape(by_task(events, task_id)) == names, query
 
 
 @pytest.mark.e2e

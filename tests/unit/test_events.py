@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import time
 from collections.abc import AsyncIterator
 from functools import partial
+from pathlib import Path
 
 import anyio
 
+import tidepool
 from tidepool.api.stream import Fanout, Stream, frame, frames
-from tidepool.events import Event, EventBus, Filter, first_id_of_this_run
+from tidepool.events import EVENT_NAMES, Event, EventBus, Filter, first_id_of_this_run
 from tidepool.model import State
 
 
@@ -320,3 +323,11 @@ async def test_a_stream_whose_client_takes_nothing_of_its_backlog_is_dropped_bef
     ids = frame_ids(reader.received)
     assert ids == list(range(1, len(ids) + 1)) and len(ids) < 5000, "a prefix of the stream, then the notice"
     assert reader.received.endswith(b'event: stream.closed\ndata: {"reason": "slow subscriber"}\n\n')
+
+
+def test_the_list_of_event_names_is_every_name_published() -> None:
+    """The `type` filter of GET /v1/events refuses names outside EVENT_NAMES: it must not miss one."""
+    source = Path(tidepool.__file__).parent
+    published = {name for path in source.rglob("*.py")
+                 for name in re.findall(r'\.publish\(\s*"([a-z_.]+)"', path.read_text())}
+    assert published == EVENT_NAMES

@@ -66,6 +66,8 @@ def _param(name: str, where: str, schema: dict[str, Any], *, required: bool = Fa
 
 
 TASK_ID = _param("id", "path", {"type": "string"}, required=True)
+EVENT_TYPES = {**_param("type", "query", {"type": "array", "items": {"type": "string"}}), "style": "form",
+               "explode": True, "description": "event names or globs, repeated or comma-separated"}
 NAME = _param("name", "path", {"type": "string"}, required=True)
 
 
@@ -116,12 +118,13 @@ def document(*, task_types: Sequence[str] = ()) -> dict[str, Any]:
         "/v1/schedules/{name}/resume": {"post": _op("resume a schedule at its next tick", {"200": ScheduleOut},
                                                     errors=("404", "503"), params=[NAME])},
         "/v1/events": {"get": {"summary": "server-sent events; Last-Event-ID resumes",
-                               "parameters": [_param("task_id", "query", {"type": "string"}),
-                                              _param("type", "query", {"type": "string"}),
-                                              _param("Last-Event-ID", "header", {"type": "string"})],
+                               "parameters": [_param("task_id", "query", {"type": "string"}), EVENT_TYPES,
+                                              _param("Last-Event-ID", "header", {"type": "string",
+                                                                                 "pattern": "^[0-9]{0,20}$"})],
                                "responses": {"200": {"description": "text/event-stream",
                                                      "content": {"text/event-stream": {"schema": _ref(EventOut)}}},
-                                             "401": {"description": ERRORS["401"], **_json(ErrorOut)}}}},
+                                             **{code: {"description": ERRORS[code], **_json(ErrorOut)}
+                                                for code in ("400", "401", "404", "503")}}}},
         "/healthz": {"get": _op("the process answers", {"200": HealthOut}, auth=False)},
         "/readyz": {"get": _op("ready to work", {"200": HealthOut, "503": HealthOut}, auth=False)},
     }

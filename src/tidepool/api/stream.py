@@ -20,13 +20,15 @@ import logging
 import os
 import socket
 import time
+from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
 import anyio
 import orjson
 from aiohttp import web
 
-from ..events import Event, EventBus, Filter, Subscription
+from ..errors import InvalidRequest
+from ..events import EVENT_NAMES, Event, EventBus, Filter, Subscription
 from ..model import rfc3339
 
 if TYPE_CHECKING:
@@ -44,6 +46,7 @@ LINGER_S = 0.02  # an event waits at most this long for others to share its writ
 # to until it drains; once its next event has left the ring it is dropped.
 BACKLOG_BYTES = 64 * 1024
 BACKLOGGED_POLL_S = 0.25
+MAX_ID_DIGITS = 20  # no event id has more (they are below 2**64); int() of thousands of digits would raise
 
 
 def frame(event: Event) -> bytes:
@@ -271,15 +274,37 @@ class Fanout:
         stream.ended.set()
 
 
-def _filter(request: web.Request) -> Filter | None:
+async def _filter(request: web.Request, daemon: Daemon) -> Filter | None:
+    """The stream's filter: one task, and/or event names (`type`, comma-separated or repeated, globs allowed).
+    An unknown task or a name that matches no event would stream silence for ever: refused instead."""
+    given = (n.strip() for value in request.query.getall("type", ()) for n in value.split(","))
+    names = tuple(n for n in given if n)
+    for name in names:
+        if not any(fnmatchcase(known, name) for known in EVENT_NAMES):
+            raise InvalidRequest("type", f"{name!r} matches no event; the events: {', '.join(sorted(EVENT_NAMES))}")
     task_id = request.query.get("task_id") or None
-    names = tuple(n for n in request.query.get("type", "").split(",") if n)
+    if task_id is not None:
+        await daemon.store.get(task_id)  # TaskNotFound: 404, as every route answers an unknown task id
     return Filter(task_id, names) if task_id is not None or names else None
 
 
+def _last_event_id(request: web.Request) -> int | None:
+    """The id of the last event the client read (None: a fresh client). The query form is for clients that
+    cannot set headers; an empty header is no header, as EventSource sends none before its first event."""
+    field, raw = "Last-Event-ID", request.headers.get("Last-Event-ID")
+    if not raw:
+        field, raw = "last_event_id", request.query.get("last_event_id")
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= MAX_ID_DIGITS):  # bare isdigit passes "²"; int() does not
+        raise InvalidRequest(field, "expected the id of an event the stream sent (a non-negative integer)")
+    return int(raw)
+
+
 async def events(request: web.Request, daemon: Daemon, fanout: Fanout) -> web.StreamResponse:
-    raw_last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
-    after = int(raw_last) if raw_last and raw_last.isascii() and raw_last.isdigit() and len(raw_last) <= 20 else None
+    # Refusals come first, as JSON errors: once the response is prepared only SSE frames can follow.
+    after = _last_event_id(request)
+    where = await _filter(request, daemon)
     bus = daemon.events
     if after == 0:  # everything: this run's events from its first
         after = bus.first_id - 1
@@ -289,7 +314,6 @@ async def events(request: web.Request, daemon: Daemon, fanout: Fanout) -> web.St
         after, gap = bus.first_id - 1, True
     else:
         gap = after is not None and bus.oldest_id() > after + 1  # judged where the resume starts
-    where = _filter(request)
     # Where the stream starts is fixed now, so that nothing published while the response starts is missed.
     sub = bus.subscribe(where, after=after) if where is not None else None
     next_id = bus.next_id if after is None else max(after + 1, bus.oldest_id())
