@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -9,7 +10,7 @@ from collections.abc import Callable, Sequence
 import anyio
 from anyio.abc import TaskStatus
 
-from .errors import StoreUnavailable
+from .errors import ScheduleNotFound, StoreUnavailable
 from .events import EventBus
 from .model import rfc3339
 from .schedules import Fired, Schedule, validate
@@ -20,10 +21,11 @@ log = logging.getLogger("tidepool.scheduler")
 
 
 class Scheduler:
-    def __init__(self, store: Store, events: EventBus, *, max_attempts: Callable[[str], int],
+    def __init__(self, store: Store, events: EventBus, *, node_id: str, max_attempts: Callable[[str], int],
                  wake: Callable[[int], None], interval_s: float = 0.5,
                  clock: Callable[[], float] = time.time) -> None:
         self._store = store
+        self._node_id = node_id
         self._events = events
         self._max_attempts = max_attempts
         self._wake = wake
@@ -32,9 +34,17 @@ class Scheduler:
         self._failing = False  # the store did not answer the last tick: said once, not every tick
 
     async def sync_config(self, configured: Sequence[ScheduleSettings]) -> None:
-        """Save the config file's schedules; their state (next/last run, paused) survives restarts."""
+        """Save the config file's schedules, their state (next/last run, paused) kept, and remove those
+        this node's config defined before and defines no more. A schedule saved through the API, or by
+        another node's config, is not this file's to remove: on a fleet, one node may define them all."""
         for item in configured:
-            await self._store.save_schedule(validate(from_settings(item)), now=self._clock())
+            await self._store.save_schedule(validate(from_settings(item, self._node_id)), now=self._clock())
+        names = {item.name for item in configured}
+        for schedule in await self._store.list_schedules():
+            if schedule.config_node == self._node_id and schedule.name not in names:
+                with contextlib.suppress(ScheduleNotFound):  # another node's sync was first
+                    await self._store.delete_schedule(schedule.name)
+                log.info("schedule %s removed: the config file no longer defines it", schedule.name)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -71,7 +81,7 @@ class Scheduler:
         return fired
 
 
-def from_settings(item: ScheduleSettings) -> Schedule:
+def from_settings(item: ScheduleSettings, node_id: str) -> Schedule:
     return Schedule(name=item.name, type=item.type, payload=dict(item.payload), cron=item.cron, every_s=item.every_s,
                     timezone=item.timezone, jitter_s=item.jitter_s, catch_up=item.catch_up, overlap=item.overlap,
-                    priority=item.priority)
+                    priority=item.priority, config_node=node_id)

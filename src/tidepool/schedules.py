@@ -41,6 +41,7 @@ class Schedule:
     catch_up: CatchUp = "last"
     overlap: Overlap = "allow"
     priority: int = 0
+    config_node: str | None = None      # the node whose config file defines it; None: the API did
     paused: bool = False
     next_tick_at: float | None = None   # the next tick's identity (unjittered)
     next_run_at: float | None = None    # when that tick is due (tick + jitter)
@@ -55,7 +56,7 @@ class Schedule:
         return {"name": self.name, "type": self.type, "payload": self.payload, "cron": self.cron,
                 "every_s": self.every_s, "timezone": self.timezone, "jitter_s": self.jitter_s,
                 "catch_up": self.catch_up, "overlap": self.overlap, "priority": self.priority,
-                "paused": self.paused, "next_run_at": rfc3339(self.next_run_at),
+                "config_node": self.config_node, "paused": self.paused, "next_run_at": rfc3339(self.next_run_at),
                 "last_run_at": rfc3339(self.last_run_at), "last_task_id": self.last_task_id,
                 "last_task_state": last_task_state}
 
@@ -169,7 +170,8 @@ def rewound(schedule: Schedule, now: float) -> bool:
         next_tick(schedule, next_tick(schedule, now)) <= schedule.next_tick_at
 
 
-SPEC_FIELDS = ("type", "payload", "cron", "every_s", "timezone", "jitter_s", "catch_up", "overlap", "priority")
+SPEC_FIELDS = ("type", "payload", "cron", "every_s", "timezone", "jitter_s", "catch_up", "overlap", "priority",
+               "config_node")
 
 
 def spec_of(schedule: Schedule) -> dict[str, Any]:

@@ -89,8 +89,8 @@ class Daemon:
         self.reconciler = Reconciler(self.store, self.events, config=_reconciler_config(settings),
                                      policy=lambda: self.engine.policy, wake=self.pool.wake,
                                      fleet_tags=self._fleet_tag_sets)
-        self.scheduler = Scheduler(self.store, self.events, max_attempts=self.max_attempts_for,
-                                   wake=self.pool.wake)
+        self.scheduler = Scheduler(self.store, self.events, node_id=self.node_id,
+                                   max_attempts=self.max_attempts_for, wake=self.pool.wake)
         self.started_at = time.time()
         self.heartbeat = Heartbeat(self.store, self._describe)
         self._shutdown = anyio.Event()

@@ -1,9 +1,13 @@
-"""SIGHUP picks up [[schedules]] added to the config file; the running ones keep their state."""
+"""SIGHUP picks up [[schedules]] added to the config file, keeping the running ones' state, and drops the
+ones taken out of it."""
 
 from pathlib import Path
 
 from tidepool import settings
+from tidepool.schedules import Schedule
 from tidepool.service import Daemon
+
+T0 = 1_700_000_000.0
 
 CONFIG = """
 [store]
@@ -28,3 +32,20 @@ async def test_reload_saves_new_schedules_and_keeps_the_old(tmp_path: Path) -> N
     saved = {s.name: s for s in await daemon.store.list_schedules()}
     assert set(saved) == {"hourly", "nightly"}
     assert saved["hourly"].next_run_at == hourly.next_run_at
+
+
+async def test_a_schedule_taken_out_of_the_config_is_removed_but_not_one_the_api_or_another_node_saved(
+        tmp_path: Path) -> None:
+    path = tmp_path / "tidepool.toml"
+    path.write_text('[node]\nid = "a"\n' + CONFIG)
+    daemon = Daemon(settings.load(path), config_path=path)
+    await daemon.store.open()
+    await daemon._sync_schedules(daemon.settings)
+    await daemon.save_schedule(Schedule(name="by-api", type="noop", every_s=60))
+    # a fleet: node b's config defines one of its own in the shared store
+    await daemon.store.save_schedule(Schedule(name="by-b", type="noop", every_s=60, config_node="b"), now=T0)
+    path.write_text('[node]\nid = "a"\n[store]\nurl = "memory://"\n')  # the [[schedules]] block deleted
+    await daemon.reload()
+    assert sorted(s.name for s in await daemon.store.list_schedules()) == ["by-api", "by-b"]
+    listed = {s.name: s.to_json()["config_node"] for s in await daemon.store.list_schedules()}
+    assert listed == {"by-api": None, "by-b": "b"}

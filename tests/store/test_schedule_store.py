@@ -40,6 +40,14 @@ async def test_saving_again_keeps_state_unless_the_timing_changed(store: Store) 
     assert retimed.next_tick_at == 300.0
 
 
+async def test_which_config_defines_a_schedule_is_kept_and_an_api_save_takes_it_over(store: Store) -> None:
+    await store.save_schedule(every(config_node="node-a"), now=30.0)
+    await store.save_schedule(every("other"), now=30.0)
+    assert {s.name: s.config_node for s in await store.list_schedules()} == {"s": "node-a", "other": None}
+    await store.save_schedule(every(), now=40.0)  # saved again through the API: the file no longer owns it
+    assert {s.name: s.config_node for s in await store.list_schedules()} == {"s": None, "other": None}
+
+
 async def test_a_due_tick_creates_one_task_and_advances(store: Store) -> None:
     await store.save_schedule(every(), now=30.0)
     fired = await store.fire_schedules(now=60.5, max_attempts=lambda _: 3)

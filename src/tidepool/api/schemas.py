@@ -94,6 +94,8 @@ class ScheduleOut(BaseModel):
     catch_up: str
     overlap: str
     priority: int
+    config_node: str | None = Field(description="the node whose config file defines it (removing it there "
+                                                "removes it); null: defined through the API")
     paused: bool
     next_run_at: str | None
     last_run_at: str | None
