@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tomllib
@@ -147,9 +148,25 @@ class PluginsSettings(Section):
             data = dict(data)
             defs = dict(data.pop("defs", {}))
             for name in [k for k in data if k not in ("allow", "deny")]:
-                defs[name] = data.pop(name)
+                defs[name] = _decoded(name, data.pop(name))
             data["defs"] = defs
         return data
+
+
+def _decoded(name: str, table: Any) -> Any:
+    """A plugin table as TIDEPOOL_PLUGINS__NAME='{...}' or TIDEPOOL_PLUGINS__NAME__KEY='[...]' gives it: JSON text
+    that pydantic-settings decodes only for the fields it declares, and a plugin's name is not one."""
+    def decode(key: str, text: str) -> Any:
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ValueError(f"plugins.{key}: {text!r} is not JSON") from None
+
+    if isinstance(table, str):
+        return decode(name, table)
+    if isinstance(table, dict):  # a list or table value arrives as text; `python = "mod:fn"` is left alone
+        return {k: decode(f"{name}.{k}", v) if isinstance(v, str) and v[:1] in "[{" else v for k, v in table.items()}
+    return table
 
 
 class TypeSettings(Section):

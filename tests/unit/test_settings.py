@@ -92,6 +92,23 @@ def test_bad_config_names_the_key(tmp_path: Path, text: str, named: str | None) 
     assert named in str(info.value)
 
 
+@pytest.mark.parametrize(("variable", "value"), [
+    ("TIDEPOOL_PLUGINS__PORTSCAN__COMMAND", '["nmap", "{target}"]'),
+    ("TIDEPOOL_PLUGINS__PORTSCAN", '{"command": ["nmap", "{target}"]}'),
+    ("TIDEPOOL_PLUGINS__DEFS__PORTSCAN__COMMAND", '["nmap", "{target}"]'),  # as the model holds it
+])
+def test_a_command_plugin_can_come_from_the_environment(monkeypatch: pytest.MonkeyPatch, variable: str,
+                                                        value: str) -> None:
+    monkeypatch.setenv(variable, value)
+    assert settings.parse({}).plugins.defs["portscan"].command == ("nmap", "{target}")
+
+
+def test_a_plugin_table_in_the_environment_that_is_not_json_names_the_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDEPOOL_PLUGINS__PORTSCAN", "nmap")
+    with pytest.raises(ConfigError, match=r"plugins\.portscan: 'nmap' is not JSON"):
+        settings.parse({})
+
+
 def test_bad_env_value_names_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIDEPOOL_POOL__MIN_WORKERS", "-1")
     with pytest.raises(ConfigError, match=r"pool\.min_workers"):
