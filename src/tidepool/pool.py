@@ -9,10 +9,12 @@ demand worker that finds no work for idle_timeout_s retires.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import anyio
@@ -95,6 +97,8 @@ class _WorkerState:
 class Pool:
     def __init__(self, store: Store, engine: Engine, leases: LeaseKeeper, events: EventBus, *,
                  config: PoolConfig, node_id: str, instance_id: str, claim_filter: Callable[[], ClaimFilter],
+                 promise_slots: Callable[[tuple[frozenset[str], ...]], AbstractContextManager[None]] = (
+                     lambda _: contextlib.nullcontext()),
                  may_claim: Callable[[], bool] = lambda: True, clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self._store = store
@@ -105,6 +109,7 @@ class Pool:
         self._node_id = node_id
         self._instance_id = instance_id
         self._claim_filter = claim_filter
+        self._promise_slots = promise_slots  # a claim in flight holds a slot of each tag set it asks for
         self._may_claim = may_claim
         self._clock = clock
         self._monotonic = monotonic
@@ -235,8 +240,10 @@ class Pool:
     async def _claim(self, identity: Worker) -> list[Claimed]:
         self._in_claim += 1
         try:
-            claimed = await self._store.claim(identity, self._claim_filter(), limit=self.config.claim_batch,
-                                              now=self._clock(), lease_s=self._leases.lease_s)
+            where = self._claim_filter()
+            with self._promise_slots(where.tag_sets):  # until the engine takes its slot, in this same step
+                claimed = await self._store.claim(identity, where, limit=self.config.claim_batch,
+                                                  now=self._clock(), lease_s=self._leases.lease_s)
         except StoreUnavailable as exc:
             if not self._store_down:  # once per outage, not once per worker and poll
                 self._store_down = True

@@ -16,9 +16,10 @@ must clean up after itself. A class is instantiated once, with no arguments, whe
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -89,6 +90,7 @@ class ResourcePool:
         self._started: set[Slot] = set()
         self._waiters: collections.deque[_Waiter] = collections.deque()
         self._free_tag_sets: tuple[frozenset[str], ...] | None = None
+        self._promised: collections.Counter[frozenset[str]] = collections.Counter()  # see claiming()
         self.version = 0  # bumped when the free slots change; the claim filter is cached on it
 
     @classmethod
@@ -110,10 +112,27 @@ class ResourcePool:
         return tuple(self._tags.values())
 
     def free_tag_sets(self) -> tuple[frozenset[str], ...]:
-        """The distinct tag sets of the free slots: what a claim of this node may ask for now (rule 2)."""
+        """The distinct tag sets of the free slots no claim in flight may take: what a claim of this node may
+        ask for now (rule 2)."""
         if self._free_tag_sets is None:
-            self._free_tag_sets = tuple(dict.fromkeys(slot.tags for slot in self._free))
+            free = collections.Counter(slot.tags for slot in self._free)
+            self._free_tag_sets = tuple(tags for tags, n in free.items() if n > self._promised[tags])
         return self._free_tag_sets
+
+    @contextlib.contextmanager
+    def claiming(self, tag_sets: Iterable[frozenset[str]]) -> Iterator[None]:
+        """While a claim that may bring a task for these tag sets is in flight, one free slot of each is
+        promised to it: a claim made meanwhile does not ask for the same last slot, so one freed slot is
+        not claimed twice, the second task left waiting in prepare until it fails (prepare_timeout). The
+        claim's worker takes its slot in the same step as the promise ends (no await between)."""
+        promised = [tags for tags in tag_sets if tags]
+        self._promised.update(promised)
+        self._changed()
+        try:
+            yield
+        finally:
+            self._promised.subtract(promised)
+            self._changed()
 
     def statistics(self) -> SlotPoolStats:
         in_use = collections.Counter(slot.name for slot in self._in_use)

@@ -85,7 +85,7 @@ class Daemon:
                              resources=self.resources)
         self.pool = Pool(self.store, self.engine, self.leases, self.events, config=_pool_config(settings),
                          node_id=self.node_id, instance_id=self.instance_id, claim_filter=self._claim_filter,
-                         may_claim=self.guards.ok)
+                         promise_slots=self.resources.claiming, may_claim=self.guards.ok)
         self.reconciler = Reconciler(self.store, self.events, config=_reconciler_config(settings),
                                      policy=lambda: self.engine.policy, wake=self.pool.wake,
                                      fleet_tags=self._fleet_tag_sets)

@@ -85,15 +85,17 @@ async def running_node(store: Store, plugins: dict[str, Plugin], *, types: dict[
                     policy=policy or RetryPolicy(base_s=0.0, jitter=0.0), work_root=work_root,
                     resources=resources)
     claim_filter: Callable[[], ClaimFilter] = ClaimFilter
+    extra: dict[str, Any] = {}
     if resources is not None:
         slots = resources
 
         def claim_filter() -> ClaimFilter:
             return ClaimFilter(("*",), slots.free_tag_sets())
 
+        extra["promise_slots"] = slots.claiming  # as the daemon wires it
     the_pool = Pool(store, engine, leases, events, config=pool or PoolConfig(poll_interval_s=0.5),
                     node_id="test-node", instance_id="i1", claim_filter=claim_filter,
-                    may_claim=guards.ok if guards is not None else lambda: True)
+                    may_claim=guards.ok if guards is not None else lambda: True, **extra)
     if resources is not None:
         resources.on_free = lambda: the_pool.wake(1)
     if guards is not None:

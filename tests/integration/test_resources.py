@@ -11,6 +11,7 @@ import anyio
 import pytest
 
 from tidepool.context import TaskContext
+from tidepool.engine import EngineConfig
 from tidepool.errors import ConfigError, InvalidRequest, PluginError
 from tidepool.model import AttemptStatus, NewTask, State
 from tidepool.pool import PoolConfig
@@ -73,6 +74,17 @@ async def test_waiters_are_served_in_arrival_order_and_a_slot_is_handed_over_dir
     assert order == ["a", "b", "c"]
     assert pool.statistics().resources["vm"].in_use == 0
     assert pool.free_tag_sets() == (frozenset({"win10", "x64"}),)
+
+
+def test_a_claim_in_flight_is_promised_a_slot_of_each_tag_set_it_asks_for() -> None:
+    pool = slots(vm=ResourceSettings(tags=("win10",), count=2), nic=ResourceSettings(tags=("nic",), count=1))
+    vm, nic = frozenset({"win10"}), frozenset({"nic"})
+    assert set(pool.free_tag_sets()) == {vm, nic}
+    with pool.claiming((vm, nic)):
+        assert pool.free_tag_sets() == (vm,)  # the second vm slot is still free; the only nic slot is not
+        with pool.claiming(pool.free_tag_sets()):
+            assert pool.free_tag_sets() == ()
+    assert set(pool.free_tag_sets()) == {vm, nic}
 
 
 async def test_tags_no_slot_can_ever_serve_fail_at_once_not_retried() -> None:
@@ -152,6 +164,23 @@ async def test_two_tasks_needing_a_count_1_resource_never_overlap(sqlite_store: 
     assert {slot for *_, slot in intervals} == {"lic[0]"}
     assert recorder.calls == ["start lic[0]", "stop lic[0]"] * 3
     assert pool.statistics().resources["lic"].in_use == 0
+
+
+async def test_a_freed_slot_is_claimed_once_not_by_every_idle_worker_at_the_same_moment(
+        sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    """Rule 2: a claim asks only for tags a free slot can serve. Two workers claiming together used to both
+    take a task for the one slot that had just come free: the second waited in prepare, holding a worker,
+    and failed prepare_timeout, an attempt spent for nothing."""
+    async def busy(ctx: TaskContext) -> None:
+        await anyio.sleep(0.4)
+
+    pool = slots(vm=ResourceSettings(tags=("win10",), count=1))
+    config = PoolConfig(min_workers=4, max_workers=4, poll_interval_s=0.5)
+    async with running_node(sqlite_store, {"busy": busy}, pool=config, resources=pool, work_root=tmp_path,
+                            engine_config=EngineConfig(prepare_timeout_s=0.3, stop_timeout_s=2.0)) as node:
+        ids = [await node.submit("busy", required_tags=("win10",), max_attempts=1) for _ in range(4)]
+        tasks = [await node.finished(task_id, timeout_s=10) for task_id in ids]
+    assert [(t.state, t.error) for t in tasks] == [(State.COMPLETED, None)] * 4
 
 
 async def test_a_task_needing_no_tags_takes_no_slot(sqlite_store: SqliteStore, tmp_path: Path) -> None:
