@@ -390,11 +390,35 @@ async def test_cpu_time_limit_when_the_program_ignores_sigxcpu(tmp_path: Path) -
     assert caught.value.limit == "cpu_s"
 
 
-async def test_nofile_limit_shows_as_the_program_failing(tmp_path: Path) -> None:
+async def test_cpu_time_limit_counts_the_whole_tree(tmp_path: Path) -> None:
+    """RLIMIT_CPU gives each process its own budget: three children of 0.7 s each stay under it alone."""
+    code = ("import os, time\n"
+            "for _ in range(3):\n"
+            "    if os.fork() == 0:\n"
+            "        end = time.process_time() + 0.7\n"
+            "        while time.process_time() < end: pass\n"
+            "        os._exit(0)\n"
+            "for _ in range(3): os.wait()\n")
+    with pytest.raises(LimitExceeded) as caught:
+        await _run([PY, "-c", code], tmp_path, cpu_s=1)
+    assert caught.value.limit == "cpu_s" and "process tree" in str(caught.value)
+
+
+async def test_a_child_killed_at_the_cpu_limit_fails_the_attempt_though_its_parent_exits_0(tmp_path: Path) -> None:
+    code = ("import os\n"
+            "if os.fork() == 0:\n"
+            "    while True: pass\n"
+            "os.wait()\n")  # the kernel kills the child at the limit; the parent carries on and exits 0
+    with pytest.raises(LimitExceeded) as caught:
+        await _run([PY, "-c", code], tmp_path, cpu_s=1)
+    assert caught.value.limit == "cpu_s"
+
+
+async def test_nofile_limit_fails_the_attempt_naming_the_limit(tmp_path: Path) -> None:
     code = "import os; files = [open(os.devnull) for _ in range(64)]"
-    result = await _run([PY, "-c", code], tmp_path, nofile=16)
-    assert result.exit_status != 0
-    assert "Too many open files" in result.stderr_tail
+    with pytest.raises(LimitExceeded) as caught:
+        await _run([PY, "-c", code], tmp_path, nofile=16)
+    assert caught.value.limit == "nofile" and "Too many open files" in str(caught.value)
 
 
 # --- uvloop ----------------------------------------------------------------------------------

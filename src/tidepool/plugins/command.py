@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import math
 import os
@@ -151,7 +152,11 @@ async def run_command(
         raise PluginError(f"{argv[0]} did not exit after SIGKILL", code="unkillable")
     if _cpu_limit_hit(exit_status, tree, limits):
         raise LimitExceeded("cpu_s", f"{argv[0]} used its {limits.cpu_s} s of CPU")
-    return capture.result(exit_status)
+    result = capture.result(exit_status)
+    if limits.nofile is not None and exit_status != 0 and os.strerror(errno.EMFILE) in result.stderr_tail:
+        # RLIMIT_NOFILE makes the breach itself impossible: the program fails opening one more, and says so.
+        raise LimitExceeded("nofile", f"{argv[0]} failed with {os.strerror(errno.EMFILE)!r} at {limits.nofile}")
+    return result
 
 
 async def _spawn(
@@ -179,8 +184,11 @@ async def _spawn(
 def _apply_rlimits(pid: int, limits: CommandLimits) -> None:
     # Never RLIMIT_AS/RLIMIT_DATA: Go scanners reserve huge address ranges; RSS is watched instead.
     if limits.cpu_s is not None:
-        soft = max(math.ceil(limits.cpu_s), 1)
-        # SIGXCPU at the soft limit lets a program stop itself; the kernel SIGKILLs a second later.
+        # The supervisor's poll holds the whole tree to cpu_s. RLIMIT_CPU gives each process a budget of its
+        # own, so it is only the backstop, a second past cpu_s: at cpu_s itself a child killed by it would
+        # leave a parent that may exit 0 before the poll sees the time. SIGXCPU at the soft limit lets a
+        # program stop itself; the kernel SIGKILLs a second later.
+        soft = max(math.ceil(limits.cpu_s), 1) + 1
         _lower_rlimit(pid, resource.RLIMIT_CPU, soft, soft + 1)
     if limits.nofile is not None:
         _lower_rlimit(pid, resource.RLIMIT_NOFILE, limits.nofile, limits.nofile)
@@ -209,6 +217,8 @@ async def _supervise(
         rss = tree.refresh()
         if memory_cap is not None and rss > memory_cap:
             return LimitExceeded("memory_mb", f"the process tree used {rss >> 20} MiB of {limits.memory_mb}")
+        if limits.cpu_s is not None and tree.cpu_s >= limits.cpu_s:  # RLIMIT_CPU counts each process alone
+            return LimitExceeded("cpu_s", f"the process tree used {tree.cpu_s:.1f} s of CPU, over {limits.cpu_s}")
         with anyio.move_on_after(poll_interval_s):
             await capture.wake.wait()
 
@@ -219,7 +229,7 @@ def _cpu_limit_hit(exit_status: int, tree: _Tree, limits: CommandLimits) -> bool
     if exit_status == -signal.SIGXCPU:
         return True
     # Past the hard limit the kernel sends SIGKILL; only the CPU time we saw tells it from others.
-    return exit_status == -signal.SIGKILL and tree.leader_cpu_s >= limits.cpu_s
+    return (exit_status == -signal.SIGKILL and tree.leader_cpu_s >= limits.cpu_s) or tree.cpu_s >= limits.cpu_s
 
 
 class _Capture(asyncio.SubprocessProtocol):
@@ -278,21 +288,32 @@ class _Tree:
     def __init__(self, pid: int) -> None:
         self.pgid = pid  # start_new_session made the child the leader of its own group
         self.leader_cpu_s = 0.0
+        self.cpu_s = 0.0  # the whole tree's, as last seen: see refresh()
+        self._cpu_seen: dict[int, tuple[float, int | None]] = {}  # pid: (CPU with its reaped children, ppid)
+        self._cpu_orphaned = 0.0  # CPU of processes gone with no parent of the tree left to account for it
         self.known: dict[int, psutil.Process] = {}
         with contextlib.suppress(psutil.NoSuchProcess):  # a quick command may already be reaped
             self.known[pid] = psutil.Process(pid)
 
     def refresh(self) -> int:
-        """Look for new descendants; return the RSS of the whole tree in bytes."""
+        """Look for new descendants and add up the tree's CPU time; return its RSS in bytes.
+
+        A process's CPU counts with its children's once it has reaped them, so the sum over the live
+        processes carries the dead ones along, except those whose parent is gone too (their time is kept)."""
         self._discover()
-        rss = 0
+        rss, seen = 0, {}
         for proc in self._alive():
             with contextlib.suppress(psutil.Error):
                 rss += int(proc.memory_info().rss)
-        if (leader := self.known.get(self.pgid)) is not None:
-            with contextlib.suppress(psutil.Error):
-                times = leader.cpu_times()
-                self.leader_cpu_s = float(times.user + times.system)
+                t = proc.cpu_times()
+                seen[proc.pid] = (t.user + t.system + t.children_user + t.children_system, proc.ppid())
+                if proc.pid == self.pgid:
+                    self.leader_cpu_s = float(t.user + t.system)
+        for pid, (cpu, ppid) in self._cpu_seen.items():
+            if pid not in seen and ppid not in seen:
+                self._cpu_orphaned += cpu
+        self._cpu_seen = seen
+        self.cpu_s = max(self.cpu_s, self._cpu_orphaned + sum(cpu for cpu, _ in seen.values()))
         return rss
 
     async def kill(self, *, grace_s: float) -> None:
