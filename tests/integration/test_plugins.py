@@ -123,6 +123,21 @@ def error_of(task: Task) -> tuple[str, str]:
 # command plugins
 
 
+async def test_a_command_retried_to_success_has_one_final_result_that_of_the_attempt_that_succeeded(
+        sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    script = tmp_path / "flaky.py"
+    script.write_text("import json, sys\nn = int(sys.argv[1])\nprint(json.dumps({'attempt': n}))\n"
+                      "sys.exit(3 if n == 1 else 0)\n")
+    flaky = PluginSpec(command=(PY, str(script), "{attempt}"))
+    registry = registry_of({"flaky": flaky}, {"flaky": TypeSettings(plugins=("flaky",))})
+    async with running_node(sqlite_store, {}, registry=registry, work_root=tmp_path / "work") as node:
+        task = await node.finished(await node.submit("flaky", max_attempts=2))
+    assert task.state is State.COMPLETED
+    assert [(r.payload, r.final) for r in task.results] == [({"attempt": 1}, False), ({"attempt": 2}, True)]
+    assert [(a.status, a.exit_status) for a in task.attempts] == [(AttemptStatus.FAILED, 3),
+                                                                  (AttemptStatus.SUCCEEDED, 0)]
+
+
 async def test_a_timed_out_tree_is_gone_within_the_grace_even_setsid_and_sigterm_ignoring_children(
         sqlite_store: SqliteStore, tmp_path: Path) -> None:
     timeout_s = 1.0

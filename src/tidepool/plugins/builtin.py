@@ -90,7 +90,9 @@ def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float) -> Plugi
         result = await run_command(argv, env=scrubbed_env(spec.env), workdir=workdir, limits=limits,
                                    kill_grace_s=kill_grace_s)
         ctx.exit_status, ctx.stderr_tail = result.exit_status, result.stderr_tail
-        await ctx.emit(result.result_payload(), final=True)
+        # A failed run's output is kept to look at, but it is not the plugin's result: a task retried to
+        # success has one final result per plugin (SPEC §9), that of the attempt that succeeded.
+        await ctx.emit(result.result_payload(), final=result.exit_status == 0)
         if result.exit_status != 0:
             raise PluginError(f"{name} exited with status {result.exit_status}: {result.stderr_tail[-200:]}",
                               code="exit_status")
