@@ -51,6 +51,7 @@ class LeaseKeeper:
         self._held: dict[str, Held] = {}
         self._dirty: set[str] = set()
         self._busy = anyio.Event()
+        self._failing: set[str] = set()  # writes the store did not take: said once an outage, not 10 times a second
 
     def configure(self, *, lease_s: float, renew_every_s: float) -> None:
         self.lease_s, self.renew_every_s = lease_s, renew_every_s
@@ -122,8 +123,13 @@ class LeaseKeeper:
         try:
             lost: dict[str, LeaseLost] = await write  # type: ignore[misc]
         except StoreUnavailable as exc:
-            log.warning("lease %s failed, will retry: %s", what, exc)
+            if what not in self._failing:
+                self._failing.add(what)
+                log.warning("lease %s writes fail, retrying until the store answers: %s", what, exc)
             return None
+        if what in self._failing:
+            self._failing.discard(what)
+            log.info("lease %s writes go through again", what)
         for attempt_id, reason in lost.items():
             held = self._held.get(attempt_id)
             if held is not None:

@@ -1,0 +1,59 @@
+"""The lease keeper against a store that goes away: its writes are retried, and the outage is said once."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from tidepool.errors import LeaseLost, StoreUnavailable
+from tidepool.leases import LeaseKeeper
+from tidepool.model import ClaimFilter, NewTask, Phase, Worker
+from tidepool.store import PhaseNote
+from tidepool.store.sqlite import SqliteStore
+
+WORKER = Worker("test-node", "i1", "test-node/w1")
+
+
+class Away:
+    """The real store; while `away`, its phase notes fail as a refused connection would."""
+
+    def __init__(self, store: SqliteStore) -> None:
+        self.store = store
+        self.away = True
+
+    async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
+        if self.away:
+            raise StoreUnavailable("connection refused")
+        return await self.store.set_phase(notes, now=now)
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
+    store = SqliteStore(tmp_path / "tidepool.db")
+    await store.open()
+    yield store
+    await store.close()
+
+
+async def test_notes_that_cannot_be_written_are_kept_and_the_outage_is_logged_once(
+        store: SqliteStore, caplog: pytest.LogCaptureFixture) -> None:
+    await store.add(NewTask("noop"), now=time.time())
+    (claimed,) = await store.claim(WORKER, ClaimFilter(), limit=1, now=time.time(), lease_s=30.0)
+    flaky = Away(store)
+    keeper = LeaseKeeper(flaky, lease_s=30.0, renew_every_s=10.0)  # type: ignore[arg-type]
+    held = keeper.hold(claimed.lease)
+    caplog.set_level(logging.INFO, logger="tidepool.leases")
+    keeper.note(held, Phase.RUN, {"fraction": 0.5})
+    for _ in range(10):  # a second of flushes while the store is away
+        await keeper.flush()
+    assert (await store.get(claimed.task.id)).progress is None
+    flaky.away = False
+    await keeper.flush()
+    assert (await store.get(claimed.task.id)).progress == {"fraction": 0.5}, "kept, and written once it could be"
+    said = [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records]
+    assert said == [("WARNING", "lease phase writes fail, retrying until the store answers"),
+                    ("INFO", "lease phase writes go through again")]
