@@ -58,6 +58,8 @@ async def test_the_dashboard_shows_the_pool_and_a_task_reaching_completed(
     await page.goto(daemon.url + "/")
     await expect(page).to_have_title("tidepool")
     await expect(page.locator("#conn")).to_have_class("badge down", timeout=10_000)  # 401 until the token
+    await expect(page.locator("#conn")).to_have_text("token needed: enter the API token above")
+    await expect(page.locator("body")).to_have_class("stale")  # nothing shown is current
 
     await page.fill("#token", TOKEN)
     await page.dispatch_event("#token", "change")
@@ -66,6 +68,7 @@ async def test_the_dashboard_shows_the_pool_and_a_task_reaching_completed(
     await expect(page.locator("#max")).to_have_text("6")
     await expect(page.locator("#node")).to_contain_text("e2e-node")
     await expect(page.locator("#conn")).to_have_text("live", timeout=10_000)
+    await expect(page.locator("body")).not_to_have_class("stale")
 
     submitted = call(daemon, "POST", "/v1/tasks", {"type": "sleep", "payload": {"seconds": 2.0}},
                      headers=bearer(TOKEN))
@@ -98,4 +101,8 @@ async def test_the_dashboard_shows_the_pool_and_a_task_reaching_completed(
 
     ARTIFACTS.mkdir(exist_ok=True)
     await page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+
+    daemon.stop()  # the page says so, and greys out what it last saw
+    await expect(page.locator("#conn")).to_have_text("daemon unreachable: reconnecting", timeout=10_000)
+    await expect(page.locator("body")).to_have_class("stale")
     assert errors == [], errors

@@ -20,9 +20,13 @@ function headers() {
   return h;
 }
 
+const NEED_TOKEN = "token needed: enter the API token above";
+const UNREACHABLE = "daemon unreachable: reconnecting";
+
 async function api(method, path) {
-  const res = await fetch(path, { method, headers: headers() });
+  const res = await fetch(path, { method, headers: headers() }).catch(() => { throw new Error(UNREACHABLE); });
   const body = await res.json().catch(() => ({}));
+  if (res.status === 401) throw new Error(NEED_TOKEN);
   if (!res.ok) throw new Error((body.error && body.error.message) || res.statusText);
   return body;
 }
@@ -139,6 +143,7 @@ function setConn(kind, text) {
   const el = $("conn");
   el.className = "badge " + kind;
   el.textContent = text;
+  document.body.classList.toggle("stale", kind === "down");  // what is shown is the last seen, not now
 }
 
 // Server-sent events over fetch, so the bearer token can go in a header (EventSource cannot send one).
@@ -153,6 +158,10 @@ async function followEvents() {
       const h = headers();
       if (lastEventId) h["Last-Event-ID"] = lastEventId;
       const res = await fetch("/v1/events", { headers: h, signal: abort.signal });
+      if (res.status === 401) {  // retrying cannot help: a new token restarts the stream
+        setConn("down", NEED_TOKEN);
+        return;
+      }
       if (!res.ok) throw new Error("events: " + res.status);
       setConn("live", "live");
       const reader = res.body.getReader();
@@ -170,7 +179,7 @@ async function followEvents() {
       }
     } catch (err) {
       if (abort.signal.aborted) return;
-      setConn("down", "reconnecting");
+      setConn("down", UNREACHABLE);
     }
     await new Promise((r) => setTimeout(r, 1000));
   }
