@@ -354,14 +354,15 @@ class Daemon:
                     now, HEARTBEAT_S, tuple(s.pool.task_types), tags, self.pool.config.max_workers)
 
     async def schedules_view(self) -> list[dict[str, Any]]:
-        views = []
-        for schedule in await self.store.list_schedules():
-            state = None
-            if schedule.last_task_id is not None:
-                with contextlib.suppress(TaskNotFound):
-                    state = (await self.store.get(schedule.last_task_id)).state.value
-            views.append(schedule.to_json(last_task_state=state))
-        return views
+        return [await self.schedule_view(schedule) for schedule in await self.store.list_schedules()]
+
+    async def schedule_view(self, schedule: Schedule) -> dict[str, Any]:
+        """The schedule's JSON with the state of its last task (gone, if pruned: null)."""
+        state = None
+        if schedule.last_task_id is not None:
+            with contextlib.suppress(TaskNotFound):
+                state = (await self.store.get(schedule.last_task_id)).state.value
+        return schedule.to_json(last_task_state=state)
 
     async def save_schedule(self, schedule: Schedule) -> Schedule:
         validate(schedule)

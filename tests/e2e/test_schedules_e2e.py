@@ -38,7 +38,8 @@ def test_an_every_second_schedule_fires_each_tick_once(daemon: Daemon) -> None:
 def test_a_scheduled_task_is_created_like_a_submitted_one_in_events_and_metrics(daemon: Daemon) -> None:
     assert daemon.post("/v1/schedules", {"name": "tick", "type": "noop", "every_s": 1}).status == 201
     daemon.wait_for("two ticks", lambda: len(scheduled(daemon, "tick")) >= 2, timeout_s=10)
-    assert daemon.post("/v1/schedules/tick/pause").status == 200
+    paused = daemon.post("/v1/schedules/tick/pause")
+    assert paused.status == 200 and paused.body["last_task_state"] is not None, "as GET /v1/schedules says it"
     time.sleep(0.5)  # a pass in flight when the pause landed
     tasks = scheduled(daemon, "tick")
     metrics = daemon.get("/metrics").body

@@ -220,8 +220,9 @@ async def list_schedules(request: web.Request) -> web.Response:
 
 async def create_schedule(request: web.Request) -> web.Response:
     body = await parse(request, ScheduleIn)
-    saved = await request.app[DAEMON].save_schedule(body.to_schedule())
-    return web.json_response(saved.to_json(), status=201)
+    daemon = request.app[DAEMON]
+    saved = await daemon.save_schedule(body.to_schedule())
+    return web.json_response(await daemon.schedule_view(saved), status=201)
 
 
 async def delete_schedule(request: web.Request) -> web.Response:
@@ -230,9 +231,9 @@ async def delete_schedule(request: web.Request) -> web.Response:
 
 
 async def pause_schedule(request: web.Request) -> web.Response:
-    paused = request.match_info["action"] == "pause"
-    saved = await request.app[DAEMON].pause_schedule(request.match_info["name"], paused=paused)
-    return web.json_response(saved.to_json())
+    daemon, paused = request.app[DAEMON], request.match_info["action"] == "pause"
+    saved = await daemon.pause_schedule(request.match_info["name"], paused=paused)
+    return web.json_response(await daemon.schedule_view(saved))
 
 
 async def healthz(request: web.Request) -> web.Response:
