@@ -15,6 +15,7 @@ must clean up after itself. A class is instantiated once, with no arguments, whe
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import importlib
@@ -91,6 +92,7 @@ class ResourcePool:
         self._waiters: collections.deque[_Waiter] = collections.deque()
         self._free_tag_sets: tuple[frozenset[str], ...] | None = None
         self._promised: collections.Counter[frozenset[str]] = collections.Counter()  # see claiming()
+        self._held_back = False  # a claim was made without a set some other claim had been promised
         self.version = 0  # bumped when the free slots change; the claim filter is cached on it
 
     @classmethod
@@ -117,6 +119,8 @@ class ResourcePool:
         if self._free_tag_sets is None:
             free = collections.Counter(slot.tags for slot in self._free)
             self._free_tag_sets = tuple(tags for tags, n in free.items() if n > self._promised[tags])
+        if len(self._free_tag_sets) < len({slot.tags for slot in self._free}):
+            self._held_back = True
         return self._free_tag_sets
 
     @contextlib.contextmanager
@@ -124,8 +128,14 @@ class ResourcePool:
         """While a claim that may bring a task for these tag sets is in flight, one free slot of each is
         promised to it: a claim made meanwhile does not ask for the same last slot, so one freed slot is
         not claimed twice, the second task left waiting in prepare until it fails (prepare_timeout). The
-        claim's worker takes its slot in the same step as the promise ends (no await between)."""
+        claim's worker takes its slot in the same step as the promise ends (no await between).
+
+        A claim held back meanwhile may have missed a task the promised slot can serve: if the slot is
+        still free once the worker has taken what it claimed, a worker is woken to look again."""
         promised = [tags for tags in tag_sets if tags]
+        if not promised:  # a node without resources, or none free: nothing to promise, no filter to redo
+            yield
+            return
         self._promised.update(promised)
         self._changed()
         try:
@@ -133,6 +143,13 @@ class ResourcePool:
         finally:
             self._promised.subtract(promised)
             self._changed()
+            if self._held_back:
+                self._held_back = False
+                asyncio.get_running_loop().call_soon(self._wake_if_free, promised)
+
+    def _wake_if_free(self, tag_sets: list[frozenset[str]]) -> None:
+        if any(slot.tags in tag_sets for slot in self._free):
+            self.on_free()
 
     def statistics(self) -> SlotPoolStats:
         in_use = collections.Counter(slot.name for slot in self._in_use)
@@ -190,9 +207,11 @@ class ResourcePool:
     # inside
 
     def _take(self, required: frozenset[str]) -> Slot | None:
-        # A free slot no earlier waiter wanted (release hands slots to waiters first): take it.
+        # A free slot no earlier waiter wanted (release hands slots to waiters first), and not one promised to
+        # a claim in flight (see claiming()): take it.
+        free = collections.Counter(slot.tags for slot in self._free)
         for slot in self._free:
-            if required <= slot.tags:
+            if required <= slot.tags and free[slot.tags] > self._promised[slot.tags]:
                 del self._free[slot]
                 self._in_use.add(slot)
                 self._changed()

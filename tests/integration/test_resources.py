@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from tidepool.context import TaskContext
@@ -76,7 +77,7 @@ async def test_waiters_are_served_in_arrival_order_and_a_slot_is_handed_over_dir
     assert pool.free_tag_sets() == (frozenset({"win10", "x64"}),)
 
 
-def test_a_claim_in_flight_is_promised_a_slot_of_each_tag_set_it_asks_for() -> None:
+async def test_a_claim_in_flight_is_promised_a_slot_of_each_tag_set_it_asks_for() -> None:
     pool = slots(vm=ResourceSettings(tags=("win10",), count=2), nic=ResourceSettings(tags=("nic",), count=1))
     vm, nic = frozenset({"win10"}), frozenset({"nic"})
     assert set(pool.free_tag_sets()) == {vm, nic}
@@ -85,6 +86,29 @@ def test_a_claim_in_flight_is_promised_a_slot_of_each_tag_set_it_asks_for() -> N
         with pool.claiming(pool.free_tag_sets()):
             assert pool.free_tag_sets() == ()
     assert set(pool.free_tag_sets()) == {vm, nic}
+
+
+async def test_a_promised_slot_is_not_taken_by_a_task_whose_tags_it_also_covers() -> None:
+    pool = slots(big=ResourceSettings(tags=("a", "b"), count=1), small=ResourceSettings(tags=("a",), count=2))
+    with pool.claiming(pool.free_tag_sets()):  # claim A asks for both kinds: one big and one small promised
+        other = await pool.acquire(["a"], timeout_s=1)  # claim B's task: a small slot, not the promised big one
+        assert other.name == "small"
+    mine = await pool.acquire(["a", "b"], timeout_s=1)  # claim A's task, as its promise ends
+    assert mine.name == "big"
+
+
+async def test_a_claim_held_back_by_a_promise_that_went_unused_is_made_again() -> None:
+    woken: list[str] = []
+    pool = ResourcePool.from_settings({"vm": ResourceSettings(tags=("win10",), count=1)},
+                                      on_free=lambda: woken.append("wake"))
+    with pool.claiming(pool.free_tag_sets()):  # claim A: the only slot promised
+        assert pool.free_tag_sets() == ()  # claim B asks without it, and may miss a task for it
+    await anyio.lowlevel.checkpoint()  # A's worker took nothing: the slot is still free
+    assert woken == ["wake"]
+    with pool.claiming(pool.free_tag_sets()):  # no claim held back this time: no wake
+        pass
+    await anyio.lowlevel.checkpoint()
+    assert woken == ["wake"]
 
 
 async def test_tags_no_slot_can_ever_serve_fail_at_once_not_retried() -> None:
