@@ -138,6 +138,17 @@ async def test_a_command_retried_to_success_has_one_final_result_that_of_the_att
                                                                   (AttemptStatus.SUCCEEDED, 0)]
 
 
+async def test_running_out_of_files_fails_the_attempt_naming_nofile_and_keeps_what_the_command_said(
+        sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    opener = PluginSpec(command=(PY, "-c", "import os; files = [open(os.devnull) for _ in range(64)]"), nofile=16)
+    registry = registry_of({"opener": opener}, {"opener": TypeSettings(plugins=("opener",))})
+    async with running_node(sqlite_store, {}, registry=registry, work_root=tmp_path / "work") as node:
+        task = await node.finished(await node.submit("opener", max_attempts=1))
+    assert task.state is State.FAILED and error_of(task)[0] == "limit_exceeded" and "nofile" in error_of(task)[1]
+    (attempt,) = task.attempts
+    assert attempt.exit_status == 1 and attempt.stderr_tail is not None and "Too many open files" in attempt.stderr_tail
+
+
 async def test_a_timed_out_tree_is_gone_within_the_grace_even_setsid_and_sigterm_ignoring_children(
         sqlite_store: SqliteStore, tmp_path: Path) -> None:
     timeout_s = 1.0

@@ -22,6 +22,7 @@ from tidepool.errors import InvalidArgument, LimitExceeded, PluginError
 from tidepool.plugins.command import (
     CommandLimits,
     CommandResult,
+    ran_out_of_files,
     render_argv,
     run_command,
     scrubbed_env,
@@ -414,11 +415,30 @@ async def test_a_child_killed_at_the_cpu_limit_fails_the_attempt_though_its_pare
     assert caught.value.limit == "cpu_s"
 
 
-async def test_nofile_limit_fails_the_attempt_naming_the_limit(tmp_path: Path) -> None:
+async def test_time_of_a_grandchild_is_counted_once_when_it_and_its_parent_end_between_two_looks(
+        tmp_path: Path) -> None:
+    """leader -> shell -> worker: the shell reaps the worker and ends, the leader reaps the shell. The worker's
+    0.6 s then sits in the leader's children's time, and must not be counted again as an orphan's."""
+    code = ("import os, time\n"
+            "if os.fork() == 0:\n"
+            "    if os.fork() == 0:\n"
+            "        end = time.process_time() + 0.6\n"
+            "        while time.process_time() < end: pass\n"
+            "        os._exit(0)\n"
+            "    os.wait()\n"
+            "    os._exit(0)\n"
+            "os.wait()\n"
+            "time.sleep(1.0)\n")  # long enough for the supervisor to look again
+    result = await _run([PY, "-c", code], tmp_path, cpu_s=1)
+    assert result.exit_status == 0
+
+
+async def test_running_out_of_files_under_nofile_is_told_from_other_failures(tmp_path: Path) -> None:
     code = "import os; files = [open(os.devnull) for _ in range(64)]"
-    with pytest.raises(LimitExceeded) as caught:
-        await _run([PY, "-c", code], tmp_path, nofile=16)
-    assert caught.value.limit == "nofile" and "Too many open files" in str(caught.value)
+    result = await _run([PY, "-c", code], tmp_path, nofile=16)
+    assert result.exit_status != 0 and ran_out_of_files(result)
+    other = await _run([PY, "-c", "import sys; sys.exit('Too many open files in system')"], tmp_path, nofile=16)
+    assert other.exit_status != 0 and not ran_out_of_files(other)  # ENFILE: the host's table, not our limit
 
 
 # --- uvloop ----------------------------------------------------------------------------------

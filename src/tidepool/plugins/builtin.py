@@ -9,10 +9,10 @@ from typing import Any
 import anyio
 
 from ..context import TaskContext
-from ..errors import InvalidArgument, PluginError
+from ..errors import InvalidArgument, LimitExceeded, PluginError
 from ..settings import PluginSpec
 from . import Plugin
-from .command import CommandLimits, render_argv, run_command, scrubbed_env
+from .command import CommandLimits, ran_out_of_files, render_argv, run_command, scrubbed_env
 from .netprobe import http_probe as probe_url
 from .netprobe import tcp_connect as scan_ports
 from .netprobe import validate_ports, validate_target
@@ -93,6 +93,9 @@ def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float) -> Plugi
         # A failed run's output is kept to look at, but it is not the plugin's result: a task retried to
         # success has one final result per plugin (SPEC §9), that of the attempt that succeeded.
         await ctx.emit(result.result_payload(), final=result.exit_status == 0)
+        if limits.nofile is not None and ran_out_of_files(result):
+            raise LimitExceeded("nofile", f"{name} ran out of file descriptors at {limits.nofile}: "
+                                          f"{result.stderr_tail[-200:]}")
         if result.exit_status != 0:
             raise PluginError(f"{name} exited with status {result.exit_status}: {result.stderr_tail[-200:]}",
                               code="exit_status")

@@ -16,6 +16,7 @@ import errno
 import json
 import math
 import os
+import re
 import resource
 import signal
 import string
@@ -152,11 +153,16 @@ async def run_command(
         raise PluginError(f"{argv[0]} did not exit after SIGKILL", code="unkillable")
     if _cpu_limit_hit(exit_status, tree, limits):
         raise LimitExceeded("cpu_s", f"{argv[0]} used its {limits.cpu_s} s of CPU")
-    result = capture.result(exit_status)
-    if limits.nofile is not None and exit_status != 0 and os.strerror(errno.EMFILE) in result.stderr_tail:
-        # RLIMIT_NOFILE makes the breach itself impossible: the program fails opening one more, and says so.
-        raise LimitExceeded("nofile", f"{argv[0]} failed with {os.strerror(errno.EMFILE)!r} at {limits.nofile}")
-    return result
+    return capture.result(exit_status)
+
+
+def ran_out_of_files(result: CommandResult) -> bool:
+    """Whether a failed command says what EMFILE says: RLIMIT_NOFILE makes the breach itself impossible, so
+    a program fails opening one file more, and says so (ENFILE's "... in system" is the host, not us)."""
+    return result.exit_status != 0 and re.search(_EMFILE, result.stderr_tail) is not None
+
+
+_EMFILE = re.escape(os.strerror(errno.EMFILE)) + "(?! in system)"
 
 
 async def _spawn(
@@ -299,7 +305,8 @@ class _Tree:
         """Look for new descendants and add up the tree's CPU time; return its RSS in bytes.
 
         A process's CPU counts with its children's once it has reaped them, so the sum over the live
-        processes carries the dead ones along, except those whose parent is gone too (their time is kept)."""
+        processes carries the dead ones along (through a parent that died too, into its own parent), except
+        those with no live ancestor left to have reaped them: their last-seen time is kept."""
         self._discover()
         rss, seen = 0, {}
         for proc in self._alive():
@@ -309,12 +316,19 @@ class _Tree:
                 seen[proc.pid] = (t.user + t.system + t.children_user + t.children_system, proc.ppid())
                 if proc.pid == self.pgid:
                     self.leader_cpu_s = float(t.user + t.system)
-        for pid, (cpu, ppid) in self._cpu_seen.items():
-            if pid not in seen and ppid not in seen:
+        for pid, (cpu, _) in self._cpu_seen.items():
+            if pid not in seen and not self._live_ancestor(pid, seen):
                 self._cpu_orphaned += cpu
         self._cpu_seen = seen
         self.cpu_s = max(self.cpu_s, self._cpu_orphaned + sum(cpu for cpu, _ in seen.values()))
         return rss
+
+    def _live_ancestor(self, pid: int, alive: Mapping[int, object]) -> bool:
+        """Whether a process of the tree last seen above `pid` (by the parents seen at the last refresh) lives."""
+        ppid = self._cpu_seen[pid][1]
+        while ppid is not None and ppid not in alive and ppid in self._cpu_seen:
+            ppid = self._cpu_seen[ppid][1]
+        return ppid in alive
 
     async def kill(self, *, grace_s: float) -> None:
         """SIGTERM the tree, give it grace_s to exit, then SIGKILL it until nothing is left."""
