@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -42,8 +41,10 @@ class Scheduler:
         names = {item.name for item in configured}
         for schedule in await self._store.list_schedules():
             if schedule.config_node == self._node_id and schedule.name not in names:
-                with contextlib.suppress(ScheduleNotFound):  # another node's sync was first
-                    await self._store.delete_schedule(schedule.name)
+                try:  # fenced: not if an API save or another node's config has taken it over since the list
+                    await self._store.delete_schedule(schedule.name, config_node=self._node_id)
+                except ScheduleNotFound:
+                    continue
                 log.info("schedule %s removed: the config file no longer defines it", schedule.name)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

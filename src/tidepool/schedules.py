@@ -179,6 +179,12 @@ def spec_of(schedule: Schedule) -> dict[str, Any]:
     return {f: getattr(schedule, f) for f in SPEC_FIELDS}
 
 
+def stored_spec(text: str) -> dict[str, Any]:
+    """A stored spec_of() as Schedule's fields: what a newer version added is left out, not an error, so
+    nodes of two versions can share a store while a fleet is upgraded."""
+    return {k: v for k, v in json.loads(text).items() if k in SPEC_FIELDS}
+
+
 def merge(existing: Schedule | None, incoming: Schedule, now: float) -> Schedule:
     """Save `incoming` over `existing`: its state survives unless the timing changed."""
     if existing is None:

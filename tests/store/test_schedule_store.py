@@ -48,6 +48,17 @@ async def test_which_config_defines_a_schedule_is_kept_and_an_api_save_takes_it_
     assert {s.name: s.config_node for s in await store.list_schedules()} == {"s": None, "other": None}
 
 
+async def test_a_delete_fenced_on_the_defining_config_spares_a_schedule_taken_over_since(store: Store) -> None:
+    await store.save_schedule(every("dropped", config_node="a"), now=30.0)
+    await store.save_schedule(every("taken", config_node="a"), now=30.0)
+    await store.save_schedule(every("taken"), now=31.0)  # an API save between node a's list and its delete
+    await store.delete_schedule("dropped", config_node="a")
+    for name, node in (("taken", "a"), ("taken", "b")):
+        with pytest.raises(ScheduleNotFound):
+            await store.delete_schedule(name, config_node=node)
+    assert [s.name for s in await store.list_schedules()] == ["taken"]
+
+
 async def test_a_due_tick_creates_one_task_and_advances(store: Store) -> None:
     await store.save_schedule(every(), now=30.0)
     fired = await store.fire_schedules(now=60.5, max_attempts=lambda _: 3)

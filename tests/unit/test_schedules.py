@@ -1,6 +1,7 @@
 """Tick arithmetic of schedules: on time, across DST, catch-up after downtime, no bursts."""
 
 import itertools
+import json
 from dataclasses import replace
 from datetime import datetime
 from zoneinfo import ZoneInfo
@@ -9,7 +10,18 @@ import pytest
 
 from tidepool.errors import InvalidRequest
 from tidepool.model import NewTask
-from tidepool.schedules import MAX_CATCH_UP, Schedule, fire, jitter_of, next_tick, plan, start, validate
+from tidepool.schedules import (
+    MAX_CATCH_UP,
+    Schedule,
+    fire,
+    jitter_of,
+    next_tick,
+    plan,
+    spec_of,
+    start,
+    stored_spec,
+    validate,
+)
 
 BERLIN = ZoneInfo("Europe/Berlin")
 
@@ -166,3 +178,9 @@ def test_a_five_field_cron_or_an_alias_is_accepted() -> None:
     assert next_tick(schedule, at(2026, 1, 1, 0, 7)) == at(2026, 1, 1, 0, 15)
     hourly = validate(Schedule(name="x", type="noop", cron="@hourly"))
     assert next_tick(hourly, at(2026, 1, 1, 0, 7)) == at(2026, 1, 1, 1, 0)
+
+
+def test_a_stored_spec_with_a_field_of_a_newer_version_still_reads() -> None:
+    """Nodes of two versions share a store while a fleet is upgraded."""
+    spec = spec_of(Schedule(name="x", type="noop", every_s=60.0))
+    assert stored_spec(json.dumps({**spec, "added_later": True})) == spec

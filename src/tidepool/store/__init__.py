@@ -161,8 +161,9 @@ class Store(Protocol):
     async def save_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
         """Create or update a schedule by name; its next tick is recomputed when its timing changed."""
     async def list_schedules(self) -> list[Schedule]: ...
-    async def delete_schedule(self, name: str) -> None:
-        """ScheduleNotFound if unknown."""
+    async def delete_schedule(self, name: str, *, config_node: str | None = None) -> None:
+        """ScheduleNotFound if unknown; with config_node, also when that node's config no longer defines it
+        (an API save or another node's config took it over meanwhile)."""
     async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule: ...
     async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int]) -> list[Fired]:
         """In one transaction per schedule: create the due ticks' tasks and advance next_run_at."""

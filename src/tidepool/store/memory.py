@@ -199,9 +199,11 @@ class MemoryStore:
     async def list_schedules(self) -> list[Schedule]:
         return [self._schedules[n] for n in sorted(self._schedules)]
 
-    async def delete_schedule(self, name: str) -> None:
-        if self._schedules.pop(name, None) is None:
+    async def delete_schedule(self, name: str, *, config_node: str | None = None) -> None:
+        schedule = self._schedules.get(name)
+        if schedule is None or (config_node is not None and schedule.config_node != config_node):
             raise ScheduleNotFound(name)
+        del self._schedules[name]
 
     async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule:
         if name not in self._schedules:

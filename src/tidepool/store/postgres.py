@@ -910,9 +910,11 @@ class PostgresStore:
             rows = await conn.fetch(f"SELECT {SCHEDULE_COLUMNS} FROM schedules ORDER BY name")
         return [_schedule(r) for r in rows]
 
-    async def delete_schedule(self, name: str) -> None:
+    async def delete_schedule(self, name: str, *, config_node: str | None = None) -> None:
         async with self._conn() as conn:
-            if await conn.fetchval("DELETE FROM schedules WHERE name = $1 RETURNING 1", name) is None:
+            deleted = await conn.fetchval("DELETE FROM schedules WHERE name = $1 AND ($2::text IS NULL OR "
+                                          "spec::jsonb ->> 'config_node' = $2) RETURNING 1", name, config_node)
+            if deleted is None:
                 raise ScheduleNotFound(name)
 
     async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule:
@@ -1394,10 +1396,8 @@ async def _fire(conn: Conn, name: str, now: float, max_attempts: Callable[[str],
 
 
 def _schedule(row: Any) -> Schedule:
-    spec = json.loads(row[1])
-    return Schedule(
-        row[0], **spec, paused=row[2], next_tick_at=row[3], next_run_at=row[4], last_run_at=row[5], last_task_id=row[6]
-    )
+    return Schedule(row[0], **schedules.stored_spec(row[1]), paused=row[2], next_tick_at=row[3], next_run_at=row[4],
+                    last_run_at=row[5], last_task_id=row[6])
 
 
 def _schedule_args(s: Schedule) -> tuple[Any, ...]:

@@ -519,9 +519,11 @@ class SqliteStore:
 
         return await self._read(read)
 
-    async def delete_schedule(self, name: str) -> None:
+    async def delete_schedule(self, name: str, *, config_node: str | None = None) -> None:
         def op(conn: sqlite3.Connection, batch: _Batch) -> None:
-            if conn.execute("DELETE FROM schedules WHERE name = ?", (name,)).rowcount == 0:
+            if conn.execute("DELETE FROM schedules WHERE name = ? AND "
+                            "(? IS NULL OR json_extract(spec, '$.config_node') = ?)",
+                            (name, config_node, config_node)).rowcount == 0:
                 raise ScheduleNotFound(name)
 
         await self._write(op)
@@ -770,7 +772,7 @@ SCHEDULE_COLUMNS = "name, spec, paused, next_tick_at, next_run_at, last_run_at, 
 
 
 def _schedule(row: Any) -> Schedule:
-    return Schedule(name=row[0], **json.loads(row[1]), paused=bool(row[2]), next_tick_at=row[3],
+    return Schedule(name=row[0], **schedules.stored_spec(row[1]), paused=bool(row[2]), next_tick_at=row[3],
                     next_run_at=row[4], last_run_at=row[5], last_task_id=row[6])
 
 
