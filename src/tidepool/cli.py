@@ -295,8 +295,7 @@ def _fact(key: str, value: Any) -> str:
     if value is None:
         return "-"
     if key == "progress":
-        fraction = f"{value['fraction'] * 100:.0f}%" if "fraction" in value else ""
-        return " ".join(p for p in (fraction, value.get("message", "")) if p) or "-"
+        return " ".join(p for p in (_percent(value), value.get("message", "")) if p) or "-"
     if key == "error":
         return f"{value.get('code')}: {value.get('message')}"
     return json.dumps(value) if isinstance(value, dict | list) else str(value)
@@ -310,6 +309,10 @@ def _table(*columns: Column | str) -> Table:
 def _when(ts: str | None) -> str:
     """An RFC 3339 UTC time to the second, as tables show it (the JSON keeps the microseconds)."""
     return "-" if ts is None else ts[:19].replace("T", " ")
+
+
+def _percent(progress: dict[str, Any] | None) -> str:
+    return f"{progress['fraction'] * 100:.0f}%" if progress and "fraction" in progress else ""
 
 
 def _took(started: str, finished: str | None) -> str:
@@ -329,10 +332,9 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
         table = _table(Column("id", no_wrap=True, min_width=32), Column("type", no_wrap=True),
                        Column("state", no_wrap=True), "phase", "progress", "attempt", "node", "created (UTC)")
         for t in page["tasks"]:
-            progress = t["progress"] or {}
-            fraction = f"{progress['fraction'] * 100:.0f}%" if "fraction" in progress else ""
             table.add_row(t["id"], t["type"], Text(t["state"], style=_STYLE.get(t["state"], "")), t["phase"] or "",
-                          fraction, f"{t['attempt']}/{t['max_attempts']}", t["node_id"] or "", _when(t["created_at"]))
+                          _percent(t["progress"]), f"{t['attempt']}/{t['max_attempts']}", t["node_id"] or "",
+                          _when(t["created_at"]))
         Console().print(table)
         return OK
 
