@@ -192,14 +192,17 @@ async def sse_run(daemon: Daemon, subscribers: int, tasks: int) -> tuple[int, fl
     return (len(subs[0].ids) if subs else 0), own
 
 
-async def followers_run(daemon: Daemon, followers: int, tasks: int) -> None:
+async def followers_run(daemon: Daemon, followers: int, tasks: int) -> list[str]:
     """`followers` streams filtered on a task of their own (as `tidepool submit --wait` follows one),
-    none of them in the batch: what waiting clients cost a pool busy with other work."""
+    none of them in the batch (theirs ran before it): what waiting clients cost a pool busy with other
+    work."""
     host, port = daemon.url.removeprefix("http://").rsplit(":", 1)
+    waiting = await asyncio.to_thread(daemon.submit_batch, [{"type": "noop"}] * followers)
+    await asyncio.to_thread(daemon.wait_drained, poll_s=0.05, timeout_s=300)
     streams = []
-    for i in range(followers):
+    for task_id in waiting:
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(f"GET /v1/events?task_id=elsewhere{i} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+        writer.write(f"GET /v1/events?task_id={task_id} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
         await reader.readuntil(b": connected\n\n")
         streams.append(writer)
     try:
@@ -208,6 +211,7 @@ async def followers_run(daemon: Daemon, followers: int, tasks: int) -> None:
     finally:
         for writer in streams:
             writer.close()
+    return waiting
 
 
 def drain_once(root: Path, subscribers: int, tasks: int, *, filtered: bool = False) -> tuple[float, int, float, float]:
@@ -218,9 +222,9 @@ def drain_once(root: Path, subscribers: int, tasks: int, *, filtered: bool = Fal
     try:
         proc = psutil.Process(daemon.pid)
         cpu_before = sum(proc.cpu_times()[:2])
-        events, own = 0, 0.0
+        events, own, followed = 0, 0.0, []
         if subscribers and filtered:
-            asyncio.run(followers_run(daemon, subscribers, tasks))
+            followed = asyncio.run(followers_run(daemon, subscribers, tasks))
         elif subscribers:
             events, own = asyncio.run(sse_run(daemon, subscribers, tasks))
         else:
@@ -229,8 +233,11 @@ def drain_once(root: Path, subscribers: int, tasks: int, *, filtered: bool = Fal
         cpu = sum(proc.cpu_times()[:2]) - cpu_before
     finally:
         daemon.stop()
-    (completed,), = daemon.query("SELECT count(*) FROM tasks WHERE state = 'completed'")
-    (first, last), = daemon.query("SELECT (SELECT min(started_at) FROM attempts), max(finished_at) FROM tasks")
+    others = ",".join("?" * len(followed))  # the followed tasks ran before the batch: not part of its drain
+    (completed,), = daemon.query(f"SELECT count(*) FROM tasks WHERE state = 'completed' AND id NOT IN ({others})",
+                                 followed)
+    (first, last), = daemon.query(f"SELECT (SELECT min(started_at) FROM attempts WHERE task_id NOT IN ({others})), "
+                                  f"max(finished_at) FROM tasks WHERE id NOT IN ({others})", followed * 2)
     if completed != tasks:
         raise RuntimeError(f"sse: {completed} of {tasks} completed: {daemon.log_tail()}")
     return tasks / (last - first), events, cpu, own
