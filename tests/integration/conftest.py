@@ -123,5 +123,13 @@ def sqlite_store(tmp_path: Path) -> SqliteStore:
     return SqliteStore(tmp_path / "tidepool.db")
 
 
+@pytest.fixture
+async def store(sqlite_store: SqliteStore) -> AsyncIterator[SqliteStore]:
+    """The SQLite store, opened, for a test that drives a part alone (running_node opens its own)."""
+    await sqlite_store.open()
+    yield sqlite_store
+    await sqlite_store.close()
+
+
 def done_states(*states: State) -> set[str]:
     return {s.value for s in states}

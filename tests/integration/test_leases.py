@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import pytest
 
@@ -29,14 +28,6 @@ class Away:
         if self.away:
             raise StoreUnavailable("connection refused")
         return await self.store.set_phase(notes, now=now)
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
-    store = SqliteStore(tmp_path / "tidepool.db")
-    await store.open()
-    yield store
-    await store.close()
 
 
 async def test_notes_that_cannot_be_written_are_kept_and_the_outage_is_logged_once(

@@ -4,11 +4,9 @@ answer, a store that is briefly away is tried again, and flushed() means written
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import anyio
-import pytest
 
 from tidepool.errors import LeaseLost, StoreUnavailable, TidepoolError
 from tidepool.leases import Held
@@ -36,14 +34,6 @@ class Flaky:
             self.away -= 1
             raise StoreUnavailable("connection refused")
         return await self.store.finish_many(endings, policy=policy)
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
-    store = SqliteStore(tmp_path / "tidepool.db")
-    await store.open()
-    yield store
-    await store.close()
 
 
 async def claimed(store: SqliteStore, n: int) -> list[Claimed]:
