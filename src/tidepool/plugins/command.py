@@ -296,7 +296,7 @@ class _Tree:
         self.leader_cpu_s = 0.0
         self.cpu_s = 0.0  # the whole tree's, as last seen: see refresh()
         self._cpu_seen: dict[int, tuple[float, int | None]] = {}  # pid: (CPU with its reaped children, ppid)
-        self._cpu_orphaned = 0.0  # CPU of processes gone with no parent of the tree left to account for it
+        self._cpu_orphaned = 0.0  # CPU of processes gone with no ancestor of the tree left to account for it
         self.known: dict[int, psutil.Process] = {}
         with contextlib.suppress(psutil.NoSuchProcess):  # a quick command may already be reaped
             self.known[pid] = psutil.Process(pid)
