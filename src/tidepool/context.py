@@ -58,12 +58,17 @@ class TaskContext:
         self._report_progress(self, min(1.0, max(0.0, float(fraction))), message)
 
     async def emit(self, result: Any, *, final: bool = False, key: str | None = None) -> ResultBatch:
-        """Store a result batch; the same key and content twice is acknowledged once (rule 7)."""
+        """Store a result batch; the same key and content twice is acknowledged once (rule 7). A key of the
+        plugin's own is its task's (stored as `<task id>:<key>`): the same key in another task is another
+        result, not that one's acknowledgement. Without a key, each emit of the attempt is its own."""
         sequence = self._sequence.get(self.plugin, 0)
         self._sequence[self.plugin] = sequence + 1
-        batch = ResultBatch(self.plugin, sequence, key or f"{self.attempt_id}:{self.plugin}:{sequence}",
-                            sha256_of(result), final, result)
-        return await self._store_result(batch)
+        stored_key = f"{self.task.id}:{key}" if key else f"{self.attempt_id}:{self.plugin}:{sequence}"
+        batch = ResultBatch(self.plugin, sequence, stored_key, sha256_of(result), final, result)
+        ack = await self._store_result(batch)
+        if ack != batch and self._sequence[self.plugin] == sequence + 1:
+            self._sequence[self.plugin] = sequence  # an earlier batch acknowledged: this number is still free
+        return ack
 
 
 _PLUGIN_LOG = logging.getLogger("tidepool.plugin")

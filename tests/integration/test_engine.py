@@ -84,6 +84,25 @@ async def test_a_finished_task_shows_its_last_progress_report(sqlite_store: Sqli
     assert (task.state, task.progress) == (State.COMPLETED, {"fraction": 1.0, "message": "done"})
 
 
+async def test_a_result_key_of_the_plugin_is_its_task_s_not_shared_with_other_tasks(sqlite_store: SqliteStore,
+                                                                                     tmp_path: Path) -> None:
+    acks = []
+
+    async def keyed(ctx: TaskContext) -> None:
+        acks.append(await ctx.emit({"task": ctx.task.id}, key="port-80"))
+        acks.append(await ctx.emit({"task": ctx.task.id}, key="port-80"))  # sent again: acknowledged, once
+        acks.append(await ctx.emit({"done": True}, final=True, key="final"))
+
+    async with running_node(sqlite_store, {"keyed": keyed}, work_root=tmp_path) as node:
+        first = await node.finished(await node.submit("keyed"))
+        second = await node.finished(await node.submit("keyed"))
+    for task in (first, second):
+        assert task.state is State.COMPLETED
+        assert [(r.payload, r.sequence, r.final, r.idempotency_key) for r in task.results] == [
+            ({"task": task.id}, 0, False, f"{task.id}:port-80"), ({"done": True}, 1, True, f"{task.id}:final")]
+    assert acks[3].payload == {"task": second.id}, "the second task's emit was stored, not taken for the first's"
+
+
 async def test_run_phase_timeout_ends_timed_out(sqlite_store: SqliteStore, tmp_path: Path) -> None:
     types = {"slow": TypeSettings(plugins=("forever",), timeout_s=0.1)}
     async with running_node(sqlite_store, {"forever": forever}, types=types, work_root=tmp_path) as node:
