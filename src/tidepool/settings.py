@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -107,6 +107,20 @@ class ApiSettings(Section):
     listen: str = "127.0.0.1:8470"
     token_file: str = ""
     max_body_kb: int = Field(1024, ge=1)
+
+    @field_validator("listen")
+    @classmethod
+    def _address(cls, listen: str) -> str:
+        """host:port or unix:/path, as the daemon binds it and the CLI reaches it: a port the kernel would
+        wrap (99999 binds 34463) or choose (0) is one the CLI cannot find."""
+        if listen.startswith("unix:"):
+            if not listen.removeprefix("unix:"):
+                raise ValueError("unix: names no socket; write unix:/path/to/api.sock")
+            return listen
+        host, colon, port = listen.rpartition(":")
+        if not colon or "/" in host or not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(f"{listen!r} is not host:port (a port from 1 to 65535) or unix:/path")
+        return listen
 
 
 class LogSettings(Section):

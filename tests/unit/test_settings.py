@@ -70,6 +70,11 @@ def test_env_beats_file_beats_default(tmp_path: Path, monkeypatch: pytest.Monkey
 @pytest.mark.parametrize(("text", "named"), [
     ("[pool]\nmin_workers = 4\nmax_workers = 2\n", "pool.max_workers (2) is below pool.min_workers (4)"),
     ("[pool]\nmin_workers = 0\n", "pool.min_workers"),  # no baseline: nothing would claim
+    ("[api]\nlisten = '127.0.0.1:99999'\n", "api.listen"),  # the kernel would bind 34463
+    ("[api]\nlisten = '127.0.0.1:0'\n", "api.listen"),  # a port the CLI cannot know
+    ("[api]\nlisten = '127.0.0.1'\n", "api.listen"),
+    ("[api]\nlisten = 'http://127.0.0.1:8470'\n", "api.listen"),
+    ("[api]\nlisten = 'unix:'\n", "api.listen"),
     ("[pool]\nmax_wrokers = 2\n", "unknown key pool.max_wrokers"),
     ("[poool]\n", "unknown key poool"),
     ("[lease]\nrenew_every_s = 20.0\n", "lease.renew_every_s"),
