@@ -135,3 +135,9 @@ NOOP_EVENTS = ["task.created", "task.leased", "task.phase:initialize", "task.pha
 def shape(events: list[Sse]) -> list[str]:
     """Event names, with the phase for task.phase: comparable to NOOP_EVENTS."""
     return [f"{e.event}:{e.data['phase']}" if e.event == "task.phase" else e.event for e in events]
+
+
+# Requests with a NUL character (%00) in a path or filter: refused as bad input, naming what holds it.
+NUL_REQUESTS = [("GET", "/v1/tasks/a%00b", "path"), ("POST", "/v1/tasks/a%00b/cancel", "path"),
+                ("GET", "/v1/tasks?type=a%00b", "type"), ("GET", "/v1/events?task_id=a%00b", "task_id"),
+                ("DELETE", "/v1/schedules/a%00b", "path")]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .api_helpers import bearer, call, store_counts
+from .api_helpers import NUL_REQUESTS, bearer, call, store_counts
 from .conftest import Daemon, Response, free_port
 
 TOKEN = "k3y-0f-the-test-node-0123456789"
@@ -181,6 +181,9 @@ def test_bad_requests_are_refused_naming_the_field_and_change_nothing(make_daemo
     refused(400, "invalid_request", "tasks", path="/v1/tasks/batch", body={"tasks": []})
     refused(405, "method_not_allowed", "", "GET", "/v1/tasks/batch")
     refused(400, "invalid_request", "min_workers", "PATCH", "/v1/pool", body={"min_workers": "many"})
+    for method, path, names in NUL_REQUESTS:  # a 400, not whatever the store makes of a NUL
+        refused(400, "invalid_request", names, method, path)
+    refused(400, "invalid_request", "idempotency_key", body={"type": "noop", "idempotency_key": "a\x00b"})
     refused(400, "invalid_request", "min_workers", "PATCH", "/v1/pool", body={"min_workers": 0})  # nothing would claim
     refused(400, "invalid_request", "max_workers", "PATCH", "/v1/pool", body={"min_workers": 8, "max_workers": 4})
     assert daemon.query("SELECT count(*) FROM tasks") == [(0,)]

@@ -30,6 +30,7 @@ import pytest
 from tidepool.client import Client
 
 from ..conftest import POSTGRES_URL
+from .api_helpers import NUL_REQUESTS
 from .conftest import Daemon, free_port
 
 pytestmark = pytest.mark.e2e
@@ -273,6 +274,16 @@ def test_waiting_through_a_node_that_does_not_run_the_task_ends_soon_after_the_t
     assert final["state"] == "completed" and final["node_id"] == "b"
     # a silence of 2.5 * poll_s, then a read; it used to be the stream's whole 10 * poll_s
     assert waited_s < 8.0, waited_s
+
+
+def test_a_nul_character_is_bad_input_not_an_unavailable_store(fleet: Fleet) -> None:
+    """PostgreSQL cannot hold or compare text with a NUL in it: before the API refused it, its error came
+    back as a 503 store_unavailable, which clients retry for ever."""
+    a = fleet.add("a")
+    fleet.start(a)
+    for method, path, _ in NUL_REQUESTS:
+        assert a.request(method, path).status == 400, path
+    assert a.post("/v1/tasks", {"type": "noop", "idempotency_key": "a\x00b"}).status == 400
 
 
 def test_sigkill_of_a_node_mid_run_its_tasks_finish_on_the_others_after_lease_expiry(fleet: Fleet) -> None:

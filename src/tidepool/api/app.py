@@ -93,6 +93,18 @@ async def require_token(request: web.Request, handler: Handler) -> web.StreamRes
     return await handler(request)
 
 
+@web.middleware
+async def no_nul(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A NUL character (%00) is part of no id, name or filter; PostgreSQL cannot even compare text with
+    one, so it would come back as a 503 that clients retry for ever."""
+    if "\x00" in request.path:
+        raise InvalidRequest("path", "a NUL character is part of no id or name")
+    for key, value in request.query.items():
+        if "\x00" in key or "\x00" in value:
+            raise InvalidRequest(key.replace("\x00", ""), "a NUL character is part of no filter")
+    return await handler(request)
+
+
 async def parse(request: web.Request, model: type[M]) -> M:
     """The request body validated against `model`; 415 when not JSON, 400 naming the bad field."""
     if request.content_type != "application/json":
@@ -265,7 +277,8 @@ async def dashboard(request: web.Request) -> web.FileResponse:
 
 
 def build_app(daemon: Daemon, fanout: stream.Fanout, *, token: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[errors_as_json, require_token], client_max_size=daemon.max_body_kb * 1024)
+    app = web.Application(middlewares=[errors_as_json, require_token, no_nul],
+                          client_max_size=daemon.max_body_kb * 1024)
     app[DAEMON] = daemon
     app[FANOUT] = fanout
     app[TOKEN] = token

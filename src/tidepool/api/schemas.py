@@ -29,7 +29,7 @@ class SubmitTask(BaseModel):
     max_attempts: int | None = Field(None, ge=1, le=1000)
     timeout_s: float | None = Field(None, gt=0, le=7 * 86400)
     required_tags: list[str] = Field(default_factory=list, max_length=64)
-    idempotency_key: str | None = Field(None, min_length=1, max_length=512)
+    idempotency_key: str | None = Field(None, min_length=1, max_length=512, pattern=r"^[^\x00]*$")  # no NUL
     available_at: datetime | None = None
 
     @field_validator("available_at")
