@@ -8,7 +8,7 @@ import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import aiohttp
 from yarl import URL
@@ -82,7 +82,7 @@ class Client:
         return ids
 
     async def get(self, task_id: str) -> dict[str, Any]:
-        task: dict[str, Any] = await self.request("GET", f"/v1/tasks/{task_id}")
+        task: dict[str, Any] = await self.request("GET", f"/v1/tasks/{_segment(task_id)}")
         return task
 
     async def list(self, *, state: str | None = None, type: str | None = None, limit: int = 50,
@@ -93,11 +93,11 @@ class Client:
         return page
 
     async def cancel(self, task_id: str) -> str:
-        state: str = (await self.request("POST", f"/v1/tasks/{task_id}/cancel"))["state"]
+        state: str = (await self.request("POST", f"/v1/tasks/{_segment(task_id)}/cancel"))["state"]
         return state
 
     async def retry(self, task_id: str) -> str:
-        state: str = (await self.request("POST", f"/v1/tasks/{task_id}/retry"))["state"]
+        state: str = (await self.request("POST", f"/v1/tasks/{_segment(task_id)}/retry"))["state"]
         return state
 
     async def pool(self) -> dict[str, Any]:
@@ -172,6 +172,11 @@ class Client:
                         closed = event["event"] == "stream.closed"
             task = await self.get(task_id)
         return task
+
+
+def _segment(task_id: str) -> str:
+    """A task id as one path segment: `../pool` or `x?y` must not become another route or a query."""
+    return quote(task_id, safe="")
 
 
 def _check_address(url: str) -> None:

@@ -104,6 +104,11 @@ def test_show_of_an_unknown_task_is_a_usage_error(daemon: Daemon, cli: Cli) -> N
     assert shown.returncode == USAGE
     assert "not found" in shown.stderr
     assert shown.stdout == ""
+    for odd in ("../pool", "x?y", "x#y", "../tasks"):  # one path segment, never another route or a query
+        for command in ("show", "cancel", "retry"):
+            result = cli(command, odd, "--url", daemon.url)
+            assert (result.returncode, result.stdout) == (USAGE, ""), (command, odd, result.stderr)
+            assert f"task {odd} not found" in result.stderr, (command, odd, result.stderr)
 
 
 @pytest.mark.e2e
