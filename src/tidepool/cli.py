@@ -51,18 +51,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tidepool", description="A worker-pool daemon for scanner hosts.")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", type=Path, help="config file (default: ./config/tidepool.toml, "
-                                                    "then /etc/tidepool/tidepool.toml)")
-    common.add_argument("--url", help="daemon API address (default: from api.listen)")
+    local = argparse.ArgumentParser(add_help=False)  # commands that read the config only: run, config, migrate
+    local.add_argument("--config", type=Path, help="config file (default: ./config/tidepool.toml, "
+                                                   "then /etc/tidepool/tidepool.toml)")
+    client = argparse.ArgumentParser(add_help=False, parents=[local])  # commands that talk to the daemon
+    client.add_argument("--url", help="daemon API address (default: from api.listen)")
     sub = parser.add_subparsers(dest="command")
 
-    def add(name: str, func: Callable[[argparse.Namespace, Settings], int], help: str) -> argparse.ArgumentParser:
+    def add(name: str, func: Callable[[argparse.Namespace, Settings], int], help: str, *,
+            common: argparse.ArgumentParser = client) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=help)
         p.set_defaults(func=func)
         return p
 
-    add("run", cmd_run, "run the daemon in the foreground")
+    add("run", cmd_run, "run the daemon in the foreground", common=local)
     p = add("submit", cmd_submit, "submit a task and print its id")
     p.add_argument("type")
     p.add_argument("--payload", default="{}", help="JSON, or @FILE")
@@ -82,9 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     add("pool", cmd_pool, "workers, busy, queue depth, guards")
     add("nodes", cmd_nodes, "nodes sharing the store, with liveness")
     add("schedules", cmd_schedules, "schedules with next/last run and last task state")
-    p = add("config", cmd_config, "configuration tools")
+    p = add("config", cmd_config, "configuration tools", common=local)
     p.add_argument("action", choices=["check"])
-    add("migrate", cmd_migrate, "create or upgrade the store schema")
+    add("migrate", cmd_migrate, "create or upgrade the store schema (the store.url of --config and the environment)",
+        common=local)
     for p in sub.choices.values():
         if p.prog.split()[-1] in ("show", "list", "pool", "nodes", "schedules"):
             p.add_argument("--json", action="store_true", help="print JSON for scripts")
@@ -142,6 +145,7 @@ def _have_uvloop() -> bool:
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    from .service import redacted
     from .store import open_store
 
     async def migrate() -> None:
@@ -150,7 +154,7 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
         await store.close()
 
     asyncio.run(migrate())
-    print(f"store {settings.store.url} is up to date")
+    print(f"store {redacted(settings.store.url)}: the schema is current")
     return OK
 
 

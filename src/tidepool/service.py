@@ -140,7 +140,7 @@ class Daemon:
                     self.ready = True  # /readyz answers 200 from here: before systemd hears READY=1
                     self.notifier.ready()
                     log.info("node %s ready: tidepool %s on %s, store %s, api %s, workers %d..%d", self.node_id,
-                             __version__, _loop_name(), _redact(self.settings.store.url), self.settings.api.listen,
+                             __version__, _loop_name(), redacted(self.settings.store.url), self.settings.api.listen,
                              self.pool.config.min_workers, self.pool.config.max_workers)
                     task_status.started()
                     await self._shutdown.wait()
@@ -530,7 +530,8 @@ def _loop_name() -> str:
     return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
 
 
-def _redact(url: str) -> str:
+def redacted(url: str) -> str:
+    """The URL with its password, if any, as ***: for logs and messages."""
     return re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
 
 

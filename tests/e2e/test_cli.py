@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import json
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -96,6 +97,20 @@ def test_a_reader_that_stops_early_gets_no_traceback(daemon: Daemon) -> None:
         lister.stdout.close()
         assert lister.wait(timeout=30) == OK
         assert lister.stderr.read() == b""
+
+
+@pytest.mark.e2e
+def test_migrate_creates_the_store_of_its_config_and_takes_no_daemon_address(tmp_path: Path, cli: Cli) -> None:
+    db = tmp_path / "fresh" / "tidepool.db"
+    config = tmp_path / "migrate.toml"
+    config.write_text(to_toml({"store": {"url": f"sqlite:///{db}"}}))
+    migrated = cli("migrate", "--config", str(config))
+    assert migrated.returncode == OK, migrated.stderr
+    assert migrated.stdout.strip() == f"store sqlite:///{db}: the schema is current"
+    assert sqlite3.connect(db).execute("PRAGMA user_version").fetchone()[0] > 0
+    for command in ("migrate", "run"):  # --url is the daemon's API: these read the config's store instead
+        refused = cli(command, "--config", str(config), "--url", "postgresql://elsewhere/db")
+        assert refused.returncode == USAGE and "unrecognized arguments: --url" in refused.stderr, refused.stderr
 
 
 @pytest.mark.e2e
