@@ -118,6 +118,7 @@ class Daemon:
         claimed nothing; READY=1 goes out once the pool's baseline workers run as well.
         """
         token = load_token(self.settings.api.token_file, self.settings.api.listen)
+        check_state_dir(self.settings.node.state_dir)
         with self._node_lock():
             await self.store.open(migrate=self.settings.store.migrate)
             try:
@@ -473,6 +474,14 @@ def check_startable(settings: Settings) -> None:
     _registry(settings)
     ResourcePool.from_settings(settings.resources)
     load_token(settings.api.token_file, settings.api.listen)
+    check_state_dir(settings.node.state_dir)
+
+
+def check_state_dir(state_dir: Path) -> None:
+    """node.state_dir holds the SQLite file and the plugins' work directories: created when missing, but
+    a file there would fail every command plugin's attempt, one retry after another."""
+    if state_dir.exists() and not state_dir.is_dir():
+        raise ConfigError(f"config: node.state_dir: {state_dir} is not a directory")
 
 
 def _registry(settings: Settings) -> Registry:
