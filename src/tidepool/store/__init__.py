@@ -6,6 +6,7 @@ suite (tests/store/test_contract.py). Every worker write is fenced by attempt id
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -203,6 +204,11 @@ class Store(Protocol):
         Hints only: a missed wake-up costs latency (the pool's poll stays), never correctness.
         In-process adapters have nothing to hear: the daemon wakes its own pool on submit.
         """
+
+
+def progress_text(progress: dict[str, Any] | None) -> str | None:
+    """A progress report as the stores keep it (JSON text); None stays None, and the column keeps its value."""
+    return None if progress is None else json.dumps(progress)
 
 
 def batch_answer(batch: Sequence[NewTask], existing: Mapping[str | None, str],

@@ -76,6 +76,7 @@ from . import (
     batch_answer,
     cancel_step,
     completable_at_once,
+    progress_text,
     retry_step,
 )
 
@@ -760,7 +761,7 @@ class PostgresStore:
         latest = list({n.lease.attempt_id: n for n in notes}.values())  # one row per lease: the last note
         leases = [n.lease for n in latest]
         phases = [n.phase.value for n in latest]
-        progress = [None if n.progress is None else json.dumps(n.progress) for n in latest]
+        progress = [progress_text(n.progress) for n in latest]
         async with self._conn() as conn:
             noted = await conn.fetch(SET_PHASE, *_lease_arrays(leases), phases, progress, now)
             return await _lost(conn, leases, {r[0] for r in noted})
@@ -892,7 +893,7 @@ class PostgresStore:
         leases = [lease for lease, _, _ in calls]
         async with self._conn() as conn:
             done = await conn.fetch(COMPLETE, *_lease_arrays(leases), [now for _, now, _ in calls],
-                                    [None if p is None else json.dumps(p) for _, _, p in calls])
+                                    [progress_text(p) for _, _, p in calls])
         completed = {r[0] for r in done}
         return [lease.attempt_id in completed for lease in leases]
 
@@ -1501,7 +1502,7 @@ async def _write_ends(conn: Conn, ends: list[tuple[Lease, Outcome, Decision]], n
         [None if e.available_at is not None else now for _, _, e in ends],  # queued again: not finished
         [o.exit_status for _, o, _ in ends],
         [o.stderr_tail for _, o, _ in ends],
-        [None if o.progress is None else json.dumps(o.progress) for _, o, _ in ends],
+        [progress_text(o.progress) for _, o, _ in ends],
         now,
     )
 

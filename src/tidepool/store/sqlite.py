@@ -69,6 +69,7 @@ from . import (
     batch_answer,
     cancel_step,
     completable_at_once,
+    progress_text,
     retry_step,
 )
 
@@ -733,7 +734,7 @@ class _FinishOp(_Grouped):
     def run_group(cls, conn: sqlite3.Connection, batch: _Batch, ops: list[Any]) -> list[tuple[Any, None]]:
         flat: list[tuple[Ending, RetryPolicy]] = [(e, op.policy) for op in ops for e in op.endings]
         fast = completable_at_once([e for e, _ in flat])
-        done = _complete(conn, [(e.lease, e.now, _progress_json(e.outcome))
+        done = _complete(conn, [(e.lease, e.now, progress_text(e.outcome.progress))
                                 for (e, _), f in zip(flat, fast, strict=True) if f])
         results: list[State | TidepoolError] = []
         for (e, policy), f in zip(flat, fast, strict=True):
@@ -937,7 +938,7 @@ def _note_phases(conn: sqlite3.Connection, notes: Sequence[PhaseNote], now: floa
         "AND tasks.lease_attempt_id = v.column2 AND tasks.lease_token = v.column3 "
         f"AND +tasks.state IN {ACTIVE_SQL} AND tasks.lease_expires_at > ?",
         [now, *(x for n in notes for x in (n.lease.task_id, n.lease.attempt_id, n.lease.token, n.phase,
-                                           None if n.progress is None else json.dumps(n.progress))), now])
+                                           progress_text(n.progress))), now])
     lost: dict[str, LeaseLost] = {}
     if cur.rowcount != len(notes):  # a written note leaves its task running under the same live lease
         for n in notes:
@@ -1020,15 +1021,11 @@ def _end(conn: sqlite3.Connection, lease: Lease, outcome: Outcome, row: Any, now
         "UPDATE tasks SET state = ?, phase = NULL, progress = coalesce(?, progress), error = ?, updated_at = ?, "
         "attempt = attempt - ?, interruptions = interruptions + ?, available_at = coalesce(?, available_at), "
         "finished_at = ?, lease_token = NULL WHERE id = ?",
-        (end.state, _progress_json(outcome), error, now, uncount, uncount, end.available_at,
+        (end.state, progress_text(outcome.progress), error, now, uncount, uncount, end.available_at,
          None if queued else now, lease.task_id))
     if queued and batch.queued is not None:
         batch.queued += 1
     return end.state
-
-
-def _progress_json(outcome: Outcome) -> str | None:
-    return None if outcome.progress is None else json.dumps(outcome.progress)
 
 
 def _task(row: Any, *, attempts: tuple[Attempt, ...] = (), leased_by: str | None = None,
