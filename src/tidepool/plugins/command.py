@@ -235,7 +235,7 @@ def _cpu_limit_hit(exit_status: int, tree: _Tree, limits: CommandLimits) -> bool
     if exit_status == -signal.SIGXCPU:
         return True
     # Past the hard limit the kernel sends SIGKILL; only the CPU time we saw tells it from others.
-    return (exit_status == -signal.SIGKILL and tree.leader_cpu_s >= limits.cpu_s) or tree.cpu_s >= limits.cpu_s
+    return exit_status == -signal.SIGKILL and tree.leader_cpu_s >= limits.cpu_s
 
 
 class _Capture(asyncio.SubprocessProtocol):
