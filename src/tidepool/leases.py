@@ -16,6 +16,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from .errors import LeaseLost, StoreUnavailable, TaskCancelling
+from .logs import Outage
 from .model import Lease, Phase
 from .store import PhaseNote, Store
 
@@ -51,7 +52,8 @@ class LeaseKeeper:
         self._held: dict[str, Held] = {}
         self._dirty: set[str] = set()
         self._busy = anyio.Event()
-        self._failing: set[str] = set()  # writes the store did not take: said once an outage, not 10 times a second
+        # writes the store did not take, by kind: said once an outage, not 10 times a second
+        self._outages = {what: Outage(log) for what in ("renewal", "phase")}
 
     def configure(self, *, lease_s: float, renew_every_s: float) -> None:
         self.lease_s, self.renew_every_s = lease_s, renew_every_s
@@ -123,13 +125,9 @@ class LeaseKeeper:
         try:
             lost: dict[str, LeaseLost] = await write  # type: ignore[misc]
         except StoreUnavailable as exc:
-            if what not in self._failing:
-                self._failing.add(what)
-                log.warning("lease %s writes fail, retrying until the store answers: %s", what, exc)
+            self._outages[what].failing("lease %s writes fail, retrying until the store answers: %s", what, exc)
             return None
-        if what in self._failing:
-            self._failing.discard(what)
-            log.info("lease %s writes go through again", what)
+        self._outages[what].over("lease %s writes go through again", what)
         for attempt_id, reason in lost.items():
             held = self._held.get(attempt_id)
             if held is not None:

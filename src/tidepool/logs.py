@@ -43,6 +43,25 @@ def stderr_is_journal() -> bool:
     return expected == f"{st.st_dev}:{st.st_ino}"
 
 
+class Outage:
+    """A failure that repeats at every retry (a store away for minutes), said once when it begins and
+    once when it ends, not at every poll or renewal."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._log = logger
+        self.on = False
+
+    def failing(self, message: str, *args: Any) -> None:
+        if not self.on:
+            self.on = True
+            self._log.warning(message, *args)
+
+    def over(self, message: str, *args: Any) -> None:
+        if self.on:
+            self.on = False
+            self._log.info(message, *args)
+
+
 def _priority(record: logging.LogRecord) -> str:
     return f"<{_PRIORITY.get(record.levelno, 6)}>"
 

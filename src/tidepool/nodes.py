@@ -17,6 +17,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from .errors import StoreUnavailable
+from .logs import Outage
 from .store import Node, Store
 
 log = logging.getLogger("tidepool.nodes")
@@ -33,7 +34,7 @@ class Heartbeat:
         self._describe = describe
         self.interval_s = interval_s
         self._clock = clock
-        self._failing = False
+        self._outage = Outage(log)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await self.beat()
@@ -48,13 +49,9 @@ class Heartbeat:
         try:
             await self._store.save_node(node)
         except StoreUnavailable as exc:
-            if not self._failing:
-                log.warning("node %s heartbeat not saved, will retry: %s", node.node_id, exc)
-            self._failing = True
+            self._outage.failing("node %s heartbeat not saved, will retry: %s", node.node_id, exc)
             return False
-        if self._failing:
-            log.info("node %s heartbeat saved again", node.node_id)
-        self._failing = False
+        self._outage.over("node %s heartbeat saved again", node.node_id)
         return True
 
     async def leave(self) -> None:

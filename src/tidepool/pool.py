@@ -24,6 +24,7 @@ from .engine import Engine
 from .errors import StoreUnavailable
 from .events import EventBus
 from .leases import LeaseKeeper
+from .logs import Outage
 from .model import Claimed, ClaimFilter, Worker
 from .store import Store
 
@@ -118,7 +119,7 @@ class Pool:
         self._ids = itertools.count(1)
         self._busy = 0
         self._claiming = True
-        self._store_down = False
+        self._store_outage = Outage(log)  # said once per outage, not once per worker and poll
         self._in_claim = 0
         self._tg: TaskGroup | None = None
         self._idle = anyio.Event()
@@ -245,18 +246,15 @@ class Pool:
                 claimed = await self._store.claim(identity, where, limit=self.config.claim_batch,
                                                   now=self._clock(), lease_s=self._leases.lease_s)
         except StoreUnavailable as exc:
-            if not self._store_down:  # once per outage, not once per worker and poll
-                self._store_down = True
-                log.warning("workers cannot claim, retrying every %.1fs: %s", self.config.poll_interval_s, exc)
+            self._store_outage.failing("workers cannot claim, retrying every %.1fs: %s",
+                                       self.config.poll_interval_s, exc)
             await anyio.sleep(self.config.poll_interval_s)
             return []
         finally:
             self._in_claim -= 1
             if not (self._busy or self._in_claim):
                 self._idle.set()
-        if self._store_down:
-            self._store_down = False
-            log.info("workers claim again: the store answers")
+        self._store_outage.over("workers claim again: the store answers")
         for c in claimed:
             self._events.publish("task.leased", task_id=c.task.id, worker_id=identity.worker_id,
                                  attempt_id=c.lease.attempt_id, attempt=c.task.attempt, type=c.task.type,

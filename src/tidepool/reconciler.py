@@ -18,6 +18,7 @@ from anyio.abc import TaskStatus
 from .errors import StoreUnavailable
 from .events import EventBus
 from .lifecycle import RetryPolicy
+from .logs import Outage
 from .model import State
 from .store import Expired, Store
 
@@ -56,7 +57,7 @@ class Reconciler:
         self._clock = clock
         self._unserviceable_since: dict[frozenset[str], float] = {}
         self._last_prune = float("-inf")
-        self._failing = False  # the store did not answer the last pass: said once, not every pass
+        self._outage = Outage(log)  # the store did not answer: said once, not every pass
 
     async def recover(self, *, node_id: str, instance_id: str) -> list[Expired]:
         """Expire at once the leases an earlier process of this node held: it died, they will not renew."""
@@ -72,13 +73,9 @@ class Reconciler:
             try:
                 await self.pass_once()
             except StoreUnavailable as exc:
-                if not self._failing:
-                    log.warning("reconciler passes skipped until the store answers: %s", exc)
-                self._failing = True
+                self._outage.failing("reconciler passes skipped until the store answers: %s", exc)
                 continue
-            if self._failing:
-                log.info("reconciler: the store answers again")
-            self._failing = False
+            self._outage.over("reconciler: the store answers again")
 
     async def pass_once(self) -> PassReport:
         now = self._clock()

@@ -11,6 +11,7 @@ from anyio.abc import TaskStatus
 
 from .errors import ScheduleNotFound, StoreUnavailable
 from .events import EventBus
+from .logs import Outage
 from .model import rfc3339
 from .schedules import Fired, Schedule, validate
 from .settings import ScheduleSettings
@@ -30,7 +31,7 @@ class Scheduler:
         self._wake = wake
         self.interval_s = interval_s
         self._clock = clock
-        self._failing = False  # the store did not answer the last tick: said once, not every tick
+        self._outage = Outage(log)  # the store did not answer: said once, not every tick
 
     async def sync_config(self, configured: Sequence[ScheduleSettings]) -> None:
         """Save the config file's schedules, their state (next/last run, paused) kept, and remove those
@@ -52,13 +53,9 @@ class Scheduler:
         while True:
             try:
                 await self.tick()
-                if self._failing:
-                    log.info("scheduler: the store answers again")
-                self._failing = False
+                self._outage.over("scheduler: the store answers again")
             except StoreUnavailable as exc:
-                if not self._failing:
-                    log.warning("scheduler passes skipped until the store answers: %s", exc)
-                self._failing = True
+                self._outage.failing("scheduler passes skipped until the store answers: %s", exc)
             await anyio.sleep(self.interval_s)
 
     async def tick(self) -> list[Fired]:

@@ -187,3 +187,17 @@ def test_at_info_level_task_steps_are_not_logged(caplog: pytest.LogCaptureFixtur
         bus.publish("task.phase", task_id=new_id(), worker_id="w", attempt_id=new_id(), phase="run")
         bus.publish("worker.started", worker_id="node/w9", kind="demand", reason="busy")
     assert [r.getMessage() for r in caplog.records] == ["worker node/w9 started (demand, busy)"]
+
+
+def test_an_outage_is_said_when_it_begins_and_when_it_ends_not_at_every_retry(
+        caplog: pytest.LogCaptureFixture) -> None:
+    outage = logs.Outage(logging.getLogger("tidepool.test"))
+    with caplog.at_level(logging.INFO, logger="tidepool.test"):
+        outage.over("back")  # nothing failed yet: nothing to say
+        for attempt in range(5):
+            outage.failing("store away: %s", attempt)
+        outage.over("back")
+        outage.over("back")
+        outage.failing("store away: %s", "again")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "store away: 0"), ("INFO", "back"), ("WARNING", "store away: again")]
