@@ -21,7 +21,7 @@ from rich.text import Text
 from . import settings as settings_mod
 from .client import ApiError, Client, InvalidAddress, Unreachable
 from .errors import ConfigError, StoreUnavailable
-from .settings import Settings
+from .settings import Settings, api_address
 
 OK, TASK_FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
 
@@ -198,14 +198,13 @@ def _with_client(args: argparse.Namespace, settings: Settings,
 
 
 def _url(listen: str) -> str:
-    if listen.startswith("unix:"):
+    """Where this host reaches the daemon that binds `listen`: a wildcard address by its loopback."""
+    address = api_address(listen)
+    if isinstance(address, str):
         return listen
-    host, _, port = listen.rpartition(":")
-    if host in ("", "0.0.0.0"):
-        host = "127.0.0.1"
-    elif host in ("::", "[::]"):
-        host = "[::1]"
-    return f"http://{host}:{port}"
+    host, port = address
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:

@@ -103,6 +103,15 @@ class GuardSettings(Section):
     min_free_disk_mb: int = Field(512, ge=0)
 
 
+def api_address(listen: str) -> tuple[str, int] | str:
+    """A checked api.listen as the daemon binds it: (host, port), the host without IPv6 brackets and
+    loopback when left out (":8470"); or a unix socket's path."""
+    if listen.startswith("unix:"):
+        return listen.removeprefix("unix:")
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
 class ApiSettings(Section):
     listen: str = "127.0.0.1:8470"
     token_file: str = ""

@@ -235,3 +235,24 @@ def test_config_check_of_a_valid_file_exits_0_and_prints_the_effective_config(tm
     assert effective["pool"]["max_workers"] == 12, "the environment beats the file"
     assert effective["api"]["listen"] == "127.0.0.1:18999"
     assert effective["node"]["id"] == socket.gethostname(), "no id configured: the host name, as the daemon uses"
+
+
+@pytest.mark.e2e
+def test_a_listen_without_a_host_binds_loopback_needs_no_token_and_the_cli_finds_it(
+        make_daemon: Callable[..., Daemon], cli: Cli) -> None:
+    daemon = make_daemon()
+    daemon.config["api"]["listen"] = f":{daemon.port}"
+    daemon.config_path.write_text(to_toml(daemon.config))
+    daemon.start()  # before: refused, "api.token_file is required when api.listen is not loopback"
+    with socket.socket() as probe:  # bound on loopback only, as the port's owner says
+        assert probe.connect_ex((_other_address(), daemon.port)) != 0
+    result = cli("pool", "--json", "--config", str(daemon.config_path))
+    assert result.returncode == OK, result.stderr
+    assert json.loads(result.stdout)["min_workers"] >= 1
+
+
+def _other_address() -> str:
+    """An address of this host that is not loopback (the one its default route leaves from)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # TEST-NET-1: nothing is sent
+        return str(s.getsockname()[0])

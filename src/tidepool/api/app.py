@@ -27,6 +27,7 @@ from ..errors import (
 )
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..model import State
+from ..settings import api_address
 from . import openapi, stream
 from .guard import KEEPALIVE_TIMEOUT_S, ConnectionGuard, GuardedSite
 from .schemas import MAX_LIST_LIMIT, PoolPatch, ScheduleIn, SubmitBatch, SubmitTask, task_json
@@ -321,9 +322,10 @@ def load_token(token_file: str, listen: str) -> str | None:
 
 
 def _is_local(listen: str) -> bool:
-    if listen.startswith("unix:"):
+    address = api_address(listen)
+    if isinstance(address, str):  # a unix socket: its file's permissions guard it
         return True
-    host = listen.rpartition(":")[0].strip("[]")
+    host = address[0]
     if host == "localhost":
         return True
     try:
@@ -333,8 +335,8 @@ def _is_local(listen: str) -> bool:
 
 
 async def serve_api(daemon: Daemon, listen: str, *, token: str | None = None,
-                    task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
-    """Bind `listen` ("host:port" or "unix:/path"), report the bound address, serve until cancelled."""
+                    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    """Bind `listen` ("host:port" or "unix:/path"), serve until cancelled."""
     guard = ConnectionGuard()
     fanout = stream.Fanout(daemon.events)
     app = build_app(daemon, fanout, token=token)
@@ -346,7 +348,7 @@ async def serve_api(daemon: Daemon, listen: str, *, token: str | None = None,
             tg.start_soon(fanout.run)
             site = GuardedSite(runner, listen, guard)
             await site.start()
-            task_status.started(site.bound)
+            task_status.started()
             await anyio.sleep_forever()
     finally:
         fanout.close()  # every stream ends with its final event now, not when cleanup gives up on it

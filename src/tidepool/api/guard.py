@@ -22,6 +22,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from ..settings import api_address
+
 HEADER_TIMEOUT_S = float(os.environ.get("TIDEPOOL_API_HEADER_TIMEOUT_S") or 10.0)
 MAX_CONNECTIONS = 512
 # asyncio listens with a backlog of 100: 200 clients connecting at once had SYNs dropped and waited
@@ -124,29 +126,24 @@ class _Guarded(asyncio.Protocol):
 class GuardedSite(web.BaseSite):
     """A TCP or unix-socket site whose connections pass through a ConnectionGuard."""
 
-    __slots__ = ("_guard", "_listen", "bound")
+    __slots__ = ("_guard", "_listen")
 
     def __init__(self, runner: web.BaseRunner, listen: str, guard: ConnectionGuard) -> None:
         super().__init__(runner)
-        self._listen = listen
+        self._listen = listen  # checked by the settings: a port the kernel would choose is refused there
         self._guard = guard
-        self.bound = listen
 
     @property
     def name(self) -> str:
-        return self.bound
+        return self._listen
 
     async def start(self) -> None:
         await super().start()
         loop = asyncio.get_running_loop()
         assert self._runner.server is not None
         factory: Any = self._guard.wrap(self._runner.server)
-        if self._listen.startswith("unix:"):
-            self._server = await loop.create_unix_server(factory, self._listen.removeprefix("unix:"),
-                                                         backlog=LISTEN_BACKLOG)
+        address = api_address(self._listen)
+        if isinstance(address, str):
+            self._server = await loop.create_unix_server(factory, address, backlog=LISTEN_BACKLOG)
         else:
-            host, _, port = self._listen.rpartition(":")
-            self._server = await loop.create_server(factory, host.strip("[]") or "127.0.0.1", int(port),
-                                                    reuse_address=True, backlog=LISTEN_BACKLOG)
-            sock = self._server.sockets[0].getsockname()
-            self.bound = f"{host}:{sock[1]}"
+            self._server = await loop.create_server(factory, *address, reuse_address=True, backlog=LISTEN_BACKLOG)
