@@ -57,6 +57,7 @@ class Engine:
         self.resources = resources
         self._clock = clock
         self._unstarted: dict[str, tuple[Claimed, Held, str]] = {}  # batch-claimed, waiting their turn
+        self._running: dict[str, tuple[Task, Held, str]] = {}  # started, outcome not posted yet
         self.outcomes = OutcomeWriter(store, policy=lambda: self.policy, report=self._written)
 
     async def run_batch(self, claimed: list[Claimed], worker_id: str, *, keep_going: Callable[[], bool]) -> None:
@@ -87,6 +88,20 @@ class Engine:
         for item in items:
             self._give_back(*item)
 
+    def abandon_running(self) -> int:
+        """Shutdown, once running tasks had their time to stop: post every attempt still running as
+        interrupted, which uses no attempt (SPEC rule 6). Left to expire with the lease, it would be
+        charged as a crash after the restart, and could fail a task the operator only stopped the node
+        under. What such an attempt posts later is refused by its lease's fence."""
+        items = list(self._running.values())
+        self._running.clear()
+        for task, held, worker_id in items:
+            log.warning("task %s attempt %s did not stop in time at shutdown: recorded as interrupted", task.id,
+                        held.lease.attempt_id)
+            self._conclude(task, held, Outcome(AttemptStatus.INTERRUPTED, TaskError(
+                "interrupted", "interrupted by shutdown; did not stop in time")), worker_id)
+        return len(items)
+
     def _give_back(self, claimed: Claimed, held: Held, worker_id: str) -> None:
         outcome = Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "released unstarted"))
         self._conclude(claimed.task, held, outcome, worker_id)
@@ -100,12 +115,15 @@ class Engine:
         ctx = TaskContext(task, attempt_id=lease.attempt_id, workdir=f"{self._work_root}/{lease.attempt_id}",
                           report_progress=partial(self._progress, held, worker_id),
                           store_result=partial(self._result, held, worker_id))
+        self._running[lease.attempt_id] = (task, held, worker_id)
         try:
             outcome = await self._attempt(ctx, held, worker_id)
         except BaseException:
-            self._leases.release(held)
+            if self._running.pop(lease.attempt_id, None) is not None:
+                self._leases.release(held)
             raise
-        self._conclude(task, held, outcome, worker_id)
+        if self._running.pop(lease.attempt_id, None) is not None:  # else abandoned at shutdown, posted already
+            self._conclude(task, held, outcome, worker_id)
 
     async def _attempt(self, ctx: TaskContext, held: Held, worker_id: str) -> Outcome | None:
         outcome = None

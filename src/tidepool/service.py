@@ -168,7 +168,9 @@ class Daemon:
                  self.pool.statistics().busy, drain_s)
         with anyio.move_on_after(drain_s) as self._drain_wait:
             await self.pool.wait_idle()
-        stop_s = 1.0 if self._forced else self.settings.execution.stop_timeout_s + 1.0
+        # An interrupted task kills its command's tree (kill_grace_s, then SIGKILL) and runs its stop phase.
+        execution = self.settings.execution
+        stop_s = 1.0 if self._forced else execution.kill_grace_s + execution.stop_timeout_s + 1.0
         running = self.pool.statistics().busy
         if running:
             log.info("node %s drain deadline passed: interrupting %d tasks", self.node_id, running)
@@ -176,9 +178,7 @@ class Daemon:
                 h.stop("interrupt")
             with anyio.move_on_after(stop_s) as self._drain_wait:
                 await self.pool.wait_idle()
-            if self.pool.statistics().busy:
-                log.warning("node %s: %d tasks did not stop in %.1fs; their leases expire by time",
-                            self.node_id, self.pool.statistics().busy, stop_s)
+            self.engine.abandon_running()
         with anyio.move_on_after(stop_s):  # outcomes still unwritten (a slow store) get their own time
             await self.engine.outcomes.flushed()
         if self.engine.outcomes.pending:

@@ -146,6 +146,37 @@ def test_a_second_sigint_cuts_the_drain_short_and_leaves_the_store_consistent(
     assert "second SIGINT: interrupting running tasks now" in daemon.log()
 
 
+
+@pytest.mark.e2e
+def test_a_task_that_does_not_stop_in_time_at_shutdown_is_interrupted_not_charged_as_a_crash(
+        make_daemon: Callable[..., Daemon], notify: NotifySocket) -> None:
+    """A command that ignores SIGTERM outlasts the second SIGINT's 1 s: its attempt must still be recorded
+    interrupted (no attempt used, SPEC rule 6), not left to expire into a crash that fails the task."""
+    marker = f"7.{random.randrange(1000, 9999)}"
+    daemon = make_daemon({
+        "pool": {"min_workers": 1, "drain_timeout_s": 30.0},
+        "execution": {"kill_grace_s": 3.0},
+        "plugins.stubborn": {"command": ["/bin/sh", "-c", "trap '' TERM; sleep {seconds}; sleep {seconds}",
+                                         "stubborn"]},
+        "types.stubborn": {"plugins": ["stubborn"], "max_attempts": 1},
+    }, env=notify.env())
+    daemon.start()
+    task_id = daemon.submit("stubborn", {"seconds": marker})["id"]
+    daemon.wait_for("the command to run", lambda: running(daemon, task_id) and sleeping(marker))
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGINT)
+    notify.wait_for("STOPPING=1")
+    daemon.proc.send_signal(signal.SIGINT)
+    assert daemon.proc.wait(15) == 0, daemon.log()
+    assert row(daemon, task_id) == ("pending", 0, 1), daemon.log()
+    assert [a[2] for a in attempts(daemon, task_id)] == ["interrupted"]
+    assert sleeping(marker) == [], "the command's process tree outlived the daemon"
+    assert f"task {task_id} attempt" in daemon.log() and "did not stop in time at shutdown" in daemon.log()
+
+    daemon.start()  # before: the lease was expired at restart, which used the only attempt: failed
+    daemon.wait_for("the task to run again", lambda: running(daemon, task_id))
+    assert daemon.task(task_id)["state"] == "running"
+
 def rewrite(daemon: Daemon, overrides: dict[str, dict[str, Any]] | None = None, *, text: str | None = None) -> None:
     daemon.config_path.write_text(text if text is not None else to_toml(merge(daemon.config, overrides or {})))
 
