@@ -157,6 +157,9 @@ def test_bad_requests_are_refused_naming_the_field_and_change_nothing(make_daemo
 
     refused(400, "invalid_json", "JSON", data=b'{"type": "noop",')
     refused(400, "invalid_json", "JSON", data=b'{"type": "noop", "priority": NaN}')
+    # JSON, but infinity as a float: stored, it made every answer listing the task invalid JSON
+    refused(400, "invalid_json", "1e400", data=b'{"type": "noop", "payload": {"x": 1e400}}')
+    refused(400, "invalid_json", "-1e999", data=b'{"type": "noop", "payload": {"x": [-1e999]}}')
     refused(400, "invalid_request", "priority", body={"type": "noop", "priority": "high"})
     refused(400, "invalid_request", "priority", body={"type": "noop", "priority": "5"})  # no silent coercion
     refused(400, "invalid_request", "priority", body={"type": "noop", "priority": True})

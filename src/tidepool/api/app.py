@@ -6,6 +6,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import math
 import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -116,7 +117,7 @@ async def parse(request: web.Request, model: type[M]) -> M:
     except TimeoutError:
         raise _http(408, "request_timeout", f"the body did not arrive within {BODY_TIMEOUT_S}s") from None
     try:
-        json.loads(raw or b"null", parse_constant=_no_constant)
+        json.loads(raw or b"null", parse_constant=_no_constant, parse_float=_finite)
     except ValueError as exc:
         raise _http(400, "invalid_json", f"body is not valid JSON: {exc}") from None
     except RecursionError:  # the decoder recurses per level: deep nesting must not reach the 500 handler
@@ -133,6 +134,14 @@ async def parse(request: web.Request, model: type[M]) -> M:
 
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    """1e400 is JSON, but as a float it is infinity, which no JSON answer could carry back."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is beyond a 64-bit float")
+    return value
 
 
 class ApiError(Exception):
