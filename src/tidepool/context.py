@@ -8,6 +8,7 @@ from typing import Any
 
 import anyio.lowlevel
 
+from .errors import InvalidArgument
 from .model import ResultBatch, Task, sha256_of
 from .resources import Slot
 
@@ -64,7 +65,11 @@ class TaskContext:
         sequence = self._sequence.get(self.plugin, 0)
         self._sequence[self.plugin] = sequence + 1
         stored_key = f"{self.task.id}:{key}" if key else f"{self.attempt_id}:{self.plugin}:{sequence}"
-        batch = ResultBatch(self.plugin, sequence, stored_key, sha256_of(result), final, result)
+        try:
+            digest = sha256_of(result)
+        except (TypeError, ValueError) as exc:  # a set, an object, NaN: stored, no client could read it back
+            raise InvalidArgument("result", f"not JSON: {exc}") from None
+        batch = ResultBatch(self.plugin, sequence, stored_key, digest, final, result)
         ack = await self._store_result(batch)
         if ack != batch and self._sequence[self.plugin] == sequence + 1:
             self._sequence[self.plugin] = sequence  # an earlier batch acknowledged: this number is still free

@@ -195,7 +195,8 @@ class Outcome:
 
 
 def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """Raises ValueError for NaN and infinities: JSON has no such numbers, and no answer could carry them."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def sha256_of(payload: Any) -> str:

@@ -74,6 +74,20 @@ async def test_scope_enrichment_and_results_reach_the_store(sqlite_store: Sqlite
         assert [(r.plugin, r.payload, r.final) for r in task.results] == [("second", {"double": 42}, True)]
 
 
+
+@pytest.mark.parametrize("result", [{"x": float("inf")}, {"x": float("nan")}, {"x": {1, 2}}], ids=["inf", "nan", "set"])
+async def test_a_result_that_is_not_json_fails_the_plugin_naming_it_and_is_not_stored(
+        sqlite_store: SqliteStore, tmp_path: Path, result: object) -> None:
+    async def odd(ctx: TaskContext) -> None:
+        await ctx.emit(result, final=True)
+
+    async with running_node(sqlite_store, {"odd": odd}, work_root=tmp_path) as node:
+        task = await node.finished(await node.submit("odd", max_attempts=3))
+        assert task.state is State.FAILED and len(task.attempts) == 1, "a plugin bug: retrying cannot help"
+        assert task.error is not None and task.error.code == "invalid_argument"
+        assert task.error.message.startswith("result: not JSON"), task.error
+        assert not task.results
+
 async def test_a_finished_task_shows_its_last_progress_report(sqlite_store: SqliteStore, tmp_path: Path) -> None:
     async def reports(ctx: TaskContext) -> None:  # ends long before the lease keeper's next flush
         ctx.progress(0.5, "halfway")
