@@ -69,7 +69,7 @@ class TaskContext:
             digest = sha256_of(result)
         except (TypeError, ValueError) as exc:  # a set, an object, NaN: stored, no client could read it back
             raise InvalidArgument("result", f"not JSON: {exc}") from None
-        batch = ResultBatch(self.plugin, sequence, stored_key, digest, final, result)
+        batch = ResultBatch(self.plugin, sequence, stored_key, digest, final, result, self.attempt_id)
         ack = await self._store_result(batch)
         if ack != batch and self._sequence[self.plugin] == sequence + 1:
             self._sequence[self.plugin] = sequence  # an earlier batch acknowledged: this number is still free

@@ -113,6 +113,7 @@ class ResultBatch:
     sha256: str
     final: bool
     payload: Any
+    attempt_id: str = ""  # the attempt that emitted it
 
 
 @dataclass(slots=True)  # hot path: plain is 4x cheaper to build than frozen; treat as immutable

@@ -7,6 +7,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from tidepool.api.schemas import task_json
 from tidepool.context import TaskContext
 from tidepool.errors import PluginError
 from tidepool.leases import Held
@@ -87,6 +88,31 @@ async def test_a_result_that_is_not_json_fails_the_plugin_naming_it_and_is_not_s
         assert task.error is not None and task.error.code == "invalid_argument"
         assert task.error.message.startswith("result: not JSON"), task.error
         assert not task.results
+
+
+async def test_a_task_retried_to_success_shows_one_final_result_per_plugin_that_of_its_successful_attempt(
+        sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    runs = 0
+
+    async def scan(ctx: TaskContext) -> None:
+        await ctx.emit({"ports": [22]}, final=True)
+
+    async def report(ctx: TaskContext) -> None:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            raise RuntimeError("report server away")
+        await ctx.emit({"sent": True}, final=True)
+
+    types = {"scan": TypeSettings(plugins=("scan", "report"))}
+    async with running_node(sqlite_store, {"scan": scan, "report": report}, types=types, work_root=tmp_path,
+                            policy=RetryPolicy(base_s=0.01, max_s=0.01, jitter=0.0)) as node:
+        task = await node.finished(await node.submit("scan", max_attempts=2))
+    assert task.state is State.COMPLETED
+    failed, succeeded = (a.id for a in task.attempts)
+    shown = task_json(task)["results"]
+    assert [(r["plugin"], r["attempt_id"], r["final"]) for r in shown] == [
+        ("scan", failed, False), ("scan", succeeded, True), ("report", succeeded, True)]
 
 async def test_a_finished_task_shows_its_last_progress_report(sqlite_store: SqliteStore, tmp_path: Path) -> None:
     async def reports(ctx: TaskContext) -> None:  # ends long before the lease keeper's next flush

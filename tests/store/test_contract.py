@@ -685,18 +685,19 @@ async def test_two_nodes_failing_the_same_tags_at_once_fail_each_task_once(store
 
 async def test_result_batch_is_stored_once_per_key(store: Store) -> None:
     c = await running(store, max_attempts=2)
-    first = result("r1", {"open": [22]})
-    assert await store.record_result(c.lease, first, now=T0 + 1) == first
-    assert await store.record_result(c.lease, dataclasses.replace(first, sequence=7), now=T0 + 2) == first
+    sent = result("r1", {"open": [22]})
+    first = dataclasses.replace(sent, attempt_id=c.lease.attempt_id)  # stored with the attempt that sent it
+    assert await store.record_result(c.lease, sent, now=T0 + 1) == first
+    assert await store.record_result(c.lease, dataclasses.replace(sent, sequence=7), now=T0 + 2) == first
     async with changes_nothing(store, c.task.id):
         with pytest.raises(Conflict):
             await store.record_result(c.lease, result("r1", {"open": [23]}), now=T0 + 3)
     # the next attempt of an at-least-once task sends the same batch again
     await store.expire_leases(now=c.lease.expires_at + 1, policy=POLICY)
     again = await claim_one(store, now=T0 + 3600)
-    assert await store.record_result(again.lease, first, now=T0 + 3600) == first
-    second = result("r2", {"open": []}, sequence=1)
-    await store.record_result(again.lease, second, now=T0 + 3601)
+    assert await store.record_result(again.lease, sent, now=T0 + 3600) == first, "acknowledged as the first's"
+    second = dataclasses.replace(result("r2", {"open": []}, sequence=1), attempt_id=again.lease.attempt_id)
+    assert await store.record_result(again.lease, second, now=T0 + 3601) == second
     assert (await store.get(c.task.id)).results == (first, second)
     listed = (await store.list_tasks()).tasks[0]
     assert (listed.id, listed.results, len(listed.attempts)) == (c.task.id, (), 2)  # lists carry no results
@@ -746,7 +747,8 @@ async def test_prune_deletes_old_ended_tasks_with_their_attempts_and_results(sto
     # the key and the result key died with the task
     await add(store, type="old", payload={"new": True}, idempotency_key="k-old")
     other = result("r-old", {"another": "payload"})
-    assert await store.record_result(busy.lease, other, now=T0 + 101) == other
+    stored = await store.record_result(busy.lease, other, now=T0 + 101)
+    assert stored == dataclasses.replace(other, attempt_id=busy.lease.attempt_id)
 
 
 async def test_first_phase_note_starts_the_task_and_records_progress(store: Store) -> None:

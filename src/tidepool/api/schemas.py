@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from ..model import Attempt, NewTask, ResultBatch, Task, rfc3339
+from ..model import Attempt, AttemptStatus, NewTask, ResultBatch, Task, rfc3339
 from ..schedules import Schedule
 
 MAX_LIST_LIMIT = 1000
@@ -135,9 +135,16 @@ def attempt_json(a: Attempt) -> dict[str, Any]:
             "stderr_tail": a.stderr_tail}
 
 
-def result_json(r: ResultBatch) -> dict[str, Any]:
+# An attempt that ended so did not produce the task's results, whatever its plugins marked final before it
+# failed: a task retried to success shows the final results of the attempt that succeeded, once each.
+_UNSUCCESSFUL = frozenset({AttemptStatus.FAILED, AttemptStatus.TIMED_OUT, AttemptStatus.EXPIRED,
+                           AttemptStatus.CANCELLED, AttemptStatus.INTERRUPTED})
+
+
+def result_json(r: ResultBatch, *, attempt_ended_unsuccessfully: bool = False) -> dict[str, Any]:
     return {"plugin": r.plugin, "sequence": r.sequence, "idempotency_key": r.idempotency_key,
-            "sha256": r.sha256, "final": r.final, "payload": r.payload}
+            "sha256": r.sha256, "final": r.final and not attempt_ended_unsuccessfully, "attempt_id": r.attempt_id,
+            "payload": r.payload}
 
 
 def task_json(t: Task, *, results: bool = True) -> dict[str, Any]:
@@ -151,7 +158,9 @@ def task_json(t: Task, *, results: bool = True) -> dict[str, Any]:
         "finished_at": rfc3339(t.finished_at), "attempts": [attempt_json(a) for a in t.attempts],
     }
     if results:
-        body["results"] = [result_json(r) for r in t.results]
+        unsuccessful = {a.id for a in t.attempts if a.status in _UNSUCCESSFUL}
+        body["results"] = [result_json(r, attempt_ended_unsuccessfully=r.attempt_id in unsuccessful)
+                           for r in t.results]
     return body
 
 
@@ -190,7 +199,8 @@ class ResultOut(BaseModel):
     sequence: int
     idempotency_key: str
     sha256: str
-    final: bool
+    final: bool  # false, whatever the plugin said, once its attempt ended without succeeding
+    attempt_id: str
     payload: Any
 
 

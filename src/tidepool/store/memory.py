@@ -168,6 +168,7 @@ class MemoryStore:
                     if earlier.sha256 != batch.sha256:
                         raise Conflict(f"result key {batch.idempotency_key} was stored with another sha256")
                     return earlier
+        batch = dataclasses.replace(batch, attempt_id=lease.attempt_id)
         row.results.append(batch)
         return batch
 

@@ -333,7 +333,7 @@ ATTEMPTS = """ARRAY(
                a.error, a.exit_status, a.stderr_tail)
     FROM attempts a WHERE a.task_id = t.id ORDER BY a.number)"""
 RESULTS = """ARRAY(
-    SELECT ROW(r.plugin, r.sequence, r.idempotency_key, r.sha256, r.final, r.payload)
+    SELECT ROW(r.plugin, r.sequence, r.idempotency_key, r.sha256, r.final, r.payload, r.attempt_id)
     FROM results r WHERE r.task_id = t.id ORDER BY r.created_at, r.sequence)"""
 GET = f"SELECT {TASK_COLUMNS}, {ATTEMPTS}, {RESULTS} FROM tasks t WHERE id = $1"
 INSERT_MANY = """
@@ -411,7 +411,7 @@ WITH fenced AS (
 )
 SELECT (SELECT count(*) FROM fenced), (SELECT count(*) FROM stored)"""
 EARLIER_RESULT = """
-SELECT plugin, sequence, idempotency_key, sha256, final, payload FROM results WHERE idempotency_key = $1"""
+SELECT plugin, sequence, idempotency_key, sha256, final, payload, attempt_id FROM results WHERE idempotency_key = $1"""
 ENDING_ROW = """
 SELECT state, attempt, max_attempts, interruptions, lease_expires_at FROM tasks
 WHERE id = $1 AND lease_attempt_id = $2 AND lease_token = $3 FOR NO KEY UPDATE"""
@@ -788,7 +788,7 @@ class PostgresStore:
             if not fenced:
                 raise await _why_lost(conn, lease)
             if stored:
-                return batch
+                return replace(batch, attempt_id=lease.attempt_id)
             earlier = await conn.fetchrow(EARLIER_RESULT, batch.idempotency_key)
         if earlier is None:  # its task was pruned between the two statements
             raise StoreUnavailable(f"result key {batch.idempotency_key} changed hands during the write; retry")
@@ -1556,4 +1556,4 @@ def _attempt(r: Any) -> Attempt:
 
 
 def _result(row: Any) -> ResultBatch:
-    return ResultBatch(row[0], row[1], row[2], row[3], bool(row[4]), json.loads(row[5]))
+    return ResultBatch(row[0], row[1], row[2], row[3], bool(row[4]), json.loads(row[5]), row[6])

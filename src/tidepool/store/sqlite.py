@@ -21,7 +21,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
 
@@ -174,6 +174,7 @@ CREATE INDEX results_task ON results (task_id, created_at);
 TASK_COLUMNS = ("id, type, payload, priority, state, phase, progress, attempt, max_attempts, interruptions, "
                 "timeout_s, required_tags, idempotency_key, node_id, error, created_at, updated_at, "
                 "available_at, finished_at")
+RESULT_COLUMNS = "plugin, sequence, idempotency_key, sha256, final, payload, attempt_id"
 ACTIVE_SQL = "('leased', 'running')"
 FENCE = "id = ? AND lease_attempt_id = ? AND lease_token = ?"
 Op: TypeAlias = "Callable[[sqlite3.Connection, _Batch], Any] | _Grouped"
@@ -362,9 +363,8 @@ class SqliteStore:
             row = conn.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE id = ?", (task_id,)).fetchone()
             if row is None:
                 raise TaskNotFound(task_id)
-            results = conn.execute(
-                "SELECT plugin, sequence, idempotency_key, sha256, final, payload FROM results "
-                "WHERE task_id = ? ORDER BY created_at, sequence", (task_id,)).fetchall()
+            results = conn.execute(f"SELECT {RESULT_COLUMNS} FROM results WHERE task_id = ? "
+                                   "ORDER BY created_at, sequence", (task_id,)).fetchall()
             task = _task(row, attempts=_attempts(conn, [task_id]).get(task_id, ()))
             return _replace_results(task, tuple(_result(r) for r in results))
 
@@ -472,8 +472,8 @@ class SqliteStore:
                                (lease.task_id, lease.attempt_id, lease.token, now)).fetchone()
             if row is None or row[0] not in (State.LEASED, State.RUNNING):
                 raise _why_lost(conn, lease)
-            earlier = conn.execute("SELECT plugin, sequence, idempotency_key, sha256, final, payload FROM results "
-                                   "WHERE idempotency_key = ?", (batch_.idempotency_key,)).fetchone()
+            earlier = conn.execute(f"SELECT {RESULT_COLUMNS} FROM results WHERE idempotency_key = ?",
+                                   (batch_.idempotency_key,)).fetchone()
             if earlier is not None:
                 if earlier[3] != batch_.sha256:
                     raise Conflict(f"result key {batch_.idempotency_key} was stored with another sha256")
@@ -481,7 +481,7 @@ class SqliteStore:
             conn.execute("INSERT INTO results VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                          (batch_.idempotency_key, lease.task_id, lease.attempt_id, batch_.plugin,
                           batch_.sequence, batch_.sha256, batch_.final, json.dumps(batch_.payload), now))
-            return batch_
+            return replace(batch_, attempt_id=lease.attempt_id)
 
         ack: ResultBatch = await self._write(op)
         return ack
@@ -1073,7 +1073,7 @@ def _attempts(conn: sqlite3.Connection, task_ids: list[str]) -> dict[str, tuple[
 
 
 def _result(row: Any) -> ResultBatch:
-    return ResultBatch(row[0], row[1], row[2], row[3], bool(row[4]), json.loads(row[5]))
+    return ResultBatch(row[0], row[1], row[2], row[3], bool(row[4]), json.loads(row[5]), row[6])
 
 
 def _replace_results(task: Task, results: tuple[ResultBatch, ...]) -> Task:
