@@ -235,6 +235,7 @@ class Daemon:
             yield
             return
         db.parent.mkdir(parents=True, exist_ok=True)
+        db = db.resolve()  # one file reached through a symlink is still one database: one lock
         path = db.with_name(f"{db.name}.{re.sub(r'[^A-Za-z0-9_.-]', '_', self.node_id)}.lock")
         with open(path, "a+") as handle:
             try:
