@@ -110,7 +110,9 @@ class LeaseKeeper:
             self._dirty.update(n.lease.attempt_id for n in notes)  # not written: try with the next flush
 
     async def renew(self) -> None:
-        held = list(self._held.values())
+        # A lease found lost cannot come back: its attempt is being stopped, and renewing it again would
+        # only be refused again (and said again) until the plugin lets go.
+        held = [h for h in self._held.values() if h.why != "lost"]
         if not held:
             return
         started = self._monotonic()

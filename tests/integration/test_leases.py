@@ -10,6 +10,7 @@ import pytest
 
 from tidepool.errors import LeaseLost, StoreUnavailable
 from tidepool.leases import LeaseKeeper
+from tidepool.lifecycle import RetryPolicy
 from tidepool.model import ClaimFilter, NewTask, Phase, Worker
 from tidepool.store import PhaseNote
 from tidepool.store.sqlite import SqliteStore
@@ -48,3 +49,21 @@ async def test_notes_that_cannot_be_written_are_kept_and_the_outage_is_logged_on
     said = [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records]
     assert said == [("WARNING", "lease phase writes fail, retrying until the store answers"),
                     ("INFO", "lease phase writes go through again")]
+
+
+async def test_a_lease_found_lost_is_said_once_and_not_renewed_again(
+        store: SqliteStore, caplog: pytest.LogCaptureFixture) -> None:
+    """A plugin that does not stop at once (a blocking call, a swallowed cancel) keeps its Held a while:
+    each renewal sent it again, and each refusal logged the loss again."""
+    now = time.time()
+    await store.add(NewTask("noop"), now=now)
+    (claimed,) = await store.claim(WORKER, ClaimFilter(), limit=1, now=now, lease_s=1.0)
+    keeper = LeaseKeeper(store, lease_s=30.0, renew_every_s=10.0)
+    held = keeper.hold(claimed.lease)
+    await store.expire_leases(now=now + 2, policy=RetryPolicy())  # another node may now take the task
+    caplog.set_level(logging.INFO, logger="tidepool.leases")
+    for _ in range(3):
+        await keeper.renew()
+    assert held.why == "lost" and held.scope.cancel_called
+    lost = [r for r in caplog.records if "lease lost" in r.getMessage()]
+    assert len(lost) == 1 and lost[0].levelname == "WARNING", [r.getMessage() for r in caplog.records]
