@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import fcntl
 import gc
+import glob
 import logging
 import os
 import re
@@ -454,11 +455,12 @@ class Daemon:
         self._synced_schedules = settings.schedules
 
     def _claim_filter(self) -> ClaimFilter:
-        """Types this node accepts, tags its free slots carry (rule 2); asked before every claim, so cached."""
+        """Types this node runs, tags its free slots carry (rule 2); asked before every claim, so cached.
+        Each type is a glob matching its name alone (glob.escape): the store API takes globs."""
         version = self.resources.version
         if self._filter is None or self._filter[0] is not self.settings or self._filter[1] != version:
-            self._filter = (self.settings, version,
-                            ClaimFilter(self.settings.pool.task_types, self.resources.free_tag_sets()))
+            types = tuple(glob.escape(name) for name in self.settings.claimed_types())
+            self._filter = (self.settings, version, ClaimFilter(types, self.resources.free_tag_sets()))
         return self._filter[2]
 
 

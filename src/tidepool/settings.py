@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import tomllib
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Literal
 
@@ -287,6 +288,11 @@ class Settings(BaseSettings):
     def all_types(self) -> dict[str, TypeSettings]:
         return {**BUILTIN_TYPES, **self.types}
 
+    def claimed_types(self) -> list[str]:
+        """The task types this node claims: those it defines that pool.task_types accepts. A type this
+        node does not define is another node's to run, however wide the globs (rule 2)."""
+        return sorted(name for name in self.all_types if any(fnmatchcase(name, g) for g in self.pool.task_types))
+
     def db_path(self) -> Path | None:
         """The SQLite file of store.url, or None for another backend."""
         url = self.store.url
@@ -351,6 +357,9 @@ def _describe(exc: ValidationError) -> str:
 
 
 def _check_references(settings: Settings) -> None:
+    if not settings.claimed_types():
+        raise ConfigError(f"config: pool.task_types: {list(settings.pool.task_types)} accepts none of this node's "
+                          f"task types ({', '.join(sorted(settings.all_types))}): it would never claim")
     for sched in settings.schedules:
         if sched.type not in settings.all_types:
             raise ConfigError(f"config: schedules.{sched.name}.type: unknown task type {sched.type!r}")
