@@ -138,6 +138,19 @@ async def test_a_command_retried_to_success_has_one_final_result_that_of_the_att
                                                                   (AttemptStatus.SUCCEEDED, 0)]
 
 
+@pytest.mark.parametrize("stdout", ['{"a": "\\ud800"}', '{"big": 1e999}', "[" * 100000],
+                         ids=["lone_surrogate", "overflow_to_inf", "deep_nesting"])
+async def test_output_python_parses_but_strict_json_cannot_hold_is_kept_as_text(
+        sqlite_store: SqliteStore, tmp_path: Path, stdout: str) -> None:
+    out = tmp_path / "out"
+    out.write_text(stdout)
+    registry = registry_of({"odd": PluginSpec(command=("cat", str(out)))}, {"odd": TypeSettings(plugins=("odd",))})
+    async with running_node(sqlite_store, {}, registry=registry, work_root=tmp_path / "work") as node:
+        task = await node.finished(await node.submit("odd", max_attempts=1))
+    assert task.state is State.COMPLETED
+    assert [(r.payload, r.final) for r in task.results] == [({"text": stdout}, True)]
+
+
 async def test_running_out_of_files_fails_the_attempt_naming_nofile_and_keeps_what_the_command_said(
         sqlite_store: SqliteStore, tmp_path: Path) -> None:
     opener = PluginSpec(command=(PY, "-c", "import os; files = [open(os.devnull) for _ in range(64)]"), nofile=16)

@@ -7,7 +7,9 @@ sleeps to let a child start; the same files tell the test which pids must be gon
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 import uvloop
 
 from tidepool.errors import InvalidArgument, LimitExceeded, PluginError
+from tidepool.plugins import command
 from tidepool.plugins.command import (
     CommandLimits,
     CommandResult,
@@ -117,6 +120,26 @@ print(json.dumps({"done": True}))
 """
 )
 
+# leader -> middle (setsid, forks the daemon, exits at once) -> daemon: the classic double fork. The middle
+# lives too briefly for a poll to see it, and the daemon, in a session of its own, is nobody's descendant.
+DAEMONIZE = (
+    RECORD
+    + """
+import json
+r, w = os.pipe()
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        record("daemon")  # keeps the leader's stdout, as a careless daemon does
+        os.close(w)
+        while True:
+            time.sleep(3600)
+    os._exit(0)
+os.close(w)
+os.read(r, 1)  # end of file: the middle has exited and the daemon has recorded itself
+"""
+)
+
 
 def _script(tmp_path: Path, body: str) -> list[str]:
     path = tmp_path / "child.py"
@@ -154,6 +177,9 @@ async def _assert_gone_by(pids: dict[str, int], deadline: float) -> None:
         if not alive or anyio.current_time() >= deadline:
             break
         await anyio.sleep(0.01)
+    for pid in alive.values():  # a failed test leaves nothing running
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     assert alive == {}
 
 
@@ -259,6 +285,10 @@ def test_scrubbed_env_reads_the_daemon_environment(monkeypatch: pytest.MonkeyPat
         (b"", {"text": ""}),
         (b"NaN", {"text": "NaN"}),  # Python would parse it; no JSON store could take it back
         (b"\xff\xfe{", {"text": "\ufffd\ufffd{"}),
+        # Python parses these too, into what no store can take: a lone surrogate, inf, a stack overflow.
+        (b'{"a": "\\ud800"}', {"text": '{"a": "\\ud800"}'}),
+        (b'{"big": 1e999}', {"text": '{"big": 1e999}'}),
+        (b"[" * 100000, {"text": "[" * 100000}),
     ],
 )
 def test_result_payload_is_json_or_text(stdout: bytes, payload: object) -> None:
@@ -294,16 +324,31 @@ async def test_nonzero_exit_is_a_result_with_the_stderr_tail(tmp_path: Path) -> 
     assert result.stderr_dropped == (1 << 20) + len("the end") - 4096
 
 
-async def test_a_missing_program_is_a_plugin_error(tmp_path: Path) -> None:
-    with pytest.raises(PluginError) as caught:
-        await _run([str(tmp_path / "no-such-program")], tmp_path)
-    assert caught.value.code == "spawn_failed"
+@pytest.mark.parametrize("limits", [{}, {"nofile": 16, "cpu_s": 1}], ids=["plain", "under_prlimit"])
+async def test_a_missing_program_is_a_plugin_error(tmp_path: Path, limits: dict[str, Any]) -> None:
+    for program in [str(tmp_path / "no-such-program"), "no-such-program-on-path"]:
+        with pytest.raises(PluginError) as caught:
+            await _run([program], tmp_path, **limits)
+        assert caught.value.code == "spawn_failed"
+        assert str(caught.value).startswith(f"cannot start {program!r}: [Errno 2] No such file or directory")
 
 
 async def test_what_the_command_leaves_running_is_killed_after_it_exits(tmp_path: Path) -> None:
     result = await _run(_script(tmp_path, LEAVES_BACKGROUND), tmp_path)
     assert result.result_payload() == {"done": True}
     await _assert_gone_by(_pids(tmp_path), anyio.current_time() + 1)
+
+
+async def test_a_daemon_the_command_left_holding_stdout_is_killed_and_the_run_ends_at_once(tmp_path: Path) -> None:
+    started = anyio.current_time()
+    result = await _run(_script(tmp_path, DAEMONIZE + "print(json.dumps({'done': True}))"), tmp_path)
+    took = anyio.current_time() - started
+    pids = _pids(tmp_path)
+    assert set(pids) == {"daemon"}
+    await _assert_gone_by(pids, anyio.current_time() + 1)
+    assert result.result_payload() == {"done": True}
+    # The pipe stays open while the daemon lives: were it not found, the run would end only at the cleanup slack.
+    assert took < GRACE_S + command._CLEANUP_SLACK_S
 
 
 # --- killing the tree ------------------------------------------------------------------------
@@ -324,6 +369,15 @@ async def test_timeout_kills_the_whole_tree_even_a_setsid_grandchild(tmp_path: P
             await _run(_script(tmp_path, TREE), tmp_path)
     assert set(pids) == {"leader", "middle", "escaper", "sleeper"}
     await _assert_gone_by(pids, started + 1 + GRACE_S + 1)
+
+
+async def test_timeout_kills_a_daemon_that_double_forked_out_of_the_tree(tmp_path: Path) -> None:
+    with pytest.raises(TimeoutError), anyio.fail_after(1):
+        await _run(_script(tmp_path, DAEMONIZE + "record('leader'); time.sleep(60)"), tmp_path)
+    pids = _pids(tmp_path)
+    assert set(pids) == {"daemon", "leader"}
+    assert os.getsid(pids["daemon"]) != pids["leader"]  # really out of the leader's session
+    await _assert_gone_by(pids, anyio.current_time() + GRACE_S + 1)
 
 
 async def test_a_child_ignoring_sigterm_is_sigkilled_after_the_grace(tmp_path: Path) -> None:
@@ -441,6 +495,27 @@ async def test_running_out_of_files_under_nofile_is_told_from_other_failures(tmp
     assert other.exit_status != 0 and not ran_out_of_files(other)  # ENFILE: the host's table, not our limit
 
 
+async def test_rlimits_are_in_force_before_the_command_runs_its_first_instruction(tmp_path: Path) -> None:
+    # sh forks the pipeline at once: limits set on it after it started would mostly miss the subshell.
+    show = "(ulimit -Sn; ulimit -Hn; ulimit -St; ulimit -Ht) | cat"
+    for _ in range(20):  # each run a race that setting them late could still win
+        result = await _run(["/bin/sh", "-c", show], tmp_path, nofile=50, cpu_s=5)
+        assert result.stdout.split() == [b"50", b"50", b"6", b"7"]  # cpu: the backstop a second past cpu_s
+
+
+async def test_without_prlimit_the_limits_are_set_after_spawn_and_the_gap_is_logged_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # where there is no prlimit program
+    command._prlimit_program.cache_clear()
+    try:
+        code = "import os; files = [open(os.devnull) for _ in range(64)]"
+        results = [await _run([PY, "-c", code], tmp_path, nofile=16) for _ in range(2)]
+    finally:
+        command._prlimit_program.cache_clear()  # found again by the tests that follow
+    assert all(result.exit_status != 0 and ran_out_of_files(result) for result in results)
+    assert len([record for record in caplog.records if "prlimit" in record.getMessage()]) == 1
+
+
 # --- uvloop ----------------------------------------------------------------------------------
 
 Scenario = Callable[[Path], Coroutine[Any, Any, None]]
@@ -451,6 +526,7 @@ Scenario = Callable[[Path], Coroutine[Any, Any, None]]
     [
         test_nonzero_exit_is_a_result_with_the_stderr_tail,
         test_what_the_command_leaves_running_is_killed_after_it_exits,
+        test_a_daemon_the_command_left_holding_stdout_is_killed_and_the_run_ends_at_once,
         test_timeout_kills_the_whole_tree_even_a_setsid_grandchild,
         test_a_child_ignoring_sigterm_is_sigkilled_after_the_grace,
         test_asyncio_native_timeout_kills_the_child,

@@ -6,6 +6,12 @@ rlimits, bounded capture of stdout and stderr, the RSS budget of the whole proce
 killing that tree - on a breached limit, on cancellation (timeouts and cancels arrive that way)
 and after a normal exit, so that nothing the command left behind keeps running. What the exit
 status means, retries and results belong to the caller.
+
+The tree is the child's process group, every descendant seen alive, and every process whose
+environment carries TIDEPOOL_RUN, a cookie unique to the run: a daemon that double-forks out of
+the group and is orphaned between two looks is found by it. A process that clears its environment
+can still escape. The rlimits are set by util-linux's prlimit program, which execs the command in
+the same process, so they bind it and all it forks from its first instruction.
 """
 
 from __future__ import annotations
@@ -13,13 +19,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import json
+import logging
 import math
 import os
 import re
 import resource
+import secrets
+import shutil
 import signal
 import string
+import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +41,8 @@ import psutil  # type: ignore[import-untyped]
 
 from tidepool.errors import InvalidArgument, LimitExceeded, PluginError
 
+log = logging.getLogger("tidepool.plugins")
+
 # Placeholders the caller fills in; every other name is a top-level payload field.
 _CALLER_FIELDS = frozenset({"task_id", "attempt", "workdir"})
 _INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "HOME", "TZ")
@@ -37,6 +50,11 @@ _STDERR_TAIL = 4096
 _GONE_POLL_S = 0.02  # how often a dying tree is looked at
 _CLEANUP_SLACK_S = 5.0  # cleanup may take kill_grace_s plus this, never longer
 _MAX_FREEZE_ROUNDS = 50
+_RUN_COOKIE = "TIDEPOOL_RUN"
+# psutil's create_time adds /proc/stat's btime, whole seconds rounded down, so it reads up to a second
+# early (not the clock tick's 10 ms); being generous costs one read of a few older processes' environment.
+_CREATE_TIME_SLACK_S = 1.5
+_PRLIMIT_OPTIONS = {resource.RLIMIT_CPU: "--cpu", resource.RLIMIT_NOFILE: "--nofile"}
 _FORMATTER = string.Formatter()
 
 
@@ -108,16 +126,15 @@ class CommandResult:
     stderr_dropped: int
 
     def result_payload(self) -> object:
-        """stdout parsed as JSON if it is JSON, else {"text": stdout}."""
+        """stdout parsed as JSON if it is strict JSON, else {"text": stdout}."""
         try:
-            # NaN/Infinity are not JSON: no store or client could take them back.
-            return json.loads(self.stdout, parse_constant=_refuse_constant)
-        except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
+            value = json.loads(self.stdout)
+            # Python's parser takes what no store or client could take back: NaN, 1e999 (inf), a lone
+            # surrogate (not UTF-8). Storing it the way the store will is the one test that sees them all.
+            json.dumps(value, ensure_ascii=False, allow_nan=False).encode()
+        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeError; RecursionError: deep nesting
             return {"text": self.stdout.decode(errors="replace")}
-
-
-def _refuse_constant(name: str) -> object:
-    raise ValueError(f"{name} is not JSON")
+        return value
 
 
 async def run_command(
@@ -131,13 +148,19 @@ async def run_command(
 ) -> CommandResult:
     """Run argv in its own session; a non-zero exit is a result, a breached limit a LimitExceeded."""
     capture = _Capture(stdout_cap=limits.max_output_kb * 1024)
+    rlimits = _rlimits(limits)
+    prlimit = _prlimit_program() if rlimits else None
+    cookie = secrets.token_hex(16)  # what marks this run's processes, wherever they went: see _Tree
+    started = time.time()
     # Shielded so an anyio cancel cannot strike between fork and the cleanup below owning the tree.
     with anyio.CancelScope(shield=True):
-        transport = await _spawn(argv, capture, env=env, workdir=workdir)
-    tree = _Tree(transport.get_pid())
+        transport = await _spawn(argv, capture, env={**env, _RUN_COOKIE: cookie}, workdir=workdir,
+                                 rlimits=rlimits, prlimit=prlimit)
+    tree = _Tree(transport.get_pid(), cookie=cookie, born_after=started - _CREATE_TIME_SLACK_S)
     breach: LimitExceeded | None = None
     try:
-        _apply_rlimits(tree.pgid, limits)
+        if prlimit is None:  # the fallback: what the command forks before this keeps our limits
+            _set_rlimits(tree.pgid, rlimits)
         breach = await _supervise(capture, tree, limits, poll_interval_s=poll_interval_s)
     finally:
         # Exit, breach or cancellation alike: nothing the command started may outlive it.
@@ -166,15 +189,22 @@ _EMFILE = re.escape(os.strerror(errno.EMFILE)) + "(?! in system)"
 
 
 async def _spawn(
-    argv: list[str], capture: _Capture, *, env: dict[str, str], workdir: Path
+    argv: list[str],
+    capture: _Capture,
+    *,
+    env: dict[str, str],
+    workdir: Path,
+    rlimits: Mapping[int, tuple[int, int]],
+    prlimit: str | None,
 ) -> asyncio.SubprocessTransport:
     # loop.subprocess_exec (what create_subprocess_exec wraps) hands the output to _Capture as it
     # arrives, so nothing is buffered beyond the caps, and gives a transport we may close.
     loop = asyncio.get_running_loop()
     try:
+        command = argv if prlimit is None else _under_prlimit(prlimit, argv, rlimits, env=env, workdir=workdir)
         transport, _ = await loop.subprocess_exec(
             lambda: capture,
-            *argv,
+            *command,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -187,7 +217,9 @@ async def _spawn(
     return transport
 
 
-def _apply_rlimits(pid: int, limits: CommandLimits) -> None:
+def _rlimits(limits: CommandLimits) -> dict[int, tuple[int, int]]:
+    """The (soft, hard) of each rlimit to set, by resource."""
+    wanted = {}
     # Never RLIMIT_AS/RLIMIT_DATA: Go scanners reserve huge address ranges; RSS is watched instead.
     if limits.cpu_s is not None:
         # The supervisor's poll holds the whole tree to cpu_s. RLIMIT_CPU gives each process a budget of its
@@ -195,19 +227,45 @@ def _apply_rlimits(pid: int, limits: CommandLimits) -> None:
         # leave a parent that may exit 0 before the poll sees the time. SIGXCPU at the soft limit lets a
         # program stop itself; the kernel SIGKILLs a second later.
         soft = max(math.ceil(limits.cpu_s), 1) + 1
-        _lower_rlimit(pid, resource.RLIMIT_CPU, soft, soft + 1)
+        wanted[resource.RLIMIT_CPU] = (soft, soft + 1)
     if limits.nofile is not None:
-        _lower_rlimit(pid, resource.RLIMIT_NOFILE, limits.nofile, limits.nofile)
+        wanted[resource.RLIMIT_NOFILE] = (limits.nofile, limits.nofile)
+    for which, (soft, hard) in wanted.items():
+        _, ours = resource.getrlimit(which)  # the child inherits ours, and cannot raise the hard one
+        if ours != resource.RLIM_INFINITY:
+            wanted[which] = (min(soft, ours), min(hard, ours))
+    return wanted
 
 
-def _lower_rlimit(pid: int, which: int, soft: int, hard: int) -> None:
-    try:
-        _, current_hard = resource.prlimit(pid, which)
-        if current_hard != resource.RLIM_INFINITY:  # an unprivileged process cannot raise it
-            soft, hard = min(soft, current_hard), min(hard, current_hard)
-        resource.prlimit(pid, which, (soft, hard))
-    except ProcessLookupError:
-        pass  # already gone; its exit status tells the rest
+@functools.cache  # looked up, and the gap told, once per process
+def _prlimit_program() -> str | None:
+    path = shutil.which("prlimit")
+    if path is None:
+        log.warning("prlimit (util-linux) not found: cpu_s and nofile are set on a command after it started, "
+                    "so what it forks at once keeps the daemon's limits; install util-linux to close the gap")
+    return path
+
+
+def _under_prlimit(
+    prlimit: str, argv: list[str], rlimits: Mapping[int, tuple[int, int]], *, env: Mapping[str, str], workdir: Path
+) -> list[str]:
+    """argv run by prlimit, which sets the limits on itself and execs the program in the same process."""
+    # Found first, as exec would (relative to the workdir, on the child's PATH): a missing program fails
+    # to start as without prlimit, instead of becoming prlimit's exit status.
+    name = os.path.join(workdir, argv[0]) if "/" in argv[0] else argv[0]
+    program = shutil.which(name, path=env.get("PATH", os.defpath))
+    if program is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
+    options = [f"{_PRLIMIT_OPTIONS[which]}={soft}:{hard}" for which, (soft, hard) in rlimits.items()]
+    return [prlimit, *options, "--", program, *argv[1:]]
+
+
+def _set_rlimits(pid: int, rlimits: Mapping[int, tuple[int, int]]) -> None:
+    for which, limit in rlimits.items():
+        try:
+            resource.prlimit(pid, which, limit)
+        except ProcessLookupError:
+            return  # already gone; its exit status tells the rest
 
 
 async def _supervise(
@@ -285,19 +343,22 @@ class _Capture(asyncio.SubprocessProtocol):
 
 
 class _Tree:
-    """The child's process group plus every descendant seen alive.
+    """The child's process group plus every descendant seen alive, and every process carrying the run's cookie.
 
     A grandchild that calls setsid() leaves the group, and once its parent dies it is no longer
-    anyone's descendant either; only having seen it earlier lets us kill it.
+    anyone's descendant either; only having seen it earlier, or the cookie in its environment, lets us kill it.
     """
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, *, cookie: str, born_after: float) -> None:
         self.pgid = pid  # start_new_session made the child the leader of its own group
         self.leader_cpu_s = 0.0
         self.cpu_s = 0.0  # the whole tree's, as last seen: see refresh()
         self._cpu_seen: dict[int, tuple[float, int | None]] = {}  # pid: (CPU with its reaped children, ppid)
         self._cpu_orphaned = 0.0  # CPU of processes gone with no ancestor of the tree left to account for it
         self.known: dict[int, psutil.Process] = {}
+        self._cookie = cookie
+        self._born_after = born_after  # what was there before the command cannot be of it
+        self._foreign: set[tuple[int, float]] = set()  # (pid, create_time) read and found not ours
         with contextlib.suppress(psutil.NoSuchProcess):  # a quick command may already be reaped
             self.known[pid] = psutil.Process(pid)
 
@@ -363,20 +424,36 @@ class _Tree:
             _send(proc, sig)
 
     def _discover(self) -> bool:
-        """Add every live descendant of a known live process to `known`; True if any was new."""
+        """Add every process carrying the cookie and every live descendant of a known live process to `known`;
+        True if any was new."""
         self.known = {proc.pid: proc for proc in self._alive()}  # the dead have no more to tell
+        count = len(self.known)
         by_parent: defaultdict[int | None, list[psutil.Process]] = defaultdict(list)
-        for proc in psutil.process_iter(["ppid"]):  # one pass over /proc, orphans' children too
+        live = set()
+        for proc in psutil.process_iter(["ppid", "create_time"]):  # one pass over /proc, orphans' children too
             by_parent[proc.info["ppid"]].append(proc)
+            key = (proc.pid, proc.info["create_time"] or 0.0)
+            live.add(key)
+            if proc.pid not in self.known and self._carries_cookie(proc, key):
+                self.known[proc.pid] = proc
+        self._foreign &= live  # only the live need remembering: on a busy host the dead would pile up
         queue = list(self.known)
-        found = False
         while queue:
             for child in by_parent[queue.pop()]:
                 if child.pid not in self.known:
                     self.known[child.pid] = child
                     queue.append(child.pid)
-                    found = True
-        return found
+        return len(self.known) > count
+
+    def _carries_cookie(self, proc: psutil.Process, key: tuple[int, float]) -> bool:
+        # Only a process born since the command started is read, and only once: each poll passes them all.
+        if key[1] < self._born_after or key in self._foreign:
+            return False
+        with contextlib.suppress(psutil.Error):  # AccessDenied: another user's; NoSuchProcess: gone
+            if proc.environ().get(_RUN_COOKIE) == self._cookie:
+                return True
+        self._foreign.add(key)
+        return False
 
     def _alive(self) -> list[psutil.Process]:
         return [proc for proc in self.known.values() if _running(proc)]
