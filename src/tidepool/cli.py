@@ -124,16 +124,23 @@ def _run_failed(exc: Exception) -> int:
         leaves = list(leaves[0].exceptions)  # type: ignore[arg-type]
     for leaf in leaves:
         if isinstance(leaf, ConfigError):
-            print(f"tidepool: {leaf}", file=sys.stderr)
+            _fatal(f"tidepool: {leaf}")
             return USAGE
     for leaf in leaves:
         if isinstance(leaf, StoreUnavailable):
-            print(f"tidepool: {leaf}", file=sys.stderr)
+            _fatal(f"tidepool: {leaf}")
             return 1
         if isinstance(leaf, OSError):
-            print(f"tidepool: cannot start: {leaf}", file=sys.stderr)
+            _fatal(f"tidepool: cannot start: {leaf}")
             return 1
     raise exc
+
+
+def _fatal(message: str) -> None:
+    """Why the daemon did not start; in the journal at error priority, so `journalctl -p warning` shows it."""
+    from . import logs
+
+    print(f"<3>{message}" if logs.stderr_is_journal() else message, file=sys.stderr)
 
 
 def _have_uvloop() -> bool:

@@ -72,6 +72,11 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(name)s: %(message)s" if journal else "%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.journal = journal
 
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # One line per event: a command's stderr quoted in a message must not start lines of its own.
+        record.message = record.message.replace("\r", "\\r").replace("\n", "\\n")
+        return super().formatMessage(record)
+
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
         if not self.journal:

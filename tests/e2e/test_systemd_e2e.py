@@ -8,6 +8,8 @@ import json
 import os
 import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -207,3 +209,18 @@ def test_text_logs_with_journal_priorities_and_debug_steps(make_daemon: Callable
     assert [s.rsplit(" ", 1)[1] for s in steps if " phase " in s] == ["initialize", "prepare", "run", "stop"]
     assert any(s.startswith("plugin noop finished in ") for s in steps)
     assert f"<6>tidepool.engine: task {task['id']} attempt " in "\n".join(lines)
+
+
+@pytest.mark.e2e
+def test_why_the_daemon_did_not_start_is_an_error_in_the_journal(daemon: Daemon, tmp_path: Path) -> None:
+    """`journalctl -u tidepool -p warning` must show why a start failed (here: the node already runs)."""
+    stderr = tmp_path / "twin-stderr"
+    stderr.touch()
+    st = os.stat(stderr)
+    with open(stderr, "w") as out:
+        code = subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(daemon.config_path)],
+                              cwd=daemon.root, env={**daemon.env, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"},
+                              stdout=subprocess.DEVNULL, stderr=out, stdin=subprocess.DEVNULL, timeout=30).returncode
+    assert code == 2
+    (line,) = stderr.read_text().splitlines()
+    assert line.startswith("<3>tidepool: node e2e-node already runs"), line

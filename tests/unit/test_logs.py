@@ -79,6 +79,15 @@ def test_every_line_of_a_text_traceback_gets_the_prefix_in_the_journal() -> None
     assert not plain.startswith("<") and " WARNING tidepool.engine: node a ready" in plain
 
 
+
+@pytest.mark.parametrize("journal", [False, True])
+def test_a_message_quoting_multiline_output_stays_one_line_and_cannot_forge_another(journal: bool) -> None:
+    stderr = "line1\n2026-01-01 00:00:00,000 ERROR tidepool.service: forged\r\n"
+    text = logs.TextFormatter(journal=journal).format(
+        record(f"task x failed: scan exited with status 3: {stderr}", level=logging.WARNING))
+    assert "\n" not in text and "\r" not in text
+    assert text.endswith("status 3: line1\\n2026-01-01 00:00:00,000 ERROR tidepool.service: forged\\r\\n")
+
 CHILD = """
 import logging
 from tidepool import logs
