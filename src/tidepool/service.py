@@ -46,6 +46,7 @@ from .store import Node, Store, open_store
 from .systemd import Notifier, StatusReporter, run_watchdog
 
 log = logging.getLogger("tidepool.service")
+READY_PROBE_S = 2.0  # /readyz: a store slower than this to count the queue is as good as away
 RESTART_KEYS = ("store.url", "api.listen", "node.id", "node.state_dir", "api.token_file", "api.max_body_kb")
 GC_YOUNG_THRESHOLD = 20_000
 QUEUE_STATES = ("pending", "leased", "running", "retry_wait", "cancelling")
@@ -386,10 +387,12 @@ class Daemon:
         if not self.ready:
             return "starting"
         try:
-            with anyio.fail_after(2.0):
+            with anyio.fail_after(READY_PROBE_S):
                 await self.store.counts()
-        except (StoreUnavailable, TimeoutError) as exc:
+        except StoreUnavailable as exc:
             return f"store unavailable: {exc}"
+        except TimeoutError:
+            return f"store unavailable: no answer within {READY_PROBE_S:g}s"
         return None
 
     # reload
