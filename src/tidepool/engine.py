@@ -21,7 +21,7 @@ import anyio
 import anyio.lowlevel
 
 from .context import TaskContext
-from .errors import LeaseLost, PluginError, TidepoolError
+from .errors import LeaseLost, PluginError, StoreUnavailable, TidepoolError
 from .events import EventBus
 from .leases import Held, LeaseKeeper
 from .lifecycle import RetryPolicy
@@ -33,6 +33,7 @@ from .resources import ResourcePool, Slot
 from .store import Store
 
 log = logging.getLogger("tidepool.engine")
+RESULT_RETRY_S = 0.5  # between tries of a result write while the store does not answer
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,17 @@ class Engine:
                              **progress)
 
     async def _result(self, held: Held, worker_id: str, batch: ResultBatch) -> ResultBatch:
-        ack = await self._store.record_result(held.lease, batch, now=self._clock())
+        """Store a plugin's result batch. A store that does not answer is tried again for as long as this node
+        holds the lease: an outage costs the plugin a wait, never its attempt (the fence keeps a retry safe).
+        Past the lease the keeper stops the attempt anyway, and its end is the lease's, not the plugin's."""
+        while True:
+            try:
+                ack = await self._store.record_result(held.lease, batch, now=self._clock())
+                break
+            except StoreUnavailable:
+                if held.why is not None or self._leases.time_left(held) <= RESULT_RETRY_S:
+                    raise
+            await anyio.sleep(RESULT_RETRY_S)
         self._events.publish("task.result", task_id=held.lease.task_id, worker_id=worker_id, plugin=ack.plugin,
                              sequence=ack.sequence, idempotency_key=ack.idempotency_key, final=ack.final)
         return ack

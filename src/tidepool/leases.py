@@ -81,6 +81,10 @@ class LeaseKeeper:
             held.progress = progress
         self._dirty.add(held.lease.attempt_id)
 
+    def time_left(self, held: Held) -> float:
+        """Seconds until the lease is given up unless a renewal gets through first."""
+        return held.deadline - self._monotonic()
+
     def held(self) -> list[Held]:
         return list(self._held.values())
 

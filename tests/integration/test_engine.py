@@ -9,10 +9,10 @@ import pytest
 
 from tidepool.api.schemas import task_json
 from tidepool.context import TaskContext
-from tidepool.errors import PluginError
+from tidepool.errors import PluginError, StoreUnavailable
 from tidepool.leases import Held
 from tidepool.lifecycle import RetryPolicy
-from tidepool.model import AttemptStatus, Claimed, State
+from tidepool.model import AttemptStatus, Claimed, Lease, ResultBatch, State
 from tidepool.plugins import PluginDef, Registry
 from tidepool.settings import TypeSettings
 from tidepool.store.sqlite import SqliteStore
@@ -113,6 +113,37 @@ async def test_a_task_retried_to_success_shows_one_final_result_per_plugin_that_
     shown = task_json(task)["results"]
     assert [(r["plugin"], r["attempt_id"], r["final"]) for r in shown] == [
         ("scan", failed, False), ("scan", succeeded, True), ("report", succeeded, True)]
+
+
+class ResultsAway:
+    """The real store, whose result writes fail as a refused connection would until `back_at` (monotonic)."""
+
+    def __init__(self, store: SqliteStore, away_s: float) -> None:
+        self._store = store
+        self.back_at = time.monotonic() + away_s
+        self.refused = 0
+
+    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
+        if time.monotonic() < self.back_at:
+            self.refused += 1
+            raise StoreUnavailable("connection refused")
+        return await self._store.record_result(lease, batch, now=now)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+
+async def test_a_store_outage_within_the_lease_costs_a_result_write_a_wait_not_the_attempt(
+        sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    async def scan(ctx: TaskContext) -> None:
+        await ctx.emit({"ports": [22]}, final=True)
+
+    away = ResultsAway(sqlite_store, away_s=1.2)
+    async with running_node(away, {"scan": scan}, work_root=tmp_path) as node:  # type: ignore[arg-type]
+        task = await node.finished(await node.submit("scan", max_attempts=1))
+    assert away.refused >= 2
+    assert task.state is State.COMPLETED, task.error
+    assert [(r.plugin, r.payload, r.final) for r in task.results] == [("scan", {"ports": [22]}, True)]
 
 async def test_a_finished_task_shows_its_last_progress_report(sqlite_store: SqliteStore, tmp_path: Path) -> None:
     async def reports(ctx: TaskContext) -> None:  # ends long before the lease keeper's next flush
