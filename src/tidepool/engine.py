@@ -89,7 +89,7 @@ class Engine:
         for item in items:
             self._give_back(*item)
 
-    def abandon_running(self) -> int:
+    def abandon_running(self) -> None:
         """Shutdown, once running tasks had their time to stop: post every attempt still running as
         interrupted, which uses no attempt (SPEC rule 6). Left to expire with the lease, it would be
         charged as a crash after the restart, and could fail a task the operator only stopped the node
@@ -101,7 +101,6 @@ class Engine:
                         held.lease.attempt_id)
             self._conclude(task, held, Outcome(AttemptStatus.INTERRUPTED, TaskError(
                 "interrupted", "interrupted by shutdown; did not stop in time")), worker_id)
-        return len(items)
 
     def _give_back(self, claimed: Claimed, held: Held, worker_id: str) -> None:
         outcome = Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "released unstarted"))

@@ -87,7 +87,7 @@ class Daemon:
                              resources=self.resources)
         self.pool = Pool(self.store, self.engine, self.leases, self.events, config=_pool_config(settings),
                          node_id=self.node_id, instance_id=self.instance_id, claim_filter=self._claim_filter,
-                         promise_slots=self.resources.claiming, may_claim=self.guards.ok)
+                         promise_slots=self.resources.claiming, may_claim=self._may_claim)
         self.reconciler = Reconciler(self.store, self.events, config=_reconciler_config(settings),
                                      policy=lambda: self.engine.policy, wake=self.pool.wake,
                                      fleet_tags=self._fleet_tag_sets)
@@ -456,6 +456,11 @@ class Daemon:
         except (InvalidRequest, StoreUnavailable) as exc:
             log.error("schedules from %s not saved: %s", self.config_path or "defaults", exc)
         self._synced_schedules = settings.schedules
+
+    def _may_claim(self) -> bool:
+        """Not while a host guard holds, nor on a node whose pool.task_types accepts none of its types (one
+        that only takes submits for the fleet)."""
+        return self.guards.ok() and bool(self._claim_filter().type_globs)
 
     def _claim_filter(self) -> ClaimFilter:
         """Types this node runs, tags its free slots carry (rule 2); asked before every claim, so cached.

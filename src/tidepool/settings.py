@@ -357,9 +357,6 @@ def _describe(exc: ValidationError) -> str:
 
 
 def _check_references(settings: Settings) -> None:
-    if not settings.claimed_types():
-        raise ConfigError(f"config: pool.task_types: {list(settings.pool.task_types)} accepts none of this node's "
-                          f"task types ({', '.join(sorted(settings.all_types))}): it would never claim")
     for sched in settings.schedules:
         if sched.type not in settings.all_types:
             raise ConfigError(f"config: schedules.{sched.name}.type: unknown task type {sched.type!r}")

@@ -207,10 +207,8 @@ def test_a_url_that_is_no_address_is_a_usage_error_naming_url(cli: Cli, url: str
     ({}, {"TIDEPOOL_API__LISTEN": "0.0.0.0:18541"}, "api.token_file is required"),
     ({}, {"TIDEPOOL_STORE__URL": "mysql://x"}, "store.url: unsupported URL"),
     ({}, {"TIDEPOOL_NODE__STATE_DIR": "/etc/hostname"}, "node.state_dir: /etc/hostname is not a directory"),
-    ({"pool": {"task_types": ["nosuch*"]}}, {}, "pool.task_types: ['nosuch*'] accepts none of this node's task types"),
 ], ids=["max-below-min", "unknown-key", "bad-env-override", "env-list-not-json", "env-deny-not-json",
-        "unknown-plugin", "denied-plugin", "off-loopback-without-token", "unsupported-store", "state-dir-a-file",
-        "task-types-accept-nothing"])
+        "unknown-plugin", "denied-plugin", "off-loopback-without-token", "unsupported-store", "state-dir-a-file"])
 def test_run_with_an_invalid_config_exits_2_naming_the_key(tmp_path: Path, cli: Cli, config: dict[str, dict[str, Any]],
                                                             env: dict[str, str], key: str) -> None:
     path = tmp_path / "bad.toml"
