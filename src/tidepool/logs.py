@@ -49,16 +49,16 @@ class Outage:
 
     def __init__(self, logger: logging.Logger) -> None:
         self._log = logger
-        self.on = False
+        self._on = False
 
     def failing(self, message: str, *args: Any) -> None:
-        if not self.on:
-            self.on = True
+        if not self._on:
+            self._on = True
             self._log.warning(message, *args)
 
     def over(self, message: str, *args: Any) -> None:
-        if self.on:
-            self.on = False
+        if self._on:
+            self._on = False
             self._log.info(message, *args)
 
 
