@@ -97,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
 # the daemon
 
 
+EXIT_GRACE_S = 5.0  # from the end of the drain: see _exit_within
+
+
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     import anyio
 
@@ -109,11 +112,33 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     notifier = Notifier.from_environ(os.environ)
     config_path = settings_mod.find_config(args.config)
     try:
-        anyio.run(lambda: serve(settings, config_path=config_path, notifier=notifier),
+        anyio.run(lambda: serve(settings, config_path=config_path, notifier=notifier,
+                                when_drained=lambda: _exit_within(EXIT_GRACE_S)),
                   backend_options={"use_uvloop": _have_uvloop()})
     except Exception as exc:  # sorted into exit codes below; the unexpected is re-raised
         return _run_failed(exc)
     return OK
+
+
+def _exit_within(grace_s: float) -> None:
+    """Shutdown has written every outcome: end the process within grace_s even if plugin code still runs.
+
+    A plugin blocked in a thread (asyncio.to_thread cannot be cancelled) or one that swallows its
+    cancellation would keep the process alive for as long as it pleases, past systemd's TimeoutStopSec
+    and its SIGKILL. Its attempt is already recorded, so nothing is lost by leaving without it."""
+    import logging
+    import threading
+
+    def end() -> None:
+        logging.getLogger("tidepool.service").error(
+            "plugin code still runs %.0fs after the drain (a blocking thread, or a plugin that ignores its "
+            "cancellation); exiting without it", grace_s)
+        logging.shutdown()
+        os._exit(OK)
+
+    timer = threading.Timer(grace_s, end)
+    timer.daemon = True  # a process that ends on its own first takes it along
+    timer.start()
 
 
 def _run_failed(exc: Exception) -> int:

@@ -14,7 +14,7 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -56,8 +56,9 @@ class Daemon:
     """One node: store, pool, engine, leases, reconciler and API, wired from one Settings."""
 
     def __init__(self, settings: Settings, *, config_path: Path | None = None,
-                 notifier: Notifier | None = None) -> None:
+                 notifier: Notifier | None = None, when_drained: Callable[[], None] = lambda: None) -> None:
         self.settings = settings
+        self._when_drained = when_drained  # every outcome written: see cli's bounded exit
         self.config_path = config_path
         self.notifier = notifier or Notifier()
         self.node_id = settings.node.node_id
@@ -186,6 +187,7 @@ class Daemon:
         if self.engine.outcomes.pending:
             log.warning("node %s: %d outcomes not written; their leases expire by time", self.node_id,
                         self.engine.outcomes.pending)
+        self._when_drained()
         self.events.close()
 
     async def _handle_signals(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -473,8 +475,10 @@ class Daemon:
 
 
 async def serve(settings: Settings, *, config_path: Path | None = None, notifier: Notifier | None = None,
+                when_drained: Callable[[], None] = lambda: None,
                 task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-    await Daemon(settings, config_path=config_path, notifier=notifier).run(task_status=task_status)
+    daemon = Daemon(settings, config_path=config_path, notifier=notifier, when_drained=when_drained)
+    await daemon.run(task_status=task_status)
 
 
 def check_startable(settings: Settings) -> None:

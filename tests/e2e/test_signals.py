@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import psutil  # type: ignore[import-untyped]
@@ -176,6 +177,38 @@ def test_a_task_that_does_not_stop_in_time_at_shutdown_is_interrupted_not_charge
     daemon.start()  # before: the lease was expired at restart, which used the only attempt: failed
     daemon.wait_for("the task to run again", lambda: running(daemon, task_id))
     assert daemon.task(task_id)["state"] == "running"
+
+
+BLOCKING_PLUGIN = """
+import asyncio, time
+
+async def blocks(ctx):
+    await asyncio.to_thread(time.sleep, 120)  # a thread cannot be cancelled: the task never stops
+"""
+
+
+@pytest.mark.e2e
+def test_a_plugin_blocked_in_a_thread_does_not_keep_the_stopped_daemon_alive(
+        make_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "blocking_plugins.py").write_text(BLOCKING_PLUGIN)
+    daemon = make_daemon({
+        "pool": {"min_workers": 1, "drain_timeout_s": 1.0},
+        "execution": {"kill_grace_s": 0.0, "stop_timeout_s": 1.0},
+        "plugins.blocks": {"python": "blocking_plugins:blocks"},
+        "types.blocks": {"plugins": ["blocks"]},
+    }, env={"PYTHONPATH": str(plugins)})
+    daemon.start()
+    task_id = daemon.submit("blocks")["id"]
+    daemon.wait_for("the plugin to run", lambda: running(daemon, task_id))
+    assert daemon.proc is not None
+    sent = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(30) == 0, daemon.log()  # before: alive until the thread's 120 s were over
+    assert time.monotonic() - sent < 15.0
+    assert row(daemon, task_id) == ("pending", 0, 1), "recorded interrupted before the process left"
+    assert "plugin code still runs 5s after the drain" in daemon.log()
 
 def rewrite(daemon: Daemon, overrides: dict[str, dict[str, Any]] | None = None, *, text: str | None = None) -> None:
     daemon.config_path.write_text(text if text is not None else to_toml(merge(daemon.config, overrides or {})))
