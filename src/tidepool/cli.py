@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -108,6 +109,9 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     from .systemd import Notifier, enable_faulthandler
 
     logs.setup(settings.log.level, settings.log.format)
+    # Until the daemon listens for it (the store opened, the API bound), a SIGHUP must not end the process
+    # as its default action does. The daemon's own handler replaces this one, so commands do not inherit it.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     enable_faulthandler()  # a watchdog abort (SIGABRT) leaves every thread's traceback in the journal
     notifier = Notifier.from_environ(os.environ)
     config_path = settings_mod.find_config(args.config)

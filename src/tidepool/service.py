@@ -59,6 +59,7 @@ class Daemon:
                  notifier: Notifier | None = None, when_drained: Callable[[], None] = lambda: None) -> None:
         self.settings = settings
         self._when_drained = when_drained  # every outcome written: see cli's bounded exit
+        self._reload_when_ready = False  # a SIGHUP came while the node was starting
         self.config_path = config_path
         self.notifier = notifier or Notifier()
         self.node_id = settings.node.node_id
@@ -147,6 +148,8 @@ class Daemon:
                              __version__, _loop_name(), redacted(self.settings.store.url), self.settings.api.listen,
                              self.pool.config.min_workers, self.pool.config.max_workers)
                     task_status.started()
+                    if self._reload_when_ready:
+                        tg.start_soon(self.reload)
                     await self._shutdown.wait()
                     await self._drain()
                     await self.heartbeat.leave()
@@ -194,7 +197,10 @@ class Daemon:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             task_status.started()
             async for signum in signals:
-                if signum == signal.SIGHUP:
+                if signum == signal.SIGHUP and not self.ready:  # READY=1 must wait for the node, not the reload
+                    log.info("SIGHUP while starting: the config is read again once the node is ready")
+                    self._reload_when_ready = True
+                elif signum == signal.SIGHUP:
                     await self.reload()
                 elif self._shutdown.is_set() and signum == signal.SIGINT:
                     log.warning("second SIGINT: interrupting running tasks now")
@@ -441,8 +447,10 @@ class Daemon:
                               min_free_disk_mb=new.guards.min_free_disk_mb)
         self.pool.config.poll_interval_s = new.pool.poll_interval_s
         self.pool.config.claim_batch = new.pool.claim_batch
-        self.pool.resize(min_workers=new.pool.min_workers, max_workers=new.pool.max_workers,
-                         idle_timeout_s=new.pool.idle_timeout_s)
+        sizes = ("pool.min_workers", "pool.max_workers", "pool.idle_timeout_s")
+        if self.pool.resize(min_workers=new.pool.min_workers, max_workers=new.pool.max_workers,
+                            idle_timeout_s=new.pool.idle_timeout_s) and not any(k in changed for k in sizes):
+            changed.append("pool sizes (back to the file's from PATCH /v1/pool)")
         self.settings = new
         if new.schedules != self._synced_schedules:
             await self._sync_schedules(new)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -307,3 +309,43 @@ def test_sighup_with_an_invalid_file_keeps_the_running_config(
     metrics = daemon.request("GET", "/metrics").body
     assert 'tidepool_config_reloads_total{result="rejected"} 4.0' in metrics
     assert 'tidepool_config_reloads_total{result="ok"} 2.0' in metrics
+
+
+def ignores_sighup(pid: int) -> bool:
+    """Whether the process ignores SIGHUP now (bit 0 of SigIgn in /proc/PID/status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return bool(int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", status, re.M).group(1), 16) & 1)  # type: ignore[union-attr]
+
+
+@pytest.mark.e2e
+def test_sighup_while_starting_neither_kills_the_daemon_nor_says_ready_early(
+        make_daemon: Callable[..., Daemon], notify: NotifySocket) -> None:
+    daemon = make_daemon(env=notify.env())
+    with open(daemon.log_path, "ab") as log:
+        daemon.proc = subprocess.Popen([sys.executable, "-m", "tidepool", "run", "--config", str(daemon.config_path)],
+                                       cwd=daemon.root, env=daemon.env, stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.DEVNULL, stderr=log)
+    deadline = time.monotonic() + 20
+    while not ignores_sighup(daemon.pid):  # from the start of `run`: before it, Python's own imports
+        assert daemon.proc.poll() is None and time.monotonic() < deadline, daemon.log()
+        time.sleep(0.005)
+    while not any(m.text.startswith("READY=1") for m in notify.messages):
+        daemon.proc.send_signal(signal.SIGHUP)  # before: the default action ended the process (exit -1)
+        assert daemon.proc.poll() is None, daemon.log()
+        assert time.monotonic() < deadline, daemon.log()
+        time.sleep(0.02)
+    texts = [m.text for m in notify.messages]
+    assert texts[0].startswith("READY=1"), f"READY=1 went out before the node was ready: {texts}"
+    notify.wait_for(RELOADING, timeout_s=10)  # the SIGHUPs are answered once it is ready
+    assert daemon.get("/readyz").status == 200
+
+
+@pytest.mark.e2e
+def test_a_reload_after_patch_says_it_set_the_pool_back_to_the_file(
+        make_daemon: Callable[..., Daemon], notify: NotifySocket) -> None:
+    daemon = make_daemon({"pool": {"min_workers": 2, "max_workers": 4}}, env=notify.env())
+    daemon.start()
+    assert daemon.request("PATCH", "/v1/pool", {"min_workers": 3, "max_workers": 9}).status == 200
+    reload(daemon, notify)  # the file is unchanged
+    assert (pool(daemon)["min_workers"], pool(daemon)["max_workers"]) == (2, 4)
+    assert "pool sizes (back to the file's from PATCH /v1/pool)" in daemon.log(), "before: 'nothing changed'"
