@@ -138,12 +138,15 @@ class Engine:
         if outcome is not None:
             return outcome
         if held.why == "cancel":
-            return Outcome(AttemptStatus.CANCELLED, TaskError("cancelled", "cancelled on request", False))
-        if held.why == "interrupt":
-            return Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "interrupted by shutdown"))
-        if held.why is None and held.scope.cancelled_caught:  # the run phase's deadline passed
-            return self._timed_out(ctx.task, f"run phase timed out after {self._run_timeout_s(ctx.task)}s")
-        return None  # the lease is gone: nothing of this attempt may be written
+            outcome = Outcome(AttemptStatus.CANCELLED, TaskError("cancelled", "cancelled on request", False))
+        elif held.why == "interrupt":
+            outcome = Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "interrupted by shutdown"))
+        elif held.why is None and held.scope.cancelled_caught:  # the run phase's deadline passed
+            outcome = self._timed_out(ctx.task, f"run phase timed out after {self._run_timeout_s(ctx.task)}s")
+        else:
+            return None  # the lease is gone: nothing of this attempt may be written
+        outcome.exit_status, outcome.stderr_tail = ctx.exit_status, ctx.stderr_tail  # a killed command's last words
+        return outcome
 
     async def _phases(self, ctx: TaskContext, held: Held, worker_id: str) -> Outcome:
         task = ctx.task
@@ -164,7 +167,9 @@ class Engine:
                 await self._run_plugin(ctx, held, plugin, worker_id)
             return Outcome(AttemptStatus.SUCCEEDED, exit_status=ctx.exit_status, stderr_tail=ctx.stderr_tail)
         except _PluginTimedOut as exc:
-            return self._timed_out(task, str(exc))
+            outcome = self._timed_out(task, str(exc))
+            outcome.exit_status, outcome.stderr_tail = ctx.exit_status, ctx.stderr_tail
+            return outcome
         except PluginError as exc:
             log.warning("task %s attempt %s failed: %s (%s)", task.id, held.lease.attempt_id, exc, exc.code)
             return Outcome(AttemptStatus.FAILED, TaskError(exc.code, str(exc), exc.retryable),

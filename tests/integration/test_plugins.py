@@ -8,6 +8,7 @@ which pids must be gone afterwards without sleeping for them to start.
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 import time
@@ -179,6 +180,22 @@ async def test_a_timed_out_tree_is_gone_within_the_grace_even_setsid_and_sigterm
     assert took <= timeout_s + GRACE_S + 1.0
     assert not (tmp_path / "work" / task.attempts[0].id).exists()  # the stop phase removed the workdir
 
+
+
+@pytest.mark.parametrize("timeout_in", ["type", "plugin"])
+async def test_a_timed_out_command_keeps_its_exit_status_and_stderr_tail_on_the_attempt(
+        sqlite_store: SqliteStore, tmp_path: Path, timeout_in: str) -> None:
+    """What a hung scanner said before it was killed is what its operator needs most (SPEC §9)."""
+    script = (PY, "-c", "import sys, time; print('scanning 10.0.0.0/8', file=sys.stderr, flush=True); time.sleep(60)")
+    spec = PluginSpec(command=script, timeout_s=0.5) if timeout_in == "plugin" else PluginSpec(command=script)
+    kind = TypeSettings(plugins=("hung",), timeout_s=0.5) if timeout_in == "type" else TypeSettings(plugins=("hung",))
+    registry = registry_of({"hung": spec}, {"hung": kind})
+    async with running_node(sqlite_store, {}, registry=registry, work_root=tmp_path / "work") as node:
+        task = await node.finished(await node.submit("hung", max_attempts=1))
+    assert task.state is State.TIMED_OUT
+    (attempt,) = task.attempts
+    assert attempt.exit_status == -signal.SIGTERM
+    assert attempt.stderr_tail == "scanning 10.0.0.0/8\n"
 
 async def test_memory_past_the_budget_kills_the_tree_and_names_memory_mb(sqlite_store: SqliteStore,
                                                                           tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +89,7 @@ def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float) -> Plugi
         await anyio.to_thread.run_sync(lambda: workdir.mkdir(parents=True, exist_ok=True))
         ctx.workdir_used = True
         result = await run_command(argv, env=scrubbed_env(spec.env), workdir=workdir, limits=limits,
-                                   kill_grace_s=kill_grace_s)
-        ctx.exit_status, ctx.stderr_tail = result.exit_status, result.stderr_tail
+                                   kill_grace_s=kill_grace_s, on_end=partial(_keep_on_attempt, ctx))
         # A failed run's output is kept to look at, but it is not the plugin's result: a task retried to
         # success has one final result per plugin (SPEC §9), that of the attempt that succeeded.
         await ctx.emit(result.result_payload(), final=result.exit_status == 0)
@@ -102,6 +102,10 @@ def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float) -> Plugi
 
     run.__name__ = name
     return run
+
+
+def _keep_on_attempt(ctx: TaskContext, exit_status: int | None, stderr_tail: str) -> None:
+    ctx.exit_status, ctx.stderr_tail = exit_status, stderr_tail
 
 
 def remove_workdir(path: str) -> None:

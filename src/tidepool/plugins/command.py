@@ -32,7 +32,7 @@ import signal
 import string
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,8 +145,11 @@ async def run_command(
     limits: CommandLimits,
     kill_grace_s: float,
     poll_interval_s: float = 0.2,
+    on_end: Callable[[int | None, str], None] = lambda exit_status, stderr_tail: None,
 ) -> CommandResult:
-    """Run argv in its own session; a non-zero exit is a result, a breached limit a LimitExceeded."""
+    """Run argv in its own session; a non-zero exit is a result, a breached limit a LimitExceeded.
+    `on_end` hears the exit status and stderr tail however the run ended: a timeout or a cancel arrives as
+    a cancellation, and a breach as an exception, and the operator wants both on the attempt all the same."""
     capture = _Capture(stdout_cap=limits.max_output_kb * 1024)
     rlimits = _rlimits(limits)
     prlimit = _prlimit_program() if rlimits else None
@@ -169,6 +172,7 @@ async def run_command(
             await tree.kill(grace_s=kill_grace_s)
             await capture.closed.wait()  # reaped, and both pipes read to the end
         transport.close()
+        on_end(transport.get_returncode(), capture.stderr.decode(errors="replace"))
     exit_status = transport.get_returncode()
     if breach is not None:
         raise breach
