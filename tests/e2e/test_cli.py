@@ -207,8 +207,11 @@ def test_a_url_that_is_no_address_is_a_usage_error_naming_url(cli: Cli, url: str
     ({}, {"TIDEPOOL_API__LISTEN": "0.0.0.0:18541"}, "api.token_file is required"),
     ({}, {"TIDEPOOL_STORE__URL": "mysql://x"}, "store.url: unsupported URL"),
     ({}, {"TIDEPOOL_NODE__STATE_DIR": "/etc/hostname"}, "node.state_dir: /etc/hostname is not a directory"),
+    ({"plugins.echo": {"command": ["/bin/echo", "{target.host}"]}, "types.echo": {"plugins": ["echo"]}}, {},
+     "plugins.echo.command[1]: placeholder in '{target.host}' must be a plain {name}"),
 ], ids=["max-below-min", "unknown-key", "bad-env-override", "env-list-not-json", "env-deny-not-json",
-        "unknown-plugin", "denied-plugin", "off-loopback-without-token", "unsupported-store", "state-dir-a-file"])
+        "unknown-plugin", "denied-plugin", "off-loopback-without-token", "unsupported-store", "state-dir-a-file",
+        "command-template"])
 def test_run_with_an_invalid_config_exits_2_naming_the_key(tmp_path: Path, cli: Cli, config: dict[str, dict[str, Any]],
                                                             env: dict[str, str], key: str) -> None:
     path = tmp_path / "bad.toml"

@@ -10,10 +10,10 @@ from typing import Any
 import anyio
 
 from ..context import TaskContext
-from ..errors import InvalidArgument, LimitExceeded, PluginError
+from ..errors import ConfigError, InvalidArgument, LimitExceeded, PluginError
 from ..settings import PluginSpec
 from . import Plugin
-from .command import CommandLimits, ran_out_of_files, render_argv, run_command, scrubbed_env
+from .command import CommandLimits, check_template, ran_out_of_files, render_argv, run_command, scrubbed_env
 from .netprobe import http_probe as probe_url
 from .netprobe import tcp_connect as scan_ports
 from .netprobe import validate_ports, validate_target
@@ -78,6 +78,10 @@ def _float(ctx: TaskContext, name: str, default: float) -> float:
 def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float) -> Plugin:
     """A plugin that runs spec.command (an argument list, never a shell) in its own process tree."""
     assert spec.command is not None
+    try:
+        check_template(spec.command)
+    except InvalidArgument as exc:
+        raise ConfigError(f"config: plugins.{name}.{exc}") from None
     limits = CommandLimits(memory_mb=spec.memory_mb, cpu_s=spec.cpu_s, nofile=spec.nofile,
                            max_output_kb=spec.max_output_kb)
 

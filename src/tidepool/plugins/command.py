@@ -63,21 +63,33 @@ def render_argv(template: Sequence[str], values: Mapping[str, object]) -> list[s
     return [_render_element(index, element, values) for index, element in enumerate(template)]
 
 
-def _render_element(index: int, element: str, values: Mapping[str, object]) -> str:
+def check_template(template: Sequence[str]) -> None:
+    """Refuse, with InvalidArgument naming the element, a template no payload could render (checked when the
+    config is loaded, so a typo is a config error rather than a failure of every task)."""
+    for index, element in enumerate(template):
+        _parts(index, element)
+
+
+def _parts(index: int, element: str) -> list[tuple[str, str | None]]:
+    """The element as (literal, placeholder name or None) pairs."""
     where = f"command[{index}]"
     try:
         parts = list(_FORMATTER.parse(element))
     except ValueError as exc:
         raise InvalidArgument(where, f"bad template {element!r}: {exc}") from None
-    out: list[str] = []
-    for literal, name, spec, conversion in parts:
-        out.append(literal)
-        if name is None:
-            continue
+    for _, name, spec, conversion in parts:
         # Attribute/index lookups and format specs would let a payload reach into objects.
-        if not name.isidentifier() or spec or conversion:
+        if name is not None and (not name.isidentifier() or spec or conversion):
             raise InvalidArgument(where, f"placeholder in {element!r} must be a plain {{name}}")
-        out.append(_template_value(name, values))
+    return [(literal, name) for literal, name, _, _ in parts]
+
+
+def _render_element(index: int, element: str, values: Mapping[str, object]) -> str:
+    out: list[str] = []
+    for literal, name in _parts(index, element):
+        out.append(literal)
+        if name is not None:
+            out.append(_template_value(name, values))
     return "".join(out)
 
 
