@@ -21,7 +21,7 @@ from rich.text import Text
 
 from . import settings as settings_mod
 from .client import ApiError, Client, InvalidAddress, Unreachable
-from .errors import ConfigError, StoreUnavailable
+from .errors import ConfigError, SchemaMismatch, StoreUnavailable
 from .settings import Settings, api_address
 
 OK, TASK_FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     except StoreUnavailable as exc:
         print(f"tidepool: {exc}", file=sys.stderr)
         return UNREACHABLE
+    except SchemaMismatch as exc:  # the store answered: not exit 3, and retrying will not help
+        print(f"tidepool: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `tidepool list | head`: the reader has what it wanted
@@ -156,7 +159,7 @@ def _run_failed(exc: Exception) -> int:
             _fatal(f"tidepool: {leaf}")
             return USAGE
     for leaf in leaves:
-        if isinstance(leaf, StoreUnavailable):
+        if isinstance(leaf, StoreUnavailable | SchemaMismatch):
             _fatal(f"tidepool: {leaf}")
             return 1
         if isinstance(leaf, OSError):
@@ -182,15 +185,22 @@ def _have_uvloop() -> bool:
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     from .service import redacted
-    from .store import open_store
+    from .store import SCHEMA_VERSION, open_store
 
-    async def migrate() -> None:
+    async def migrate() -> int:
         store = open_store(settings.store.url)
-        await store.open(migrate=True)
+        found = await store.open(migrate=True)
         await store.close()
+        return found
 
-    asyncio.run(migrate())
-    print(f"store {redacted(settings.store.url)}: the schema is current")
+    found, current = asyncio.run(migrate()), SCHEMA_VERSION
+    where = f"store {redacted(settings.store.url)}"
+    if found == current:
+        print(f"{where}: the schema is current (version {current}); nothing to do")
+    elif found == 0:
+        print(f"{where}: created the schema (version {current})")
+    else:
+        print(f"{where}: upgraded the schema from version {found} to {current}")
     return OK
 
 

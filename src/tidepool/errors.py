@@ -6,6 +6,7 @@
     ├── InvalidRequest           a submission names an unknown type or unserviceable tags (HTTP 400)
     ├── StoreError
     │   ├── StoreUnavailable     the store cannot be reached; retry later (HTTP 503, exit 3)
+    │   ├── SchemaMismatch       the store's schema is newer than this tidepool, or older and not migrated (exit 1)
     │   ├── TaskNotFound         no task with this id (HTTP 404)
     │   ├── ScheduleNotFound     no schedule with this name (HTTP 404)
     │   ├── Conflict             a write contradicts an earlier one (HTTP 409)
@@ -47,6 +48,10 @@ class StoreError(TidepoolError):
 
 class StoreUnavailable(StoreError):
     pass
+
+
+class SchemaMismatch(StoreError):
+    """The store answered, with a schema this tidepool cannot use as it is: retrying will not help."""
 
 
 class TaskNotFound(StoreError):

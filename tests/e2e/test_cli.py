@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tidepool.store import SCHEMA_VERSION
+
 from .conftest import Daemon, clean_env, free_port, to_toml
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]
@@ -106,8 +108,16 @@ def test_migrate_creates_the_store_of_its_config_and_takes_no_daemon_address(tmp
     config.write_text(to_toml({"store": {"url": f"sqlite:///{db}"}}))
     migrated = cli("migrate", "--config", str(config))
     assert migrated.returncode == OK, migrated.stderr
-    assert migrated.stdout.strip() == f"store sqlite:///{db}: the schema is current"
-    assert sqlite3.connect(db).execute("PRAGMA user_version").fetchone()[0] > 0
+    assert migrated.stdout.strip() == f"store sqlite:///{db}: created the schema (version {SCHEMA_VERSION})"
+    assert sqlite3.connect(db).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    again = cli("migrate", "--config", str(config))
+    assert again.stdout.strip() == \
+        f"store sqlite:///{db}: the schema is current (version {SCHEMA_VERSION}); nothing to do"
+    with sqlite3.connect(db) as conn:  # what a newer tidepool would leave: the store answers, retrying cannot help
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    for command in ("migrate", "run"):
+        newer = cli(command, "--config", str(config))
+        assert newer.returncode == 1 and "newer than this tidepool understands" in newer.stderr, newer.stderr
     for command in ("migrate", "run"):  # --url is the daemon's API: these read the config's store instead
         refused = cli(command, "--config", str(config), "--url", "postgresql://elsewhere/db")
         assert refused.returncode == USAGE and "unrecognized arguments: --url" in refused.stderr, refused.stderr

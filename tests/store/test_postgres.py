@@ -17,7 +17,7 @@ from fnmatch import fnmatchcase
 import asyncpg
 import pytest
 
-from tidepool.errors import ConfigError, LeaseLost, StoreUnavailable
+from tidepool.errors import ConfigError, LeaseLost, SchemaMismatch, StoreUnavailable
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, Outcome, Phase, State, Worker
 from tidepool.schedules import Schedule
@@ -244,7 +244,7 @@ async def test_payloads_round_trip_exactly(postgres_schema: tuple[str, str]) -> 
 async def test_open_without_migrate_on_an_empty_schema_says_run_migrate(postgres_schema: tuple[str, str]) -> None:
     url, schema = postgres_schema
     store = PostgresStore(url, schema=schema)
-    with pytest.raises(StoreUnavailable, match="tidepool migrate"):
+    with pytest.raises(SchemaMismatch, match="tidepool migrate"):
         await store.open(migrate=False)
     async with nodes(url, schema, 3):  # three nodes migrating at once: one creates, two find it done
         rows = await admin_fetch(url, f'SELECT version FROM "{schema}".schema_version')
@@ -261,7 +261,7 @@ async def test_an_older_schema_is_upgraded_in_place_by_migrate(
     async with nodes(url, schema, 1) as (old,):
         task, _ = await old.add(NewTask("noop", {"kept": True}), now=T0)
     monkeypatch.undo()
-    with pytest.raises(StoreUnavailable, match=rf"version 1, needs {SCHEMA_VERSION}: run `tidepool migrate`"):
+    with pytest.raises(SchemaMismatch, match=rf"version 1, needs {SCHEMA_VERSION}: run `tidepool migrate`"):
         await PostgresStore(url, schema=schema).open(migrate=False)
     async with nodes(url, schema, 2) as (a, _):
         assert (await a.get(task.id)).payload == {"kept": True}
@@ -285,7 +285,7 @@ async def test_schema_newer_than_this_tidepool_is_refused(postgres_schema: tuple
     url, schema = postgres_schema
     async with nodes(url, schema, 1):
         await admin_fetch(url, f'INSERT INTO "{schema}".schema_version VALUES ($1, 0)', SCHEMA_VERSION + 1)
-    with pytest.raises(StoreUnavailable, match="upgrade tidepool"):
+    with pytest.raises(SchemaMismatch, match="upgrade tidepool"):
         await PostgresStore(url, schema=schema).open()
 
 

@@ -32,6 +32,8 @@ from ..model import (
 )
 from ..schedules import Fired, Schedule
 
+# The schema both adapters build, step by step: 1 tasks, attempts and results; 2 schedules; 3 nodes.
+SCHEMA_VERSION = 3
 
 @dataclass(frozen=True, slots=True)
 class PhaseNote:
@@ -117,7 +119,9 @@ class Node:
 
 
 class Store(Protocol):
-    async def open(self, *, migrate: bool = True) -> None: ...
+    async def open(self, *, migrate: bool = True) -> int:
+        """Connect; with `migrate`, bring the schema up to this version's. Returns the schema version the store
+        had (0: none yet). SchemaMismatch when it is newer, or older and `migrate` is false."""
     async def close(self) -> None: ...
 
     # producers

@@ -58,8 +58,8 @@ class MemoryStore:
         self._schedules: dict[str, Schedule] = {}
         self._nodes: dict[str, Node] = {}
 
-    async def open(self, *, migrate: bool = True) -> None:
-        pass
+    async def open(self, *, migrate: bool = True) -> int:
+        return 0  # nothing persists: every open starts empty
 
     async def close(self) -> None:
         pass

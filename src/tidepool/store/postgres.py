@@ -42,6 +42,7 @@ from ..errors import (
     LeaseLost,
     QueueFull,
     ScheduleNotFound,
+    SchemaMismatch,
     StoreUnavailable,
     TaskCancelling,
     TaskNotFound,
@@ -67,6 +68,7 @@ from ..model import (
 )
 from ..schedules import Fired, Schedule
 from . import (
+    SCHEMA_VERSION,
     CancelAnswer,
     Ending,
     Expired,
@@ -103,7 +105,6 @@ RECONNECT_MAX_S = 5.0  # backoff ceiling between attempts to re-establish the LI
 MAX_WAKE = 1000  # a notification's count is a hint; no more wake-ups than this from one
 WRITE_RETRY_S = 10.0  # a worker's fenced write (result, finish) is retried this long while the server is away
 
-SCHEMA_VERSION = 3
 MIGRATIONS = {
     1: """
 CREATE TABLE {s}.schema_version (version integer PRIMARY KEY, applied_at double precision NOT NULL);
@@ -543,7 +544,7 @@ class PostgresStore:
 
     # lifecycle of the adapter
 
-    async def open(self, *, migrate: bool = True) -> None:
+    async def open(self, *, migrate: bool = True) -> int:
         try:
             pool = await asyncpg.create_pool(
                 self.url,
@@ -557,7 +558,7 @@ class PostgresStore:
             raise StoreUnavailable(f"store {self._where}: cannot connect: {exc}") from exc
         try:
             async with pool.acquire() as conn:
-                await self._migrate(conn, migrate)
+                found = await self._migrate(conn, migrate)
         except DRIVER_ERRORS as exc:
             pool.terminate()
             raise StoreUnavailable(f"store {self._where}: {exc}") from exc
@@ -565,6 +566,7 @@ class PostgresStore:
             pool.terminate()
             raise
         self._pool = pool
+        return found
 
     async def close(self) -> None:
         await self._completions.drain()
@@ -581,7 +583,8 @@ class PostgresStore:
                 await pool.close()
             pool.terminate()  # a no-op after a clean close; ends connections stuck past the timeout
 
-    async def _migrate(self, conn: Conn, migrate: bool) -> None:
+    async def _migrate(self, conn: Conn, migrate: bool) -> int:
+        """Bring the schema to SCHEMA_VERSION (when `migrate`); return the version it had."""
         async with conn.transaction():
             if migrate:  # nodes starting together: the first creates, the others wait and find it current
                 await conn.execute(
@@ -589,14 +592,14 @@ class PostgresStore:
                 )
             version = await _schema_version(conn, self.schema)
             if version > SCHEMA_VERSION:
-                raise StoreUnavailable(
+                raise SchemaMismatch(
                     f"store {self._where} has schema version {version}, newer than this tidepool "
                     f"understands ({SCHEMA_VERSION}): upgrade tidepool"
                 )
             if version == SCHEMA_VERSION:
-                return
+                return version
             if not migrate:
-                raise StoreUnavailable(
+                raise SchemaMismatch(
                     f"store {self._where} has schema version {version}, needs {SCHEMA_VERSION}: run `tidepool migrate`"
                 )
             await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
@@ -606,6 +609,7 @@ class PostgresStore:
                     f'INSERT INTO "{self.schema}".schema_version VALUES ($1, extract(epoch FROM clock_timestamp()))',
                     v,
                 )
+        return version
 
     @asynccontextmanager
     async def _conn(self) -> AsyncIterator[Conn]:

@@ -35,6 +35,7 @@ from ..errors import (
     LeaseLost,
     QueueFull,
     ScheduleNotFound,
+    SchemaMismatch,
     StoreUnavailable,
     TaskCancelling,
     TaskNotFound,
@@ -60,6 +61,7 @@ from ..model import (
 )
 from ..schedules import Fired, Schedule
 from . import (
+    SCHEMA_VERSION,
     CancelAnswer,
     Ending,
     Expired,
@@ -78,7 +80,6 @@ log = logging.getLogger("tidepool.store.sqlite")
 LEASE_CHUNK = 500  # rows per leasing statement: 7 parameters each, far below SQLite's 32,766
 GROUP_PAUSE_S = 0.0005  # under load, how long the writer waits for more ops to share a transaction
 GROUP_PAUSE_FROM = 8  # ops in this batch and the last before a pause can pay for itself (see _write_loop)
-SCHEMA_VERSION = 3
 NODES = """
 CREATE TABLE IF NOT EXISTS nodes (
     node_id TEXT PRIMARY KEY,
@@ -205,13 +206,14 @@ class SqliteStore:
 
     # lifecycle of the adapter
 
-    async def open(self, *, migrate: bool = True) -> None:
+    async def open(self, *, migrate: bool = True) -> int:
         self._loop = asyncio.get_running_loop()
-        writer = await anyio.to_thread.run_sync(self._connect, migrate)
+        writer, found = await anyio.to_thread.run_sync(self._connect, migrate)
         self._reader = await anyio.to_thread.run_sync(self._connect_reader)
         self._writer = threading.Thread(target=self._write_loop, args=(writer,), name="tidepool-sqlite-writer",
                                         daemon=True)
         self._writer.start()
+        return found
 
     async def close(self) -> None:
         if self._writer is not None:
@@ -223,7 +225,8 @@ class SqliteStore:
             self._reader.close()
             self._reader = None
 
-    def _connect(self, migrate: bool) -> sqlite3.Connection:
+    def _connect(self, migrate: bool) -> tuple[sqlite3.Connection, int]:
+        """The writer's connection, the schema brought to SCHEMA_VERSION (when `migrate`), and the version it had."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -231,13 +234,15 @@ class SqliteStore:
             conn.execute("PRAGMA synchronous=FULL")  # an acknowledged commit survives power loss
             conn.execute("PRAGMA busy_timeout=5000")
             version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version < SCHEMA_VERSION and not migrate:
-                raise StoreUnavailable(f"store {self.path} has schema {version}, needs {SCHEMA_VERSION}: "
-                                       "run `tidepool migrate`")
+            if version > SCHEMA_VERSION or (version < SCHEMA_VERSION and not migrate):
+                conn.close()
+                raise SchemaMismatch(f"store {self.path} has schema version {version}, " + (
+                    f"newer than this tidepool understands ({SCHEMA_VERSION}): upgrade tidepool"
+                    if version > SCHEMA_VERSION else f"needs {SCHEMA_VERSION}: run `tidepool migrate`"))
             if version < SCHEMA_VERSION:  # each step upgrades one version; all in one transaction
                 steps = [SCHEMA, SCHEDULES, NODES][version:]
                 conn.executescript(f"BEGIN; {' '.join(steps)}; PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
-            return conn
+            return conn, version
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"store {self.path}: {exc}") from exc
 
