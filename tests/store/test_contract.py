@@ -917,10 +917,10 @@ async def test_finish_many_is_one_transaction_whose_successes_share_their_statem
     statements: list[str] = []
     connect = adapter._connect
 
-    def traced(migrate: bool) -> sqlite3.Connection:  # the writer's connection
-        conn = connect(migrate)
+    def traced(migrate: bool) -> tuple[sqlite3.Connection, int]:  # the writer's connection
+        conn, version = connect(migrate)
         conn.set_trace_callback(statements.append)
-        return conn
+        return conn, version
 
     monkeypatch.setattr(adapter, "_connect", traced)
     await adapter.open()
