@@ -168,11 +168,15 @@ class ResourcePool:
             raise PluginError(f"no resource of this node has tags {sorted(required)}; configured: "
                               f"{ {n: sorted(t) for n, t in self._tags.items()} }",
                               code="unserviceable", retryable=False)
+        slot = None
         with anyio.move_on_after(timeout_s) as scope:
             slot = self._take(required) or await self._wait(required)
             await self._start(slot)
             return slot
         assert scope.cancelled_caught
+        if slot is not None:  # a slot was free; its start hook overran (and the slot went back)
+            raise PluginError(f"resource {slot}: machinery start hook did not finish within {timeout_s}s",
+                              code="prepare_timeout")
         raise PluginError(f"no slot with tags {sorted(required)} became free within {timeout_s}s "
                           f"({self._busy_summary()})", code="prepare_timeout")
 

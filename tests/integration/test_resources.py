@@ -33,11 +33,14 @@ class Recorder:
 
     calls: ClassVar[list[str]] = []
     fail_start: ClassVar[bool] = False
+    hang_start: ClassVar[bool] = False
 
     async def start(self, slot: Slot) -> None:
         self.calls.append(f"start {slot}")
         if self.fail_start:
             raise RuntimeError("snapshot revert failed")
+        if self.hang_start:
+            await anyio.sleep_forever()
 
     async def stop(self, slot: Slot) -> None:
         self.calls.append(f"stop {slot}")
@@ -46,7 +49,7 @@ class Recorder:
 @pytest.fixture
 def recorder() -> type[Recorder]:
     Recorder.calls.clear()
-    Recorder.fail_start = False
+    Recorder.fail_start = Recorder.hang_start = False
     return Recorder
 
 
@@ -155,6 +158,17 @@ async def test_machinery_starts_after_acquire_and_stops_before_release(recorder:
     assert caught.value.code == "resource_start_failed" and "snapshot revert failed" in str(caught.value)
     assert pool.statistics().resources["vm"].in_use == 0  # a failed start gives the slot back
 
+
+
+async def test_a_start_hook_that_overruns_the_timeout_is_named_and_its_slot_goes_back(recorder: type[Recorder]) -> None:
+    recorder.hang_start = True
+    pool = slots(vm=ResourceSettings(tags=("win10",), count=1, plugin=f"{__name__}:Recorder"))
+    with pytest.raises(PluginError) as caught:
+        await pool.acquire(["win10"], timeout_s=0.05)
+    assert caught.value.code == "prepare_timeout"
+    assert str(caught.value) == "resource vm[0]: machinery start hook did not finish within 0.05s", \
+        "before: 'no slot became free', while the slot was free and its start hook hung"
+    assert pool.statistics().resources["vm"].in_use == 0
 
 def test_machinery_that_cannot_load_is_a_config_error_naming_the_key() -> None:
     with pytest.raises(ConfigError, match=r"resources\.vm\.plugin"):
