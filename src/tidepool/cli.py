@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
@@ -133,8 +135,6 @@ def _exit_within(grace_s: float) -> None:
     A plugin blocked in a thread (asyncio.to_thread cannot be cancelled) or one that swallows its
     cancellation would keep the process alive for as long as it pleases, past systemd's TimeoutStopSec
     and its SIGKILL. Its attempt is already recorded, so nothing is lost by leaving without it."""
-    import logging
-    import threading
 
     def end() -> None:
         logging.getLogger("tidepool.service").error(

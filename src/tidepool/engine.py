@@ -135,18 +135,23 @@ class Engine:
                 if self._has_cleanup(ctx):
                     with anyio.move_on_after(self.config.stop_timeout_s, shield=True):
                         await self._clean_up(ctx)
-        if outcome is not None:
-            return outcome
-        if held.why == "cancel":
-            outcome = Outcome(AttemptStatus.CANCELLED, TaskError("cancelled", "cancelled on request", False))
-        elif held.why == "interrupt":
-            outcome = Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "interrupted by shutdown"))
-        elif held.why is None and held.scope.cancelled_caught:  # the run phase's deadline passed
-            outcome = self._timed_out(ctx.task, f"run phase timed out after {self._run_timeout_s(ctx.task)}s")
-        else:
+        if outcome is None:
+            outcome = self._cut_short(ctx, held)
+        if outcome is None:
             return None  # the lease is gone: nothing of this attempt may be written
-        outcome.exit_status, outcome.stderr_tail = ctx.exit_status, ctx.stderr_tail  # a killed command's last words
+        # However it ended, the last command's exit status and stderr tail stay on the attempt (SPEC §9).
+        outcome.exit_status, outcome.stderr_tail = ctx.exit_status, ctx.stderr_tail
         return outcome
+
+    def _cut_short(self, ctx: TaskContext, held: Held) -> Outcome | None:
+        """How an attempt whose scope was cancelled ended; None when its lease is gone."""
+        if held.why == "cancel":
+            return Outcome(AttemptStatus.CANCELLED, TaskError("cancelled", "cancelled on request", False))
+        if held.why == "interrupt":
+            return Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "interrupted by shutdown"))
+        if held.why is None and held.scope.cancelled_caught:  # the run phase's deadline passed
+            return self._timed_out(ctx.task, f"run phase timed out after {self._run_timeout_s(ctx.task)}s")
+        return None
 
     async def _phases(self, ctx: TaskContext, held: Held, worker_id: str) -> Outcome:
         task = ctx.task
@@ -165,19 +170,15 @@ class Engine:
             held.scope.deadline = anyio.current_time() + self._run_timeout_s(task)
             for plugin in plugins:
                 await self._run_plugin(ctx, held, plugin, worker_id)
-            return Outcome(AttemptStatus.SUCCEEDED, exit_status=ctx.exit_status, stderr_tail=ctx.stderr_tail)
+            return Outcome(AttemptStatus.SUCCEEDED)
         except _PluginTimedOut as exc:
-            outcome = self._timed_out(task, str(exc))
-            outcome.exit_status, outcome.stderr_tail = ctx.exit_status, ctx.stderr_tail
-            return outcome
+            return self._timed_out(task, str(exc))
         except PluginError as exc:
             log.warning("task %s attempt %s failed: %s (%s)", task.id, held.lease.attempt_id, exc, exc.code)
-            return Outcome(AttemptStatus.FAILED, TaskError(exc.code, str(exc), exc.retryable),
-                           ctx.exit_status, ctx.stderr_tail)
+            return Outcome(AttemptStatus.FAILED, TaskError(exc.code, str(exc), exc.retryable))
         except Exception as exc:
             log.exception("task %s attempt %s: plugin %s raised", task.id, held.lease.attempt_id, ctx.plugin)
-            return Outcome(AttemptStatus.FAILED, TaskError("plugin_error", f"{type(exc).__name__}: {exc}"),
-                           ctx.exit_status, ctx.stderr_tail)
+            return Outcome(AttemptStatus.FAILED, TaskError("plugin_error", f"{type(exc).__name__}: {exc}"))
 
     async def _run_plugin(self, ctx: TaskContext, held: Held, plugin: PluginDef, worker_id: str) -> None:
         await _cancelled_yet(held)
