@@ -35,7 +35,7 @@ log = logging.getLogger("tidepool.metrics")
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the classic text format every Prometheus version reads
 QUEUE_STATES = ("pending", "leased", "running", "retry_wait", "cancelling")
 GUARDS = ("memory", "disk")
-UNKNOWN = "unknown"  # the type of a task ended by the reconciler or cancelled before it ran
+UNKNOWN = "unknown"  # a label an event did not carry (every task event names its type; this is the fallback)
 MAX_OPEN_ATTEMPTS = 100_000  # attempts whose end was never seen (store down at finish) must not pile up
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
                     600.0, 1800.0, 3600.0)

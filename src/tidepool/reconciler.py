@@ -85,11 +85,12 @@ class Reconciler:
         if promoted:
             self._wake(promoted)
         cancelled = await self._store.finish_cancels(now=now, deadline_s=self.config.cancel_deadline_s)
-        for task_id in cancelled:
-            log.warning("task %s cancelled: its worker did not stop within %ss", task_id,
+        for ended in cancelled:
+            log.warning("task %s cancelled: its worker did not stop within %ss", ended.task_id,
                         self.config.cancel_deadline_s)
-            self._events.publish("task.finished", task_id=task_id, worker_id=None, state=State.CANCELLED.value,
-                                 error={"code": "cancel_deadline", "message": "the worker did not stop in time"})
+            self._events.publish("task.finished", task_id=ended.task_id, worker_id=None, state=State.CANCELLED.value,
+                                 error={"code": "cancel_deadline", "message": "the worker did not stop in time"},
+                                 type=ended.type)
         unserviceable = await self._fail_unserviceable(now)
         pruned = 0
         if now - self._last_prune >= PRUNE_EVERY_S:
@@ -126,10 +127,10 @@ class Reconciler:
             if now - since < self.config.unserviceable_after_s:
                 continue
             message = f"no resource of a live node has tags {sorted(tags)} (for {now - since:.1f}s)"
-            for task_id in await self._store.fail_unserviceable(tags, now=now, message=message):
-                log.warning("task %s -> failed (unserviceable: %s)", task_id, message)
-                self._events.publish("task.finished", task_id=task_id, worker_id=None, state=State.FAILED.value,
-                                     error={"code": "unserviceable", "message": message})
+            for ended in await self._store.fail_unserviceable(tags, now=now, message=message):
+                log.warning("task %s -> failed (unserviceable: %s)", ended.task_id, message)
+                self._events.publish("task.finished", task_id=ended.task_id, worker_id=None, state=State.FAILED.value,
+                                     error={"code": "unserviceable", "message": message}, type=ended.type)
                 failed += 1
         return failed
 
@@ -137,9 +138,9 @@ class Reconciler:
         for e in expired:
             log.warning("task %s attempt %s lease expired (%s) -> %s", e.task_id, e.attempt_id, why, e.state.value)
             self._events.publish("task.expired", task_id=e.task_id, worker_id=None, attempt_id=e.attempt_id,
-                                 state=e.state.value)
+                                 state=e.state.value, type=e.type)
             if e.state in (State.PENDING, State.RETRY_WAIT):
                 self._wake(1)
             elif e.state.terminal:
                 self._events.publish("task.finished", task_id=e.task_id, worker_id=None, state=e.state.value,
-                                     error={"code": "lease_expired", "message": why})
+                                     error={"code": "lease_expired", "message": why}, type=e.type)

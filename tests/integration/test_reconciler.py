@@ -1,4 +1,5 @@
-"""The reconciler fails queued tasks whose tags the fleet has lacked for prepare_timeout_s (SPEC §9)."""
+"""The reconciler fails queued tasks whose tags the fleet has lacked for prepare_timeout_s (SPEC §9), and
+every task it ends is counted under its own type."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 from tidepool.errors import StoreUnavailable
 from tidepool.events import Event, EventBus
 from tidepool.lifecycle import RetryPolicy
-from tidepool.model import NewTask, State
+from tidepool.metrics import Metrics
+from tidepool.model import ClaimFilter, NewTask, State, Worker
+from tidepool.pool import PoolStats
 from tidepool.reconciler import Reconciler, ReconcilerConfig
 from tidepool.service import Daemon
 from tidepool.settings import parse
@@ -51,6 +54,9 @@ class Setup:
         self.seen: list[Event] = []
         events = EventBus()
         events.listen(self.seen.append)
+        self.metrics = Metrics(node_id="node-a", version="9.9", pool=lambda: PoolStats(1, 1, 1.0, 0, 0, 0, 0, True),
+                               counts=store.counts)
+        events.listen(self.metrics.on_event)
         self.reconciler = Reconciler(store, events, config=ReconcilerConfig(unserviceable_after_s=60.0),
                                      policy=RetryPolicy, wake=lambda n: None, fleet_tags=self.fleet,
                                      clock=self.clock)
@@ -148,3 +154,29 @@ async def test_the_fleet_of_a_sqlite_store_is_this_nodes_resources(tmp_path: Pat
                       "store": {"url": f"sqlite:///{tmp_path}/t.db"},
                       "resources": {"vm": {"tags": ["win10", "x64"], "count": 2}, "nic": {"tags": ["nic"]}}})
     assert set(await Daemon(settings)._fleet_tag_sets()) == {WIN, frozenset({"nic"})}
+
+
+async def test_every_task_the_reconciler_ends_is_counted_under_its_type(setup: Setup) -> None:
+    """Lease expiry with no attempt left, a cancel its worker never answered, unserviceable tags: each
+    task.finished names the task's type, so /metrics does not file them under "unknown"."""
+    store, now = setup.store, setup.clock.now
+    worker = Worker("node-a", "a-1", "node-a/w1")
+    await store.add(NewTask("crashy", max_attempts=1), now=now)
+    await store.claim(worker, ClaimFilter(), limit=1, now=now, lease_s=30.0)  # and its node dies
+    await store.add(NewTask("stubborn"), now=now)
+    (stubborn,) = await store.claim(worker, ClaimFilter(), limit=1, now=now, lease_s=7200.0)  # renewed on and on
+    await store.request_cancel(stubborn.task.id, now=now)
+    await setup.add("gpu")  # type "scan", tags no node has
+    setup.fleet.tags = []
+    await setup.pass_at(0)
+    await setup.pass_at(3600)  # past the leases, the cancel deadline and the unserviceable wait
+    finished = sorted((e.data["type"], e.data["state"], e.data["error"]["code"])
+                      for e in setup.seen if e.name == "task.finished")
+    assert finished == [("crashy", "failed", "lease_expired"), ("scan", "failed", "unserviceable"),
+                        ("stubborn", "cancelled", "cancel_deadline")]
+    scraped = (await setup.metrics.render()).decode()
+    for line in ('tidepool_tasks_finished_total{state="failed",type="crashy"} 1.0',
+                 'tidepool_tasks_finished_total{state="failed",type="scan"} 1.0',
+                 'tidepool_tasks_finished_total{state="cancelled",type="stubborn"} 1.0'):
+        assert line in scraped
+    assert 'type="unknown"' not in scraped

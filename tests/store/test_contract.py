@@ -41,7 +41,7 @@ from tidepool.model import (
     new_id,
     sha256_of,
 )
-from tidepool.store import CancelAnswer, Ending, PhaseNote, Store
+from tidepool.store import CancelAnswer, Ended, Ending, PhaseNote, Store
 from tidepool.store.sqlite import SqliteStore
 
 T0 = 1_700_000_000.0
@@ -400,8 +400,8 @@ async def test_expired_lease_retries_with_backoff_then_fails_when_attempts_run_o
         now = c.lease.expires_at + 1
         expired = await store.expire_leases(now=now, policy=POLICY)
         t = await store.get(task.id)
-        assert [(e.task_id, e.attempt_id, e.state) for e in expired] == \
-            [(task.id, c.lease.attempt_id, t.state)]
+        assert [(e.task_id, e.attempt_id, e.state, e.type) for e in expired] == \
+            [(task.id, c.lease.attempt_id, t.state, "noop")]
         assert (t.attempts[-1].status, t.error and t.error.code) == (AttemptStatus.EXPIRED, "lease_expired")
         with pytest.raises(LeaseLost):
             await store.finish(c.lease, SUCCEEDED, now=now, policy=POLICY)  # the worker comes back too late
@@ -421,8 +421,8 @@ async def test_restart_recovery_expires_only_this_nodes_earlier_process_at_once(
     mine = await running(store, worker=new, type="t3")
     other = await running(store, worker=Worker("node-b", "b-1", "worker-1"), type="t4")
     expired = await store.expire_leases(now=T0 + 1, policy=POLICY, node_id="node-a", keep_instance="a-new")
-    assert {(e.task_id, e.state) for e in expired} == {(old_leased.task.id, State.RETRY_WAIT),
-                                                        (old_running.task.id, State.RETRY_WAIT)}
+    assert {(e.task_id, e.state, e.type) for e in expired} == {(old_leased.task.id, State.RETRY_WAIT, "t1"),
+                                                                (old_running.task.id, State.RETRY_WAIT, "t2")}
     for c in (old_leased, old_running):
         assert (await store.get(c.task.id)).attempts[-1].status is AttemptStatus.EXPIRED
     assert await store.renew([mine.lease, other.lease], now=T0 + 1, lease_s=LEASE_S) == {}
@@ -637,7 +637,7 @@ async def test_finish_cancels_ends_only_cancels_past_the_deadline(store: Store) 
     young = await running(store, type="young")
     await store.request_cancel(stuck.task.id, now=T0 + 1)
     await store.request_cancel(young.task.id, now=T0 + 30)
-    assert await store.finish_cancels(now=T0 + 62, deadline_s=60.0) == [stuck.task.id]
+    assert await store.finish_cancels(now=T0 + 62, deadline_s=60.0) == [Ended(stuck.task.id, "stuck")]
     t = await store.get(stuck.task.id)
     assert (t.state, t.finished_at, t.attempts[0].status) == \
         (State.CANCELLED, T0 + 62, AttemptStatus.CANCELLED)
@@ -661,8 +661,8 @@ async def test_unserviceable_fails_only_queued_tasks_with_exactly_those_tags(sto
     untouched = [t.id for t in with_x.values() if t.id not in queued] + others
     async with changes_nothing(store, *untouched):
         failed = await store.fail_unserviceable(X, now=T0 + 5, message="no live node has tags ['x']")
-    assert sorted(failed) == sorted(queued)
-    for task_id in failed:
+    assert set(failed) == {Ended(t.id, t.type) for t in (with_x[State.PENDING], with_x[State.RETRY_WAIT])}
+    for task_id in queued:
         t = await store.get(task_id)
         assert t.error is not None
         assert (t.state, t.error.code, t.error.message, t.finished_at, t.updated_at, t.phase) == \
@@ -676,7 +676,7 @@ async def test_two_nodes_failing_the_same_tags_at_once_fail_each_task_once(store
     ids = [task_id for task_id, _ in added]
     both = await asyncio.gather(*(store.fail_unserviceable(frozenset({"gpu"}), now=T0 + 1, message="gone")
                                   for _ in range(2)))
-    assert Counter(both[0] + both[1]) == Counter(ids)
+    assert Counter(e.task_id for e in both[0] + both[1]) == Counter(ids)
     assert await store.queued_tag_sets() == []
 
 

@@ -21,7 +21,7 @@ from tidepool.errors import ConfigError, LeaseLost, SchemaMismatch, StoreUnavail
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, Outcome, Phase, State, Worker
 from tidepool.schedules import Schedule
-from tidepool.store import Ending, PhaseNote, postgres
+from tidepool.store import Ended, Ending, PhaseNote, postgres
 from tidepool.store.postgres import SCHEMA_VERSION, PostgresStore
 
 T0 = 1_700_000_000.0
@@ -110,7 +110,7 @@ async def test_two_nodes_promote_and_cancel_each_task_once(postgres_schema: tupl
         promoted = await asyncio.gather(*(s.promote_due(now=T0 + 3600) for s in (a, b, a, b)))
         cancelled = await asyncio.gather(*(s.finish_cancels(now=T0 + 3600, deadline_s=60) for s in (a, b, a, b)))
         assert sum(promoted) == 150
-        assert Counter(i for p in cancelled for i in p) == Counter(c.task.id for c in claimed[150:])
+        assert Counter(e.task_id for p in cancelled for e in p) == Counter(c.task.id for c in claimed[150:])
         assert (await a.counts()) == {State.PENDING: 150}
 
 
@@ -354,6 +354,6 @@ async def test_a_resent_ending_is_not_credited_with_an_end_someone_else_wrote(po
         await store.add_many([NewTask("noop")], now=T0)
         (c,) = await drain(store, Worker("node-a", "a-1", "w1"), ANY, 1)
         await store.request_cancel(c.task.id, now=T0 + 1)
-        assert await store.finish_cancels(now=T0 + 100, deadline_s=10) == [c.task.id]  # the reconciler ended it
+        assert await store.finish_cancels(now=T0 + 100, deadline_s=10) == [Ended(c.task.id, "noop")]  # the reconciler
         (answer,) = await store.finish_many([Ending(c.lease, SUCCEEDED, T0 + 2, resent=True)], policy=POLICY)
         assert isinstance(answer, LeaseLost), "the worker's own end was never written: it must not report one"

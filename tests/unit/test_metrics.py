@@ -124,7 +124,7 @@ async def test_a_cancel_before_the_run_phase_kills_no_plugin() -> None:
     other = new_id()
     run_attempt(bus, clock, other, phases=[("initialize", 0), ("prepare", 0), ("run", 0), ("stop", 2.0)],
                 end=("task.finished", {"state": "cancelled", "error": cancelled, "type": "scan"}))
-    # Cancelled while still pending, by the API: no worker, no attempt, the type unknown here.
+    # An ending whose event names no type (every publisher names it now): the fallback label.
     bus.publish("task.finished", task_id=new_id(), worker_id=None, state="cancelled", error=None)
     s = await scrape(metrics)
     assert value(s, "tidepool_plugin_kills_total", reason="cancel") == 1

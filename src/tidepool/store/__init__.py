@@ -73,6 +73,15 @@ class Expired:
     task_id: str
     attempt_id: str
     state: State  # the task's state after expiry
+    type: str     # the task's type, for the events and metrics of its ending
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """A task the reconciler ended for good (cancel deadline, unserviceable)."""
+
+    task_id: str
+    type: str  # for the events and metrics of its ending
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,13 +188,13 @@ class Store(Protocol):
         """Expire leases past their time, or with node_id every lease of that node's other processes."""
     async def promote_due(self, *, now: float) -> int:
         """retry_wait tasks whose backoff is over -> pending."""
-    async def finish_cancels(self, *, now: float, deadline_s: float) -> list[str]:
+    async def finish_cancels(self, *, now: float, deadline_s: float) -> list[Ended]:
         """cancelling tasks whose worker did not answer within deadline_s -> cancelled."""
     async def prune(self, *, before: float) -> int:
         """Delete terminal tasks finished before `before`, with their attempts and results."""
     async def queued_tag_sets(self) -> list[frozenset[str]]:
         """The distinct non-empty required_tags of the pending and retry_wait tasks."""
-    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[str]:
+    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[Ended]:
         """pending/retry_wait tasks whose required_tags are exactly `tags` -> failed ("unserviceable").
 
         Safe to run on several nodes at once: each task moved is returned by one call only.

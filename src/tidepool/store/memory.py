@@ -30,7 +30,7 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import CancelAnswer, Ending, Expired, Node, Page, PhaseNote, batch_answer, cancel_step, retry_step
+from . import CancelAnswer, Ended, Ending, Expired, Node, Page, PhaseNote, batch_answer, cancel_step, retry_step
 
 
 @dataclasses.dataclass
@@ -238,7 +238,7 @@ class MemoryStore:
             if mine or (node_id is None and lease.expires_at <= now):
                 error = TaskError("lease_expired", "the lease expired before the worker renewed it")
                 self._end(row, Outcome(AttemptStatus.EXPIRED, error), now, policy)
-                expired.append(Expired(row.task.id, lease.attempt_id, row.task.state))
+                expired.append(Expired(row.task.id, lease.attempt_id, row.task.state, row.task.type))
         return expired
 
     async def promote_due(self, *, now: float) -> int:
@@ -247,7 +247,7 @@ class MemoryStore:
             row.update(state=step(State.RETRY_WAIT, Event.PROMOTE), updated_at=now)
         return len(due)
 
-    async def finish_cancels(self, *, now: float, deadline_s: float) -> list[str]:
+    async def finish_cancels(self, *, now: float, deadline_s: float) -> list[Ended]:
         done = []
         for row in self._rows.values():
             if row.task.state is State.CANCELLING and (row.cancel_requested_at or now) + deadline_s <= now:
@@ -258,7 +258,7 @@ class MemoryStore:
                 row.update(state=step(State.CANCELLING, Event.CANCEL_ACK), finished_at=now, updated_at=now,
                            phase=None)
                 row.lease = None
-                done.append(row.task.id)
+                done.append(Ended(row.task.id, row.task.type))
         return done
 
     async def prune(self, *, before: float) -> int:
@@ -275,14 +275,14 @@ class MemoryStore:
         found = {frozenset(r.task.required_tags) for r in self._rows.values() if r.task.state in QUEUED}
         return [tags for tags in found if tags]
 
-    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[str]:
+    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[Ended]:
         error = TaskError("unserviceable", message, retryable=False)
         failed = []
         for row in self._rows.values():
             if row.task.state in QUEUED and frozenset(row.task.required_tags) == tags:
                 row.update(state=step(row.task.state, Event.UNSERVICEABLE), error=error, finished_at=now,
                            updated_at=now, phase=None)
-                failed.append(row.task.id)
+                failed.append(Ended(row.task.id, row.task.type))
         return failed
 
     # the fleet: one process, nothing to lock and nothing to hear

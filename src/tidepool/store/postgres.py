@@ -70,6 +70,7 @@ from ..schedules import Fired, Schedule
 from . import (
     SCHEMA_VERSION,
     CancelAnswer,
+    Ended,
     Ending,
     Expired,
     Node,
@@ -435,7 +436,7 @@ UPDATE tasks t SET state = e.state, phase = NULL, progress = coalesce(e.progress
     lease_token = NULL
 FROM e WHERE t.id = e.task_id"""
 EXPIRING = f"""
-SELECT state, attempt, max_attempts, interruptions, id, lease_attempt_id, lease_token FROM tasks
+SELECT state, attempt, max_attempts, interruptions, id, lease_attempt_id, lease_token, type FROM tasks
 WHERE state IN ('leased', 'running', 'cancelling') AND {{where}}
 LIMIT {SWEEP} FOR NO KEY UPDATE SKIP LOCKED"""
 PROMOTE = """
@@ -455,7 +456,7 @@ WITH due AS (
     FROM due WHERE a.id = due.lease_attempt_id
 )
 UPDATE tasks t SET state = $4, phase = NULL, finished_at = $2, updated_at = $2, lease_token = NULL
-FROM due WHERE t.id = due.id RETURNING t.id"""
+FROM due WHERE t.id = due.id RETURNING t.id, t.type"""
 QUEUED_TAG_SETS = """
 SELECT DISTINCT required_tags FROM tasks WHERE state IN ('pending', 'retry_wait') AND cardinality(required_tags) > 0"""
 # Equal as sets: each array contains the other. The row lock and the state test keep a task failed once.
@@ -466,7 +467,7 @@ WITH due AS (
     LIMIT {SWEEP} FOR NO KEY UPDATE SKIP LOCKED
 )
 UPDATE tasks t SET state = $2, phase = NULL, error = $3, finished_at = $4, updated_at = $4
-FROM due WHERE t.id = due.id RETURNING t.id"""
+FROM due WHERE t.id = due.id RETURNING t.id, t.type"""
 PRUNE = f"""
 WITH old AS (
     SELECT id FROM tasks
@@ -963,7 +964,8 @@ class PostgresStore:
                 ends = [(Lease(r[4], r[5], r[6], now), outcome, _expiry(r, outcome, policy, now)) for r in rows]
                 if ends:
                     await _write_ends(conn, ends, now)
-            expired.extend(Expired(lease.task_id, lease.attempt_id, end.state) for lease, _, end in ends)
+            expired.extend(Expired(lease.task_id, lease.attempt_id, end.state, r[7])
+                           for (lease, _, end), r in zip(ends, rows, strict=True))
             if len(rows) < SWEEP:
                 return expired
 
@@ -972,10 +974,10 @@ class PostgresStore:
             promoted = await conn.fetchval(PROMOTE, now, step(State.RETRY_WAIT, Event.PROMOTE).value)
         return int(promoted)
 
-    async def finish_cancels(self, *, now: float, deadline_s: float) -> list[str]:
+    async def finish_cancels(self, *, now: float, deadline_s: float) -> list[Ended]:
         error = TaskError("cancel_deadline", f"the worker did not stop within {deadline_s}s")
         args = (now - deadline_s, now, json.dumps(error.to_json()), step(State.CANCELLING, Event.CANCEL_ACK).value)
-        return await self._sweep_ids(FINISH_CANCELS, *args)
+        return await self._sweep(FINISH_CANCELS, *args)
 
     async def prune(self, *, before: float) -> int:
         pruned = 0
@@ -994,21 +996,21 @@ class PostgresStore:
             rows = await conn.fetch(QUEUED_TAG_SETS)
         return [frozenset(r[0]) for r in rows]
 
-    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[str]:
+    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[Ended]:
         error = TaskError("unserviceable", message, retryable=False)
         args = (sorted(tags), step(State.PENDING, Event.UNSERVICEABLE).value, json.dumps(error.to_json()), now)
-        return await self._sweep_ids(FAIL_UNSERVICEABLE, *args)
+        return await self._sweep(FAIL_UNSERVICEABLE, *args)
 
-    async def _sweep_ids(self, sql: str, *args: Any) -> list[str]:
-        """Run a statement that moves up to SWEEP rows and returns their ids, until it moves fewer:
+    async def _sweep(self, sql: str, *args: Any) -> list[Ended]:
+        """Run a statement that ends up to SWEEP tasks and returns their ids and types, until it ends fewer:
         one short transaction each, never one long one holding every row's lock."""
-        ids: list[str] = []
+        ended: list[Ended] = []
         while True:
             async with self._conn() as conn:
                 rows = await conn.fetch(sql, *args)
-            ids.extend(r[0] for r in rows)
+            ended.extend(Ended(r[0], r[1]) for r in rows)
             if len(rows) < SWEEP:
-                return ids
+                return ended
 
     # the fleet
 

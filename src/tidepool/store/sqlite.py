@@ -63,6 +63,7 @@ from ..schedules import Fired, Schedule
 from . import (
     SCHEMA_VERSION,
     CancelAnswer,
+    Ended,
     Ending,
     Expired,
     Node,
@@ -577,14 +578,14 @@ class SqliteStore:
                 sql, args = "node_id = ? AND lease_instance IS NOT ?", (node_id, keep_instance)  # type: ignore
             rows = conn.execute(
                 "SELECT state, attempt, max_attempts, interruptions, lease_expires_at, id, lease_attempt_id, "
-                f"lease_token FROM tasks WHERE state IN ('leased', 'running', 'cancelling') AND {sql}",
+                f"lease_token, type FROM tasks WHERE state IN ('leased', 'running', 'cancelling') AND {sql}",
                 args).fetchall()
             error = TaskError("lease_expired", "the lease expired before the worker renewed it")
             expired = []
             for row in rows:
                 lease = Lease(row[5], row[6], row[7], row[4])
                 state = _end(conn, lease, Outcome(AttemptStatus.EXPIRED, error), row, now, policy, batch)
-                expired.append(Expired(lease.task_id, lease.attempt_id, state))
+                expired.append(Expired(lease.task_id, lease.attempt_id, state, row[8]))
             return expired
 
         expired: list[Expired] = await self._write(op)
@@ -599,21 +600,21 @@ class SqliteStore:
         promoted: int = await self._write(op)
         return promoted
 
-    async def finish_cancels(self, *, now: float, deadline_s: float) -> list[str]:
-        def op(conn: sqlite3.Connection, batch: _Batch) -> list[str]:
-            rows = conn.execute("SELECT id, lease_attempt_id FROM tasks WHERE state = 'cancelling' "
+    async def finish_cancels(self, *, now: float, deadline_s: float) -> list[Ended]:
+        def op(conn: sqlite3.Connection, batch: _Batch) -> list[Ended]:
+            rows = conn.execute("SELECT id, lease_attempt_id, type FROM tasks WHERE state = 'cancelling' "
                                 "AND cancel_requested_at <= ?", (now - deadline_s,)).fetchall()
             error = json.dumps(TaskError("cancel_deadline", f"the worker did not stop within {deadline_s}s")
                                .to_json())
-            for task_id, attempt_id in rows:
+            for task_id, attempt_id, _ in rows:
                 conn.execute("UPDATE attempts SET status = 'cancelled', finished_at = ?, error = ? WHERE id = ?",
                              (now, error, attempt_id))
                 conn.execute("UPDATE tasks SET state = ?, phase = NULL, finished_at = ?, updated_at = ?, "
                              "lease_token = NULL WHERE id = ?",
                              (step(State.CANCELLING, Event.CANCEL_ACK), now, now, task_id))
-            return [r[0] for r in rows]
+            return [Ended(r[0], r[2]) for r in rows]
 
-        done: list[str] = await self._write(op)
+        done: list[Ended] = await self._write(op)
         return done
 
     async def prune(self, *, before: float) -> int:
@@ -636,20 +637,20 @@ class SqliteStore:
 
         return await self._read(read)
 
-    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[str]:
+    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[Ended]:
         error = json.dumps(TaskError("unserviceable", message, retryable=False).to_json())
         target = step(State.PENDING, Event.UNSERVICEABLE)  # retry_wait moves the same way
 
-        def op(conn: sqlite3.Connection, batch: _Batch) -> list[str]:
+        def op(conn: sqlite3.Connection, batch: _Batch) -> list[Ended]:
             rows = conn.execute(
                 "UPDATE tasks SET state = ?, phase = NULL, error = ?, finished_at = ?, updated_at = ? "
-                "WHERE state IN ('pending', 'retry_wait') AND required_tags = ? RETURNING id",
+                "WHERE state IN ('pending', 'retry_wait') AND required_tags = ? RETURNING id, type",
                 (target, error, now, now, json.dumps(sorted(tags)))).fetchall()  # stored as a sorted JSON list
             if batch.queued is not None:
                 batch.queued -= len(rows)
-            return [r[0] for r in rows]
+            return [Ended(r[0], r[1]) for r in rows]
 
-        done: list[str] = await self._write(op)
+        done: list[Ended] = await self._write(op)
         return done
 
     # the fleet: one host, so the daemon's lock file keeps one process per node id, and nothing to hear
