@@ -144,7 +144,7 @@ class Client:
         A daemon streams the events of its own node: a task that another node of a fleet runs sends
         none here after it was created. So a stream silent for `poll_s` * 2.5 is closed and the task read
         again. A stream the daemon closed (shutdown) is followed by a re-read too: Unreachable once the
-        daemon is gone."""
+        daemon is gone. A daemon serving all the streams it can is polled every `poll_s` instead."""
         task = await self.get(task_id)
         if on_change is not None:
             on_change(task)
@@ -156,22 +156,35 @@ class Client:
             closed = False
             with contextlib.suppress(asyncio.TimeoutError):
                 async with asyncio.timeout(silence_s) as silence:
-                    async for event in self.events(task_id=task_id):
-                        silence.reschedule(asyncio.get_running_loop().time() + silence_s)
-                        if event["event"] == "stream.connected":  # what happened before we listened
-                            task = await self.get(task_id)
-                            if on_change is not None:
-                                on_change(task)
-                            if task["state"] in TERMINAL:
-                                break
-                            continue
-                        if on_change is not None:
-                            on_change(event)
-                        if event["event"] == "task.finished":
-                            break
-                        closed = event["event"] == "stream.closed"
+                    try:
+                        closed = await self._follow(task_id, silence, silence_s, on_change)
+                    except ApiError as exc:
+                        if exc.code != "too_many_streams":
+                            raise
+                        closed = True
             task = await self.get(task_id)
         return task
+
+    async def _follow(self, task_id: str, silence: asyncio.Timeout, silence_s: float,
+                      on_change: Callable[[dict[str, Any]], None] | None) -> bool:
+        """wait()'s reading of one stream, until the task finishes or the stream ends; True if the daemon
+        closed it."""
+        async for event in self.events(task_id=task_id):
+            silence.reschedule(asyncio.get_running_loop().time() + silence_s)
+            if event["event"] == "stream.connected":  # what happened before we listened
+                task = await self.get(task_id)
+                if on_change is not None:
+                    on_change(task)
+                if task["state"] in TERMINAL:
+                    return False
+                continue
+            if on_change is not None:
+                on_change(event)
+            if event["event"] == "task.finished":
+                return False
+            if event["event"] == "stream.closed":
+                return True
+        return False
 
 
 def _segment(task_id: str) -> str:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -295,7 +296,7 @@ def short_deadline(make_daemon: Callable[..., Daemon]) -> Daemon:
 
 @pytest.mark.e2e
 def test_a_client_trickling_its_headers_is_cut_off_while_others_are_served(short_deadline: Daemon) -> None:
-    request = b"GET /healthz HTTP/1.1\r\nHost: tidepool\r\nUser-Agent: slowloris\r\n\r\n"
+    request = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: slowloris\r\n\r\n"
     outcome: dict[str, float | int | str] = {}
 
     def trickle() -> None:
@@ -349,7 +350,7 @@ def _cut_off_within(s: socket.socket, seconds: float) -> bool:
 @pytest.mark.e2e
 def test_the_header_deadline_applies_to_every_request_of_a_kept_alive_connection(short_deadline: Daemon) -> None:
     with socket.create_connection(("127.0.0.1", short_deadline.port), timeout=10) as s:
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: tidepool\r\n\r\n")
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         first = s.recv(4096)
         assert first.startswith(b"HTTP/1.1 200"), first
         time.sleep(2 * HEADER_TIMEOUT_S)  # idle between requests is keep-alive's business, not the deadline's
@@ -375,7 +376,7 @@ def test_malformed_requests_get_400_and_at_most_one_log_line_each_without_a_trac
 @pytest.mark.e2e
 def test_a_blank_line_in_an_unread_body_does_not_switch_the_next_header_deadline_off(short_deadline: Daemon) -> None:
     with socket.create_connection(("127.0.0.1", short_deadline.port), timeout=10) as s:
-        s.sendall(b"POST /healthz HTTP/1.1\r\nHost: tidepool\r\nContent-Length: 10\r\n\r\n")
+        s.sendall(b"POST /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 10\r\n\r\n")
         answer = s.recv(4096)
         assert answer.startswith(b"HTTP/1.1 405"), answer  # answered before its body was read
         s.sendall(b"ab\r\n\r\nxyzw")  # the rest of that body: it looks like the end of a header block
@@ -410,7 +411,7 @@ def test_a_burst_of_clients_connecting_at_once_waits_in_the_listen_queue_not_in_
         for s in clients:
             s.setblocking(True)
             s.settimeout(20)
-            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: tidepool\r\nConnection: close\r\n\r\n")
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         answers = [s.recv(64) for s in clients]
         assert all(a.startswith(b"HTTP/1.1 200") for a in answers), {a[:20] for a in answers}
     finally:
@@ -475,3 +476,58 @@ def test_only_a_cursor_the_api_handed_out_is_accepted(daemon: Daemon) -> None:
     rest = call(daemon, "GET", f"/v1/tasks?limit=2&cursor={first['next_cursor']}").body
     assert ([t["id"] for t in rest["tasks"]], rest["next_cursor"]) == ([ids[0]], None)
     assert call(daemon, "GET", f"/v1/tasks?cursor={'0' * 32}").body == {"tasks": [], "next_cursor": None}
+
+
+# what a web page the operator opens may not do (CSRF, DNS rebinding)
+
+
+@pytest.mark.e2e
+def test_a_page_of_another_origin_cannot_change_anything(daemon: Daemon) -> None:
+    """Browsers send Origin with every cross-origin POST, also as `no-cors` with a text/plain body; such
+    a request is refused before it reaches a route, whatever its content type."""
+    task = daemon.submit("sleep", {"seconds": 30})
+    assert daemon.post("/v1/schedules", {"name": "nightly", "type": "noop", "every_s": 3600}).status == 201
+    foreign = [{"Origin": "http://evil.example"}, {"Origin": "http://localhost:45437"}, {"Origin": "null"}]
+    for origin in foreign:
+        for method, path in (("POST", f"/v1/tasks/{task['id']}/cancel"), ("POST", "/v1/schedules/nightly/pause"),
+                             ("DELETE", "/v1/schedules/nightly")):
+            r = call(daemon, method, path, data=b"x=y", content_type="text/plain", headers=origin)
+            assert (r.status, r.body["error"]["code"]) == (403, "forbidden"), (origin, path, r)
+        r = call(daemon, "POST", "/v1/tasks", {"type": "noop"}, headers=origin)
+        assert r.status == 403, r
+    assert daemon.get(f"/v1/tasks/{task['id']}").body["state"] in ("leased", "running")
+    assert daemon.get("/v1/schedules").body["schedules"][0]["paused"] is False
+    assert store_counts(daemon)[0] == 1  # the one task, nothing submitted from elsewhere
+    own = {"Origin": daemon.url}  # the dashboard's own requests
+    assert call(daemon, "POST", f"/v1/tasks/{task['id']}/cancel", headers=own).status == 202
+
+
+@pytest.mark.e2e
+def test_without_a_token_only_requests_to_a_loopback_name_are_answered(daemon: Daemon) -> None:
+    """A DNS-rebinding page reaches the port under its own name: without a token that Host is refused."""
+    port = daemon.url.rsplit(":", 1)[1]
+    for host in (f"attacker.example:{port}", "attacker.example", f"192.168.1.7:{port}"):
+        assert call(daemon, "GET", "/v1/pool", headers={"Host": host}).status == 403, host
+        assert call(daemon, "GET", "/", headers={"Host": host}).status == 403, host
+        r = call(daemon, "POST", "/v1/tasks", {"type": "noop"}, headers={"Host": host})
+        assert (r.status, r.body["error"]["code"]) == (403, "forbidden")
+    assert store_counts(daemon)[0] == 0
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost"):
+        assert call(daemon, "GET", "/v1/pool", headers={"Host": host}).status == 200, host
+
+
+@pytest.mark.e2e
+def test_with_a_token_any_host_is_answered_but_other_origins_still_change_nothing(token_daemon: Daemon) -> None:
+    auth = bearer(TOKEN)
+    assert call(token_daemon, "GET", "/v1/pool", headers={**auth, "Host": "tidepool.example.com"}).status == 200
+    r = call(token_daemon, "POST", "/v1/tasks", {"type": "noop"}, headers={**auth, "Origin": "http://evil.example"})
+    assert r.status == 403
+    assert store_counts(token_daemon, headers=auth)[0] == 0
+
+
+@pytest.mark.e2e
+def test_no_page_may_frame_the_dashboard(daemon: Daemon) -> None:
+    req = urllib.request.Request(daemon.url + "/")
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=10) as response:
+        assert response.headers["X-Frame-Options"] == "DENY"
+        assert "frame-ancestors 'none'" in response.headers["Content-Security-Policy"]

@@ -326,8 +326,8 @@ async def test_a_subscriber_that_never_reads_is_dropped_and_the_pool_keeps_going
     daemon.start()
     # slow reads once the pool is done; the mute ones never read at all: unfiltered, filtered, HTTP/1.0
     slow, *mute = [socket.socket() for _ in range(4)]
-    requests = [b"GET /v1/events HTTP/1.1\r\nHost: tidepool\r\n\r\n"] * 2 + [
-        b"GET /v1/events?type=task.*,plugin.* HTTP/1.1\r\nHost: tidepool\r\n\r\n",
+    requests = [b"GET /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"] * 2 + [
+        b"GET /v1/events?type=task.*,plugin.* HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
         b"GET /v1/events HTTP/1.0\r\n\r\n"]
     for sock, request in zip([slow, *mute], requests, strict=True):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
@@ -389,3 +389,43 @@ async def test_sigterm_ends_open_streams_with_a_final_event(make_daemon: Callabl
             await stream.next(timeout_s=10)
         stream.close()
     assert await asyncio.to_thread(daemon.proc.wait, 15) == 0
+
+
+@pytest.mark.e2e
+async def test_streams_cannot_take_every_connection_and_waiting_clients_fall_back_to_polling(
+        daemon: Daemon, session: aiohttp.ClientSession) -> None:
+    """Streams stay open for as long as their clients like. Past MAX_STREAMS of them a new one is refused
+    with 503, so probes, metrics and submits still find a connection, and Client.wait polls instead."""
+    from tidepool.api.stream import MAX_STREAMS
+    from tidepool.client import Client
+
+    host, port = daemon.url.removeprefix("http://").rsplit(":", 1)
+    held = []
+    try:
+        for _ in range(MAX_STREAMS):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"GET /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            held.append(s)
+        for s in held:  # each one is a stream now
+            seen = b""
+            while b": connected" not in seen:
+                seen += s.recv(4096)
+        async with session.get(f"{daemon.url}/v1/events") as r:
+            assert r.status == 503 and (await r.json())["error"]["code"] == "too_many_streams"
+        async with session.get(f"{daemon.url}/healthz") as r:
+            assert r.status == 200
+        async with Client(daemon.url) as client:
+            (task_id,) = await submit(session, daemon, type="sleep", payload={"seconds": 0.3})
+            task = await asyncio.wait_for(client.wait(task_id, poll_s=0.2), 20)
+            assert task["state"] == "completed"
+        assert daemon.log().count("event streams are open, the most a node serves") == 1
+    finally:
+        for s in held:
+            s.close()
+    for _ in range(50):  # the daemon sees the streams go as it next writes to them, or reads EOF
+        async with session.get(f"{daemon.url}/v1/events", timeout=aiohttp.ClientTimeout(sock_read=2)) as r:
+            if r.status == 200:
+                break
+        await asyncio.sleep(0.1)
+    else:
+        pytest.fail("streams were not admitted again after the others closed")

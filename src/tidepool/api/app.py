@@ -30,6 +30,7 @@ from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..model import State
 from ..settings import api_address
 from . import openapi, stream
+from .browsers import browser_guard, no_framing
 from .guard import KEEPALIVE_TIMEOUT_S, ConnectionGuard, GuardedSite
 from .schemas import MAX_LIST_LIMIT, PoolPatch, ScheduleIn, SubmitBatch, SubmitTask, task_json
 
@@ -41,6 +42,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DAEMON: web.AppKey[Daemon] = web.AppKey("daemon")
 FANOUT: web.AppKey[stream.Fanout] = web.AppKey("fanout")
 TOKEN: web.AppKey[str | None] = web.AppKey("token")
+STREAMS: web.AppKey[stream.StreamLimit] = web.AppKey("streams")
+GUARD: web.AppKey[ConnectionGuard] = web.AppKey("guard")
 BODY_TIMEOUT_S = 30.0
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics"})  # and /static/: everything else needs the token
@@ -275,7 +278,16 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def events(request: web.Request) -> web.StreamResponse:
-    return await stream.events(request, request.app[DAEMON], request.app[FANOUT])
+    streams = request.app[STREAMS]
+    if not streams.admit():
+        raise _http(503, "too_many_streams", f"{streams.limit} event streams are open, the most this node serves: "
+                                             "try again later, or poll GET /v1/tasks/{id}")
+    try:
+        guard = request.app.get(GUARD)
+        return await stream.events(request, request.app[DAEMON], request.app[FANOUT],
+                                   None if guard is None else guard.when_lost)
+    finally:
+        streams.release()
 
 
 async def openapi_json(request: web.Request) -> web.Response:
@@ -286,12 +298,17 @@ async def dashboard(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC / "index.html")
 
 
-def build_app(daemon: Daemon, fanout: stream.Fanout, *, token: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[errors_as_json, require_token, no_nul],
+def build_app(daemon: Daemon, fanout: stream.Fanout, *, token: str | None = None,
+              loopback_names_only: bool = False) -> web.Application:
+    """`loopback_names_only`: answer only requests whose Host is a loopback name (see browsers)."""
+    guard = browser_guard(loopback_names_only=loopback_names_only)
+    app = web.Application(middlewares=[errors_as_json, guard, require_token, no_nul],
                           client_max_size=daemon.max_body_kb * 1024)
+    app.on_response_prepare.append(no_framing)
     app[DAEMON] = daemon
     app[FANOUT] = fanout
     app[TOKEN] = token
+    app[STREAMS] = stream.StreamLimit()
     app.router.add_post("/v1/tasks", submit)
     app.router.add_route("*", "/v1/tasks/batch", batch_only)  # every method, or GET falls through to {id}
     app.router.add_get("/v1/tasks", list_tasks)
@@ -348,8 +365,12 @@ async def serve_api(daemon: Daemon, listen: str, *, token: str | None = None,
     """Bind `listen` ("host:port" or "unix:/path"), serve until cancelled."""
     guard = ConnectionGuard()
     fanout = stream.Fanout(daemon.events)
-    app = build_app(daemon, fanout, token=token)
+    # Without a token the API is on loopback (load_token): only a browser could reach it from elsewhere,
+    # through DNS rebinding. A unix socket is out of a browser's reach.
+    app = build_app(daemon, fanout, token=token,
+                    loopback_names_only=token is None and not isinstance(api_address(listen), str))
     app.middlewares.insert(0, guard.next_request)
+    app[GUARD] = guard
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
     await runner.setup()
     try:

@@ -15,6 +15,7 @@ knob for tests that prove the cut-off in seconds rather than minutes, not a conf
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -22,8 +23,10 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from ..logs import Outage
 from ..settings import api_address
 
+log = logging.getLogger("tidepool.api")
 HEADER_TIMEOUT_S = float(os.environ.get("TIDEPOOL_API_HEADER_TIMEOUT_S") or 10.0)
 MAX_CONNECTIONS = 512
 # asyncio listens with a backlog of 100: 200 clients connecting at once had SYNs dropped and waited
@@ -39,10 +42,19 @@ class ConnectionGuard:
         self.max_connections = max_connections
         self.open = 0
         self.cut_off = 0
+        self.full = Outage(log)  # said once when the cap starts refusing, once when it admits again
         self._connections: dict[object, _Guarded] = {}  # by transport, for the middleware
 
     def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: _Guarded(factory(), self)
+
+    def when_lost(self, transport: asyncio.BaseTransport, callback: Callable[[], None]) -> None:
+        """Call `callback` once the connection of `transport` is gone (at once if it is already)."""
+        connection = self._connections.get(transport)
+        if connection is None:
+            callback()
+        else:
+            connection.on_lost.append(callback)
 
     @web.middleware
     async def next_request(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -71,6 +83,7 @@ class _Guarded(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._between_requests = False  # the last request is done; the next one has not begun
+        self.on_lost: list[Callable[[], None]] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's transports don't subclass asyncio's
@@ -78,8 +91,11 @@ class _Guarded(asyncio.Protocol):
         self._guard._connections[transport] = self
         self._inner.connection_made(transport)
         if self._guard.open > self._guard.max_connections:
+            self._guard.full.failing("API: %d connections are open, the most a node holds; new ones are closed "
+                                     "at once", self._guard.max_connections)
             self._cut_off()
             return
+        self._guard.full.over("API: a new connection was admitted again (%d open)", self._guard.open)
         self._start_clock()
 
     def request_started(self) -> None:
@@ -106,6 +122,8 @@ class _Guarded(asyncio.Protocol):
         self._guard.open -= 1
         self._guard._connections.pop(self._transport, None)
         self._inner.connection_lost(exc)
+        for callback in self.on_lost:
+            callback()
 
     def pause_writing(self) -> None:
         self._inner.pause_writing()

@@ -32,6 +32,7 @@ MODELS: list[type[BaseModel]] = [SubmitTask, SubmitBatch, PoolPatch, TaskOut, Pa
                                  RetryOut, PoolOut, ErrorOut, HealthOut, EventOut, ScheduleIn, ScheduleOut,
                                  SchedulesOut, NodesOut]
 ERRORS = {"400": "invalid input, naming the field", "401": "missing or wrong bearer token",
+          "403": "a change asked from another origin, or (without a token) a Host that is not a loopback name",
           "404": "no such task", "409": "conflicts with the task's state or an earlier submit",
           "413": "body over api.max_body_kb", "415": "body is not application/json",
           "429": "queue over pool.max_queued", "503": "store unavailable"}
@@ -49,7 +50,7 @@ def _op(summary: str, ok: dict[str, type[BaseModel]], *, body: type[BaseModel] |
         errors: tuple[str, ...] = (), params: list[dict[str, Any]] | None = None,
         auth: bool = True) -> dict[str, Any]:
     responses: dict[str, Any] = {code: {"description": summary, **_json(model)} for code, model in ok.items()}
-    for code in (*errors, *(("401",) if auth else ())):
+    for code in (*errors, "403", *(("401",) if auth else ())):
         responses[code] = {"description": ERRORS[code], **_json(ErrorOut)}
     op: dict[str, Any] = {"summary": summary, "responses": responses}
     if body is not None:
@@ -112,6 +113,7 @@ def document(*, task_types: Sequence[str] = ()) -> dict[str, Any]:
                                             "responses": {"204": {"description": "deleted"},
                                                           "404": {"description": ERRORS["404"], **_json(ErrorOut)},
                                                           "401": {"description": ERRORS["401"], **_json(ErrorOut)},
+                                                          "403": {"description": ERRORS["403"], **_json(ErrorOut)},
                                                           "503": {"description": ERRORS["503"], **_json(ErrorOut)}}}},
         "/v1/schedules/{name}/pause": {"post": _op("pause a schedule", {"200": ScheduleOut}, errors=("404", "503"),
                                                    params=[NAME])},
@@ -124,7 +126,7 @@ def document(*, task_types: Sequence[str] = ()) -> dict[str, Any]:
                                "responses": {"200": {"description": "text/event-stream",
                                                      "content": {"text/event-stream": {"schema": _ref(EventOut)}}},
                                              **{code: {"description": ERRORS[code], **_json(ErrorOut)}
-                                                for code in ("400", "401", "404", "503")}}}},
+                                                for code in ("400", "401", "403", "404", "503")}}}},
         "/healthz": {"get": _op("the process answers", {"200": HealthOut}, auth=False)},
         "/readyz": {"get": _op("ready to work", {"200": HealthOut, "503": HealthOut}, auth=False)},
     }

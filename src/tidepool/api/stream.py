@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from aiohttp import web
 
 from ..errors import InvalidRequest
 from ..events import EVENT_NAMES, Event, EventBus, Filter, Subscription
+from ..logs import Outage
 from ..model import rfc3339
 
 if TYPE_CHECKING:
@@ -46,6 +48,9 @@ LINGER_S = 0.02  # an event waits at most this long for others to share its writ
 # to until it drains; once its next event has left the ring it is dropped.
 BACKLOG_BYTES = 64 * 1024
 BACKLOGGED_POLL_S = 0.25
+# Streams stay open for as long as their clients like: they may hold at most half of the connections a
+# node takes (guard.MAX_CONNECTIONS), so that probes, metrics and submits always find one.
+MAX_STREAMS = 256
 MAX_ID_DIGITS = 20  # no event id has more (they are below 2**64); int() of thousands of digits would raise
 
 
@@ -85,6 +90,27 @@ def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+class StreamLimit:
+    """How many event streams are open, against their cap."""
+
+    def __init__(self, limit: int = MAX_STREAMS) -> None:
+        self.limit = limit
+        self.open = 0
+        self._full = Outage(log)
+
+    def admit(self) -> bool:
+        if self.open >= self.limit:
+            self._full.failing("API: %d event streams are open, the most a node serves; more are refused (503)",
+                               self.limit)
+            return False
+        self.open += 1
+        self._full.over("API: event streams are admitted again")
+        return True
+
+    def release(self) -> None:
+        self.open -= 1
+
+
 class Stream:
     """One event stream's connection, written straight to its transport (by the Fanout once it follows),
     never through aiohttp's drain: a client that stops reading must not hold a coroutine for ever."""
@@ -112,15 +138,21 @@ class Stream:
             self._stalled = (now, queued)
         return now - self._stalled[0]
 
+    def wire(self, frames: bytes) -> bytes:
+        """`frames` as this connection sends them: an HTTP/1.1 chunk, or as they are for HTTP/1.0."""
+        return chunk(frames) if self.chunked else frames
+
     def send(self, frames: bytes) -> bool:
-        """Write `frames` after whatever is still queued; False if the connection is gone.
+        return self.write(self.wire(frames))
+
+    def write(self, data: bytes) -> bool:
+        """Write `data` (as wire() made it) after whatever is still queued; False if the connection is gone.
 
         With nothing queued, the bytes go straight to the socket with os.write, which lets go of the GIL
         while the kernel copies them (the transport's own write holds it throughout): the SQLite writer
         thread runs meanwhile. What the socket does not take is queued on the transport, in order."""
         if self._transport.is_closing():  # checked right before the write: the socket is still ours
             return False
-        data = chunk(frames) if self.chunked else frames
         sent = 0
         sock = self._transport.get_extra_info("socket")
         if self._direct and sock is not None and not self._transport.get_write_buffer_size():
@@ -230,18 +262,21 @@ class Fanout:
             self._heartbeat_idle()
 
     def _write_all(self) -> None:
-        """Each stream gets the events past its position; streams at one position share one encoding."""
+        """Each stream gets the events past its position; streams at one position share one encoding, and
+        one copy of the bytes on the wire (copying a 100 KB write for each of 20 streams cost the loop more
+        than encoding the events did)."""
         end, oldest, now = self._bus.next_id, self._bus.oldest_id(), time.monotonic()
-        shared: dict[tuple[int, int], bytes] = {}
+        shared: dict[tuple[int, int, bool], bytes] = {}
         for stream in list(self._streams):
             first = stream.next_id
             if first < oldest or stream.stalled_for(now) >= self._stall_s:  # fell a ring behind, or stopped
                 self._end(stream, closed_frame("slow subscriber"))
             elif first < end and not stream.backlogged:
                 upto = min(end, first + MAX_BATCH)
-                if (first, upto) not in shared:
-                    shared[first, upto] = frames_between(self._bus, first, upto)
-                if not self._send(stream, shared[first, upto]):
+                key = (first, upto, stream.chunked)
+                if key not in shared:
+                    shared[key] = stream.wire(frames_between(self._bus, first, upto))
+                if not self._write(stream, shared[key]):
                     continue
                 stream.next_id = upto
 
@@ -254,9 +289,12 @@ class Fanout:
                 self._send(stream, b": heartbeat\n\n")
 
     def _send(self, stream: Stream, frames: bytes) -> bool:
+        return self._write(stream, stream.wire(frames))
+
+    def _write(self, stream: Stream, data: bytes) -> bool:
         """One stream's write; a stream whose connection is gone, or whose write fails, ends alone."""
         try:
-            if stream.send(frames):
+            if stream.write(data):
                 return True
         except Exception:  # one stream's failure must not end the others, nor the API
             log.exception("event stream: write failed; ending the stream")
@@ -301,7 +339,12 @@ def _last_event_id(request: web.Request) -> int | None:
     return int(raw)
 
 
-async def events(request: web.Request, daemon: Daemon, fanout: Fanout) -> web.StreamResponse:
+async def events(request: web.Request, daemon: Daemon, fanout: Fanout,
+                 when_lost: Callable[[asyncio.BaseTransport, Callable[[], None]], None] | None = None,
+                 ) -> web.StreamResponse:
+    """One stream, until it ends. `when_lost` (the connection guard's) says when its client went away: an
+    idle stream would otherwise learn it only at its next write, up to a heartbeat later, holding one of
+    the MAX_STREAMS places meanwhile."""
     # Refusals come first, as JSON errors: once the response is prepared only SSE frames can follow.
     after = _last_event_id(request)
     where = await _filter(request, daemon)
@@ -329,12 +372,15 @@ async def events(request: web.Request, daemon: Daemon, fanout: Fanout) -> web.St
             return response
         chunked = response.headers.get("Transfer-Encoding", "") == "chunked"
         stream = Stream(request.transport, chunked=chunked, next_id=next_id)
-        final = b""
-        if sub is not None:
-            final = await _follow_filtered(stream, sub, bus)
-        else:
-            await fanout.follow(stream)
-        await _finish(stream, response, final)
+        with anyio.CancelScope() as scope:
+            if when_lost is not None:
+                when_lost(request.transport, scope.cancel)
+            final = b""
+            if sub is not None:
+                final = await _follow_filtered(stream, sub, bus)
+            else:
+                await fanout.follow(stream)
+            await _finish(stream, response, final)
     except (ConnectionResetError, ConnectionError):
         pass
     finally:
