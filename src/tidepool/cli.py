@@ -229,13 +229,13 @@ def _with_client(args: argparse.Namespace, settings: Settings,
     try:
         return asyncio.run(go())
     except InvalidAddress as exc:
-        print(f"tidepool: {'--url' if args.url else 'api.listen'}: {exc}", file=sys.stderr)
+        print(_visible(f"tidepool: {'--url' if args.url else 'api.listen'}: {exc}"), file=sys.stderr)
         return USAGE
     except Unreachable as exc:
-        print(f"tidepool: {exc}", file=sys.stderr)
+        print(_visible(f"tidepool: {exc}"), file=sys.stderr)
         return UNREACHABLE
-    except ApiError as exc:
-        print(f"tidepool: {exc.message} ({exc.status} {exc.code})", file=sys.stderr)
+    except ApiError as exc:  # the daemon's message often quotes the request back: an id, a type name
+        print(_visible(f"tidepool: {exc.message} ({exc.status} {exc.code})"), file=sys.stderr)
         if exc.status in (429, 503):  # the daemon answers but cannot take it now: its store is down, or full
             return UNREACHABLE
         if exc.status in (400, 401, 404, 409, 413, 415):  # the request or the token: usage or config (2)
@@ -265,14 +265,15 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     async def body(client: Client) -> int:
         task = await client.submit(args.type, payload, priority=args.priority, max_attempts=args.max_attempts,
                                    idempotency_key=args.key, required_tags=tags or None)
-        print(task["id"])
+        print(_visible(task["id"]))
         if not args.wait:
             return OK
         progress = _Progress(task["id"])
         with Live(progress.render(), console=_ERR, transient=True, refresh_per_second=8) as live:
             final = await client.wait(task["id"], on_change=lambda seen: live.update(progress.see(seen)))
         error = f": {final['error']['message']}" if final["error"] else ""
-        _ERR.print(f"{final['id']} [{_STYLE.get(final['state'], '')}]{final['state']}[/]{error}", highlight=False)
+        _ERR.print(Text.assemble(_text(f"{final['id']} "), _text(final["state"], _STYLE.get(final["state"], "")),
+                                 _text(error)))
         return OK if final["state"] == "completed" else TASK_FAILED
 
     return _with_client(args, settings, body)
@@ -280,6 +281,19 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
 
 _ERR = Console(stderr=True)
 _STYLE = {"completed": "green", "failed": "red", "timed_out": "red", "cancelled": "yellow", "running": "cyan"}
+_VISIBLE = {c: f"\\u{c:04x}" for c in (*range(0x20), *range(0x7f, 0xa0))}  # C0, DEL and C1
+
+
+def _visible(text: str) -> str:
+    """Text from a task or the daemon with every control character spelled out as JSON spells it (ESC as
+    \\u001b), so that no error message or payload can clear the screen, set the window title or overwrite
+    a line. Backslashes stay as they are: a literal "\\u001b" in the data looks the same, and is as harmless."""
+    return text.translate(_VISIBLE)
+
+
+def _text(value: str, style: str = "") -> Text:
+    """Data for a rich renderable: control characters made visible, and never read as markup or emoji."""
+    return Text(_visible(value), style=style)
 
 
 class _Progress:
@@ -310,7 +324,9 @@ class _Progress:
 
     def render(self) -> Text:
         fraction = "" if self.fraction is None else f" {self.fraction * 100:5.1f}%"
-        line = f"{self.task_id} {self.state:<10} {self.phase:<10} {self.plugin:<14}{fraction} {self.message}"
+        task_id, state, phase, plugin, message = map(_visible, (self.task_id, self.state, self.phase, self.plugin,
+                                                                self.message))  # before padding: columns align
+        line = f"{task_id} {state:<10} {phase:<10} {plugin:<14}{fraction} {message}"
         return Text(line[:160], style=_STYLE.get(self.state, ""))
 
 
@@ -318,22 +334,22 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
     async def body(client: Client) -> int:
         task = await client.get(args.task_id)
         if args.json:
-            print(json.dumps(task, indent=2))
+            print(json.dumps(task, indent=2))  # ensure_ascii: every control character leaves as \u00XX
             return OK
         console = Console()
         facts = Table.grid(padding=(0, 2))
         for key in ("id", "type", "state", "phase", "progress", "attempt", "max_attempts", "priority", "node_id",
                     "error", "payload", "created_at", "finished_at"):
-            facts.add_row(key, _fact(key, task[key]))
+            facts.add_row(key, _text(_fact(key, task[key])))
         console.print(facts)
         attempts = Table("#", "status", "worker", "started (UTC)", "took", "error", title="attempts")
         for a in task["attempts"]:
-            attempts.add_row(str(a["number"]), a["status"], a["worker_id"], _when(a["started_at"]),
-                             _took(a["started_at"], a["finished_at"]), _fact("error", a["error"]))
+            attempts.add_row(*map(_text, (str(a["number"]), a["status"], a["worker_id"], _when(a["started_at"]),
+                                          _took(a["started_at"], a["finished_at"]), _fact("error", a["error"]))))
         console.print(attempts)
         for r in task["results"]:
-            console.print(f"result {r['plugin']}#{r['sequence']}{' (final)' if r['final'] else ''}: "
-                          f"{json.dumps(r['payload'])[:2000]}", highlight=False)
+            console.print(_text(f"result {r['plugin']}#{r['sequence']}{' (final)' if r['final'] else ''}: "
+                                f"{json.dumps(r['payload'])[:2000]}"))
         return OK
 
     return _with_client(args, settings, body)
@@ -381,9 +397,9 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
         table = _table(Column("id", no_wrap=True, min_width=32), Column("type", no_wrap=True),
                        Column("state", no_wrap=True), "phase", "progress", "attempt", "node", "created (UTC)")
         for t in page["tasks"]:
-            table.add_row(t["id"], t["type"], Text(t["state"], style=_STYLE.get(t["state"], "")), t["phase"] or "",
-                          _percent(t["progress"]), f"{t['attempt']}/{t['max_attempts']}", t["node_id"] or "",
-                          _when(t["created_at"]))
+            table.add_row(_text(t["id"]), _text(t["type"]), _text(t["state"], _STYLE.get(t["state"], "")),
+                          *map(_text, (t["phase"] or "", _percent(t["progress"]), f"{t['attempt']}/{t['max_attempts']}",
+                                       t["node_id"] or "", _when(t["created_at"]))))
         Console().print(table)
         return OK
 
@@ -392,7 +408,7 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     async def body(client: Client) -> int:
-        print(await client.cancel(args.task_id))
+        print(_visible(await client.cancel(args.task_id)))
         return OK
 
     return _with_client(args, settings, body)
@@ -400,7 +416,7 @@ def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_retry(args: argparse.Namespace, settings: Settings) -> int:
     async def body(client: Client) -> int:
-        print(await client.retry(args.task_id))
+        print(_visible(await client.retry(args.task_id)))
         return OK
 
     return _with_client(args, settings, body)
@@ -412,15 +428,17 @@ def cmd_pool(args: argparse.Namespace, settings: Settings) -> int:
         if args.json:
             print(json.dumps(pool, indent=2))
             return OK
-        print(f"node     {pool['node_id']}{'  (draining)' if pool['draining'] else ''}")
-        print(f"workers  {pool['workers']} (baseline {pool['baseline']}, demand {pool['demand']}), "
-              f"busy {pool['busy']}, min {pool['min_workers']}, max {pool['max_workers']}")
-        print("queue    " + ", ".join(f"{k} {v}" for k, v in pool["queue"].items()))
-        print("guards   " + _guards_line(pool["guards"]))
+        lines = [f"node     {pool['node_id']}{'  (draining)' if pool['draining'] else ''}",
+                 f"workers  {pool['workers']} (baseline {pool['baseline']}, demand {pool['demand']}), "
+                 f"busy {pool['busy']}, min {pool['min_workers']}, max {pool['max_workers']}",
+                 "queue    " + ", ".join(f"{k} {v}" for k, v in pool["queue"].items()),
+                 "guards   " + _guards_line(pool["guards"])]
         for name, r in pool.get("resources", {}).items():
-            print(f"resource {name}: {r['in_use']}/{r['count']} in use, tags {', '.join(r['tags']) or '-'}")
+            lines.append(f"resource {name}: {r['in_use']}/{r['count']} in use, tags {', '.join(r['tags']) or '-'}")
         if pool["pending_restart"]:
-            print(f"restart  needed for {', '.join(pool['pending_restart'])}")
+            lines.append(f"restart  needed for {', '.join(pool['pending_restart'])}")
+        for line in lines:
+            print(_visible(line))
         return OK
 
     return _with_client(args, settings, body)
@@ -448,8 +466,10 @@ def cmd_nodes(args: argparse.Namespace, settings: Settings) -> int:
             alive = Text("yes", style="green") if n["alive"] else Text("stopped" if n["stopped_at"] else "no",
                                                                       style="red")
             tags = "; ".join(",".join(t) for t in n["tags"]) or "-"
-            table.add_row(n["node_id"], alive, n["hostname"], str(n["pid"]), n["version"], _when(n["started_at"]),
-                          _when(n["heartbeat_at"]), ",".join(n["task_types"]), tags, str(n["max_workers"]))
+            table.add_row(_text(n["node_id"]), alive,
+                          *map(_text, (n["hostname"], str(n["pid"]), n["version"], _when(n["started_at"]),
+                                       _when(n["heartbeat_at"]), ",".join(n["task_types"]), tags,
+                                       str(n["max_workers"]))))
         Console().print(table)
         return OK
 
@@ -467,7 +487,7 @@ def cmd_schedules(args: argparse.Namespace, settings: Settings) -> int:
             when = s["cron"] or f"every {s['every_s']:g}s"
             next_run = "paused" if s["paused"] else _when(s["next_run_at"])
             last = f"{s['last_task_id'] or '-'} {s['last_task_state'] or ''}".strip()
-            table.add_row(s["name"], s["type"], when, next_run, _when(s["last_run_at"]), last)
+            table.add_row(*map(_text, (s["name"], s["type"], when, next_run, _when(s["last_run_at"]), last)))
         Console().print(table)
         return OK
 

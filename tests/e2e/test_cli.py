@@ -269,3 +269,97 @@ def _other_address() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect(("192.0.2.1", 9))  # TEST-NET-1: nothing is sent
         return str(s.getsockname()[0])
+
+
+# Task data on the terminal: what a plugin, a payload or a config puts in a task is shown as it is stored.
+# Markup is not read as markup, and control characters arrive spelled out (ESC as \u001b) instead of
+# clearing the screen, setting the window title or rewriting the line.
+
+HOSTILE = "[bold red]MARKUP[/bold red] \x1b]0;PWNED-TITLE\x07 \x1b[2J\x1b[31mESC\r\x08\x7f\x9b :smile:"
+SHOWN = "[bold red]MARKUP[/bold red] \\u001b]0;PWNED-TITLE\\u0007 \\u001b[2J\\u001b[31mESC\\u000d\\u0008\\u007f" \
+        "\\u009b :smile:"
+LOUD_TYPE, LOUD_TYPE_SHOWN = "loud[bold]TYPE[/bold]\x1b[2J", "loud[bold]TYPE[/bold]\\u001b[2J"
+LOUD_NODE, LOUD_NODE_SHOWN = "node[bold]ID[/bold]\x1b]0;NODE\x07", "node[bold]ID[/bold]\\u001b]0;NODE\\u0007"
+SHOUTING_PLUGIN = """
+async def shout(ctx):
+    ctx.progress(0.5, ctx.payload["msg"])
+    await ctx.emit({"said": ctx.payload["msg"]})
+    raise RuntimeError(ctx.payload["msg"])
+"""
+RAW = ("\x1b", "\x07", "\x08", "\r", "\x7f", "\x9b")  # what must never reach the terminal from data
+WIDE = {"COLUMNS": "400"}  # every row on one line
+
+
+def assert_no_raw_control(text: str) -> None:
+    assert not [c for c in RAW if c in text], repr(text)
+
+
+@pytest.fixture
+def loud(make_daemon: Callable[..., Daemon], tmp_path: Path) -> Daemon:
+    """A daemon whose node id, a task type and a plugin's error, progress and result carry markup and escapes."""
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "shouting_plugins.py").write_text(SHOUTING_PLUGIN)
+    daemon = make_daemon({
+        "node": {"id": LOUD_NODE},
+        "plugins.shout": {"python": "shouting_plugins:shout"},
+        "types.shout": {"plugins": ["shout"], "max_attempts": 1},
+        f"types.{json.dumps(LOUD_TYPE)}": {"plugins": ["noop"]},
+    }, env={"PYTHONPATH": str(plugins)})
+    daemon.start()
+    return daemon
+
+
+@pytest.mark.e2e
+def test_show_and_submit_wait_print_a_plugins_markup_and_escapes_literally(loud: Daemon, cli: Cli) -> None:
+    waited = cli("submit", "shout", "--payload", json.dumps({"msg": HOSTILE}), "--wait", "--url", loud.url, env=WIDE)
+    assert waited.returncode == TASK_FAILED, waited.stderr
+    task_id = waited.stdout.split()[0]
+    assert_no_raw_control(waited.stdout + waited.stderr)
+    assert waited.stderr.strip().splitlines()[-1] == f"{task_id} failed: RuntimeError: {SHOWN}"
+
+    shown = cli("show", task_id, "--url", loud.url, env=WIDE)
+    assert shown.returncode == OK, shown.stderr
+    assert_no_raw_control(shown.stdout)
+    facts = {k: v.strip() for k, v in (line.split(None, 1) for line in shown.stdout.splitlines()
+                                       if line[:1].isalpha() and " " in line)}
+    assert facts["error"] == f"plugin_error: RuntimeError: {SHOWN}"
+    assert facts["progress"] == f"50% {SHOWN}"
+    assert facts["node_id"] == LOUD_NODE_SHOWN
+    assert facts["payload"] == json.dumps({"msg": HOSTILE}), "the payload as stored, markup and all"
+    assert f"result shout#0: {json.dumps({'said': HOSTILE})}" in shown.stdout
+    assert shown.stdout.count(f"RuntimeError: {SHOWN}") == 2, "the task's error and its attempt's"
+
+    as_json = cli("show", task_id, "--json", "--url", loud.url)
+    assert json.loads(as_json.stdout) == loud.task(task_id), "--json is the API's answer, exactly"
+    assert_no_raw_control(as_json.stdout)
+
+
+@pytest.mark.e2e
+def test_list_pool_nodes_and_schedules_print_names_with_markup_and_escapes_literally(loud: Daemon,
+                                                                                      cli: Cli) -> None:
+    task_id = loud.submit(LOUD_TYPE)["id"]
+    loud.wait_terminal(task_id)
+    assert loud.post("/v1/schedules", {"name": "loud", "type": LOUD_TYPE, "every_s": 3600}).status == 201
+    outputs = {command: cli(command, "--url", loud.url, env=WIDE) for command in ("list", "pool", "nodes", "schedules")}
+    for command, result in outputs.items():
+        assert result.returncode == OK, (command, result.stderr)
+        assert_no_raw_control(result.stdout)
+    row = next(line.split() for line in outputs["list"].stdout.splitlines() if task_id in line)
+    assert row[:5] == [task_id, LOUD_TYPE_SHOWN, "completed", "1/3", LOUD_NODE_SHOWN], row
+    assert outputs["pool"].stdout.splitlines()[0] == f"node     {LOUD_NODE_SHOWN}"
+    assert any(line.split()[:2] == [LOUD_NODE_SHOWN, "yes"] for line in outputs["nodes"].stdout.splitlines()), \
+        outputs["nodes"].stdout
+    (schedule,) = [line.split() for line in outputs["schedules"].stdout.splitlines() if line.split()[:1] == ["loud"]]
+    assert schedule[:2] == ["loud", LOUD_TYPE_SHOWN], outputs["schedules"].stdout
+
+
+@pytest.mark.e2e
+def test_the_daemons_error_messages_print_what_they_quote_literally(daemon: Daemon, cli: Cli) -> None:
+    for command in ("show", "cancel", "retry"):  # "task ID not found" quotes the id as it came
+        result = cli(command, LOUD_TYPE, "--url", daemon.url)
+        assert (result.returncode, result.stdout) == (USAGE, ""), (command, result.stderr)
+        assert result.stderr == f"tidepool: task {LOUD_TYPE_SHOWN} not found (404 not_found)\n"
+    unknown = cli("submit", LOUD_TYPE, "--url", daemon.url)
+    assert unknown.returncode == USAGE and "unknown task type 'loud[bold]TYPE[/bold]" in unknown.stderr
+    assert_no_raw_control(unknown.stderr)
