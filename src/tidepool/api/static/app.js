@@ -1,34 +1,79 @@
 // The tidepool dashboard: polls /v1/pool, follows /v1/events, shows tasks. No build step, no CDN.
+// Every piece of task data goes in as text (textContent), never as markup.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const samples = [];          // [{t, workers, busy}] for the chart
 const HISTORY_S = 300;
+const TERMINAL = new Set(["completed", "failed", "timed_out", "cancelled"]);
+const DETAIL_MIN_GAP_MS = 1000;   // a busy task's events fetch its detail (results can be megabytes) at most this often
+const DETAIL_PERIOD_MS = 10000;   // and an unfinished one is fetched this often anyway, in case an event was missed
 let selected = null;
 let refreshPending = false;
 
+const NEED_TOKEN = "token needed: enter the API token above";
+const UNREACHABLE = "daemon unreachable: reconnecting";
+const BAD_TOKEN = "token not accepted: it must be plain ASCII (printable characters only)";
+
+// The token lives for this tab's session only (sessionStorage), never for good.
+const TOKEN_KEY = "tidepool.token";
+function storedToken() {
+  try {
+    const old = localStorage.getItem(TOKEN_KEY);  // an older dashboard kept it for good: move it, once
+    if (old !== null) {
+      localStorage.removeItem(TOKEN_KEY);
+      if (sessionStorage.getItem(TOKEN_KEY) === null) sessionStorage.setItem(TOKEN_KEY, old);
+    }
+    return sessionStorage.getItem(TOKEN_KEY) || "";
+  } catch {
+    return "";  // storage is disabled: the token lives in the input only
+  }
+}
+function storeToken(value) {
+  try {
+    if (value) sessionStorage.setItem(TOKEN_KEY, value); else sessionStorage.removeItem(TOKEN_KEY);
+  } catch { /* storage is disabled: the token lives in the input only */ }
+}
+
 const tokenInput = $("token");
-tokenInput.value = localStorage.getItem("tidepool.token") || "";
+tokenInput.value = storedToken();
 tokenInput.addEventListener("change", () => {
-  localStorage.setItem("tidepool.token", tokenInput.value);
+  storeToken(tokenInput.value);
   followEvents();
+  refreshAll();
 });
+
+class TokenError extends Error {}
 
 function headers() {
   const h = { "Content-Type": "application/json" };
-  if (tokenInput.value) h["Authorization"] = "Bearer " + tokenInput.value;
+  const token = tokenInput.value.trim();
+  // fetch cannot put anything beyond Latin-1 in a header, and the daemon's token is ASCII: say so, not "unreachable"
+  if (!/^[\x20-\x7e]*$/.test(token)) throw new TokenError(BAD_TOKEN);
+  if (token) h["Authorization"] = "Bearer " + token;
   return h;
 }
 
-const NEED_TOKEN = "token needed: enter the API token above";
-const UNREACHABLE = "daemon unreachable: reconnecting";
-
 async function api(method, path) {
-  const res = await fetch(path, { method, headers: headers() }).catch(() => { throw new Error(UNREACHABLE); });
+  const h = headers();
+  const res = await fetch(path, { method, headers: h }).catch(() => { throw new Error(UNREACHABLE); });
   const body = await res.json().catch(() => ({}));
   if (res.status === 401) throw new Error(NEED_TOKEN);
-  if (!res.ok) throw new Error((body.error && body.error.message) || res.statusText);
+  if (!res.ok) throw new Error(`daemon answered ${res.status}: ${(body.error && body.error.message) || res.statusText}`);
   return body;
+}
+
+// The connection badge: each source (the event stream, each poll) reports its own problem, and clears it
+// when it works again; the badge shows the latest problem while any lasts, and "live" when none does.
+const problems = new Map();  // source -> message
+function report(source, problem) {
+  problems.delete(source);
+  if (problem) problems.set(source, problem);
+  const el = $("conn");
+  const latest = [...problems.values()].pop();
+  el.className = "badge " + (latest ? "down" : "live");
+  el.textContent = latest || "live";
+  document.body.classList.toggle("stale", Boolean(latest));  // what is shown is the last seen, not now
 }
 
 function setText(id, value) { $(id).textContent = value; }
@@ -58,8 +103,9 @@ async function refreshPool() {
     samples.push({ t: Date.now() / 1000, workers: pool.workers, busy: pool.busy });
     while (samples.length && samples[0].t < Date.now() / 1000 - HISTORY_S) samples.shift();
     drawChart();
+    report("pool", null);
   } catch (err) {
-    setConn("down", err.message);
+    report("pool", err.message);
   }
 }
 
@@ -99,13 +145,13 @@ async function refreshTasks() {
         if (i === 2) td.className = "state state-" + t.state;
         tr.appendChild(td);
       });
-      tr.addEventListener("click", () => showTask(t.id));
+      tr.addEventListener("click", () => selectTask(t.id));
       return tr;
     });
     $("tasks").tBodies[0].replaceChildren(...rows);
-    if (selected) showTask(selected);
+    report("tasks", null);
   } catch (err) {
-    setConn("down", err.message);
+    report("tasks", err.message);
   }
 }
 
@@ -113,38 +159,61 @@ function scheduleTasks() {
   if (!refreshPending) { refreshPending = true; setTimeout(refreshTasks, 250); }
 }
 
-async function showTask(id) {
+// The selected task's detail. It can hold megabytes of results, so it is fetched when it is selected,
+// when an event names it, and (while it is unfinished) now and then; never for other tasks' events.
+let detailSeq = 0;        // answers to older fetches (another task, or overtaken) are dropped
+let detailState = null;   // the shown task's state, once fetched
+let detailTimer = null;
+let detailLast = 0;
+
+function selectTask(id) {
+  if (id !== selected) {
+    setText("action-result", "");  // it was about the task shown before
+    setText("detail-body", "loading…");
+    detailState = null;
+  }
   selected = id;
   $("detail").hidden = false;
   setText("detail-id", id);
+  loadDetail();
+}
+
+function scheduleDetail() {
+  if (detailTimer) return;
+  const wait = Math.max(250, detailLast + DETAIL_MIN_GAP_MS - Date.now());
+  detailTimer = setTimeout(() => { detailTimer = null; loadDetail(); }, wait);
+}
+
+async function loadDetail() {
+  const id = selected, seq = ++detailSeq;
+  if (!id) return;
+  detailLast = Date.now();
   try {
-    const task = await api("GET", "/v1/tasks/" + id);
+    const task = await api("GET", "/v1/tasks/" + encodeURIComponent(id));
+    if (seq !== detailSeq) return;
+    detailState = task.state;
     setText("detail-body", JSON.stringify({ state: task.state, phase: task.phase, error: task.error,
       attempts: task.attempts, results: task.results, payload: task.payload }, null, 2));
   } catch (err) {
-    setText("detail-body", err.message);
+    if (seq === detailSeq) setText("detail-body", err.message);
   }
 }
 
 async function act(action) {
-  if (!selected) return;
+  const id = selected;
+  if (!id) return;
+  let text;
   try {
-    const res = await api("POST", `/v1/tasks/${selected}/${action}`);
-    setText("action-result", `${action}: ${res.state}`);
+    const res = await api("POST", `/v1/tasks/${encodeURIComponent(id)}/${action}`);
+    text = `${action}: ${res.state}`;
   } catch (err) {
-    setText("action-result", `${action} refused: ${err.message}`);
+    text = `${action} refused: ${err.message}`;
   }
+  if (id === selected) setText("action-result", text);
   scheduleTasks();
 }
 $("cancel").addEventListener("click", () => act("cancel"));
 $("retry").addEventListener("click", () => act("retry"));
-
-function setConn(kind, text) {
-  const el = $("conn");
-  el.className = "badge " + kind;
-  el.textContent = text;
-  document.body.classList.toggle("stale", kind === "down");  // what is shown is the last seen, not now
-}
 
 // Server-sent events over fetch, so the bearer token can go in a header (EventSource cannot send one).
 let streamAbort = null;
@@ -158,12 +227,13 @@ async function followEvents() {
       const h = headers();
       if (lastEventId) h["Last-Event-ID"] = lastEventId;
       const res = await fetch("/v1/events", { headers: h, signal: abort.signal });
+      if (abort.signal.aborted) return;
       if (res.status === 401) {  // retrying cannot help: a new token restarts the stream
-        setConn("down", NEED_TOKEN);
+        report("stream", NEED_TOKEN);
         return;
       }
       if (!res.ok) throw new Error("events: " + res.status);
-      setConn("live", "live");
+      report("stream", null);
       const reader = res.body.getReader();
       const decoder = new TextDecoder();
       let buffer = "";
@@ -179,20 +249,40 @@ async function followEvents() {
       }
     } catch (err) {
       if (abort.signal.aborted) return;
-      setConn("down", UNREACHABLE);
+      if (err instanceof TokenError) {  // likewise
+        report("stream", err.message);
+        return;
+      }
+      report("stream", UNREACHABLE);
     }
     await new Promise((r) => setTimeout(r, 1000));
   }
 }
 
 function handleFrame(frame) {
+  let name = "", data = "";
   for (const line of frame.split("\n")) {
     if (line.startsWith("id: ")) lastEventId = line.slice(4);
-    if (line.startsWith("event: task.") || line.startsWith("event: worker.")) scheduleTasks();
+    else if (line.startsWith("event: ")) name = line.slice(7);
+    else if (line.startsWith("data: ")) data += line.slice(6);
+  }
+  if (name === "stream.gap") {  // events were missed: whatever is shown may be behind
+    scheduleTasks();
+    if (selected) scheduleDetail();
+    return;
+  }
+  if (name.startsWith("task.") || name.startsWith("worker.")) scheduleTasks();
+  if (selected && data.includes(selected) && concerns(data, selected)) scheduleDetail();
+}
+
+function concerns(data, id) {
+  try {
+    return JSON.parse(data).task_id === id;
+  } catch {
+    return false;
   }
 }
 
-refreshPool();
 async function refreshSchedules() {
   try {
     const { schedules } = await api("GET", "/v1/schedules");
@@ -205,17 +295,24 @@ async function refreshSchedules() {
         td.textContent = cell;
         tr.appendChild(td);
       }
-      if (s.last_task_id) tr.addEventListener("click", () => showTask(s.last_task_id));
+      if (s.last_task_id) tr.addEventListener("click", () => selectTask(s.last_task_id));
       return tr;
     }));
+    report("schedules", null);
   } catch (err) {
-    setConn("down", err.message);
+    report("schedules", err.message);
   }
 }
 
-refreshTasks();
-refreshSchedules();
+function refreshAll() {
+  refreshPool();
+  refreshTasks();
+  refreshSchedules();
+}
+
+refreshAll();
 setInterval(refreshSchedules, 5000);
 setInterval(refreshPool, 1000);
 setInterval(refreshTasks, 3000);
+setInterval(() => { if (selected && !TERMINAL.has(detailState)) loadDetail(); }, DETAIL_PERIOD_MS);
 followEvents();
