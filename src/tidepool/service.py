@@ -71,7 +71,7 @@ class Daemon:
         self.store: Store = open_store(settings.store.url)
         self.events = EventBus(first_id=first_id_of_this_run())
         self.metrics = Metrics(node_id=self.node_id, version=__version__, pool=lambda: self.pool.statistics(),
-                               counts=self.store.counts, guards=lambda: self.guards.statistics(),
+                               counts=self._store_answers, guards=lambda: self.guards.statistics(),
                                draining=lambda: self.draining)
         self.events.listen(self.metrics.on_event)
         self.events.listen(logs.lifecycle)
@@ -389,6 +389,14 @@ class Daemon:
         log.info("schedule %s %s", name, "paused" if paused else "resumed")
         return saved
 
+    async def _store_answers(self) -> dict[State, int]:
+        """The queue by state, as the probes ask it (/readyz, tidepool_store_up): a store whose writes fail
+        does not answer, though it may still read (a full disk, a file made read-only, a corrupt one)."""
+        failure = self.store.write_failure()
+        if failure is not None:
+            raise StoreUnavailable(failure)
+        return await self.store.counts()
+
     async def not_ready_reason(self) -> str | None:
         if self.draining:
             return "draining"
@@ -396,7 +404,7 @@ class Daemon:
             return "starting"
         try:
             with anyio.fail_after(READY_PROBE_S):
-                await self.store.counts()
+                await self._store_answers()
         except StoreUnavailable as exc:
             return f"store unavailable: {exc}"
         except TimeoutError:

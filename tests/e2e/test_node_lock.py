@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable
@@ -44,3 +47,56 @@ def test_a_second_daemon_reaching_the_same_database_through_a_symlink_exits_2(
                             stdin=subprocess.DEVNULL)
     assert result.returncode == 2, result.stderr
     assert f"pid {daemon.pid}" in result.stderr
+
+
+def _run(daemon: Daemon) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(daemon.config_path)],
+                          cwd=daemon.root, env=daemon.env, capture_output=True, text=True, timeout=30,
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.e2e
+def test_a_second_daemon_exits_2_even_when_the_first_ones_lock_file_was_deleted(
+        daemon: Daemon, make_daemon: Callable[..., Daemon]) -> None:
+    """Started, it would expire the first one's live leases as an earlier process's and run them twice."""
+    (lock,) = daemon.db_path.parent.glob(f"{daemon.db_path.name}.*.lock")
+    lock.unlink()
+    result = _run(make_daemon(root=daemon.root))
+    assert result.returncode == 2, result.stderr
+    assert f"pid {daemon.pid}" in result.stderr and "already runs" in result.stderr
+    assert daemon.get("/readyz").status == 200
+
+
+@pytest.mark.e2e
+def test_a_database_with_a_second_hard_link_is_refused_before_anything_is_written(
+        make_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    """SQLite keeps the write-ahead log beside each name: two names of one file ran two logs into it
+    (a probe lost half of 5,000 acknowledged tasks and corrupted the indexes)."""
+    (tmp_path / "a").mkdir()
+    first = make_daemon(root=tmp_path / "a")
+    first.start()
+    first.submit("noop")
+    first.stop()
+    (tmp_path / "b").mkdir()
+    os.link(first.db_path, tmp_path / "b" / "tidepool.db")
+    before = first.db_path.read_bytes()
+    result = _run(make_daemon(root=tmp_path / "a"))
+    assert result.returncode == 2, result.stderr
+    assert "2 hard links" in result.stderr and "store.url" in result.stderr
+    assert first.db_path.read_bytes() == before
+
+
+@pytest.mark.e2e
+def test_a_file_of_another_application_is_refused_and_left_as_it_was(make_daemon: Callable[..., Daemon],
+                                                                        tmp_path: Path) -> None:
+    foreign = tmp_path / "crm.db"
+    with contextlib.closing(sqlite3.connect(foreign)) as conn:
+        conn.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)")
+        conn.execute("INSERT INTO customers (name) VALUES ('acme')")
+        conn.commit()
+    before = foreign.read_bytes()
+    result = _run(make_daemon({"store": {"url": f"sqlite:///{foreign}"}}))
+    assert result.returncode == 2, result.stderr
+    assert "is not a tidepool database (it holds tables customers)" in result.stderr
+    assert foreign.read_bytes() == before
+    assert not foreign.with_name("crm.db-wal").exists()

@@ -132,6 +132,9 @@ class Store(Protocol):
         """Connect; with `migrate`, bring the schema up to this version's. Returns the schema version the store
         had (0: none yet). SchemaMismatch when it is newer, or older and `migrate` is false."""
     async def close(self) -> None: ...
+    def write_failure(self) -> str | None:
+        """Why writes fail now though reads may still answer (SQLite: its last write transaction failed, or
+        its file is corrupt or gone), else None."""
 
     # producers
     async def add(self, new: NewTask, *, now: float, max_queued: int | None = None) -> tuple[Task, bool]:

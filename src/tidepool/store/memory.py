@@ -64,6 +64,9 @@ class MemoryStore:
     async def close(self) -> None:
         pass
 
+    def write_failure(self) -> str | None:
+        return None
+
     # producers
 
     async def add(self, new: NewTask, *, now: float, max_queued: int | None = None) -> tuple[Task, bool]:

@@ -584,6 +584,9 @@ class PostgresStore:
                 await pool.close()
             pool.terminate()  # a no-op after a clean close; ends connections stuck past the timeout
 
+    def write_failure(self) -> str | None:
+        return None  # a server that cannot write says so to every statement, the probe's included
+
     async def _migrate(self, conn: Conn, migrate: bool) -> int:
         """Bring the schema to SCHEMA_VERSION (when `migrate`); return the version it had."""
         async with conn.transaction():

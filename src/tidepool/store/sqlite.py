@@ -16,7 +16,9 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import queue
+import socket
 import sqlite3
 import threading
 import time
@@ -27,10 +29,12 @@ from typing import Any, TypeAlias, TypeVar
 
 import anyio
 import anyio.to_thread
+import psutil  # type: ignore[import-untyped]
 from anyio.abc import TaskStatus
 
 from .. import schedules
 from ..errors import (
+    ConfigError,
     Conflict,
     LeaseLost,
     QueueFull,
@@ -204,6 +208,9 @@ class SqliteStore:
         self._read_limiter = anyio.CapacityLimiter(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self._inode: tuple[int, int] | None = None  # (device, inode) of the file opened: see _still_ours
+        self._write_failure: str | None = None  # why the last write transaction failed, until one commits
+        self._corrupt: str | None = None  # once SQLite says the file is malformed, for good
 
     # lifecycle of the adapter
 
@@ -231,6 +238,13 @@ class SqliteStore:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            try:
+                self._check_ours(conn)
+            except ConfigError:
+                conn.close()
+                raise
+            stat = os.stat(self.path)
+            self._inode = (stat.st_dev, stat.st_ino)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")  # an acknowledged commit survives power loss
             conn.execute("PRAGMA busy_timeout=5000")
@@ -246,6 +260,35 @@ class SqliteStore:
             return conn, version
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"store {self.path}: {exc}") from exc
+
+    def _check_ours(self, conn: sqlite3.Connection) -> None:
+        """Before anything is written: the file is tidepool's (or empty), and the one name of its database."""
+        links = os.stat(self.path).st_nlink
+        if links > 1:  # SQLite keeps the write-ahead log beside each name: two names, two logs, one corrupt file
+            raise ConfigError(f"config: store.url: {self.path} has {links} hard links; SQLite ties its write-ahead "
+                              "log to a file's name, so two names of one database corrupt it: remove the other links")
+        if conn.execute("PRAGMA user_version").fetchone()[0] == 0:
+            tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+            if tables:
+                raise ConfigError(f"config: store.url: {self.path} is not a tidepool database (it holds tables "
+                                  f"{', '.join(tables[:5])}{', ...' if len(tables) > 5 else ''}): give tidepool a "
+                                  "file of its own")
+
+    def _still_ours(self) -> None:
+        """The file opened is still the database's name. Deleted or replaced while open, SQLite would go on
+        writing to a file no name reaches: every task acknowledged from then on would be gone at restart."""
+        try:
+            stat = os.stat(self.path)
+            same = (stat.st_dev, stat.st_ino) == self._inode
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise StoreUnavailable(f"the database file {self.path} was deleted or replaced while open; nothing more "
+                                   "is written to it: restart the node (what it held since is lost with the file)")
+
+    def write_failure(self) -> str | None:
+        """Why writes fail now (the last write transaction failed, or the file is corrupt), else None."""
+        return self._corrupt or self._write_failure
 
     def _connect_reader(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -299,11 +342,13 @@ class SqliteStore:
             except queue.Empty:
                 return None in queued
 
-    @staticmethod
-    def _run_batch(conn: sqlite3.Connection, ops: list[tuple[Op, asyncio.Future[Any]]]) -> list[Any]:
+    def _run_batch(self, conn: sqlite3.Connection, ops: list[tuple[Op, asyncio.Future[Any]]]) -> list[Any]:
         batch = _Batch()
         outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
         try:
+            if self._corrupt:
+                raise StoreUnavailable(self._corrupt)
+            self._still_ours()
             conn.execute("BEGIN IMMEDIATE")
             for group in _groups(ops):
                 op = group[0][0]
@@ -317,10 +362,22 @@ class SqliteStore:
             with contextlib.suppress(sqlite3.Error):
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
-            error = StoreUnavailable(f"sqlite write failed: {exc}")
+            self._note_corrupt(exc)
+            error = exc if isinstance(exc, StoreUnavailable) else StoreUnavailable(
+                f"sqlite write to {self.path} failed: {exc}")
             error.__cause__ = exc
+            self._write_failure = str(error)
             return [(future, None, error) for _, future in ops]
+        self._write_failure = None
         return outcomes
+
+    def _note_corrupt(self, exc: BaseException) -> None:
+        if _error_code(exc) in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+            if self._corrupt is None:
+                log.error("store %s is corrupt (%s): writes stop; check it with PRAGMA integrity_check and restore "
+                          "it from a backup", self.path, exc)
+            self._corrupt = (f"the database {self.path} is corrupt ({exc}): writes stop; check it with PRAGMA "
+                             "integrity_check and restore it from a backup")
 
     # reads
 
@@ -330,7 +387,8 @@ class SqliteStore:
             try:
                 return fn(self._reader)
             except sqlite3.Error as exc:
-                raise StoreUnavailable(f"sqlite read failed: {exc}") from exc
+                self._note_corrupt(exc)
+                raise StoreUnavailable(f"sqlite read of {self.path} failed: {exc}") from exc
 
         if self._reader is None:
             raise StoreUnavailable("the store is not open")
@@ -656,7 +714,17 @@ class SqliteStore:
     # the fleet: one host, so the daemon's lock file keeps one process per node id, and nothing to hear
 
     async def lock_node(self, node_id: str, instance_id: str) -> None:
-        pass
+        """The daemon's lock file keeps one process per node id; a lock file deleted while its daemon ran
+        would not, so the node's own row is asked as well: a live process of this node on this host."""
+        def read(conn: sqlite3.Connection) -> Any:
+            return conn.execute(f"SELECT {NODE_COLUMNS} FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
+
+        row = await self._read(read)
+        holder = None if row is None else _node(row)
+        if holder is not None and holder.instance_id != instance_id and _alive_here(holder):
+            raise ConfigError(f"node {node_id} already runs on {self.path}: pid {holder.pid} (instance "
+                              f"{holder.instance_id}, heard from {time.time() - holder.heartbeat_at:.0f}s ago); "
+                              "stop it or give this daemon another node.id")
 
     async def save_node(self, node: Node) -> None:
         row = (node.node_id, node.instance_id, node.hostname, node.pid, node.version, node.started_at,
@@ -672,8 +740,7 @@ class SqliteStore:
     async def list_nodes(self) -> list[Node]:
         def read(conn: sqlite3.Connection) -> list[Node]:
             rows = conn.execute(f"SELECT {NODE_COLUMNS} FROM nodes ORDER BY node_id").fetchall()
-            return [Node(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], tuple(json.loads(r[9])),
-                         tuple(tuple(t) for t in json.loads(r[10])), r[11], stopped_at=r[8]) for r in rows]
+            return [_node(r) for r in rows]
 
         return await self._read(read)
 
@@ -815,6 +882,8 @@ def _run_alone(conn: sqlite3.Connection, batch: _Batch, op: Any) -> tuple[Any, T
     try:
         result = op(conn, batch)
     except Exception as exc:
+        if _error_code(exc) in FILE_FAULTS or not conn.in_transaction:  # not this op's fault: the batch fails
+            raise
         conn.execute("ROLLBACK TO op")
         conn.execute("RELEASE op")
         batch.queued = None  # the op may have counted itself in before failing: recount
@@ -826,6 +895,17 @@ def _run_alone(conn: sqlite3.Connection, batch: _Batch, op: Any) -> tuple[Any, T
         return None, error
     conn.execute("RELEASE op")
     return result, None
+
+
+# What the file did, not the op: SQLite may have rolled the whole transaction back already.
+FILE_FAULTS = frozenset({sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB,
+                         sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_NOMEM})
+
+
+def _error_code(exc: BaseException) -> int | None:
+    """SQLite's primary result code of an sqlite3 error (its extended code's low byte), else None."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return None if code is None else code & 0xFF
 
 
 def _settle(outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
@@ -1032,6 +1112,23 @@ def _end(conn: sqlite3.Connection, lease: Lease, outcome: Outcome, row: Any, now
     if queued and batch.queued is not None:
         batch.queued += 1
     return end.state
+
+
+def _node(r: Any) -> Node:
+    return Node(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], tuple(json.loads(r[9])),
+                tuple(tuple(t) for t in json.loads(r[10])), r[11], stopped_at=r[8])
+
+
+def _alive_here(node: Node) -> bool:
+    """Whether the process a node row names still runs on this host, and is that process (a pid reused
+    since was born after the node started)."""
+    if node.stopped_at is not None or node.hostname != socket.gethostname() or node.pid == os.getpid():
+        return False
+    try:
+        born: float = psutil.Process(node.pid).create_time()
+        return born <= node.started_at + 1.0
+    except psutil.Error:
+        return False
 
 
 def _task(row: Any, *, attempts: tuple[Attempt, ...] = (), leased_by: str | None = None,

@@ -1,0 +1,24 @@
+"""An SQLite file the daemon can no longer write to: it says so (503 naming why, /readyz, /metrics) rather
+than acknowledging tasks that a restart would not find."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import Daemon
+
+
+@pytest.mark.e2e
+def test_a_database_deleted_under_the_daemon_refuses_submits_and_the_node_is_not_ready(daemon: Daemon) -> None:
+    kept = daemon.submit("noop")
+    assert daemon.wait_terminal(kept["id"])["state"] == "completed"
+    for suffix in ("", "-wal", "-shm"):
+        daemon.db_path.with_name(daemon.db_path.name + suffix).unlink(missing_ok=True)
+    r = daemon.post("/v1/tasks", {"type": "noop"})
+    assert (r.status, r.body["error"]["code"]) == (503, "store_unavailable"), r
+    assert "deleted or replaced" in r.body["error"]["message"]
+    ready = daemon.get("/readyz")
+    assert ready.status == 503 and "deleted or replaced" in ready.body["reason"], ready
+    metrics = daemon.request("GET", "/metrics").body
+    assert "tidepool_store_up 0.0" in metrics
+    assert not daemon.db_path.exists(), "no new empty database made in its place"

@@ -1,0 +1,62 @@
+"""The SQLite adapter under a failing file: a full disk and a corrupt file are said by write_failure()
+(the node's readiness), a full disk only until a write gets through again."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from tidepool.errors import StoreUnavailable
+from tidepool.model import NewTask
+from tidepool.store.sqlite import SqliteStore
+
+
+async def test_a_full_disk_fails_writes_naming_the_file_until_one_gets_through(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "tidepool.db")
+    await store.open()
+    try:
+        await store.add(NewTask("noop"), now=time.time())
+        pages = await store._write(lambda conn, batch: conn.execute("PRAGMA page_count").fetchone()[0])
+        # SQLite's own "disk full": the file may not grow past the pages it has
+        await store._write(lambda conn, batch: conn.execute(f"PRAGMA max_page_count = {pages}"))
+        big = [NewTask("noop", {"blob": "x" * 4000}) for _ in range(50)]
+        with pytest.raises(StoreUnavailable, match=rf"{tmp_path}.*full"):
+            await store.add_many(big, now=time.time())
+        failure = store.write_failure()
+        assert failure is not None and "full" in failure
+        assert (await store.counts())  # reads still answer: the probes must not take that for health
+        await store._write(lambda conn, batch: conn.execute(f"PRAGMA max_page_count = {pages * 100}"))
+        await store.add_many(big, now=time.time())
+        assert store.write_failure() is None
+    finally:
+        await store.close()
+
+
+async def test_a_corrupt_file_stops_writes_for_good_and_says_what_to_do(tmp_path: Path) -> None:
+    path = tmp_path / "tidepool.db"
+    store = SqliteStore(path)
+    await store.open()
+    await store.add_many([NewTask("noop", {"n": n, "pad": "p" * 500}) for n in range(2000)], now=time.time())
+    await store.close()
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+    data = bytearray(path.read_bytes())
+    data[8 * page_size:] = b"\xa5" * (len(data) - 8 * page_size)  # every page past the schema's is garbage
+    path.write_bytes(bytes(data))
+
+    store = SqliteStore(path)
+    await store.open()
+    try:
+        with pytest.raises(StoreUnavailable, match="malformed"):
+            await store.list_tasks(limit=1000)
+        failure = store.write_failure()
+        assert failure is not None and "corrupt" in failure and "integrity_check" in failure
+        with pytest.raises(StoreUnavailable, match="corrupt"):
+            await store.add(NewTask("noop"), now=time.time())
+    finally:
+        await store.close()
