@@ -62,6 +62,10 @@ class Outage:
             self._log.info(message, *args)
 
 
+# C0 controls but tab, and DEL, spelled out; line breaks as \n and \r
+_VISIBLE = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if c != 0x09} | {0x0A: "\\n", 0x0D: "\\r"}
+
+
 def _priority(record: logging.LogRecord) -> str:
     return f"<{_PRIORITY.get(record.levelno, 6)}>"
 
@@ -72,17 +76,12 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(name)s: %(message)s" if journal else "%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.journal = journal
 
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        # One line per event: a command's stderr quoted in a message must not start lines of its own.
-        record.message = record.message.replace("\r", "\\r").replace("\n", "\\n")
-        return super().formatMessage(record)
-
     def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
-        if not self.journal:
-            return text
-        prefix = _priority(record)  # every line of a traceback too, or journald files it at info
-        return "\n".join(prefix + line for line in text.split("\n"))
+        # One line per event (SPEC §6), its traceback included: what a message or an exception quotes (a
+        # command's stderr, a plugin's error) must not start lines of its own that pass for records, nor
+        # send a terminal its escape sequences.
+        text = super().format(record).translate(_VISIBLE)
+        return _priority(record) + text if self.journal else text
 
 
 class JsonFormatter(logging.Formatter):

@@ -66,15 +66,23 @@ def test_journal_text_lines_start_with_the_priority_and_leave_the_time_to_journa
         f"{prefix}tidepool.engine: node a ready"
 
 
-def test_every_line_of_a_text_traceback_gets_the_prefix_in_the_journal() -> None:
+@pytest.mark.parametrize("journal", [False, True])
+def test_a_text_traceback_stays_on_its_records_line_and_cannot_forge_another(journal: bool) -> None:
+    """A plugin's exception message is the plugin's to choose: a line break in it, or an escape sequence,
+    must not start a record of its own (journald would file that line at info, as its own entry)."""
     try:
-        raise RuntimeError("x")
+        raise RuntimeError("line1\n2026-12-01 01:00:00,000 CRITICAL tidepool.service: FORGED\x1b]0;title\x07")
     except RuntimeError:
-        rec = record("reload failed", level=logging.ERROR)
+        rec = record("plugin raised", level=logging.ERROR)
         rec.exc_info = sys.exc_info()
-    lines = logs.TextFormatter(journal=True).format(rec).split("\n")
-    assert len(lines) > 3
-    assert all(line.startswith("<3>") for line in lines)
+    text = logs.TextFormatter(journal=journal).format(rec)
+    assert "\n" not in text and "\x1b" not in text and "\x07" not in text
+    assert text.startswith("<3>tidepool.engine: plugin raised\\nTraceback" if journal else "20")
+    assert "RuntimeError: line1\\n2026-12-01 01:00:00,000 CRITICAL tidepool.service: FORGED\\x1b]0;title\\x07" \
+        in text
+
+
+def test_plain_text_lines_carry_time_and_level_and_no_priority() -> None:
     plain = logs.TextFormatter(journal=False).format(record("node a ready", level=logging.WARNING))
     assert not plain.startswith("<") and " WARNING tidepool.engine: node a ready" in plain
 
