@@ -119,6 +119,8 @@ class Metrics:
         self.lease_renewal_errors = _Counter()
         self.lease_losses = _Counter()
         self.reconciler_actions = _Counter("action")
+        self.reconciler_passes = _Counter()
+        self.reconciler_last_pass: float | None = None
         self.plugin_kills = _Counter("reason")
         self.workers_started = _Counter("kind")
         self.workers_stopped = _Counter("kind", "reason")
@@ -233,6 +235,8 @@ class Metrics:
         self.reconciler_actions.inc(("expired",))
 
     def _reconciler_pass(self, d: dict[str, Any], ts: float) -> None:
+        self.reconciler_passes.inc(())
+        self.reconciler_last_pass = ts
         for action in ("promoted", "cancelled", "pruned", "unserviceable"):  # "expired": per task.expired
             if d.get(action):
                 self.reconciler_actions.inc((action,), d[action])
@@ -298,6 +302,12 @@ class Metrics:
         yield self.reconciler_actions.family("tidepool_reconciler_actions",
                                              "Reconciler repairs: leases expired, retries promoted, cancels "
                                              "finished at their deadline, old tasks pruned.")
+        yield self.reconciler_passes.family("tidepool_reconciler_passes", "Reconciler passes done (one every "
+                                            "reconciler.interval_s while the store answers).")
+        if self.reconciler_last_pass is not None:
+            yield _gauge("tidepool_reconciler_last_pass_timestamp_seconds",
+                         "When the last reconciler pass ended (Unix time): an alert can tell a stalled one.", {},
+                         self.reconciler_last_pass)
         yield self.plugin_kills.family("tidepool_plugin_kills",
                                        "Running plugins stopped by tidepool, by reason (timeout, cancel, a limit, "
                                        "lease_lost).")

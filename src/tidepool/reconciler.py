@@ -23,9 +23,6 @@ from .model import State
 from .store import Expired, Store
 
 log = logging.getLogger("tidepool.reconciler")
-PRUNE_EVERY_S = 600.0
-
-
 @dataclass
 class ReconcilerConfig:
     interval_s: float = 5.0
@@ -56,7 +53,6 @@ class Reconciler:
         self._fleet_tags = fleet_tags  # the resource tag sets of every live node; None: do not judge tags
         self._clock = clock
         self._unserviceable_since: dict[frozenset[str], float] = {}
-        self._last_prune = float("-inf")
         self._outage = Outage(log)  # the store did not answer: said once, not every pass
 
     async def recover(self, *, node_id: str, instance_id: str) -> list[Expired]:
@@ -93,12 +89,11 @@ class Reconciler:
                                  type=ended.type)
         unserviceable = await self._fail_unserviceable(now)
         pruned = 0
-        if now - self._last_prune >= PRUNE_EVERY_S:
-            self._last_prune = now
+        if self.config.retention_days > 0:  # 0: keep every task for good
             pruned = await self._store.prune(before=now - self.config.retention_days * 86400)
         report = PassReport(len(expired), promoted, len(cancelled), pruned, unserviceable)
+        self._events.publish("reconciler.pass", **report.__dict__)  # every pass (rule 9): a stalled one shows
         if report != PassReport():
-            self._events.publish("reconciler.pass", **report.__dict__)
             log.info("reconciler: %d expired, %d promoted, %d cancel deadlines, %d pruned, %d unserviceable",
                      *report.__dict__.values())
         return report

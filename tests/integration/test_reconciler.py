@@ -3,6 +3,7 @@ every task it ends is counted under its own type."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -97,7 +98,8 @@ async def test_a_task_whose_tags_the_fleet_lost_fails_only_after_prepare_timeout
     assert [await setup.state(i) for i in (plain, x64)] == [State.PENDING, State.PENDING]
     finished = [e.data for e in setup.seen if e.name == "task.finished"]
     assert [(d["task_id"], d["state"], d["error"]["code"]) for d in finished] == [(win, "failed", "unserviceable")]
-    assert [e.data["unserviceable"] for e in setup.seen if e.name == "reconciler.pass"] == [1]
+    passes = [e.data["unserviceable"] for e in setup.seen if e.name == "reconciler.pass"]
+    assert passes == [0, 0, 0, 1], "every pass says so, each with its count"
 
 
 async def test_tags_served_again_before_the_timeout_start_the_wait_over(setup: Setup) -> None:
@@ -180,3 +182,32 @@ async def test_every_task_the_reconciler_ends_is_counted_under_its_type(setup: S
                  'tidepool_tasks_finished_total{state="cancelled",type="stubborn"} 1.0'):
         assert line in scraped
     assert 'type="unknown"' not in scraped
+
+
+async def test_every_pass_is_an_event_and_a_metric_even_when_it_found_nothing(setup: Setup) -> None:
+    """SPEC rule 9: an operator alerts on a stalled reconciler, so an idle node's passes show too."""
+    for at in (0, 5, 10):
+        await setup.pass_at(at)
+    assert [e.name for e in setup.seen] == ["reconciler.pass"] * 3
+    scraped = (await setup.metrics.render()).decode()
+    assert "tidepool_reconciler_passes_total 3.0" in scraped
+    (last,) = re.findall(r"^tidepool_reconciler_last_pass_timestamp_seconds (\S+)$", scraped, re.MULTILINE)
+    assert float(last) == setup.seen[-1].ts
+
+
+async def test_retention_days_0_keeps_finished_tasks_for_good(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "tidepool.db")
+    await store.open()
+    try:
+        task, _ = await store.add(NewTask("noop"), now=T0)
+        await store.request_cancel(task.id, now=T0)  # finished at T0
+        clock = Clock()
+        keep = Reconciler(store, EventBus(), config=ReconcilerConfig(retention_days=0), policy=RetryPolicy,
+                          wake=lambda n: None, clock=clock)
+        clock.now = T0 + 10 * 365 * 86400
+        assert (await keep.pass_once()).pruned == 0
+        prune = Reconciler(store, EventBus(), config=ReconcilerConfig(retention_days=1), policy=RetryPolicy,
+                           wake=lambda n: None, clock=clock)
+        assert (await prune.pass_once()).pruned == 1  # and at once, on the first pass after the time
+    finally:
+        await store.close()
