@@ -25,7 +25,7 @@ from .errors import LeaseLost, PluginError, StoreUnavailable, TidepoolError
 from .events import EventBus
 from .leases import Held, LeaseKeeper
 from .lifecycle import RetryPolicy
-from .model import AttemptStatus, Claimed, Outcome, Phase, ResultBatch, State, Task, TaskError
+from .model import CANCELLED_ON_REQUEST, AttemptStatus, Claimed, Outcome, Phase, ResultBatch, State, Task, TaskError
 from .outcomes import OutcomeWriter, Posted
 from .plugins import PluginDef, Registry, denied
 from .plugins.builtin import remove_workdir
@@ -146,7 +146,7 @@ class Engine:
     def _cut_short(self, ctx: TaskContext, held: Held) -> Outcome | None:
         """How an attempt whose scope was cancelled ended; None when its lease is gone."""
         if held.why == "cancel":
-            return Outcome(AttemptStatus.CANCELLED, TaskError("cancelled", "cancelled on request", False))
+            return Outcome(AttemptStatus.CANCELLED, CANCELLED_ON_REQUEST)
         if held.why == "interrupt":
             return Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "interrupted by shutdown"))
         if held.why is None and held.scope.cancelled_caught:  # the run phase's deadline passed

@@ -67,6 +67,14 @@ class TaskError:
         return {"code": self.code, "message": self.message}
 
 
+CANCELLED_ON_REQUEST = TaskError("cancelled", "cancelled on request", retryable=False)
+
+
+def cancel_deadline_error(deadline_s: float) -> TaskError:
+    """A cancel the reconciler finished because the worker did not answer it in time."""
+    return TaskError("cancel_deadline", f"the worker did not stop within {deadline_s:g}s", retryable=False)
+
+
 @dataclass(frozen=True, slots=True)
 class NewTask:
     """A validated submission, before the store gives it an id."""

@@ -19,7 +19,7 @@ from .errors import StoreUnavailable
 from .events import EventBus
 from .lifecycle import RetryPolicy
 from .logs import Outage
-from .model import State
+from .model import State, cancel_deadline_error
 from .store import Expired, Store
 
 log = logging.getLogger("tidepool.reconciler")
@@ -85,7 +85,7 @@ class Reconciler:
             log.warning("task %s cancelled: its worker did not stop within %ss", ended.task_id,
                         self.config.cancel_deadline_s)
             self._events.publish("task.finished", task_id=ended.task_id, worker_id=None, state=State.CANCELLED.value,
-                                 error={"code": "cancel_deadline", "message": "the worker did not stop in time"},
+                                 error=cancel_deadline_error(self.config.cancel_deadline_s).to_json(),
                                  type=ended.type)
         unserviceable = await self._fail_unserviceable(now)
         pruned = 0

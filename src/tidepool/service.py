@@ -33,7 +33,7 @@ from .guards import Guards
 from .leases import LeaseKeeper
 from .lifecycle import retry_policy
 from .metrics import Metrics
-from .model import QUEUED, ClaimFilter, NewTask, State, Task, new_id
+from .model import CANCELLED_ON_REQUEST, QUEUED, ClaimFilter, NewTask, State, Task, new_id, rfc3339
 from .nodes import HEARTBEAT_S, Heartbeat
 from .plugins import Registry
 from .pool import Pool, PoolConfig
@@ -325,7 +325,7 @@ class Daemon:
                 held.stop("cancel")
         elif answer.state is State.CANCELLED:
             self.events.publish("task.finished", task_id=task_id, worker_id=None, state=answer.state.value,
-                                error=None, type=answer.type)
+                                error=CANCELLED_ON_REQUEST.to_json(), type=answer.type)
         log.info("task %s cancel requested -> %s", task_id, answer.state.value)
         return answer.state
 
@@ -381,7 +381,7 @@ class Daemon:
         if not self.registry.knows_type(schedule.type):
             raise InvalidRequest("type", f"unknown task type {schedule.type!r}")
         saved = await self.store.save_schedule(schedule, now=time.time())
-        log.info("schedule %s saved, next run %s", saved.name, saved.next_run_at)
+        log.info("schedule %s saved, next run %s", saved.name, rfc3339(saved.next_run_at))
         return saved
 
     async def pause_schedule(self, name: str, *, paused: bool) -> Schedule:

@@ -27,6 +27,7 @@ from tidepool.errors import (
 )
 from tidepool.lifecycle import RetryPolicy, backoff_s
 from tidepool.model import (
+    CANCELLED_ON_REQUEST,
     AttemptStatus,
     Claimed,
     ClaimFilter,
@@ -38,6 +39,7 @@ from tidepool.model import (
     Task,
     TaskError,
     Worker,
+    cancel_deadline_error,
     new_id,
     sha256_of,
 )
@@ -584,7 +586,8 @@ async def test_cancel_of_a_queued_task_ends_it_at_once(store: Store, state: Stat
     task = await task_in(store, state)
     assert (await store.request_cancel(task.id, now=T0 + 7)).state is State.CANCELLED
     t = await store.get(task.id)
-    assert (t.state, t.finished_at) == (State.CANCELLED, T0 + 7)
+    assert t.error is not None
+    assert (t.state, t.finished_at, t.error.to_json()) == (State.CANCELLED, T0 + 7, CANCELLED_ON_REQUEST.to_json())
     assert await claim(store, now=T0 + 86400) == []
 
 
@@ -641,6 +644,8 @@ async def test_finish_cancels_ends_only_cancels_past_the_deadline(store: Store) 
     t = await store.get(stuck.task.id)
     assert (t.state, t.finished_at, t.attempts[0].status) == \
         (State.CANCELLED, T0 + 62, AttemptStatus.CANCELLED)
+    assert t.error is not None and t.attempts[0].error is not None  # the task says why, as its attempt does
+    assert t.error.to_json() == t.attempts[0].error.to_json() == cancel_deadline_error(60.0).to_json()
     assert (await store.get(young.task.id)).state is State.CANCELLING
     with pytest.raises(LeaseLost):
         await store.finish(stuck.lease, CANCELLED, now=T0 + 63, policy=POLICY)  # too late to answer
@@ -713,10 +718,22 @@ async def test_retry_gives_an_ended_task_a_fresh_budget(store: Store, state: Sta
     assert (task.state, task.attempt, task.max_attempts, task.interruptions) == \
         (State.PENDING, 0, ended.max_attempts, 0)
     assert (task.error, task.finished_at, task.available_at) == (None, None, T0 + 100)
+    assert task.attempts == (await store.get(ended.id)).attempts  # the answer shows the task as it is
     c = await claim_one(store, now=T0 + 100)
     assert (c.task.id, c.task.attempt) == (ended.id, 1)
     numbers = [a.number for a in (await store.get(ended.id)).attempts]
     assert numbers == list(range(1, len(numbers) + 1))
+
+
+async def test_a_retried_task_shows_no_progress_of_its_last_attempt(store: Store) -> None:
+    c = await running(store)
+    assert await store.set_phase([PhaseNote(c.lease, Phase.RUN, {"fraction": 0.1, "message": "10%"})],
+                                 now=T0 + 1) == {}
+    failing = Outcome(AttemptStatus.FAILED, TaskError("boom", "no", retryable=False))
+    assert await store.finish(c.lease, failing, now=T0 + 2, policy=POLICY) is State.FAILED
+    assert (await store.get(c.task.id)).progress is not None
+    assert (await store.retry(c.task.id, now=T0 + 3)).progress is None
+    assert (await store.get(c.task.id)).progress is None
 
 
 @pytest.mark.parametrize("state", [State.PENDING, State.LEASED, State.RUNNING, State.RETRY_WAIT,

@@ -13,6 +13,7 @@ from .. import schedules
 from ..errors import Conflict, LeaseLost, QueueFull, ScheduleNotFound, TaskCancelling, TaskNotFound, TidepoolError
 from ..lifecycle import Event, RetryPolicy, decide_end, step
 from ..model import (
+    CANCELLED_ON_REQUEST,
     QUEUED,
     Attempt,
     AttemptStatus,
@@ -26,6 +27,7 @@ from ..model import (
     Task,
     TaskError,
     Worker,
+    cancel_deadline_error,
     new_id,
     new_token,
 )
@@ -113,7 +115,7 @@ class MemoryStore:
         if state is row.task.state:
             return CancelAnswer(state, False, row.task.type)
         if state is State.CANCELLED:
-            row.update(state=state, finished_at=now, updated_at=now, phase=None)
+            row.update(state=state, finished_at=now, updated_at=now, phase=None, error=CANCELLED_ON_REQUEST)
         else:
             row.update(state=state, updated_at=now)
             row.cancel_requested_at = now
@@ -124,8 +126,8 @@ class MemoryStore:
         state = retry_step(row.task.state)
         # A new budget: attempt counts from zero again; attempts[].number keeps counting every row.
         row.update(state=state, attempt=0, interruptions=0, available_at=now, updated_at=now,
-                   finished_at=None, error=None)
-        return row.task
+                   finished_at=None, error=None, progress=None)
+        return dataclasses.replace(row.task, attempts=tuple(row.attempts))
 
     # workers
 
@@ -254,12 +256,12 @@ class MemoryStore:
         done = []
         for row in self._rows.values():
             if row.task.state is State.CANCELLING and (row.cancel_requested_at or now) + deadline_s <= now:
-                error = TaskError("cancel_deadline", f"the worker did not stop within {deadline_s}s")
+                error = cancel_deadline_error(deadline_s)
                 if row.lease is not None:
                     row.set_attempt(row.lease.attempt_id, status=AttemptStatus.CANCELLED, finished_at=now,
                                     error=error)
                 row.update(state=step(State.CANCELLING, Event.CANCEL_ACK), finished_at=now, updated_at=now,
-                           phase=None)
+                           phase=None, error=error)
                 row.lease = None
                 done.append(Ended(row.task.id, row.task.type))
         return done

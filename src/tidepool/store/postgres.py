@@ -50,6 +50,7 @@ from ..errors import (
 )
 from ..lifecycle import Decision, Event, RetryPolicy, decide_end, step
 from ..model import (
+    CANCELLED_ON_REQUEST,
     Attempt,
     AttemptStatus,
     Claimed,
@@ -63,6 +64,7 @@ from ..model import (
     Task,
     TaskError,
     Worker,
+    cancel_deadline_error,
     new_id,
     new_token,
 )
@@ -455,7 +457,7 @@ WITH due AS (
     UPDATE attempts a SET status = 'cancelled', finished_at = $2, error = $3
     FROM due WHERE a.id = due.lease_attempt_id
 )
-UPDATE tasks t SET state = $4, phase = NULL, finished_at = $2, updated_at = $2, lease_token = NULL
+UPDATE tasks t SET state = $4, phase = NULL, error = $3, finished_at = $2, updated_at = $2, lease_token = NULL
 FROM due WHERE t.id = due.id RETURNING t.id, t.type"""
 QUEUED_TAG_SETS = """
 SELECT DISTINCT required_tags FROM tasks WHERE state IN ('pending', 'retry_wait') AND cardinality(required_tags) > 0"""
@@ -695,10 +697,12 @@ class PostgresStore:
             if target is current:
                 return CancelAnswer(target, False, row["type"])
             if target is State.CANCELLED:
-                sql = "UPDATE tasks SET state = $1, phase = NULL, finished_at = $2, updated_at = $2 WHERE id = $3"
+                await conn.execute("UPDATE tasks SET state = $1, phase = NULL, error = $4, finished_at = $2, "
+                                   "updated_at = $2 WHERE id = $3", target.value, now, task_id,
+                                   json.dumps(CANCELLED_ON_REQUEST.to_json()))
             else:
-                sql = "UPDATE tasks SET state = $1, cancel_requested_at = $2, updated_at = $2 WHERE id = $3"
-            await conn.execute(sql, target.value, now, task_id)
+                await conn.execute("UPDATE tasks SET state = $1, cancel_requested_at = $2, updated_at = $2 "
+                                   "WHERE id = $3", target.value, now, task_id)
             return CancelAnswer(target, True, row["type"])
 
     async def retry(self, task_id: str, *, now: float) -> Task:
@@ -706,14 +710,14 @@ class PostgresStore:
             target = retry_step(await _lock_state(conn, task_id))
             # A new budget: attempt counts from zero again; attempts[].number keeps counting every row.
             row = await conn.fetchrow(
-                "UPDATE tasks SET state = $1, attempt = 0, interruptions = 0, available_at = $2, "
-                f"updated_at = $2, finished_at = NULL, error = NULL WHERE id = $3 RETURNING {TASK_COLUMNS}",
+                "UPDATE tasks t SET state = $1, attempt = 0, interruptions = 0, available_at = $2, updated_at = $2, "
+                f"finished_at = NULL, error = NULL, progress = NULL WHERE id = $3 RETURNING {TASK_COLUMNS}, {ATTEMPTS}",
                 target.value,
                 now,
                 task_id,
             )
             await conn.execute(NOTIFY, "1")
-        return _task(row)
+        return _task(row, attempts=_attempts(row[19]))
 
     # workers
 
@@ -978,7 +982,7 @@ class PostgresStore:
         return int(promoted)
 
     async def finish_cancels(self, *, now: float, deadline_s: float) -> list[Ended]:
-        error = TaskError("cancel_deadline", f"the worker did not stop within {deadline_s}s")
+        error = cancel_deadline_error(deadline_s)
         args = (now - deadline_s, now, json.dumps(error.to_json()), step(State.CANCELLING, Event.CANCEL_ACK).value)
         return await self._sweep(FINISH_CANCELS, *args)
 

@@ -47,6 +47,7 @@ from ..errors import (
 )
 from ..lifecycle import Event, RetryPolicy, decide_end, step
 from ..model import (
+    CANCELLED_ON_REQUEST,
     Attempt,
     AttemptStatus,
     Claimed,
@@ -60,6 +61,7 @@ from ..model import (
     Task,
     TaskError,
     Worker,
+    cancel_deadline_error,
     new_id,
     new_token,
 )
@@ -472,8 +474,8 @@ class SqliteStore:
             if target is current:
                 return CancelAnswer(target, False, row[1])
             if target is State.CANCELLED:
-                conn.execute("UPDATE tasks SET state = ?, phase = NULL, finished_at = ?, updated_at = ? "
-                             "WHERE id = ?", (target, now, now, task_id))
+                conn.execute("UPDATE tasks SET state = ?, phase = NULL, error = ?, finished_at = ?, updated_at = ? "
+                             "WHERE id = ?", (target, json.dumps(CANCELLED_ON_REQUEST.to_json()), now, now, task_id))
                 batch.queued = None  # the queue shrank: recount before the next max_queued check
             else:
                 conn.execute("UPDATE tasks SET state = ?, cancel_requested_at = ?, updated_at = ? WHERE id = ?",
@@ -491,10 +493,11 @@ class SqliteStore:
             target = retry_step(State(row[4]))
             # A new budget: attempt counts from zero again; attempts[].number keeps counting every row.
             conn.execute("UPDATE tasks SET state = ?, attempt = 0, interruptions = 0, available_at = ?, "
-                         "updated_at = ?, finished_at = NULL, error = NULL WHERE id = ?",
+                         "updated_at = ?, finished_at = NULL, error = NULL, progress = NULL WHERE id = ?",
                          (target, now, now, task_id))
             batch.queued = None  # the queue grew: recount before the next max_queued check
-            return _task(conn.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE id = ?", (task_id,)).fetchone())
+            row = conn.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE id = ?", (task_id,)).fetchone()
+            return _task(row, attempts=_attempts(conn, [task_id]).get(task_id, ()))
 
         task: Task = await self._write(op)
         return task
@@ -662,14 +665,13 @@ class SqliteStore:
         def op(conn: sqlite3.Connection, batch: _Batch) -> list[Ended]:
             rows = conn.execute("SELECT id, lease_attempt_id, type FROM tasks WHERE state = 'cancelling' "
                                 "AND cancel_requested_at <= ?", (now - deadline_s,)).fetchall()
-            error = json.dumps(TaskError("cancel_deadline", f"the worker did not stop within {deadline_s}s")
-                               .to_json())
+            error = json.dumps(cancel_deadline_error(deadline_s).to_json())
             for task_id, attempt_id, _ in rows:
                 conn.execute("UPDATE attempts SET status = 'cancelled', finished_at = ?, error = ? WHERE id = ?",
                              (now, error, attempt_id))
-                conn.execute("UPDATE tasks SET state = ?, phase = NULL, finished_at = ?, updated_at = ?, "
+                conn.execute("UPDATE tasks SET state = ?, phase = NULL, error = ?, finished_at = ?, updated_at = ?, "
                              "lease_token = NULL WHERE id = ?",
-                             (step(State.CANCELLING, Event.CANCEL_ACK), now, now, task_id))
+                             (step(State.CANCELLING, Event.CANCEL_ACK), error, now, now, task_id))
             return [Ended(r[0], r[2]) for r in rows]
 
         done: list[Ended] = await self._write(op)
