@@ -244,13 +244,14 @@ class Engine:
     async def _result(self, held: Held, worker_id: str, batch: ResultBatch) -> ResultBatch:
         """Store a plugin's result batch. A store that does not answer is tried again for as long as this node
         holds the lease: an outage costs the plugin a wait, never its attempt (the fence keeps a retry safe).
-        Past the lease the keeper stops the attempt anyway, and its end is the lease's, not the plugin's."""
+        Once the lease keeper gives the lease up it cancels the attempt, this wait included: its end is the
+        lease's, not the plugin's (no StoreUnavailable for the plugin to take for its own failure)."""
         while True:
             try:
                 ack = await self._store.record_result(held.lease, batch, now=self._clock())
                 break
             except StoreUnavailable:
-                if held.why is not None or self._leases.time_left(held) <= RESULT_RETRY_S:
+                if held.why is not None:
                     raise
             await anyio.sleep(RESULT_RETRY_S)
         self._events.publish("task.result", task_id=held.lease.task_id, worker_id=worker_id, plugin=ack.plugin,

@@ -1,8 +1,12 @@
 """This node's live leases: batched renewals, phase notes written behind, and lost leases noticed.
 
 Renewal runs here, off the tasks' own code path, so a busy plugin cannot starve it (PITFALLS). One
-write renews every lease of the node. A lease that cannot be renewed before its own monotonic
-deadline is given up: the task's cancel scope fires rather than work on for someone else.
+write renews every lease of the node. A lease that cannot be renewed in time is given up: the task's
+cancel scope fires rather than work on for someone else. "In time" is judged on this node's own
+monotonic clock by a watch of its own, which no write can hold up (a store that accepts connections
+and never answers kept a renewal waiting 60 s), and a quarter of the lease before the store would
+expire it: the plugin needs that time to stop (kill_grace_s for a command) before another node may
+take the task.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from .model import Lease, Phase
 from .store import PhaseNote, Store
 
 log = logging.getLogger("tidepool.leases")
+GIVE_UP_SHARE = 0.25  # of lease_s: a lease is given up this long before the store would expire it
 
 
 @dataclass(eq=False)
@@ -29,7 +34,7 @@ class Held:
 
     lease: Lease
     scope: anyio.CancelScope
-    deadline: float                       # monotonic: past this without a renewal, the lease is gone
+    deadline: float                       # monotonic: when the store would expire the lease, unless renewed
     why: str | None = None                # "cancel", "lost", "interrupt"
     phase: Phase | None = None            # the latest phase and progress, written behind
     progress: dict[str, object] | None = None
@@ -52,6 +57,7 @@ class LeaseKeeper:
         self._held: dict[str, Held] = {}
         self._dirty: set[str] = set()
         self._busy = anyio.Event()
+        self._watched = anyio.Event()  # the deadline watch's own wake-up: a lease is held
         # writes the store did not take, by kind: said once an outage, not 10 times a second
         self._outages = {what: Outage(log) for what in ("renewal", "phase")}
 
@@ -63,6 +69,7 @@ class LeaseKeeper:
         held = Held(lease, anyio.CancelScope(), self._monotonic() + remaining)
         self._held[lease.attempt_id] = held
         self._busy.set()
+        self._watched.set()
         return held
 
     def release(self, held: Held) -> None:
@@ -83,7 +90,7 @@ class LeaseKeeper:
 
     def time_left(self, held: Held) -> float:
         """Seconds until the lease is given up unless a renewal gets through first."""
-        return held.deadline - self._monotonic()
+        return held.deadline - self.lease_s * GIVE_UP_SHARE - self._monotonic()
 
     def held(self) -> list[Held]:
         return list(self._held.values())
@@ -92,7 +99,21 @@ class LeaseKeeper:
         return next((h for h in self._held.values() if h.lease.task_id == task_id), None)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch_deadlines)
+            task_status.started()
+            await self._write()
+
+    async def _watch_deadlines(self) -> None:
+        while True:
+            if not self._held:  # idle: no tick
+                self._watched = anyio.Event()
+                await self._watched.wait()
+            await anyio.sleep(self._flush_every_s)
+            self._give_up_overdue()
+
+    async def _write(self) -> None:
+        """Phase notes every flush_every_s, renewals every renew_every_s, for as long as leases are held."""
         next_renewal = self._monotonic() + self.renew_every_s
         while True:
             if not self._held:  # an idle node sleeps here instead of ticking (idle CPU ~0)
@@ -104,7 +125,6 @@ class LeaseKeeper:
             if self._monotonic() >= next_renewal:
                 next_renewal = self._monotonic() + self.renew_every_s
                 await self.renew()
-            self._give_up_overdue()
 
     async def flush(self) -> None:
         notes = [PhaseNote(h.lease, h.phase, h.progress) for a in self._dirty
@@ -144,9 +164,8 @@ class LeaseKeeper:
         return lost
 
     def _give_up_overdue(self) -> None:
-        now = self._monotonic()
         for held in list(self._held.values()):
-            if held.deadline <= now and held.why is None:
+            if self.time_left(held) <= 0 and held.why is None:
                 log.warning("task %s attempt %s lease not renewed in time; stopping the attempt",
                             held.lease.task_id, held.lease.attempt_id)
                 held.stop("lost")

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+import anyio
 import pytest
 
 from tidepool.errors import LeaseLost, StoreUnavailable
@@ -67,3 +68,36 @@ async def test_a_lease_found_lost_is_said_once_and_not_renewed_again(
     assert held.why == "lost" and held.scope.cancel_called
     lost = [r for r in caplog.records if "lease lost" in r.getMessage()]
     assert len(lost) == 1 and lost[0].levelname == "WARNING", [r.getMessage() for r in caplog.records]
+
+
+class Blackhole:
+    """The real store, but a renewal never answers: a database behind a link that accepts and drops."""
+
+    def __init__(self, store: SqliteStore) -> None:
+        self.store = store
+
+    async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
+        return await self.store.set_phase(notes, now=now)
+
+    async def renew(self, leases: Sequence[object], *, now: float, lease_s: float) -> dict[str, LeaseLost]:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_a_renewal_that_never_answers_still_stops_the_attempt_before_the_store_expires_its_lease(
+        store: SqliteStore) -> None:
+    """Another node may take the task once the store's lease runs out: by then this node's plugin must
+    have been told to stop, with a quarter of the lease to do it in, whatever the stuck write does."""
+    await store.add(NewTask("noop"), now=time.time())
+    (claimed,) = await store.claim(WORKER, ClaimFilter(), limit=1, now=time.time(), lease_s=2.0)
+    keeper = LeaseKeeper(Blackhole(store), lease_s=2.0, renew_every_s=0.5, flush_every_s=0.05)  # type: ignore[arg-type]
+    held = keeper.hold(claimed.lease)
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        with anyio.fail_after(10):
+            while not held.scope.cancel_called:
+                await anyio.sleep(0.02)
+        stopped_at = time.time()
+        tg.cancel_scope.cancel()
+    assert held.why == "lost"
+    assert stopped_at <= claimed.lease.expires_at - 0.25, "stopped with time to spare before others may take it"
