@@ -9,9 +9,11 @@ reported (events, logs) only once it is durable.
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 from anyio.abc import TaskStatus
@@ -49,7 +51,7 @@ class OutcomeWriter:
         self._retry_delays_s = retry_delays_s
         self._queue: list[Posted] = []     # ready to be written
         self._waiting: list[Posted] = []   # to be tried again at their retry_at
-        self._in_flight = 0
+        self._flying: list[Posted] = []  # being written now
         self._posted = anyio.Event()
         self._flushed = anyio.Event()
         self._flushed.set()
@@ -60,10 +62,14 @@ class OutcomeWriter:
             self._flushed = anyio.Event()
         self._posted.set()
 
+    def unwritten(self) -> list[Posted]:
+        """The outcomes posted and not written yet (in flight ones included)."""
+        return self._waiting + self._queue + self._flying
+
     @property
     def pending(self) -> int:
         """Outcomes posted and not yet answered by the store."""
-        return len(self._queue) + len(self._waiting) + self._in_flight
+        return len(self._queue) + len(self._waiting) + len(self._flying)
 
     async def flushed(self) -> None:
         """Until every outcome posted so far has been written (or given up on)."""
@@ -83,11 +89,11 @@ class OutcomeWriter:
                 continue
             self._waiting = [p for p in self._waiting if p.retry_at > now]
             batch, self._queue = due + self._queue, []  # the retried first: they waited longest
-            self._in_flight = len(batch)
+            self._flying = batch
             try:
                 self._waiting.extend(await self._write(batch))
             finally:
-                self._in_flight = 0
+                self._flying = []
             if not self.pending:
                 self._flushed.set()
 
@@ -117,3 +123,33 @@ class OutcomeWriter:
                 log.exception("task %s attempt %s: reporting its outcome failed", posted.task.id,
                               posted.held.lease.attempt_id)
         return again
+
+
+class UnwrittenInterruptions:
+    """Attempts a shutdown interrupted but could not record so (the store was away), kept in a file of the
+    node's state dir until its next start writes them: left to expire, each would be charged as a crash
+    and could fail a task that never failed (SPEC rule 6)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def keep(self, attempt_ids: Iterable[str]) -> None:
+        ids = sorted(attempt_ids)
+        if not ids:
+            return
+        try:
+            self.path.write_text(json.dumps({"interrupted": ids}))
+        except OSError as exc:
+            log.warning("cannot keep %d interrupted attempts for the next start in %s: %s", len(ids), self.path, exc)
+
+    def take(self) -> frozenset[str]:
+        """The kept attempt ids, once: the file is gone afterwards."""
+        try:
+            ids = frozenset(json.loads(self.path.read_text())["interrupted"])
+        except FileNotFoundError:
+            return frozenset()
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("unreadable %s, ignored: %s", self.path, exc)
+            ids = frozenset()
+        self.path.unlink(missing_ok=True)
+        return ids

@@ -55,10 +55,12 @@ class Reconciler:
         self._unserviceable_since: dict[frozenset[str], float] = {}
         self._outage = Outage(log)  # the store did not answer: said once, not every pass
 
-    async def recover(self, *, node_id: str, instance_id: str) -> list[Expired]:
-        """Expire at once the leases an earlier process of this node held: it died, they will not renew."""
+    async def recover(self, *, node_id: str, instance_id: str,
+                      interrupted: frozenset[str] = frozenset()) -> list[Expired]:
+        """Expire at once the leases an earlier process of this node held: it died, they will not renew.
+        Those in `interrupted` its shutdown stopped, but could not write so: they end interrupted."""
         expired = await self._store.expire_leases(now=self._clock(), policy=self._policy(), node_id=node_id,
-                                                  keep_instance=instance_id)
+                                                  keep_instance=instance_id, interrupted=interrupted)
         self._report_expired(expired, "left by an earlier process of this node")
         return expired
 

@@ -33,8 +33,9 @@ from .guards import Guards
 from .leases import LeaseKeeper
 from .lifecycle import retry_policy
 from .metrics import Metrics
-from .model import CANCELLED_ON_REQUEST, QUEUED, ClaimFilter, NewTask, State, Task, new_id, rfc3339
+from .model import CANCELLED_ON_REQUEST, QUEUED, AttemptStatus, ClaimFilter, NewTask, State, Task, new_id, rfc3339
 from .nodes import HEARTBEAT_S, Heartbeat
+from .outcomes import UnwrittenInterruptions
 from .plugins import Registry
 from .pool import Pool, PoolConfig
 from .reconciler import Reconciler, ReconcilerConfig
@@ -46,6 +47,7 @@ from .store import Node, Store, open_store
 from .systemd import Notifier, StatusReporter, run_watchdog
 
 log = logging.getLogger("tidepool.service")
+OUTCOME_FLUSH_S = 10.0  # at shutdown, after the drain and the stop phases, for outcomes a slow store still holds
 READY_PROBE_S = 2.0  # /readyz: a store slower than this to count the queue is as good as away
 RESTART_KEYS = ("store.url", "api.listen", "node.id", "node.state_dir", "api.token_file", "api.max_body_kb")
 GC_YOUNG_THRESHOLD = 20_000
@@ -99,6 +101,7 @@ class Daemon:
         self.heartbeat = Heartbeat(self.store, self._describe)
         self._shutdown = anyio.Event()
         self._forced = False
+        self._unwritten = UnwrittenInterruptions(settings.node.state_dir / "unwritten-interruptions.json")
         self._synced_schedules: tuple[ScheduleSettings, ...] = ()
         self._drain_wait: anyio.CancelScope | None = None  # a second SIGINT cuts the current wait short
         self._filter: tuple[Settings, int, ClaimFilter] | None = None
@@ -127,7 +130,8 @@ class Daemon:
             await self.store.open(migrate=self.settings.store.migrate)
             try:
                 await self.store.lock_node(self.node_id, self.instance_id)  # PostgreSQL: one process per node id
-                await self.reconciler.recover(node_id=self.node_id, instance_id=self.instance_id)
+                await self.reconciler.recover(node_id=self.node_id, instance_id=self.instance_id,
+                                              interrupted=self._unwritten.take())
                 await self._sync_schedules(self.settings)
                 async with anyio.create_task_group() as tg:
                     await tg.start(self._handle_signals)  # first: from here on a SIGTERM drains, never kills
@@ -185,11 +189,15 @@ class Daemon:
             with anyio.move_on_after(stop_s) as self._drain_wait:
                 await self.pool.wait_idle()
             self.engine.abandon_running()
-        with anyio.move_on_after(stop_s):  # outcomes still unwritten (a slow store) get their own time
+        # Outcomes still unwritten (a slow store) get a little time of their own: all of this must end
+        # within systemd's TimeoutStopSec (see shutdown_s).
+        with anyio.move_on_after(min(stop_s, OUTCOME_FLUSH_S)):
             await self.engine.outcomes.flushed()
-        if self.engine.outcomes.pending:
-            log.warning("node %s: %d outcomes not written; their leases expire by time", self.node_id,
-                        self.engine.outcomes.pending)
+        if unwritten := self.engine.outcomes.unwritten():
+            self._unwritten.keep(p.held.lease.attempt_id for p in unwritten
+                                 if p.outcome.status is AttemptStatus.INTERRUPTED)
+            log.warning("node %s: %d outcomes not written; their leases expire by time (interruptions are "
+                        "written by the next start)", self.node_id, len(unwritten))
         self._when_drained()
         self.events.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import anyio
 
@@ -12,7 +13,7 @@ from tidepool.errors import LeaseLost, StoreUnavailable, TidepoolError
 from tidepool.leases import Held
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, Outcome, State, TaskError, Worker
-from tidepool.outcomes import OutcomeWriter, Posted
+from tidepool.outcomes import OutcomeWriter, Posted, UnwrittenInterruptions
 from tidepool.store import Ending
 from tidepool.store.sqlite import SqliteStore
 
@@ -132,3 +133,33 @@ async def test_a_report_that_fails_is_logged_and_the_others_are_still_written(st
         tg.cancel_scope.cancel()
     assert [answers[c.task.id] for c in tasks[1:]] == [State.COMPLETED] * 2
     assert answers[late.task.id] is State.COMPLETED
+
+
+async def test_interruptions_a_shutdown_could_not_write_are_written_by_the_next_start(
+        store: SqliteStore, tmp_path: Path) -> None:
+    """The store is away through the shutdown: the writer still holds the interrupted outcome; kept in
+    the state dir, the next start's recovery ends that attempt interrupted, not as a crash."""
+    flaky = Flaky(store)
+    flaky.away = 10**6
+    writer = OutcomeWriter(flaky, policy=lambda: POLICY, report=lambda p, a: None,  # type: ignore[arg-type]
+                           retry_delays_s=(60.0,))
+    (c,) = await claimed(store, 1)
+    interrupted = Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "interrupted by shutdown"))
+    async with anyio.create_task_group() as tg:
+        await tg.start(writer.run)
+        writer.post(posted(c, interrupted))
+        with anyio.move_on_after(0.3):
+            await writer.flushed()
+        tg.cancel_scope.cancel()
+    assert [p.task.id for p in writer.unwritten()] == [c.task.id]
+
+    kept = UnwrittenInterruptions(tmp_path / "unwritten-interruptions.json")
+    kept.keep(p.held.lease.attempt_id for p in writer.unwritten())
+    again = UnwrittenInterruptions(tmp_path / "unwritten-interruptions.json")  # the next process
+    ids = again.take()
+    assert ids == {c.lease.attempt_id} and again.take() == frozenset(), "taken once"
+    (e,) = await store.expire_leases(now=time.time(), policy=POLICY, node_id=WORKER.node_id,
+                                     keep_instance="the-next-process", interrupted=ids)
+    t = await store.get(c.task.id)
+    assert (e.state, t.attempt, t.interruptions, t.attempts[-1].status) == \
+        (State.PENDING, 0, 1, AttemptStatus.INTERRUPTED)

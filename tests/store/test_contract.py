@@ -416,6 +416,22 @@ async def test_expired_lease_retries_with_backoff_then_fails_when_attempts_run_o
     assert await claim(store, now=now + 86400) == []
 
 
+async def test_restart_recovery_ends_the_interruptions_a_shutdown_could_not_write_as_interruptions(
+        store: Store) -> None:
+    """The shutdown stopped these attempts while the store was away: charged as crashes, a task with
+    max_attempts 1 would fail without ever having failed (rule 6)."""
+    old = Worker("node-a", "a-old", "worker-1")
+    stopped = await running(store, worker=old, max_attempts=1)
+    crashed = await running(store, worker=old, max_attempts=1)
+    expired = await store.expire_leases(now=T0 + 1, policy=POLICY, node_id="node-a", keep_instance="a-new",
+                                        interrupted=frozenset({stopped.lease.attempt_id}))
+    assert {(e.task_id, e.state) for e in expired} == {(stopped.task.id, State.PENDING),
+                                                       (crashed.task.id, State.FAILED)}
+    t = await store.get(stopped.task.id)
+    assert (t.attempt, t.interruptions, t.attempts[-1].status) == (0, 1, AttemptStatus.INTERRUPTED)
+    assert (await store.get(crashed.task.id)).attempts[-1].status is AttemptStatus.EXPIRED
+
+
 async def test_restart_recovery_expires_only_this_nodes_earlier_process_at_once(store: Store) -> None:
     old, new = Worker("node-a", "a-old", "worker-1"), Worker("node-a", "a-new", "worker-1")
     old_leased = await leased(store, worker=old, type="t1")

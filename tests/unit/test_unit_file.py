@@ -16,16 +16,19 @@ from typing import NoReturn
 import pytest
 
 from tidepool import settings
+from tidepool.cli import EXIT_GRACE_S
+from tidepool.service import OUTCOME_FLUSH_S
 
 SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
 UNIT_TEXT = (SYSTEMD_DIR / "tidepool.service").read_text()
 DROP_IN_TEXT = (SYSTEMD_DIR / "cap-net-raw.conf").read_text()
 
 # SIGTERM gives running tasks drain_timeout_s; the rest are interrupted: their commands get kill_grace_s
-# to die, their stop phases stop_timeout_s, and the node then waits 1 s more (service.Daemon._drain).
-# systemd must not SIGKILL before all that is over, with the defaults.
+# to die, their stop phases stop_timeout_s, and the node then waits 1 s more; outcomes a slow store still
+# holds get OUTCOME_FLUSH_S (service.Daemon._drain), and the process exits EXIT_GRACE_S later at the
+# latest (cli._exit_within). systemd must not SIGKILL before all that is over, with the defaults.
 SHUTDOWN_S = (settings.PoolSettings().drain_timeout_s + settings.ExecutionSettings().kill_grace_s
-              + settings.ExecutionSettings().stop_timeout_s + 1.0)
+              + settings.ExecutionSettings().stop_timeout_s + 1.0 + OUTCOME_FLUSH_S + EXIT_GRACE_S)
 
 Unit = dict[str, dict[str, list[str]]]
 

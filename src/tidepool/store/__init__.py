@@ -27,6 +27,7 @@ from ..model import (
     ResultBatch,
     State,
     Task,
+    TaskError,
     Worker,
     rfc3339,
 )
@@ -53,6 +54,15 @@ class Ending:
     outcome: Outcome
     now: float
     resent: bool = False
+
+
+EXPIRED = Outcome(AttemptStatus.EXPIRED, TaskError("lease_expired", "the lease expired before the worker renewed it"))
+INTERRUPTED_UNWRITTEN = Outcome(AttemptStatus.INTERRUPTED, TaskError(
+    "interrupted", "interrupted by shutdown; written by the next start (the store was away)"))
+
+
+def expiry_outcome(attempt_id: str, interrupted: frozenset[str]) -> Outcome:
+    return INTERRUPTED_UNWRITTEN if attempt_id in interrupted else EXPIRED
 
 
 def completable_at_once(endings: Sequence[Ending]) -> list[bool]:
@@ -187,8 +197,10 @@ class Store(Protocol):
 
     # the reconciler
     async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
-                            keep_instance: str | None = None) -> list[Expired]:
-        """Expire leases past their time, or with node_id every lease of that node's other processes."""
+                            keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
+                            ) -> list[Expired]:
+        """Expire leases past their time, or with node_id every lease of that node's other processes. The
+        attempts named in `interrupted` (a shutdown stopped them but could not write it) end interrupted."""
     async def promote_due(self, *, now: float) -> int:
         """retry_wait tasks whose backoff is over -> pending."""
     async def finish_cancels(self, *, now: float, deadline_s: float) -> list[Ended]:

@@ -32,7 +32,19 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import CancelAnswer, Ended, Ending, Expired, Node, Page, PhaseNote, batch_answer, cancel_step, retry_step
+from . import (
+    CancelAnswer,
+    Ended,
+    Ending,
+    Expired,
+    Node,
+    Page,
+    PhaseNote,
+    batch_answer,
+    cancel_step,
+    expiry_outcome,
+    retry_step,
+)
 
 
 @dataclasses.dataclass
@@ -233,7 +245,8 @@ class MemoryStore:
     # the reconciler
 
     async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
-                            keep_instance: str | None = None) -> list[Expired]:
+                            keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
+                            ) -> list[Expired]:
         expired = []
         for row in self._rows.values():
             lease = row.lease
@@ -241,8 +254,7 @@ class MemoryStore:
                 continue
             mine = node_id is not None and row.task.node_id == node_id and row.lease_instance != keep_instance
             if mine or (node_id is None and lease.expires_at <= now):
-                error = TaskError("lease_expired", "the lease expired before the worker renewed it")
-                self._end(row, Outcome(AttemptStatus.EXPIRED, error), now, policy)
+                self._end(row, expiry_outcome(lease.attempt_id, interrupted), now, policy)
                 expired.append(Expired(row.task.id, lease.attempt_id, row.task.state, row.task.type))
         return expired
 

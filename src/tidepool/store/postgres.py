@@ -81,6 +81,7 @@ from . import (
     batch_answer,
     cancel_step,
     completable_at_once,
+    expiry_outcome,
     progress_text,
     retry_step,
 )
@@ -954,7 +955,8 @@ class PostgresStore:
     # the reconciler: each pass takes only rows no other node holds (SKIP LOCKED), in bounded steps
 
     async def expire_leases(
-        self, *, now: float, policy: RetryPolicy, node_id: str | None = None, keep_instance: str | None = None
+        self, *, now: float, policy: RetryPolicy, node_id: str | None = None, keep_instance: str | None = None,
+        interrupted: frozenset[str] = frozenset(),
     ) -> list[Expired]:
         args: list[Any]
         if node_id is None:
@@ -962,13 +964,12 @@ class PostgresStore:
         else:
             where = "node_id = $1 AND lease_instance IS DISTINCT FROM $2"
             sql, args = EXPIRING.format(where=where), [node_id, keep_instance]
-        error = TaskError("lease_expired", "the lease expired before the worker renewed it")
-        outcome = Outcome(AttemptStatus.EXPIRED, error)
         expired: list[Expired] = []
         while True:
             async with self._conn() as conn, conn.transaction():
                 rows = await conn.fetch(sql, *args)
-                ends = [(Lease(r[4], r[5], r[6], now), outcome, _expiry(r, outcome, policy, now)) for r in rows]
+                ends = [(Lease(r[4], r[5], r[6], now), o, _expiry(r, o, policy, now))
+                        for r in rows for o in (expiry_outcome(r[5], interrupted),)]
                 if ends:
                     await _write_ends(conn, ends, now)
             expired.extend(Expired(lease.task_id, lease.attempt_id, end.state, r[7])

@@ -78,6 +78,7 @@ from . import (
     batch_answer,
     cancel_step,
     completable_at_once,
+    expiry_outcome,
     progress_text,
     retry_step,
 )
@@ -631,7 +632,8 @@ class SqliteStore:
     # the reconciler
 
     async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
-                            keep_instance: str | None = None) -> list[Expired]:
+                            keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
+                            ) -> list[Expired]:
         def op(conn: sqlite3.Connection, batch: _Batch) -> list[Expired]:
             if node_id is None:
                 sql, args = "lease_expires_at <= ?", (now,)
@@ -641,11 +643,10 @@ class SqliteStore:
                 "SELECT state, attempt, max_attempts, interruptions, lease_expires_at, id, lease_attempt_id, "
                 f"lease_token, type FROM tasks WHERE state IN ('leased', 'running', 'cancelling') AND {sql}",
                 args).fetchall()
-            error = TaskError("lease_expired", "the lease expired before the worker renewed it")
             expired = []
             for row in rows:
                 lease = Lease(row[5], row[6], row[7], row[4])
-                state = _end(conn, lease, Outcome(AttemptStatus.EXPIRED, error), row, now, policy, batch)
+                state = _end(conn, lease, expiry_outcome(lease.attempt_id, interrupted), row, now, policy, batch)
                 expired.append(Expired(lease.task_id, lease.attempt_id, state, row[8]))
             return expired
 
