@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from fnmatch import fnmatchcase
 
+import anyio
 import asyncpg
 import pytest
 
@@ -296,6 +297,27 @@ async def test_unreachable_server_raises_store_unavailable() -> None:
     assert isinstance(caught.value.__cause__, OSError)
     with pytest.raises(StoreUnavailable, match="not open"):
         await store.counts()
+
+
+async def test_a_server_that_accepts_and_never_answers_is_said_in_words_within_the_connect_timeout() -> None:
+    """A blackholed database: the message was "TimeoutError: " and an API call waited a minute."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept_and_say_nothing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(accept_and_say_nothing, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        store = PostgresStore(f"postgresql://postgres@127.0.0.1:{port}/test", schema="t_blackhole",
+                              connect_timeout_s=0.5)
+        with anyio.fail_after(5):
+            with pytest.raises(StoreUnavailable, match=r"no answer in time.*stuck"):
+                await store.open()
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
 
 
 async def test_store_serves_again_after_the_server_drops_its_connections(postgres_schema: tuple[str, str]) -> None:

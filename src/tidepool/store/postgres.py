@@ -559,13 +559,13 @@ class PostgresStore:
                 server_settings=self._settings,
             )
         except DRIVER_ERRORS as exc:
-            raise StoreUnavailable(f"store {self._where}: cannot connect: {exc}") from exc
+            raise StoreUnavailable(f"store {self._where}: cannot connect: {_said(exc)}") from exc
         try:
             async with pool.acquire() as conn:
                 found = await self._migrate(conn, migrate)
         except DRIVER_ERRORS as exc:
             pool.terminate()
-            raise StoreUnavailable(f"store {self._where}: {exc}") from exc
+            raise StoreUnavailable(f"store {self._where}: {_said(exc)}") from exc
         except BaseException:
             pool.terminate()
             raise
@@ -624,10 +624,12 @@ class PostgresStore:
         if self._pool is None:
             raise StoreUnavailable("the store is not open")
         try:
-            async with self._pool.acquire() as conn:
+            # A server that accepts and never answers holds every pooled connection: a caller waits for one
+            # at most connect_timeout_s, not until a stuck statement gives up (an API call took 60 s).
+            async with self._pool.acquire(timeout=self._connect_timeout_s) as conn:
                 yield conn
         except DRIVER_ERRORS as exc:
-            raise StoreUnavailable(f"store {self._where}: {type(exc).__name__}: {exc}") from exc
+            raise StoreUnavailable(f"store {self._where}: {_said(exc)}") from exc
 
     # producers
 
@@ -861,7 +863,7 @@ class PostgresStore:
             return exc
         except Exception as exc:
             log.error("task %s attempt %s: finish failed: %r", lease.task_id, lease.attempt_id, exc)
-            error = StoreUnavailable(f"task {lease.task_id} attempt {lease.attempt_id}: finish failed: {exc}")
+            error = StoreUnavailable(f"task {lease.task_id} attempt {lease.attempt_id}: finish failed: {_said(exc)}")
             error.__cause__ = exc
             return error
 
@@ -1031,7 +1033,8 @@ class PostgresStore:
                 raise ConfigError(_node_taken(node_id, self._where, None if holder is None else _node(holder)))
         except DRIVER_ERRORS as exc:
             conn.terminate()
-            raise StoreUnavailable(f"store {self._where}: cannot take the lock of node {node_id}: {exc}") from exc
+            raise StoreUnavailable(
+                f"store {self._where}: cannot take the lock of node {node_id}: {_said(exc)}") from exc
         except BaseException:
             conn.terminate()
             raise
@@ -1126,7 +1129,7 @@ class PostgresStore:
                 server_settings={**self._settings, "application_name": f"tidepool {self.schema} session"},
             )  # fmt: skip
         except DRIVER_ERRORS as exc:
-            raise StoreUnavailable(f"store {self._where}: cannot connect: {exc}") from exc
+            raise StoreUnavailable(f"store {self._where}: cannot connect: {_said(exc)}") from exc
 
     async def _replace_session(self, conn: Conn) -> None:
         old, self._session = self._session, conn
@@ -1225,7 +1228,7 @@ class _Group(Generic[I, R]):
         except BaseException as exc:
             for _, future in batch:
                 if not future.done():
-                    error = StoreUnavailable(f"grouped write failed: {exc}")
+                    error = StoreUnavailable(f"grouped write failed: {_said(exc)}")
                     error.__cause__ = exc.__cause__ if isinstance(exc, StoreUnavailable) else exc
                     future.set_exception(error)
             if not isinstance(exc, Exception):
@@ -1283,6 +1286,13 @@ def _node(row: Any) -> Node:
     tags = tuple(tuple(t) for t in json.loads(row[10]))
     return Node(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], tuple(row[9]), tags, row[11],
                 stopped_at=row[8])  # fmt: skip
+
+
+def _said(exc: BaseException) -> str:
+    """What went wrong, in words: a timeout's own text is empty ("TimeoutError: " told a user nothing)."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer in time{f' ({exc})' if str(exc) else ''}: the server or the network is stuck"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _node_taken(node_id: str, where: str, holder: Node | None) -> str:
