@@ -82,6 +82,17 @@ class Engine:
                 if (item := self._unstarted.pop(attempt_id, None)) is not None:
                     self._leases.release(item[1])
 
+    async def remove_leftover_workdirs(self) -> None:
+        """At start, before any attempt runs here: the work directories an earlier process left (it was
+        killed before its stop phases ran) belong to no attempt any more."""
+        if self.config.keep_workdirs or not self._work_root.is_dir():
+            return
+        leftover = [str(p) for p in self._work_root.iterdir()]
+        for path in leftover:
+            await anyio.to_thread.run_sync(remove_workdir, path)
+        if leftover:
+            log.info("removed %d work directories left by an earlier process", len(leftover))
+
     def release_unstarted(self) -> None:
         """Shutdown: give back every batch-claimed task not started yet, at once (SPEC rule 6)."""
         items = list(self._unstarted.values())

@@ -133,6 +133,7 @@ class Daemon:
                 await self.reconciler.recover(node_id=self.node_id, instance_id=self.instance_id,
                                               interrupted=self._unwritten.take())
                 await self._sync_schedules(self.settings)
+                await self.engine.remove_leftover_workdirs()
                 async with anyio.create_task_group() as tg:
                     await tg.start(self._handle_signals)  # first: from here on a SIGTERM drains, never kills
                     await tg.start(self.leases.run)

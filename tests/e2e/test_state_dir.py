@@ -19,3 +19,15 @@ def test_without_a_store_url_the_database_lives_in_the_state_dir(make_daemon: Ca
     assert daemon.post("/v1/tasks", {"type": "noop"}).status == 201
     assert daemon.stop() == 0
     assert (state_dir / "tidepool.db").is_file(), sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.db"))
+
+
+@pytest.mark.e2e
+def test_work_directories_an_earlier_process_left_are_removed_at_start(make_daemon: Callable[..., Daemon]) -> None:
+    """A SIGKILL leaves the running attempts' work directories behind: no stop phase removed them."""
+    daemon = make_daemon()
+    left = daemon.state_dir / "work" / "0193a1b2c3d4e5f60718293a4b5c6d7e"
+    left.mkdir(parents=True)
+    (left / "scan.xml").write_text("<partial/>")
+    daemon.start()
+    assert not left.exists()
+    assert daemon.get("/readyz").status == 200
