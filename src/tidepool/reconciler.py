@@ -23,6 +23,8 @@ from .model import State, cancel_deadline_error
 from .store import Expired, Store
 
 log = logging.getLogger("tidepool.reconciler")
+
+
 @dataclass
 class ReconcilerConfig:
     interval_s: float = 5.0

@@ -366,21 +366,21 @@ class SqliteStore:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
             self._note_corrupt(exc)
-            error = exc if isinstance(exc, StoreUnavailable) else StoreUnavailable(
-                f"sqlite write to {self.path} failed: {exc}")
-            error.__cause__ = exc
+            if isinstance(exc, StoreUnavailable):  # the file is gone or corrupt: said as it is
+                error = exc
+            else:
+                error = StoreUnavailable(f"sqlite write to {self.path} failed: {exc}")
+                error.__cause__ = exc
             self._write_failure = str(error)
             return [(future, None, error) for _, future in ops]
         self._write_failure = None
         return outcomes
 
     def _note_corrupt(self, exc: BaseException) -> None:
-        if _error_code(exc) in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
-            if self._corrupt is None:
-                log.error("store %s is corrupt (%s): writes stop; check it with PRAGMA integrity_check and restore "
-                          "it from a backup", self.path, exc)
+        if self._corrupt is None and _error_code(exc) in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
             self._corrupt = (f"the database {self.path} is corrupt ({exc}): writes stop; check it with PRAGMA "
                              "integrity_check and restore it from a backup")
+            log.error("%s", self._corrupt)
 
     # reads
 
