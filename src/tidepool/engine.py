@@ -91,7 +91,7 @@ class Engine:
         for path in leftover:
             await anyio.to_thread.run_sync(remove_workdir, path)
         if leftover:
-            log.info("removed %d work directories left by an earlier process", len(leftover))
+            log.info("cleared %d work directories left by an earlier process", len(leftover))
 
     def release_unstarted(self) -> None:
         """Shutdown: give back every batch-claimed task not started yet, at once (SPEC rule 6)."""

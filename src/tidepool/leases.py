@@ -4,9 +4,11 @@ Renewal runs here, off the tasks' own code path, so a busy plugin cannot starve 
 write renews every lease of the node. A lease that cannot be renewed in time is given up: the task's
 cancel scope fires rather than work on for someone else. "In time" is judged on this node's own
 monotonic clock by a watch of its own, which no write can hold up (a store that accepts connections
-and never answers kept a renewal waiting 60 s), and a quarter of the lease before the store would
-expire it: the plugin needs that time to stop (kill_grace_s for a command) before another node may
-take the task.
+and never answers kept a renewal waiting 60 s), and up to a quarter of the lease before the store
+would expire it: the plugin needs that time to stop (kill_grace_s for a command) before another node
+may take the task. The margin never eats into the slack renewals need (at renew_every_s = half the
+lease there is none to spare), and it is fixed when the lease is granted or renewed: a reload that
+lengthens the lease does not make the leases granted before it look overdue.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .model import Lease, Phase
 from .store import PhaseNote, Store
 
 log = logging.getLogger("tidepool.leases")
-GIVE_UP_SHARE = 0.25  # of lease_s: a lease is given up this long before the store would expire it
+GIVE_UP_SHARE = 0.25  # of lease_s: a lease is given up up to this long before the store would expire it
 
 
 @dataclass(eq=False)
@@ -35,6 +37,7 @@ class Held:
     lease: Lease
     scope: anyio.CancelScope
     deadline: float                       # monotonic: when the store would expire the lease, unless renewed
+    margin_s: float = 0.0                 # given up this long before the deadline (see the module docstring)
     why: str | None = None                # "cancel", "lost", "interrupt"
     phase: Phase | None = None            # the latest phase and progress, written behind
     progress: dict[str, object] | None = None
@@ -66,7 +69,7 @@ class LeaseKeeper:
 
     def hold(self, lease: Lease) -> Held:
         remaining = lease.expires_at - self._clock()
-        held = Held(lease, anyio.CancelScope(), self._monotonic() + remaining)
+        held = Held(lease, anyio.CancelScope(), self._monotonic() + remaining, self._margin_s())
         self._held[lease.attempt_id] = held
         self._busy.set()
         self._watched.set()
@@ -90,7 +93,12 @@ class LeaseKeeper:
 
     def time_left(self, held: Held) -> float:
         """Seconds until the lease is given up unless a renewal gets through first."""
-        return held.deadline - self.lease_s * GIVE_UP_SHARE - self._monotonic()
+        return held.deadline - held.margin_s - self._monotonic()
+
+    def _margin_s(self) -> float:
+        """How long before the store's expiry a lease granted or renewed now is given up: a quarter of the
+        lease, less if renewals need the time (two renewal intervals must fit before it)."""
+        return max(0.0, min(self.lease_s * GIVE_UP_SHARE, self.lease_s - 2 * self.renew_every_s))
 
     def held(self) -> list[Held]:
         return list(self._held.values())
@@ -145,7 +153,7 @@ class LeaseKeeper:
         if lost is not None:
             for h in held:
                 if h.lease.attempt_id not in lost:
-                    h.deadline = started + self.lease_s
+                    h.deadline, h.margin_s = started + self.lease_s, self._margin_s()
 
     async def _apply(self, write: object, what: str) -> dict[str, LeaseLost] | None:
         try:

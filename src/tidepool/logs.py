@@ -62,8 +62,8 @@ class Outage:
             self._log.info(message, *args)
 
 
-# C0 controls but tab, and DEL, spelled out; line breaks as \n and \r
-_VISIBLE = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if c != 0x09} | {0x0A: "\\n", 0x0D: "\\r"}
+# C0 controls but tab, DEL and C1 (a terminal takes 0x9b as an escape too) spelled out; line breaks as \n, \r
+_VISIBLE = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c != 0x09} | {0x0A: "\\n", 0x0D: "\\r"}
 
 
 def _priority(record: logging.LogRecord) -> str:

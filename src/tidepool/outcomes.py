@@ -21,7 +21,7 @@ from anyio.abc import TaskStatus
 from .errors import StoreUnavailable, TidepoolError
 from .leases import Held
 from .lifecycle import RetryPolicy
-from .model import Outcome, State, Task
+from .model import AttemptStatus, Outcome, State, Task
 from .store import Ending, Store
 
 log = logging.getLogger("tidepool.outcomes")
@@ -52,6 +52,7 @@ class OutcomeWriter:
         self._queue: list[Posted] = []     # ready to be written
         self._waiting: list[Posted] = []   # to be tried again at their retry_at
         self._flying: list[Posted] = []  # being written now
+        self._given_up: list[Posted] = []  # interruptions the store never took (see unwritten)
         self._posted = anyio.Event()
         self._flushed = anyio.Event()
         self._flushed.set()
@@ -63,8 +64,9 @@ class OutcomeWriter:
         self._posted.set()
 
     def unwritten(self) -> list[Posted]:
-        """The outcomes posted and not written yet (in flight ones included)."""
-        return self._waiting + self._queue + self._flying
+        """The outcomes posted and not written: still tried (in flight ones included), and the interruptions
+        given up on (only a shutdown interrupts, and it keeps them for the next start)."""
+        return self._given_up + self._waiting + self._queue + self._flying
 
     @property
     def pending(self) -> int:
@@ -117,6 +119,8 @@ class OutcomeWriter:
                             posted.held.lease.attempt_id, delay_s, answer)
                 again.append(posted)
                 continue
+            if isinstance(answer, StoreUnavailable) and posted.outcome.status is AttemptStatus.INTERRUPTED:
+                self._given_up.append(posted)
             try:
                 self._report(posted, answer)
             except Exception:  # a bug in reporting must not stop the writing of everyone's outcomes
@@ -142,14 +146,15 @@ class UnwrittenInterruptions:
         except OSError as exc:
             log.warning("cannot keep %d interrupted attempts for the next start in %s: %s", len(ids), self.path, exc)
 
-    def take(self) -> frozenset[str]:
-        """The kept attempt ids, once: the file is gone afterwards."""
+    def read(self) -> frozenset[str]:
+        """The kept attempt ids; forget() them once they are written."""
         try:
-            ids = frozenset(json.loads(self.path.read_text())["interrupted"])
+            return frozenset(json.loads(self.path.read_text())["interrupted"])
         except FileNotFoundError:
             return frozenset()
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("unreadable %s, ignored: %s", self.path, exc)
-            ids = frozenset()
+            return frozenset()
+
+    def forget(self) -> None:
         self.path.unlink(missing_ok=True)
-        return ids

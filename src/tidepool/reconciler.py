@@ -20,7 +20,7 @@ from .events import EventBus
 from .lifecycle import RetryPolicy
 from .logs import Outage
 from .model import State, cancel_deadline_error
-from .store import Expired, Store
+from .store import UNWRITTEN_INTERRUPTION, Expired, Store
 
 log = logging.getLogger("tidepool.reconciler")
 
@@ -63,7 +63,17 @@ class Reconciler:
         Those in `interrupted` its shutdown stopped, but could not write so: they end interrupted."""
         expired = await self._store.expire_leases(now=self._clock(), policy=self._policy(), node_id=node_id,
                                                   keep_instance=instance_id, interrupted=interrupted)
-        self._report_expired(expired, "left by an earlier process of this node")
+        self._report_expired([e for e in expired if e.attempt_id not in interrupted],
+                             "left by an earlier process of this node")
+        for e in expired:
+            if e.attempt_id in interrupted:
+                log.info("task %s attempt %s interrupted by the earlier process's shutdown (written now) -> %s",
+                         e.task_id, e.attempt_id, e.state.value)
+                if e.state.terminal:  # past retry.max_interruptions
+                    self._events.publish("task.finished", task_id=e.task_id, worker_id=None, state=e.state.value,
+                                         error=UNWRITTEN_INTERRUPTION.to_json(), type=e.type)
+                else:
+                    self._wake(1)
         return expired
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

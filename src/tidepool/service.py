@@ -87,7 +87,8 @@ class Daemon:
                              min_free_disk_mb=settings.guards.min_free_disk_mb,
                              on_clear=lambda: self.pool.wake(self.pool.config.max_workers))
         self.engine = Engine(self.store, self.registry, self.leases, self.events, config=_engine_config(settings),
-                             policy=retry_policy(settings.retry), work_root=settings.node.state_dir / "work",
+                             policy=retry_policy(settings.retry),
+                             work_root=settings.node.state_dir / "work" / _file_safe(self.node_id),
                              resources=self.resources)
         self.pool = Pool(self.store, self.engine, self.leases, self.events, config=_pool_config(settings),
                          node_id=self.node_id, instance_id=self.instance_id, claim_filter=self._claim_filter,
@@ -101,7 +102,9 @@ class Daemon:
         self.heartbeat = Heartbeat(self.store, self._describe)
         self._shutdown = anyio.Event()
         self._forced = False
-        self._unwritten = UnwrittenInterruptions(settings.node.state_dir / "unwritten-interruptions.json")
+        # Several nodes may share a state dir (one SQLite file, several node ids): each keeps its own.
+        self._unwritten = UnwrittenInterruptions(
+            settings.node.state_dir / f"unwritten-interruptions.{_file_safe(self.node_id)}.json")
         self._synced_schedules: tuple[ScheduleSettings, ...] = ()
         self._drain_wait: anyio.CancelScope | None = None  # a second SIGINT cuts the current wait short
         self._filter: tuple[Settings, int, ClaimFilter] | None = None
@@ -131,7 +134,8 @@ class Daemon:
             try:
                 await self.store.lock_node(self.node_id, self.instance_id)  # PostgreSQL: one process per node id
                 await self.reconciler.recover(node_id=self.node_id, instance_id=self.instance_id,
-                                              interrupted=self._unwritten.take())
+                                              interrupted=self._unwritten.read())
+                self._unwritten.forget()  # written now (or their leases were gone already)
                 await self._sync_schedules(self.settings)
                 await self.engine.remove_leftover_workdirs()
                 async with anyio.create_task_group() as tg:
@@ -255,7 +259,7 @@ class Daemon:
             return
         db.parent.mkdir(parents=True, exist_ok=True)
         db = db.resolve()  # one file reached through a symlink is still one database: one lock
-        path = db.with_name(f"{db.name}.{re.sub(r'[^A-Za-z0-9_.-]', '_', self.node_id)}.lock")
+        path = db.with_name(f"{db.name}.{_file_safe(self.node_id)}.lock")
         with open(path, "a+") as handle:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -515,6 +519,11 @@ def check_startable(settings: Settings) -> None:
     ResourcePool.from_settings(settings.resources)
     load_token(settings.api.token_file, settings.api.listen)
     check_state_dir(settings.node.state_dir)
+
+
+def _file_safe(node_id: str) -> str:
+    """A node id as part of a file name (node ids are free text)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", node_id)
 
 
 def check_state_dir(state_dir: Path) -> None:

@@ -25,9 +25,12 @@ def test_without_a_store_url_the_database_lives_in_the_state_dir(make_daemon: Ca
 def test_work_directories_an_earlier_process_left_are_removed_at_start(make_daemon: Callable[..., Daemon]) -> None:
     """A SIGKILL leaves the running attempts' work directories behind: no stop phase removed them."""
     daemon = make_daemon()
-    left = daemon.state_dir / "work" / "0193a1b2c3d4e5f60718293a4b5c6d7e"
+    left = daemon.state_dir / "work" / "e2e-node" / "0193a1b2c3d4e5f60718293a4b5c6d7e"
+    other_node = daemon.state_dir / "work" / "node-b" / "0193a1b2c3d4e5f60718293a4b5c6d7f"  # shares the dir
+    other_node.mkdir(parents=True)
     left.mkdir(parents=True)
     (left / "scan.xml").write_text("<partial/>")
     daemon.start()
     assert not left.exists()
+    assert other_node.exists(), "another node's running attempt keeps its directory"
     assert daemon.get("/readyz").status == 200

@@ -101,3 +101,24 @@ async def test_a_renewal_that_never_answers_still_stops_the_attempt_before_the_s
         tg.cancel_scope.cancel()
     assert held.why == "lost"
     assert stopped_at <= claimed.lease.expires_at - 0.25, "stopped with time to spare before others may take it"
+
+
+async def test_a_reload_that_lengthens_the_lease_leaves_the_leases_granted_before_it_alone(
+        store: SqliteStore) -> None:
+    """The give-up margin belongs to the lease as granted: judged with the new, longer lease's margin, a
+    lease renewed a moment ago looked overdue and its attempt was stopped."""
+    await store.add(NewTask("noop"), now=time.time())
+    (claimed,) = await store.claim(WORKER, ClaimFilter(), limit=1, now=time.time(), lease_s=30.0)
+    keeper = LeaseKeeper(store, lease_s=30.0, renew_every_s=10.0)
+    held = keeper.hold(claimed.lease)
+    keeper.configure(lease_s=120.0, renew_every_s=40.0)  # SIGHUP
+    keeper._give_up_overdue()
+    assert held.why is None and not held.scope.cancel_called
+    assert 29.0 - 30.0 * 0.25 < keeper.time_left(held) <= 30.0 - 30.0 * 0.25
+
+
+def test_the_margin_never_takes_the_slack_renewals_need() -> None:
+    """At renew_every_s = half the lease two renewals just fit: no margin is left, as before it existed."""
+    assert LeaseKeeper(None, lease_s=30.0, renew_every_s=10.0)._margin_s() == 7.5  # type: ignore[arg-type]
+    assert LeaseKeeper(None, lease_s=30.0, renew_every_s=13.0)._margin_s() == 4.0  # type: ignore[arg-type]
+    assert LeaseKeeper(None, lease_s=30.0, renew_every_s=15.0)._margin_s() == 0.0  # type: ignore[arg-type]

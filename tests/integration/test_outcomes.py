@@ -141,25 +141,34 @@ async def test_interruptions_a_shutdown_could_not_write_are_written_by_the_next_
     the state dir, the next start's recovery ends that attempt interrupted, not as a crash."""
     flaky = Flaky(store)
     flaky.away = 10**6
+    # the store refuses at once, and the writer gives up after its retries (or is still trying)
     writer = OutcomeWriter(flaky, policy=lambda: POLICY, report=lambda p, a: None,  # type: ignore[arg-type]
-                           retry_delays_s=(60.0,))
-    (c,) = await claimed(store, 1)
+                           retry_delays_s=(0.01,))
+    given_up, still_tried = await claimed(store, 2)
     interrupted = Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "interrupted by shutdown"))
     async with anyio.create_task_group() as tg:
         await tg.start(writer.run)
-        writer.post(posted(c, interrupted))
+        writer.post(posted(given_up, interrupted))
         with anyio.move_on_after(0.3):
             await writer.flushed()
+        flaky.calls.clear()
+        writer.post(posted(still_tried, interrupted))
+        while not flaky.calls:
+            await anyio.sleep(0.001)
         tg.cancel_scope.cancel()
-    assert [p.task.id for p in writer.unwritten()] == [c.task.id]
+    assert {p.task.id for p in writer.unwritten()} == {given_up.task.id, still_tried.task.id}
 
     kept = UnwrittenInterruptions(tmp_path / "unwritten-interruptions.json")
     kept.keep(p.held.lease.attempt_id for p in writer.unwritten())
     again = UnwrittenInterruptions(tmp_path / "unwritten-interruptions.json")  # the next process
-    ids = again.take()
-    assert ids == {c.lease.attempt_id} and again.take() == frozenset(), "taken once"
-    (e,) = await store.expire_leases(now=time.time(), policy=POLICY, node_id=WORKER.node_id,
-                                     keep_instance="the-next-process", interrupted=ids)
-    t = await store.get(c.task.id)
-    assert (e.state, t.attempt, t.interruptions, t.attempts[-1].status) == \
-        (State.PENDING, 0, 1, AttemptStatus.INTERRUPTED)
+    ids = again.read()
+    assert ids == {given_up.lease.attempt_id, still_tried.lease.attempt_id}
+    expired = await store.expire_leases(now=time.time(), policy=POLICY, node_id=WORKER.node_id,
+                                        keep_instance="the-next-process", interrupted=ids)
+    again.forget()
+    assert again.read() == frozenset(), "once written, forgotten"
+    for c in (given_up, still_tried):
+        t = await store.get(c.task.id)
+        assert (t.state, t.attempt, t.interruptions, t.attempts[-1].status) == \
+            (State.PENDING, 0, 1, AttemptStatus.INTERRUPTED)
+    assert {e.state for e in expired} == {State.PENDING}

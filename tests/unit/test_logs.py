@@ -71,14 +71,14 @@ def test_a_text_traceback_stays_on_its_records_line_and_cannot_forge_another(jou
     """A plugin's exception message is the plugin's to choose: a line break in it, or an escape sequence,
     must not start a record of its own (journald would file that line at info, as its own entry)."""
     try:
-        raise RuntimeError("line1\n2026-12-01 01:00:00,000 CRITICAL tidepool.service: FORGED\x1b]0;title\x07")
+        raise RuntimeError("line1\n2026-12-01 01:00:00,000 CRITICAL tidepool.service: FORGED\x1b]0;title\x07\x9b2J")
     except RuntimeError:
         rec = record("plugin raised", level=logging.ERROR)
         rec.exc_info = sys.exc_info()
     text = logs.TextFormatter(journal=journal).format(rec)
-    assert "\n" not in text and "\x1b" not in text and "\x07" not in text
+    assert "\n" not in text and "\x1b" not in text and "\x07" not in text and "\x9b" not in text
     assert text.startswith("<3>tidepool.engine: plugin raised\\nTraceback" if journal else "20")
-    assert "RuntimeError: line1\\n2026-12-01 01:00:00,000 CRITICAL tidepool.service: FORGED\\x1b]0;title\\x07" \
+    assert "RuntimeError: line1\\n2026-12-01 01:00:00,000 CRITICAL tidepool.service: FORGED\\x1b]0;title\\x07\\x9b2J" \
         in text
 
 

@@ -299,11 +299,10 @@ async def dashboard(request: web.Request) -> web.FileResponse:
 
 
 def build_app(daemon: Daemon, fanout: stream.Fanout, *, token: str | None = None,
-              loopback_names_only: bool = False) -> web.Application:
-    """`loopback_names_only`: answer only requests whose Host is a loopback name (see browsers)."""
-    guard = browser_guard(loopback_names_only=loopback_names_only)
-    app = web.Application(middlewares=[errors_as_json, guard, require_token, no_nul],
-                          client_max_size=daemon.max_body_kb * 1024)
+              guard_browsers: bool = False) -> web.Application:
+    """`guard_browsers`: refuse what web pages may not do to an API without a token (see browsers)."""
+    middlewares = [errors_as_json, *([browser_guard()] if guard_browsers else []), require_token, no_nul]
+    app = web.Application(middlewares=middlewares, client_max_size=daemon.max_body_kb * 1024)
     app.on_response_prepare.append(no_framing)
     app[DAEMON] = daemon
     app[FANOUT] = fanout
@@ -365,10 +364,8 @@ async def serve_api(daemon: Daemon, listen: str, *, token: str | None = None,
     """Bind `listen` ("host:port" or "unix:/path"), serve until cancelled."""
     guard = ConnectionGuard()
     fanout = stream.Fanout(daemon.events)
-    # Without a token the API is on loopback (load_token): only a browser could reach it from elsewhere,
-    # through DNS rebinding. A unix socket is out of a browser's reach.
     app = build_app(daemon, fanout, token=token,
-                    loopback_names_only=token is None and not isinstance(api_address(listen), str))
+                    guard_browsers=token is None and not isinstance(api_address(listen), str))
     app.middlewares.insert(0, guard.next_request)
     app[GUARD] = guard
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, keepalive_timeout=KEEPALIVE_TIMEOUT_S)

@@ -1,12 +1,12 @@
 """What a web page the operator happens to open may not do with the API: act on it from another origin
 (cross-site request forgery), or reach it under a name of its own (DNS rebinding).
 
-Both matter most for the default daemon: on loopback and without a token, any request that reaches the
-port is served. A browser sends an `Origin` header with every cross-origin POST, PATCH or DELETE, even
-with `mode: "no-cors"` and a body that needs no preflight, so a state-changing request whose Origin is not
-the API's own is refused. A rebinding page's requests carry its own host name in `Host`; without a token
-the API answers only requests addressed to a loopback name (a proxy in front must pass such a Host, or
-the operator sets a token).
+Both matter for a daemon without a token (on loopback: load_token refuses it elsewhere), which serves
+any request that reaches its port. A browser sends an `Origin` header with every cross-origin POST,
+PATCH or DELETE, even with `mode: "no-cors"` and a body that needs no preflight, so a state-changing
+request whose Origin is not the API's own is refused. A rebinding page's requests carry its own host name
+in `Host`, so the API answers only requests addressed to a loopback name. With a token neither applies: a
+page cannot send the bearer header, and a reverse proxy may pass any Host and Origin.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ def forbidden(message: str) -> web.Response:
     return web.json_response({"error": {"code": "forbidden", "message": message}}, status=403)
 
 
-def browser_guard(*, loopback_names_only: bool) -> Middleware:
+def browser_guard() -> Middleware:
+    """For an API without a token on loopback TCP (a unix socket is out of a browser's reach)."""
+
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         host = request.headers.get("Host")
-        if loopback_names_only and host is not None and not _is_loopback_name(host):
+        if host is not None and not _is_loopback_name(host):
             return forbidden(f"Host {host!r} is not a loopback name; without api.token_file this API answers "
                              "only requests to localhost, 127.0.0.1 or [::1]")
         origin = request.headers.get("Origin")

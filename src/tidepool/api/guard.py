@@ -48,13 +48,15 @@ class ConnectionGuard:
     def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: _Guarded(factory(), self)
 
-    def when_lost(self, transport: asyncio.BaseTransport, callback: Callable[[], None]) -> None:
-        """Call `callback` once the connection of `transport` is gone (at once if it is already)."""
+    def when_lost(self, transport: asyncio.BaseTransport, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` once the connection of `transport` is gone (at once if it is already); the answer
+        takes it back (a kept-alive connection serves more requests than this one)."""
         connection = self._connections.get(transport)
         if connection is None:
             callback()
-        else:
-            connection.on_lost.append(callback)
+            return lambda: None
+        connection.on_lost.append(callback)
+        return lambda: connection.on_lost.remove(callback) if callback in connection.on_lost else None
 
     @web.middleware
     async def next_request(self, request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -339,7 +339,7 @@ def _last_event_id(request: web.Request) -> int | None:
 
 
 async def events(request: web.Request, daemon: Daemon, fanout: Fanout,
-                 when_lost: Callable[[asyncio.BaseTransport, Callable[[], None]], None] | None = None,
+                 when_lost: Callable[[asyncio.BaseTransport, Callable[[], None]], Callable[[], None]] | None = None,
                  ) -> web.StreamResponse:
     """One stream, until it ends. `when_lost` (the connection guard's) says when its client went away: an
     idle stream would otherwise learn it only at its next write, up to a heartbeat later, holding one of
@@ -372,14 +372,17 @@ async def events(request: web.Request, daemon: Daemon, fanout: Fanout,
         chunked = response.headers.get("Transfer-Encoding", "") == "chunked"
         stream = Stream(request.transport, chunked=chunked, next_id=next_id)
         with anyio.CancelScope() as scope:
-            if when_lost is not None:
-                when_lost(request.transport, scope.cancel)
-            final = b""
-            if sub is not None:
-                final = await _follow_filtered(stream, sub, bus)
-            else:
-                await fanout.follow(stream)
-            await _finish(stream, response, final)
+            forget = when_lost(request.transport, scope.cancel) if when_lost is not None else None
+            try:
+                final = b""
+                if sub is not None:
+                    final = await _follow_filtered(stream, sub, bus)
+                else:
+                    await fanout.follow(stream)
+                await _finish(stream, response, final)
+            finally:
+                if forget is not None:
+                    forget()
     except (ConnectionResetError, ConnectionError):
         pass
     finally:

@@ -57,8 +57,9 @@ class Ending:
 
 
 EXPIRED = Outcome(AttemptStatus.EXPIRED, TaskError("lease_expired", "the lease expired before the worker renewed it"))
-INTERRUPTED_UNWRITTEN = Outcome(AttemptStatus.INTERRUPTED, TaskError(
-    "interrupted", "interrupted by shutdown; written by the next start (the store was away)"))
+UNWRITTEN_INTERRUPTION = TaskError("interrupted", "interrupted by shutdown; written by the next start (the store "
+                                                   "was away)")
+INTERRUPTED_UNWRITTEN = Outcome(AttemptStatus.INTERRUPTED, UNWRITTEN_INTERRUPTION)
 
 
 def expiry_outcome(attempt_id: str, interrupted: frozenset[str]) -> Outcome:

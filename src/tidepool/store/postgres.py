@@ -1290,6 +1290,8 @@ def _node(row: Any) -> Node:
 
 def _said(exc: BaseException) -> str:
     """What went wrong, in words: a timeout's own text is empty ("TimeoutError: " told a user nothing)."""
+    if isinstance(exc, StoreUnavailable):
+        return str(exc)
     if isinstance(exc, TimeoutError):
         return f"no answer in time{f' ({exc})' if str(exc) else ''}: the server or the network is stuck"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -265,11 +265,15 @@ class SqliteStore:
             raise StoreUnavailable(f"store {self.path}: {exc}") from exc
 
     def _check_ours(self, conn: sqlite3.Connection) -> None:
-        """Before anything is written: the file is tidepool's (or empty), and the one name of its database."""
+        """Before anything is written: the file is tidepool's (or empty), and the one name of its database.
+        SQLite keeps the write-ahead log beside each name: a process writing through a second name writes
+        a log of its own into the same file, and neither the lock file nor the node's row (written to the
+        other log) can see it. So a second name is refused, even one a backup tool made."""
         links = os.stat(self.path).st_nlink
-        if links > 1:  # SQLite keeps the write-ahead log beside each name: two names, two logs, one corrupt file
+        if links > 1:
             raise ConfigError(f"config: store.url: {self.path} has {links} hard links; SQLite ties its write-ahead "
-                              "log to a file's name, so two names of one database corrupt it: remove the other links")
+                              "log to a file's name, so two names of one database corrupt it: remove the other "
+                              "links (back it up with `sqlite3 FILE .backup` instead)")
         if conn.execute("PRAGMA user_version").fetchone()[0] == 0:
             tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
             if tables:
