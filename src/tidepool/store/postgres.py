@@ -623,13 +623,22 @@ class PostgresStore:
         """A pooled connection; driver errors leave as StoreUnavailable with the original as cause."""
         if self._pool is None:
             raise StoreUnavailable("the store is not open")
+        # A server that accepts and never answers holds every pooled connection: a caller waits for one at
+        # most connect_timeout_s, not until a stuck statement gives up (an API call took 60 s).
         try:
-            # A server that accepts and never answers holds every pooled connection: a caller waits for one
-            # at most connect_timeout_s, not until a stuck statement gives up (an API call took 60 s).
-            async with self._pool.acquire(timeout=self._connect_timeout_s) as conn:
-                yield conn
+            conn = await self._pool.acquire(timeout=self._connect_timeout_s)
+        except TimeoutError as exc:
+            raise StoreUnavailable(f"store {self._where}: no connection came free within {self._connect_timeout_s:g}s "
+                                   f"(all {self._max_connections} are busy, or stuck on a server that does not "
+                                   "answer)") from exc
         except DRIVER_ERRORS as exc:
             raise StoreUnavailable(f"store {self._where}: {_said(exc)}") from exc
+        try:
+            yield conn
+        except DRIVER_ERRORS as exc:
+            raise StoreUnavailable(f"store {self._where}: {_said(exc)}") from exc
+        finally:
+            await self._pool.release(conn)
 
     # producers
 
