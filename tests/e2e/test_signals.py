@@ -67,7 +67,7 @@ def test_sigterm_lets_short_tasks_finish_and_interrupts_long_ones_which_a_restar
     long_py = daemon.submit("sleep", {"seconds": float(long_s)})
     daemon.wait_for("the long tasks to run", lambda: all(running(daemon, t["id"]) for t in (long_cmd, long_py)))
     ((cmd_attempt, *_),) = attempts(daemon, long_cmd["id"])
-    workdir = daemon.state_dir / "work" / cmd_attempt
+    workdir = daemon.state_dir / "work" / "e2e-node" / cmd_attempt
     daemon.wait_for("the command to start", lambda: sleeping(long_s) and workdir.is_dir())
     short = [daemon.submit("sleep", {"seconds": 1.0}) for _ in range(2)]
     daemon.wait_for("the short tasks to run", lambda: all(running(daemon, t["id"]) for t in short))
