@@ -96,3 +96,17 @@ def test_a_file_of_another_application_is_refused_and_left_as_it_was(make_daemon
     assert "is not a tidepool database (it holds tables customers)" in result.stderr
     assert foreign.read_bytes() == before
     assert not foreign.with_name("crm.db-wal").exists()
+
+
+@pytest.mark.e2e
+def test_a_file_with_a_schema_version_but_no_tasks_table_is_refused_and_left_as_it_was(
+        make_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    foreign = tmp_path / "other.db"
+    with contextlib.closing(sqlite3.connect(foreign)) as conn:
+        conn.execute("PRAGMA user_version = 7")
+    before = foreign.read_bytes()
+    result = _run(make_daemon({"store": {"url": f"sqlite:///{foreign}"}}))
+    assert result.returncode == 2, result.stderr
+    assert "is not a tidepool database (it has schema version 7 and no tasks table)" in result.stderr
+    assert foreign.read_bytes() == before
+    assert not foreign.with_name("other.db-wal").exists()

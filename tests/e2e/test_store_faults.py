@@ -22,3 +22,16 @@ def test_a_database_deleted_under_the_daemon_refuses_submits_and_the_node_is_not
     metrics = daemon.request("GET", "/metrics").body
     assert "tidepool_store_up 0.0" in metrics
     assert not daemon.db_path.exists(), "no new empty database made in its place"
+
+
+@pytest.mark.e2e
+def test_a_write_ahead_log_deleted_under_the_daemon_refuses_submits(daemon: Daemon) -> None:
+    """Every commit since the last checkpoint lives in the -wal file: deleted, they are gone at restart,
+    and so would be every task acknowledged after it."""
+    kept = daemon.submit("noop")
+    assert daemon.wait_terminal(kept["id"])["state"] == "completed"
+    daemon.db_path.with_name(daemon.db_path.name + "-wal").unlink()
+    r = daemon.post("/v1/tasks", {"type": "noop"})
+    assert (r.status, r.body["error"]["code"]) == (503, "store_unavailable"), r
+    assert "-wal was deleted or replaced" in r.body["error"]["message"]
+    assert daemon.get("/readyz").status == 503

@@ -1,5 +1,5 @@
 """The SQLite adapter under a failing file: a full disk and a corrupt file are said by write_failure()
-(the node's readiness), a full disk only until a write gets through again."""
+(the node's readiness), a full disk for WRITE_FAILURE_HOLD_S after its last failed write."""
 
 from __future__ import annotations
 
@@ -8,14 +8,18 @@ import sqlite3
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from tidepool.errors import StoreUnavailable
 from tidepool.model import NewTask
+from tidepool.store import sqlite as sqlite_store
 from tidepool.store.sqlite import SqliteStore
 
 
-async def test_a_full_disk_fails_writes_naming_the_file_until_one_gets_through(tmp_path: Path) -> None:
+async def test_a_full_disk_fails_writes_naming_the_file_and_is_said_a_while_after_its_last_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sqlite_store, "WRITE_FAILURE_HOLD_S", 0.5)
     store = SqliteStore(tmp_path / "tidepool.db")
     await store.open()
     try:
@@ -29,8 +33,12 @@ async def test_a_full_disk_fails_writes_naming_the_file_until_one_gets_through(t
         failure = store.write_failure()
         assert failure is not None and "full" in failure
         assert (await store.counts())  # reads still answer: the probes must not take that for health
+        (task,) = (await store.list_tasks()).tasks
+        await store.request_cancel(task.id, now=time.time())  # an update in place still commits on a full disk
+        assert store.write_failure() is not None, "an update in place proves nothing of an insert"
         await store._write(lambda conn, batch: conn.execute(f"PRAGMA max_page_count = {pages * 100}"))
         await store.add_many(big, now=time.time())
+        await anyio.sleep(0.6)
         assert store.write_failure() is None
     finally:
         await store.close()

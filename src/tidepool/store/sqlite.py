@@ -86,6 +86,7 @@ from . import (
 T = TypeVar("T")
 log = logging.getLogger("tidepool.store.sqlite")
 LEASE_CHUNK = 500  # rows per leasing statement: 7 parameters each, far below SQLite's 32,766
+WRITE_FAILURE_HOLD_S = 30.0  # a failed write transaction makes the node unready this long (see write_failure)
 GROUP_PAUSE_S = 0.0005  # under load, how long the writer waits for more ops to share a transaction
 GROUP_PAUSE_FROM = 8  # ops in this batch and the last before a pause can pay for itself (see _write_loop)
 NODES = """
@@ -212,7 +213,8 @@ class SqliteStore:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self._inode: tuple[int, int] | None = None  # (device, inode) of the file opened: see _still_ours
-        self._write_failure: str | None = None  # why the last write transaction failed, until one commits
+        self._wal_inode: tuple[int, int] | None = None  # and of its write-ahead log, once it exists
+        self._write_failure: tuple[str, float] | None = None  # why a write transaction failed, and when
         self._corrupt: str | None = None  # once SQLite says the file is malformed, for good
 
     # lifecycle of the adapter
@@ -241,9 +243,13 @@ class SqliteStore:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            try:
-                self._check_ours(conn)
-            except ConfigError:
+            try:  # before anything is written, the journal mode included
+                version = self._check_ours(conn)
+                if version > SCHEMA_VERSION or (version < SCHEMA_VERSION and not migrate):
+                    raise SchemaMismatch(f"store {self.path} has schema version {version}, " + (
+                        f"newer than this tidepool understands ({SCHEMA_VERSION}): upgrade tidepool"
+                        if version > SCHEMA_VERSION else f"needs {SCHEMA_VERSION}: run `tidepool migrate`"))
+            except (ConfigError, SchemaMismatch):
                 conn.close()
                 raise
             stat = os.stat(self.path)
@@ -251,12 +257,6 @@ class SqliteStore:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")  # an acknowledged commit survives power loss
             conn.execute("PRAGMA busy_timeout=5000")
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION or (version < SCHEMA_VERSION and not migrate):
-                conn.close()
-                raise SchemaMismatch(f"store {self.path} has schema version {version}, " + (
-                    f"newer than this tidepool understands ({SCHEMA_VERSION}): upgrade tidepool"
-                    if version > SCHEMA_VERSION else f"needs {SCHEMA_VERSION}: run `tidepool migrate`"))
             if version < SCHEMA_VERSION:  # each step upgrades one version; all in one transaction
                 steps = [SCHEMA, SCHEDULES, NODES][version:]
                 conn.executescript(f"BEGIN; {' '.join(steps)}; PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
@@ -264,7 +264,7 @@ class SqliteStore:
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"store {self.path}: {exc}") from exc
 
-    def _check_ours(self, conn: sqlite3.Connection) -> None:
+    def _check_ours(self, conn: sqlite3.Connection) -> int:
         """Before anything is written: the file is tidepool's (or empty), and the one name of its database.
         SQLite keeps the write-ahead log beside each name: a process writing through a second name writes
         a log of its own into the same file, and neither the lock file nor the node's row (written to the
@@ -274,28 +274,45 @@ class SqliteStore:
             raise ConfigError(f"config: store.url: {self.path} has {links} hard links; SQLite ties its write-ahead "
                               "log to a file's name, so two names of one database corrupt it: remove the other "
                               "links (back it up with `sqlite3 FILE .backup` instead)")
-        if conn.execute("PRAGMA user_version").fetchone()[0] == 0:
-            tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
-            if tables:
-                raise ConfigError(f"config: store.url: {self.path} is not a tidepool database (it holds tables "
-                                  f"{', '.join(tables[:5])}{', ...' if len(tables) > 5 else ''}): give tidepool a "
-                                  "file of its own")
+        version: int = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+        if (version == 0 and tables) or (version > 0 and "tasks" not in tables):  # a version, but not ours
+            held = f"it holds tables {', '.join(tables[:5])}{', ...' if len(tables) > 5 else ''}" if tables else \
+                f"it has schema version {version} and no tasks table"
+            raise ConfigError(f"config: store.url: {self.path} is not a tidepool database ({held}): give tidepool a "
+                              "file of its own")
+        return version
 
     def _still_ours(self) -> None:
-        """The file opened is still the database's name. Deleted or replaced while open, SQLite would go on
-        writing to a file no name reaches: every task acknowledged from then on would be gone at restart."""
-        try:
-            stat = os.stat(self.path)
-            same = (stat.st_dev, stat.st_ino) == self._inode
-        except FileNotFoundError:
-            same = False
-        if not same:
-            raise StoreUnavailable(f"the database file {self.path} was deleted or replaced while open; nothing more "
-                                   "is written to it: restart the node (what it held since is lost with the file)")
+        """The file opened, and its write-ahead log, are still the database's names. Deleted or replaced while
+        open, SQLite would go on writing to a file no name reaches: every task acknowledged from then on would
+        be gone at restart (the log holds every commit since the last checkpoint)."""
+        wal = self.path.with_name(self.path.name + "-wal")
+        for name, opened in ((self.path, self._inode), (wal, self._wal_inode)):
+            if opened is None:
+                continue
+            try:
+                stat = os.stat(name)
+                same = (stat.st_dev, stat.st_ino) == opened
+            except FileNotFoundError:
+                same = False
+            if not same:
+                raise StoreUnavailable(f"the database file {name} was deleted or replaced while open; nothing more "
+                                       "is written: restart the node (what it held since is lost with the file)")
+        if self._wal_inode is None:
+            with contextlib.suppress(FileNotFoundError):  # made by the first write; kept while we are open
+                stat = os.stat(wal)
+                self._wal_inode = (stat.st_dev, stat.st_ino)
 
     def write_failure(self) -> str | None:
-        """Why writes fail now (the last write transaction failed, or the file is corrupt), else None."""
-        return self._corrupt or self._write_failure
+        """Why writes fail (the file is corrupt or gone, or a write transaction failed in the last
+        WRITE_FAILURE_HOLD_S), else None. A write that gets through does not clear it: on a full disk a
+        heartbeat's update in place commits while every insert fails."""
+        if self._corrupt:
+            return self._corrupt
+        if self._write_failure is not None and time.monotonic() - self._write_failure[1] < WRITE_FAILURE_HOLD_S:
+            return self._write_failure[0]
+        return None
 
     def _connect_reader(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -375,9 +392,8 @@ class SqliteStore:
             else:
                 error = StoreUnavailable(f"sqlite write to {self.path} failed: {exc}")
                 error.__cause__ = exc
-            self._write_failure = str(error)
+            self._write_failure = (str(error), time.monotonic())
             return [(future, None, error) for _, future in ops]
-        self._write_failure = None
         return outcomes
 
     def _note_corrupt(self, exc: BaseException) -> None:
@@ -1132,8 +1148,9 @@ def _alive_here(node: Node) -> bool:
     if node.stopped_at is not None or node.hostname != socket.gethostname() or node.pid == os.getpid():
         return False
     try:
-        born: float = psutil.Process(node.pid).create_time()
-        return born <= node.started_at + 1.0
+        process = psutil.Process(node.pid)
+        born: float = process.create_time()
+        return born <= node.started_at + 1.0 and process.status() != psutil.STATUS_ZOMBIE  # killed, not reaped
     except psutil.Error:
         return False
 
