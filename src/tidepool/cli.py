@@ -163,7 +163,7 @@ def _run_failed(exc: Exception) -> int:
             _fatal(f"tidepool: {leaf}")
             return 1
         if isinstance(leaf, OSError):
-            _fatal(f"tidepool: cannot start: {leaf}")
+            _fatal(f"tidepool: cannot start: {str(leaf) or type(leaf).__name__}")
             return 1
     raise exc
 

@@ -74,6 +74,9 @@ class Reconciler:
                                          error=UNWRITTEN_INTERRUPTION.to_json(), type=e.type)
                 else:
                     self._wake(1)
+        if missed := interrupted - {e.attempt_id for e in expired}:
+            log.warning("%d attempts the last shutdown interrupted were ended meanwhile by other nodes, their "
+                        "leases having run out during the outage: each used an attempt", len(missed))
         return expired
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

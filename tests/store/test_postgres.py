@@ -320,6 +320,61 @@ async def test_a_server_that_accepts_and_never_answers_is_said_in_words_within_t
         server.close()
 
 
+class Link:
+    """A TCP relay to the real server that can be blackholed: it keeps every connection and drops the bytes."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.blackholed = False
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection(*self.upstream)
+        self.writers += [client_w, server_w]
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await r.read(65536):
+                    if not self.blackholed:
+                        w.write(data)
+
+        await asyncio.gather(pipe(client_r, server_w), pipe(server_r, client_w))
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
+        if self.server is not None:
+            self.server.close()
+
+
+async def test_a_server_that_stops_answering_mid_run_is_store_unavailable_never_a_raw_timeout(
+        postgres_schema: tuple[str, str]) -> None:
+    """Giving a connection back resets it, a round trip that times out too: that TimeoutError escaped raw
+    and ended the daemon 40 s into a blackholed database."""
+    url, schema = postgres_schema
+    parts = url.removeprefix("postgresql://").split("@", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    link = Link(parts[0], int(parts[1]) if len(parts) > 1 else 5432)
+    port = await link.start()
+    store = PostgresStore(url.replace(f"{parts[0]}:{parts[1] if len(parts) > 1 else 5432}", f"127.0.0.1:{port}"),
+                          schema=schema, connect_timeout_s=0.5, command_timeout_s=0.5)
+    try:
+        await store.open()
+        assert await store.counts() == {}
+        link.blackholed = True
+        for _ in range(3):
+            with anyio.fail_after(10), pytest.raises(StoreUnavailable):
+                await store.counts()
+    finally:
+        link.close()
+        with anyio.move_on_after(5):
+            await store.close()
+
+
 async def test_store_serves_again_after_the_server_drops_its_connections(postgres_schema: tuple[str, str]) -> None:
     url, schema = postgres_schema
     async with nodes(url, schema, 1) as (store,):

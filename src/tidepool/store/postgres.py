@@ -638,7 +638,13 @@ class PostgresStore:
         except DRIVER_ERRORS as exc:
             raise StoreUnavailable(f"store {self._where}: {_said(exc)}") from exc
         finally:
-            await self._pool.release(conn)
+            # Giving it back resets it, a round trip: a server that stopped answering fails that too (the
+            # pool closes the connection then). It must not replace the caller's answer, nor escape raw:
+            # a TimeoutError from here once ended the daemon 40 s into such an outage.
+            try:
+                await self._pool.release(conn)
+            except DRIVER_ERRORS as exc:
+                log.debug("store %s: a connection could not be given back: %s", self._where, _said(exc))
 
     # producers
 
