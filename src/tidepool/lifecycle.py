@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import InvalidTransition
-from .model import AttemptStatus, Outcome, State, TaskError
+from .model import CANCELLED_ON_REQUEST, AttemptStatus, Outcome, State, TaskError
 
 if TYPE_CHECKING:
     from .settings import RetrySettings
@@ -111,8 +111,8 @@ def decide_end(state: State, outcome: Outcome, *, attempt: int, max_attempts: in
                interruptions: int, policy: RetryPolicy, now: float) -> Decision:
     """How an attempt's outcome moves its task; raises InvalidTransition for an illegal move."""
     status, error = outcome.status, outcome.error
-    if state is State.CANCELLING:
-        return Decision(step(state, Event.CANCEL_ACK), _cancelled_status(status), error)
+    if state is State.CANCELLING:  # however the attempt ended, the task ends as the cancel asked (rule 8)
+        return Decision(step(state, Event.CANCEL_ACK), _cancelled_status(status), CANCELLED_ON_REQUEST)
     if status is AttemptStatus.SUCCEEDED:
         return Decision(step(state, Event.COMPLETE), status, None)
     if status is AttemptStatus.INTERRUPTED:

@@ -19,7 +19,7 @@ from .errors import StoreUnavailable
 from .events import EventBus
 from .lifecycle import RetryPolicy
 from .logs import Outage
-from .model import State, cancel_deadline_error
+from .model import CANCELLED_ON_REQUEST, State, cancel_deadline_error
 from .store import UNWRITTEN_INTERRUPTION, Expired, Store
 
 log = logging.getLogger("tidepool.reconciler")
@@ -153,6 +153,8 @@ class Reconciler:
                                  state=e.state.value, type=e.type)
             if e.state in (State.PENDING, State.RETRY_WAIT):
                 self._wake(1)
-            elif e.state.terminal:
+            elif e.state.terminal:  # a cancelled one ends as the cancel asked (its attempt expired all the same)
+                error = CANCELLED_ON_REQUEST.to_json() if e.state is State.CANCELLED else {
+                    "code": "lease_expired", "message": why}
                 self._events.publish("task.finished", task_id=e.task_id, worker_id=None, state=e.state.value,
-                                     error={"code": "lease_expired", "message": why}, type=e.type)
+                                     error=error, type=e.type)

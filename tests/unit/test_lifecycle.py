@@ -78,6 +78,15 @@ def test_outcomes_move_the_task(args: tuple, expected: tuple) -> None:  # type: 
     assert end(state, status, **(kw[0] if kw else {})) == expected
 
 
+@pytest.mark.parametrize("status", [AttemptStatus.SUCCEEDED, AttemptStatus.CANCELLED, AttemptStatus.EXPIRED,
+                                    AttemptStatus.FAILED, AttemptStatus.TIMED_OUT, AttemptStatus.INTERRUPTED])
+def test_a_cancelled_task_says_it_was_cancelled_however_its_attempt_ended(status: AttemptStatus) -> None:
+    """A cancel that found its node cut off ended with the lease: the task said lease_expired."""
+    e = decide_end(C, Outcome(status, TaskError("lease_expired", "the lease expired")), attempt=1, max_attempts=3,
+                   interruptions=0, policy=RetryPolicy(), now=100.0)
+    assert e.state is CANCELLED and e.error is not None and e.error.code == "cancelled"
+
+
 def test_an_attempt_cannot_end_a_finished_task() -> None:
     for state in (P, W, DONE, FAILED, TIMED_OUT, CANCELLED):
         with pytest.raises(InvalidTransition):
