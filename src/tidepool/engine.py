@@ -88,9 +88,8 @@ class Engine:
         if self.config.keep_workdirs or not self._work_root.is_dir():
             return
         leftover = [str(p) for p in self._work_root.iterdir()]
-        for path in leftover:
-            await anyio.to_thread.run_sync(remove_workdir, path)
         if leftover:
+            await anyio.to_thread.run_sync(_remove_all, leftover)
             log.info("cleared %d work directories left by an earlier process", len(leftover))
 
     def release_unstarted(self) -> None:
@@ -317,6 +316,11 @@ class Engine:
         settings = self.registry.types.get(task.type)
         retry = settings is not None and settings.retry_on_timeout
         return Outcome(AttemptStatus.TIMED_OUT, TaskError("timeout", message, retry))
+
+
+def _remove_all(paths: list[str]) -> None:
+    for path in paths:
+        remove_workdir(path)
 
 
 class _PluginTimedOut(Exception):

@@ -63,17 +63,7 @@ class Reconciler:
         Those in `interrupted` its shutdown stopped, but could not write so: they end interrupted."""
         expired = await self._store.expire_leases(now=self._clock(), policy=self._policy(), node_id=node_id,
                                                   keep_instance=instance_id, interrupted=interrupted)
-        self._report_expired([e for e in expired if e.attempt_id not in interrupted],
-                             "left by an earlier process of this node")
-        for e in expired:
-            if e.attempt_id in interrupted:
-                log.info("task %s attempt %s interrupted by the earlier process's shutdown (written now) -> %s",
-                         e.task_id, e.attempt_id, e.state.value)
-                if e.state.terminal:  # past retry.max_interruptions
-                    self._events.publish("task.finished", task_id=e.task_id, worker_id=None, state=e.state.value,
-                                         error=UNWRITTEN_INTERRUPTION.to_json(), type=e.type)
-                else:
-                    self._wake(1)
+        self._report_expired(expired, "left by an earlier process of this node", interrupted)
         if missed := interrupted - {e.attempt_id for e in expired}:
             log.warning("%d attempts the last shutdown interrupted were ended meanwhile by other nodes, their "
                         "leases having run out during the outage: each used an attempt", len(missed))
@@ -146,15 +136,24 @@ class Reconciler:
                 failed += 1
         return failed
 
-    def _report_expired(self, expired: list[Expired], why: str) -> None:
+    def _report_expired(self, expired: list[Expired], why: str, interrupted: frozenset[str] = frozenset()) -> None:
+        """Say how each lease ended: expired, or (named in `interrupted`) an earlier shutdown's interruption
+        written only now, which is no expiry and says so."""
         for e in expired:
-            log.warning("task %s attempt %s lease expired (%s) -> %s", e.task_id, e.attempt_id, why, e.state.value)
-            self._events.publish("task.expired", task_id=e.task_id, worker_id=None, attempt_id=e.attempt_id,
-                                 state=e.state.value, type=e.type)
-            if e.state in (State.PENDING, State.RETRY_WAIT):
-                self._wake(1)
-            elif e.state.terminal:  # a cancelled one ends as the cancel asked (its attempt expired all the same)
+            if e.attempt_id in interrupted:
+                log.info("task %s attempt %s interrupted by the earlier process's shutdown (written now) -> %s",
+                         e.task_id, e.attempt_id, e.state.value)
+                error = UNWRITTEN_INTERRUPTION.to_json()  # if terminal: past retry.max_interruptions
+            else:
+                log.warning("task %s attempt %s lease expired (%s) -> %s", e.task_id, e.attempt_id, why,
+                            e.state.value)
+                self._events.publish("task.expired", task_id=e.task_id, worker_id=None, attempt_id=e.attempt_id,
+                                     state=e.state.value, type=e.type)
+                # a cancelled one ends as the cancel asked (its attempt expired all the same)
                 error = CANCELLED_ON_REQUEST.to_json() if e.state is State.CANCELLED else {
                     "code": "lease_expired", "message": why}
+            if e.state in (State.PENDING, State.RETRY_WAIT):
+                self._wake(1)
+            elif e.state.terminal:
                 self._events.publish("task.finished", task_id=e.task_id, worker_id=None, state=e.state.value,
                                      error=error, type=e.type)

@@ -83,30 +83,21 @@ def test_a_second_daemon_reaching_the_database_through_a_hard_link_exits_2(
 
 
 @pytest.mark.e2e
-def test_a_file_of_another_application_is_refused_and_left_as_it_was(make_daemon: Callable[..., Daemon],
-                                                                        tmp_path: Path) -> None:
-    foreign = tmp_path / "crm.db"
+@pytest.mark.parametrize(("statements", "said"), [
+    (["CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)", "INSERT INTO customers (name) VALUES ('acme')"],
+     "it holds tables customers"),
+    (["PRAGMA user_version = 7"], "it has schema version 7 and no tasks table"),
+], ids=["another-applications-tables", "a-schema-version-but-no-tasks-table"])
+def test_a_file_of_another_application_is_refused_and_left_as_it_was(
+        make_daemon: Callable[..., Daemon], tmp_path: Path, statements: list[str], said: str) -> None:
+    foreign = tmp_path / "foreign.db"
     with contextlib.closing(sqlite3.connect(foreign)) as conn:
-        conn.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)")
-        conn.execute("INSERT INTO customers (name) VALUES ('acme')")
+        for statement in statements:
+            conn.execute(statement)
         conn.commit()
     before = foreign.read_bytes()
     result = _run(make_daemon({"store": {"url": f"sqlite:///{foreign}"}}))
     assert result.returncode == 2, result.stderr
-    assert "is not a tidepool database (it holds tables customers)" in result.stderr
+    assert f"is not a tidepool database ({said})" in result.stderr
     assert foreign.read_bytes() == before
-    assert not foreign.with_name("crm.db-wal").exists()
-
-
-@pytest.mark.e2e
-def test_a_file_with_a_schema_version_but_no_tasks_table_is_refused_and_left_as_it_was(
-        make_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
-    foreign = tmp_path / "other.db"
-    with contextlib.closing(sqlite3.connect(foreign)) as conn:
-        conn.execute("PRAGMA user_version = 7")
-    before = foreign.read_bytes()
-    result = _run(make_daemon({"store": {"url": f"sqlite:///{foreign}"}}))
-    assert result.returncode == 2, result.stderr
-    assert "is not a tidepool database (it has schema version 7 and no tasks table)" in result.stderr
-    assert foreign.read_bytes() == before
-    assert not foreign.with_name("other.db-wal").exists()
+    assert not foreign.with_name("foreign.db-wal").exists()

@@ -588,7 +588,9 @@ class PostgresStore:
             pool.terminate()  # a no-op after a clean close; ends connections stuck past the timeout
 
     def write_failure(self) -> str | None:
-        return None  # a server that cannot write says so to every statement, the probe's included
+        # Not tracked: a failing write raises to its caller, and the probe's read fails with an unreachable
+        # server. A server that reads but refuses writes (a standby after failover) is not told apart.
+        return None
 
     async def _migrate(self, conn: Conn, migrate: bool) -> int:
         """Bring the schema to SCHEMA_VERSION (when `migrate`); return the version it had."""
