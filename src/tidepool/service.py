@@ -405,7 +405,7 @@ class Daemon:
     async def _store_answers(self) -> dict[State, int]:
         """The queue by state, as the probes ask it (/readyz, tidepool_store_up): a store whose writes fail
         does not answer, though it may still read (a full disk, a file made read-only, a corrupt one)."""
-        failure = self.store.write_failure()
+        failure = await self.store.write_failure()
         if failure is not None:
             raise StoreUnavailable(failure)
         return await self.store.counts()

@@ -13,6 +13,7 @@ import json
 from collections import Counter
 from collections.abc import AsyncIterator
 from fnmatch import fnmatchcase
+from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 import asyncpg
@@ -434,3 +435,35 @@ async def test_a_resent_ending_is_not_credited_with_an_end_someone_else_wrote(po
         assert await store.finish_cancels(now=T0 + 100, deadline_s=10) == [Ended(c.task.id, "noop")]  # the reconciler
         (answer,) = await store.finish_many([Ending(c.lease, SUCCEEDED, T0 + 2, resent=True)], policy=POLICY)
         assert isinstance(answer, LeaseLost), "the worker's own end was never written: it must not report one"
+
+
+async def test_a_server_that_takes_no_writes_is_said_by_write_failure(postgres_schema: tuple[str, str]) -> None:
+    """A failover can leave a node's URL on a standby: every read answers, every write is refused. The
+    readiness probe asks write_failure(), which must tell; a write says why. (A role whose transactions
+    are read-only stands in for the standby: the server answers the same way to both.)"""
+    url, schema = postgres_schema
+    role = "ro_" + schema
+    async with nodes(url, schema, 1) as (primary,):
+        assert await primary.write_failure() is None
+        await admin_fetch(url, f'CREATE ROLE "{role}" LOGIN')
+        try:
+            for grant in (f'ALTER ROLE "{role}" SET default_transaction_read_only = on',
+                          f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"',
+                          f'GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{schema}" TO "{role}"'):
+                await admin_fetch(url, grant)
+            parts = urlsplit(url)
+            as_role = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port or 5432}"))
+            standby = PostgresStore(as_role, schema=schema)
+            await standby.open(migrate=False)
+            try:
+                failure = await standby.write_failure()
+                assert failure is not None and "read-only" in failure and "refused" in failure
+                assert await standby.counts() == {}, "reads still answer"
+                with pytest.raises(StoreUnavailable, match="read-only"):
+                    await standby.add(NewTask("noop"), now=T0)
+            finally:
+                await standby.close()
+            assert await primary.write_failure() is None
+        finally:
+            await admin_fetch(url, f'DROP OWNED BY "{role}"')
+            await admin_fetch(url, f'DROP ROLE "{role}"')

@@ -30,16 +30,16 @@ async def test_a_full_disk_fails_writes_naming_the_file_and_is_said_a_while_afte
         big = [NewTask("noop", {"blob": "x" * 4000}) for _ in range(50)]
         with pytest.raises(StoreUnavailable, match=rf"{tmp_path}.*full"):
             await store.add_many(big, now=time.time())
-        failure = store.write_failure()
+        failure = await store.write_failure()
         assert failure is not None and "full" in failure
         assert (await store.counts())  # reads still answer: the probes must not take that for health
         (task,) = (await store.list_tasks()).tasks
         await store.request_cancel(task.id, now=time.time())  # an update in place still commits on a full disk
-        assert store.write_failure() is not None, "an update in place proves nothing of an insert"
+        assert await store.write_failure() is not None, "an update in place proves nothing of an insert"
         await store._write(lambda conn, batch: conn.execute(f"PRAGMA max_page_count = {pages * 100}"))
         await store.add_many(big, now=time.time())
         await anyio.sleep(0.6)
-        assert store.write_failure() is None
+        assert await store.write_failure() is None
     finally:
         await store.close()
 
@@ -62,7 +62,7 @@ async def test_a_corrupt_file_stops_writes_for_good_and_says_what_to_do(tmp_path
     try:
         with pytest.raises(StoreUnavailable, match="malformed"):
             await store.list_tasks(limit=1000)
-        failure = store.write_failure()
+        failure = await store.write_failure()
         assert failure is not None and "corrupt" in failure and "integrity_check" in failure
         with pytest.raises(StoreUnavailable, match="corrupt"):
             await store.add(NewTask("noop"), now=time.time())

@@ -143,9 +143,10 @@ class Store(Protocol):
         """Connect; with `migrate`, bring the schema up to this version's. Returns the schema version the store
         had (0: none yet). SchemaMismatch when it is newer, or older and `migrate` is false."""
     async def close(self) -> None: ...
-    def write_failure(self) -> str | None:
+    async def write_failure(self) -> str | None:
         """Why writes fail now though reads may still answer (SQLite: its last write transaction failed, or
-        its file is corrupt or gone), else None."""
+        its file is corrupt or gone; PostgreSQL: the server takes no writes, as a standby after a failover
+        does), else None. StoreUnavailable when the store does not answer at all."""
 
     # producers
     async def add(self, new: NewTask, *, now: float, max_queued: int | None = None) -> tuple[Task, bool]:

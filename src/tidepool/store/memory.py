@@ -78,7 +78,7 @@ class MemoryStore:
     async def close(self) -> None:
         pass
 
-    def write_failure(self) -> str | None:
+    async def write_failure(self) -> str | None:
         return None
 
     # producers

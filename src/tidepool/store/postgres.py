@@ -587,9 +587,14 @@ class PostgresStore:
                 await pool.close()
             pool.terminate()  # a no-op after a clean close; ends connections stuck past the timeout
 
-    def write_failure(self) -> str | None:
-        # Not tracked: a failing write raises to its caller, and the probe's read fails with an unreachable
-        # server. A server that reads but refuses writes (a standby after failover) is not told apart.
+    async def write_failure(self) -> str | None:
+        """Asked of the server: a failover that left the URL on a standby, or a database set read-only,
+        answers every read and refuses every write. A server that does not answer raises, as any read."""
+        async with self._conn() as conn:
+            row = await conn.fetchrow("SELECT pg_is_in_recovery(), current_setting('transaction_read_only')")
+        if row[0] or row[1] == "on":
+            why = "is a standby in recovery" if row[0] else "runs its transactions read-only"
+            return f"store {self._where}: the server {why}, so every write is refused"
         return None
 
     async def _migrate(self, conn: Conn, migrate: bool) -> int:

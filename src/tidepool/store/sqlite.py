@@ -304,7 +304,7 @@ class SqliteStore:
                 stat = os.stat(wal)
                 self._wal_inode = (stat.st_dev, stat.st_ino)
 
-    def write_failure(self) -> str | None:
+    async def write_failure(self) -> str | None:
         """Why writes fail (the file is corrupt or gone, or a write transaction failed in the last
         WRITE_FAILURE_HOLD_S), else None. A write that gets through does not clear it: on a full disk a
         heartbeat's update in place commits while every insert fails."""
