@@ -24,7 +24,7 @@ from rich.text import Text
 from . import settings as settings_mod
 from .client import ApiError, Client, InvalidAddress, Unreachable
 from .errors import ConfigError, SchemaMismatch, StoreUnavailable
-from .settings import Settings, api_address
+from .settings import Settings, api_address, read_token
 
 OK, TASK_FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
 
@@ -220,7 +220,7 @@ def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
 def _with_client(args: argparse.Namespace, settings: Settings,
                  body: Callable[[Client], Awaitable[int]]) -> int:
     url = args.url or _url(settings.api.listen)
-    token = Path(settings.api.token_file).read_text().strip() if settings.api.token_file else None
+    token = read_token(settings.api.token_file)
 
     async def go() -> int:
         async with Client(url, token=token) as client:
@@ -260,7 +260,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     except (OSError, ValueError) as exc:
         print(f"tidepool: --payload: {exc}", file=sys.stderr)
         return USAGE
-    tags = [t for t in (args.tags or "").split(",") if t]
+    tags = [t.strip() for t in (args.tags or "").split(",") if t.strip()]
 
     async def body(client: Client) -> int:
         task = await client.submit(args.type, payload, priority=args.priority, max_attempts=args.max_attempts,
@@ -280,6 +280,11 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
 
 
 _ERR = Console(stderr=True)
+
+
+def _stdout() -> Console:
+    """Tables fit a terminal's width; piped into grep or a file, no column is cut at rich's default 80."""
+    return Console(width=None if sys.stdout.isatty() else 10_000)
 _STYLE = {"completed": "green", "failed": "red", "timed_out": "red", "cancelled": "yellow", "running": "cyan"}
 _VISIBLE = {c: f"\\u{c:04x}" for c in (*range(0x20), *range(0x7f, 0xa0))}  # C0, DEL and C1
 
@@ -336,7 +341,7 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
         if args.json:
             print(json.dumps(task, indent=2))  # ensure_ascii: every control character leaves as \u00XX
             return OK
-        console = Console()
+        console = _stdout()
         facts = Table.grid(padding=(0, 2))
         for key in ("id", "type", "state", "phase", "progress", "attempt", "max_attempts", "priority", "node_id",
                     "error", "payload", "created_at", "finished_at"):
@@ -400,7 +405,7 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
             table.add_row(_text(t["id"]), _text(t["type"]), _text(t["state"], _STYLE.get(t["state"], "")),
                           *map(_text, (t["phase"] or "", _percent(t["progress"]), f"{t['attempt']}/{t['max_attempts']}",
                                        t["node_id"] or "", _when(t["created_at"]))))
-        Console().print(table)
+        _stdout().print(table)
         return OK
 
     return _with_client(args, settings, body)
@@ -470,7 +475,7 @@ def cmd_nodes(args: argparse.Namespace, settings: Settings) -> int:
                           *map(_text, (n["hostname"], str(n["pid"]), n["version"], _when(n["started_at"]),
                                        _when(n["heartbeat_at"]), ",".join(n["task_types"]), tags,
                                        str(n["max_workers"]))))
-        Console().print(table)
+        _stdout().print(table)
         return OK
 
     return _with_client(args, settings, body)
@@ -488,7 +493,7 @@ def cmd_schedules(args: argparse.Namespace, settings: Settings) -> int:
             next_run = "paused" if s["paused"] else _when(s["next_run_at"])
             last = f"{s['last_task_id'] or '-'} {s['last_task_state'] or ''}".strip()
             table.add_row(*map(_text, (s["name"], s["type"], when, next_run, _when(s["last_run_at"]), last)))
-        Console().print(table)
+        _stdout().print(table)
         return OK
 
     return _with_client(args, settings, body)

@@ -28,6 +28,9 @@ class Unreachable(Exception):
     """No daemon answered at the address."""
 
 
+_NOT_JSON = object()
+
+
 class InvalidAddress(ValueError):
     """The address is neither http(s)://host[:port] nor unix:/path."""
 
@@ -64,12 +67,25 @@ class Client:
     async def request(self, method: str, path: str, body: Any = None) -> Any:
         try:
             async with self._session.request(method, self._base + path, json=body) as response:
-                data = await response.json(content_type=None)
+                return self._answer(response, await response.read())
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
             raise Unreachable(f"no tidepool daemon answered at {self.url}: {exc}") from None
-        if response.status >= 400:
-            err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
-            raise ApiError(response.status, err.get("code", "error"), err.get("message", str(data)))
+
+    def _answer(self, response: aiohttp.ClientResponse, body: bytes) -> Any:
+        """The JSON the daemon answered, or its error as ApiError. What is not a tidepool daemon's answer (a
+        proxy's 502 page while the daemon behind it is down, another service on the port) is Unreachable:
+        no daemon answered, and a caller must not take it for a refusal of the request."""
+        try:
+            data = json.loads(body) if body else None
+        except ValueError:
+            data = _NOT_JSON
+        error = data.get("error") if isinstance(data, dict) else None
+        if response.status >= 400 and isinstance(error, dict):
+            raise ApiError(response.status, str(error.get("code", "error")), str(error.get("message", "")))
+        if response.status >= 400 or data is _NOT_JSON:
+            raise Unreachable(f"no tidepool daemon answered at {self.url}: it answered {response.status} "
+                              f"{response.reason or ''}".rstrip() + ", not as tidepool does (a proxy whose daemon "
+                              "is down, or another service)")
         return data
 
     async def submit(self, type: str, payload: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
@@ -115,10 +131,10 @@ class Client:
         try:
             async with self._session.get(f"{self._base}/v1/events?{query}", headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=None, sock_read=60)) as response:
-                if response.status >= 400:
-                    body = await response.json(content_type=None)
-                    err = body.get("error", {}) if isinstance(body, dict) else {}
-                    raise ApiError(response.status, err.get("code", "error"), err.get("message", ""))
+                if response.status >= 400 or response.content_type != "text/event-stream":
+                    self._answer(response, await response.read())
+                    raise Unreachable(f"no tidepool daemon answered at {self.url}: GET /v1/events answered "
+                                      f"{response.content_type}, not an event stream")
                 name, data = "message", []
                 async for raw in response.content:
                     line = raw.decode().rstrip("\r\n")

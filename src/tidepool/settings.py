@@ -8,9 +8,9 @@ import socket
 import tomllib
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -113,6 +113,20 @@ def api_address(listen: str) -> tuple[str, int] | str:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def read_token(token_file: str) -> str | None:
+    """The API's bearer token from api.token_file (None when none is configured), for the daemon and
+    the CLI alike: a file that cannot be read, or holds no token, is a config error naming the key."""
+    if not token_file:
+        return None
+    try:
+        token = Path(token_file).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"config: api.token_file: cannot read {token_file}: {exc.strerror or exc}") from None
+    if not token:
+        raise ConfigError(f"config: api.token_file: {token_file} is empty")
+    return token
+
+
 class ApiSettings(Section):
     listen: str = "127.0.0.1:8470"
     token_file: str = ""
@@ -193,16 +207,28 @@ def _decoded(name: str, table: Any) -> Any:
     return table
 
 
+def _check_tag(tag: str) -> str:
+    """A resource tag as configs, submits and the CLI's comma-separated --tags all write it: " gpu" from
+    "win10, gpu" would be a tag no resource has, and a task asking for it would fail unserviceable."""
+    if not tag or tag != tag.strip() or "," in tag or not tag.isprintable() or len(tag) > 200:
+        raise ValueError(f"{tag!r} is not a tag: 1 to 200 printable characters, no comma, "
+                         "no space at either end")
+    return tag
+
+
+Tag = Annotated[str, AfterValidator(_check_tag)]
+
+
 class TypeSettings(Section):
     plugins: tuple[str, ...]
     timeout_s: float | None = Field(None, gt=0)
     max_attempts: int | None = Field(None, ge=1)
     retry_on_timeout: bool = False
-    required_tags: tuple[str, ...] = ()
+    required_tags: tuple[Tag, ...] = ()
 
 
 class ResourceSettings(Section):
-    tags: tuple[str, ...] = ()
+    tags: tuple[Tag, ...] = ()
     count: int = Field(1, ge=1)
     plugin: str | None = None
 

@@ -73,9 +73,10 @@ def test_show_prints_a_finished_task_as_a_person_reads_it(daemon: Daemon, cli: C
 
 @pytest.mark.e2e
 def test_list_and_schedules_print_whole_rows_with_times_to_the_second(daemon: Daemon, cli: Cli) -> None:
+    """Piped (into grep, a file), as here: no column is cut, whatever width a terminal would have."""
     task_id = cli("submit", "noop", "--wait", "--url", daemon.url).stdout.split()[0]
     daemon.post("/v1/schedules", {"name": "hourly", "type": "noop", "every_s": 3600})
-    wide = {"COLUMNS": "120"}
+    wide = {"COLUMNS": "60"}
     row = next(line for line in cli("list", "--url", daemon.url, env=wide).stdout.splitlines() if task_id in line)
     created = daemon.task(task_id)["created_at"]  # RFC 3339 with microseconds in the JSON
     assert row.split() == [task_id, "noop", "completed", "1/3", daemon.task(task_id)["node_id"],
@@ -193,6 +194,55 @@ def test_a_daemon_whose_store_is_down_is_unreachable_exit_3(cli: Cli) -> None:
             server.shutdown()
     assert result.returncode == UNREACHABLE, result.stderr
     assert "store unavailable" in result.stderr
+
+
+class NotTidepool(http.server.BaseHTTPRequestHandler):
+    """What may answer at a daemon's address when no daemon does: a proxy whose daemon is down, or
+    another service on the port."""
+
+    answers = {"/proxy": (502, "text/html", b"<html><body><h1>502 Bad Gateway</h1></body></html>"),
+               "/empty": (404, "text/plain", b""), "/other": (200, "text/html", b"<html>a directory</html>")}
+
+    def do_GET(self) -> None:
+        self.do_POST()
+
+    def do_POST(self) -> None:
+        status, content_type, body = self.answers[self.path.split("/v1")[0]]
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kind", ["proxy", "empty", "other"])
+def test_an_address_where_something_else_answers_is_unreachable_exit_3_in_one_line(cli: Cli, kind: str) -> None:
+    """Exit 1 would say the task failed: a script must not take a proxy's error page for that."""
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotTidepool) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/{kind}"
+        try:
+            results = [cli(*args, "--url", url) for args in (["pool"], ["submit", "noop", "--wait"], ["list"])]
+        finally:
+            server.shutdown()
+    for result in results:
+        assert result.returncode == UNREACHABLE, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and url in lines[0] and "not as tidepool does" in lines[0], result.stderr
+
+
+@pytest.mark.e2e
+def test_a_token_file_the_cli_cannot_read_is_a_config_error_naming_the_key(tmp_path: Path, cli: Cli) -> None:
+    config = tmp_path / "client.toml"
+    config.write_text(to_toml({"api": {"listen": f"127.0.0.1:{free_port()}", "token_file": str(tmp_path / "none")}}))
+    result = cli("pool", "--config", str(config))
+    assert result.returncode == USAGE, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "api.token_file" in lines[0] and str(tmp_path / "none") in lines[0], result.stderr
 
 
 @pytest.mark.e2e

@@ -28,7 +28,7 @@ from ..errors import (
 )
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..model import State
-from ..settings import api_address
+from ..settings import api_address, read_token
 from . import openapi, stream
 from .browsers import browser_guard, no_framing
 from .guard import KEEPALIVE_TIMEOUT_S, ConnectionGuard, GuardedSite
@@ -333,14 +333,7 @@ def build_app(daemon: Daemon, fanout: stream.Fanout, *, token: str | None = None
 
 def load_token(token_file: str, listen: str) -> str | None:
     """The bearer token, if configured; refuses an off-loopback address without one."""
-    token = None
-    if token_file:
-        try:
-            token = Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"config: api.token_file: cannot read {token_file}: {exc}") from None
-        if not token:
-            raise ConfigError(f"config: api.token_file: {token_file} is empty")
+    token = read_token(token_file)
     if token is None and not _is_local(listen):
         raise ConfigError(f"config: api.token_file is required when api.listen ({listen}) is not loopback")
     return token

@@ -10,6 +10,7 @@ from pydantic_core import PydanticCustomError
 
 from ..model import Attempt, AttemptStatus, NewTask, ResultBatch, Task, rfc3339
 from ..schedules import Schedule
+from ..settings import Tag
 
 MAX_LIST_LIMIT = 1000
 # The instants the task JSON can show: model.rfc3339 writes years below 1000 with fewer than four digits, and
@@ -28,7 +29,7 @@ class SubmitTask(BaseModel):
     priority: int = Field(0, ge=-1_000_000, le=1_000_000)
     max_attempts: int | None = Field(None, ge=1, le=1000)
     timeout_s: float | None = Field(None, gt=0, le=7 * 86400)
-    required_tags: list[str] = Field(default_factory=list, max_length=64)
+    required_tags: list[Tag] = Field(default_factory=list, max_length=64)
     idempotency_key: str | None = Field(None, min_length=1, max_length=512, pattern=r"^[^\x00]*$")  # no NUL
     available_at: datetime | None = None
 
