@@ -170,6 +170,8 @@ def test_bad_requests_are_refused_naming_the_field_and_change_nothing(make_daemo
     refused(400, "invalid_request", "type", body={"type": "no-such-type"})
     refused(400, "invalid_request", "type", body={"payload": {}})
     refused(400, "invalid_request", "required_tags", body={"type": "noop", "required_tags": ["gpu"]})
+    refused(400, "invalid_request", "required_tags.0", body={"type": "noop", "required_tags": [" gpu"]})
+    refused(400, "invalid_request", "required_tags.0", body={"type": "noop", "required_tags": [""]})
     refused(400, "invalid_request", "body", body=[{"type": "noop"}])
     refused(413, "body_too_large", "1 KiB", body={"type": "noop", "payload": {"blob": "x" * 4096}})
     refused(415, None, "application/json", data=b'{"type": "noop"}', content_type="text/plain")

@@ -210,6 +210,18 @@ async def test_same_key_and_body_returns_the_existing_task(store: Store) -> None
     assert len((await store.list_tasks()).tasks) == 1
 
 
+async def test_same_key_with_another_start_time_is_a_conflict_the_same_one_the_task(store: Store) -> None:
+    """available_at is part of the body: a client that reschedules under its key must not be told 200
+    while its new time is dropped."""
+    later = NewTask("scan", {"target": "a"}, idempotency_key="k", available_at=T0 + 3600)
+    first, _ = await store.add(later, now=T0)
+    assert (await store.add(later, now=T0 + 1))[0].id == first.id
+    for other in (T0 + 7200, None):
+        with pytest.raises(Conflict):
+            await store.add(dataclasses.replace(later, available_at=other), now=T0 + 1)
+    assert (await store.get(first.id)).available_at == T0 + 3600
+
+
 async def test_same_key_with_another_body_is_a_conflict_and_changes_nothing(store: Store) -> None:
     first = await add(store, type="scan", payload={"target": "a"}, idempotency_key="k")
     async with changes_nothing(store, first.id):

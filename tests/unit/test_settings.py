@@ -86,6 +86,9 @@ def test_env_beats_file_beats_default(tmp_path: Path, monkeypatch: pytest.Monkey
     ("[[schedules]]\nname = 'n'\ntype = 'noop'\ncron = 'every day'\n", "schedules.n.cron"),
     ("[[schedules]]\nname = 'n'\ntype = 'noop'\nevery_s = 60\npayload = { at = 2026-01-01 }\n", "schedules.n.payload"),
     ("[[schedules]]\nname = 'n'\ntype = 'nope'\nevery_s = 60\n", "schedules.n.type"),
+    ("[resources.vm]\ntags = ['win10', ' gpu']\n", "resources.vm.tags"),  # " gpu" is not "gpu"
+    ("[resources.vm]\ntags = ['a,b']\n", "resources.vm.tags"),  # --tags a,b asks for two
+    ("[types.t]\nplugins = ['noop']\nrequired_tags = ['']\n", "types.t.required_tags"),
 ])
 def test_bad_config_names_the_key(tmp_path: Path, text: str, named: str | None) -> None:
     path = write(tmp_path, text)
