@@ -343,7 +343,7 @@ class Daemon:
         return answer.state
 
     async def retry(self, task_id: str) -> Task:
-        task = await self.store.retry(task_id, now=time.time())
+        task = await self.store.retry(task_id, now=time.time(), max_queued=self.settings.pool.max_queued)
         self.events.publish("task.created", task_id=task_id, worker_id=None, type=task.type, retry=True)
         self.pool.wake(1)
         log.info("task %s retried by request -> %s", task_id, task.state.value)

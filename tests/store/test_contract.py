@@ -773,6 +773,16 @@ async def test_retry_of_an_unended_or_completed_task_is_a_conflict(store: Store,
             await store.retry(task.id, now=T0 + 100)
 
 
+async def test_retry_into_a_full_queue_raises_queue_full_and_changes_nothing(store: Store) -> None:
+    """A retry queues a task as a submit does: past pool.max_queued it is refused the same way."""
+    ended = await task_in(store, State.FAILED)
+    await add(store)
+    async with changes_nothing(store, ended.id):
+        with pytest.raises(QueueFull):
+            await store.retry(ended.id, now=T0 + 100, max_queued=1)
+    assert (await store.retry(ended.id, now=T0 + 100, max_queued=2)).state is State.PENDING
+
+
 # prune, phases
 
 

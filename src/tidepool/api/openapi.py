@@ -97,7 +97,7 @@ def document(*, task_types: Sequence[str] = ()) -> dict[str, Any]:
         "/v1/tasks/{id}/cancel": {"post": _op("cancel a task", {"202": StateOut}, errors=("404", "409", "503"),
                                               params=[TASK_ID])},
         "/v1/tasks/{id}/retry": {"post": _op("retry a finished task", {"202": RetryOut},
-                                             errors=("404", "409", "503"), params=[TASK_ID])},
+                                             errors=("404", "409", "429", "503"), params=[TASK_ID])},
         "/v1/pool": {
             "get": _op("pool and queue figures", {"200": PoolOut}, errors=("503",)),
             "patch": _op("change pool sizes live", {"200": PoolOut}, body=PoolPatch,

@@ -166,8 +166,9 @@ class Store(Protocol):
     async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
         """pending/retry_wait -> cancelled, leased/running -> cancelling; cancelling and cancelled stay
         (a no-op, rule 8); any other terminal state -> Conflict."""
-    async def retry(self, task_id: str, *, now: float) -> Task:
-        """failed/timed_out/cancelled -> pending with max_attempts more attempts; else Conflict."""
+    async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
+        """failed/timed_out/cancelled -> pending with max_attempts more attempts; else Conflict. QueueFull
+        when the queue holds max_queued tasks already: a retry queues a task as a submit does."""
 
     # workers
     async def claim(self, worker: Worker, where: ClaimFilter, *, limit: int, now: float,

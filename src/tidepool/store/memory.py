@@ -133,9 +133,10 @@ class MemoryStore:
             row.cancel_requested_at = now
         return CancelAnswer(state, True, row.task.type)
 
-    async def retry(self, task_id: str, *, now: float) -> Task:
+    async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
         row = self._row(task_id)
         state = retry_step(row.task.state)
+        self._check_room(1, max_queued)
         # A new budget: attempt counts from zero again; attempts[].number keeps counting every row.
         row.update(state=state, attempt=0, interruptions=0, available_at=now, updated_at=now,
                    finished_at=None, error=None, progress=None)

@@ -730,9 +730,11 @@ class PostgresStore:
                                    "WHERE id = $3", target.value, now, task_id)
             return CancelAnswer(target, True, row["type"])
 
-    async def retry(self, task_id: str, *, now: float) -> Task:
+    async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
         async with self._conn() as conn, conn.transaction():
             target = retry_step(await _lock_state(conn, task_id))
+            if max_queued is not None:
+                await _check_room(conn, 1, max_queued)
             # A new budget: attempt counts from zero again; attempts[].number keeps counting every row.
             row = await conn.fetchrow(
                 "UPDATE tasks t SET state = $1, attempt = 0, interruptions = 0, available_at = $2, updated_at = $2, "

@@ -506,17 +506,17 @@ class SqliteStore:
         answer: CancelAnswer = await self._write(op)
         return answer
 
-    async def retry(self, task_id: str, *, now: float) -> Task:
+    async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
         def op(conn: sqlite3.Connection, batch: _Batch) -> Task:
             row = conn.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE id = ?", (task_id,)).fetchone()
             if row is None:
                 raise TaskNotFound(task_id)
             target = retry_step(State(row[4]))
+            _check_room(conn, batch, 1, max_queued)
             # A new budget: attempt counts from zero again; attempts[].number keeps counting every row.
             conn.execute("UPDATE tasks SET state = ?, attempt = 0, interruptions = 0, available_at = ?, "
                          "updated_at = ?, finished_at = NULL, error = NULL, progress = NULL WHERE id = ?",
                          (target, now, now, task_id))
-            batch.queued = None  # the queue grew: recount before the next max_queued check
             row = conn.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE id = ?", (task_id,)).fetchone()
             return _task(row, attempts=_attempts(conn, [task_id]).get(task_id, ()))
 
