@@ -88,7 +88,9 @@ class Daemon:
                              on_clear=lambda: self.pool.wake(self.pool.config.max_workers))
         self.engine = Engine(self.store, self.registry, self.leases, self.events, config=_engine_config(settings),
                              policy=retry_policy(settings.retry),
-                             work_root=settings.node.state_dir / "work" / _file_safe(self.node_id),
+                             # absolute: a command runs in its work directory, where a relative
+                             # {workdir} (state_dir = "./var", the example's) would not resolve
+                             work_root=settings.node.state_dir.absolute() / "work" / _file_safe(self.node_id),
                              resources=self.resources)
         self.pool = Pool(self.store, self.engine, self.leases, self.events, config=_pool_config(settings),
                          node_id=self.node_id, instance_id=self.instance_id, claim_filter=self._claim_filter,

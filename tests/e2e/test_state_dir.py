@@ -34,3 +34,21 @@ def test_work_directories_an_earlier_process_left_are_removed_at_start(make_daem
     assert not left.exists()
     assert other_node.exists(), "another node's running attempt keeps its directory"
     assert daemon.get("/readyz").status == 200
+
+
+@pytest.mark.e2e
+def test_a_relative_state_dir_gives_commands_a_workdir_they_can_use(make_daemon: Callable[..., Daemon]) -> None:
+    """The example config's state_dir is "./var": a command runs in its work directory, so a relative
+    {workdir} there would name a directory that does not exist (nmap -oX {workdir}/scan.xml failed)."""
+    daemon = make_daemon({
+        "node": {"state_dir": "var"},  # the daemon runs in daemon.root: the same directory as the tests'
+        "plugins.report": {"command": ["sh", "-c", 'echo "<scan/>" > "$0/scan.xml" && cat "$0/scan.xml"',
+                                       "{workdir}"]},
+        "types.report": {"plugins": ["report"]},
+    })
+    daemon.start()
+    task = daemon.submit("report")
+    daemon.wait_for("the task to end", lambda: daemon.task(task["id"])["state"] in ("completed", "failed"))
+    done = daemon.task(task["id"])
+    assert done["state"] == "completed", done["error"]
+    assert done["results"][0]["payload"] == {"text": "<scan/>\n"}
