@@ -178,6 +178,9 @@ class PluginsSettings(Section):
     deny: tuple[str, ...] = ()
     defs: dict[str, PluginSpec] = {}
 
+    def permits(self, plugin: str) -> bool:
+        return plugin_permitted(plugin, self.allow, self.deny)
+
     @model_validator(mode="before")
     @classmethod
     def _split_definitions(cls, data: Any) -> Any:
@@ -189,6 +192,11 @@ class PluginsSettings(Section):
                 defs[name] = _decoded(name, data.pop(name))
             data["defs"] = defs
         return data
+
+
+def plugin_permitted(plugin: str, allow: tuple[str, ...], deny: tuple[str, ...]) -> bool:
+    """Whether plugins.allow and plugins.deny (names or globs) let `plugin` run."""
+    return any(fnmatchcase(plugin, g) for g in allow) and not any(fnmatchcase(plugin, g) for g in deny)
 
 
 def _decoded(name: str, table: Any) -> Any:
@@ -312,7 +320,11 @@ class Settings(BaseSettings):
 
     @property
     def all_types(self) -> dict[str, TypeSettings]:
-        return {**BUILTIN_TYPES, **self.types}
+        """The config's types, and the built-in ones it does not redefine whose plugins plugins.allow and
+        plugins.deny let run: an allow-list of the node's own plugins leaves the built-in types out rather
+        than being refused for them."""
+        builtin = {name: t for name, t in BUILTIN_TYPES.items() if all(map(self.plugins.permits, t.plugins))}
+        return {**builtin, **self.types}
 
     def claimed_types(self) -> list[str]:
         """The task types this node claims: those it defines that pool.task_types accepts. A type this

@@ -20,11 +20,10 @@ import importlib
 import importlib.metadata
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 
 from ..context import TaskContext
 from ..errors import ConfigError, PluginError
-from ..settings import PluginSpec, PluginsSettings, TypeSettings
+from ..settings import PluginSpec, PluginsSettings, TypeSettings, plugin_permitted
 
 Plugin = Callable[[TaskContext], Awaitable[None]]
 ENTRY_POINT_GROUP = "tidepool.plugins"
@@ -87,8 +86,7 @@ class Registry:
 
     def allowed(self, plugin: str) -> bool:
         if plugin not in self._allowed:  # a registry lives as long as its config: cache the globs' verdict
-            self._allowed[plugin] = any(fnmatchcase(plugin, g) for g in self.allow) and \
-                not any(fnmatchcase(plugin, g) for g in self.deny)
+            self._allowed[plugin] = plugin_permitted(plugin, self.allow, self.deny)
         return self._allowed[plugin]
 
     def knows_type(self, type_name: str) -> bool:
