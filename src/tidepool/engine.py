@@ -143,8 +143,13 @@ class Engine:
             finally:
                 self._enter(ctx, held, worker_id, Phase.STOP)
                 if self._has_cleanup(ctx):
-                    with anyio.move_on_after(self.config.stop_timeout_s, shield=True):
+                    with anyio.move_on_after(self.config.stop_timeout_s, shield=True) as stopping:
                         await self._clean_up(ctx)
+                    if stopping.cancelled_caught:  # a VM left running or unreverted: the operator must know
+                        log.warning("task %s attempt %s: stop phase cut short after execution.stop_timeout_s "
+                                    "(%gs); %s", ctx.task.id, held.lease.attempt_id, self.config.stop_timeout_s,
+                                    f"resource {ctx.resource} released before its stop hook finished"
+                                    if ctx.resource is not None else "its work directory may be left behind")
         if outcome is None:
             outcome = self._cut_short(ctx, held)
         if outcome is None:

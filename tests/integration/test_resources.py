@@ -34,6 +34,7 @@ class Recorder:
     calls: ClassVar[list[str]] = []
     fail_start: ClassVar[bool] = False
     hang_start: ClassVar[bool] = False
+    hang_stop: ClassVar[bool] = False
 
     async def start(self, slot: Slot) -> None:
         self.calls.append(f"start {slot}")
@@ -44,12 +45,14 @@ class Recorder:
 
     async def stop(self, slot: Slot) -> None:
         self.calls.append(f"stop {slot}")
+        if self.hang_stop:
+            await anyio.sleep_forever()
 
 
 @pytest.fixture
 def recorder() -> type[Recorder]:
     Recorder.calls.clear()
-    Recorder.fail_start = Recorder.hang_start = False
+    Recorder.fail_start = Recorder.hang_start = Recorder.hang_stop = False
     return Recorder
 
 
@@ -219,6 +222,22 @@ async def test_a_freed_slot_is_claimed_once_not_by_every_idle_worker_at_the_same
         ids = [await node.submit("busy", required_tags=("win10",), max_attempts=1) for _ in range(4)]
         tasks = [await node.finished(task_id, timeout_s=10) for task_id in ids]
     assert [(t.state, t.error) for t in tasks] == [(State.COMPLETED, None)] * 4
+
+
+async def test_a_stop_hook_that_overruns_stop_timeout_is_said_with_the_task_and_its_slot_freed(
+        sqlite_store: SqliteStore, tmp_path: Path, recorder: type[Recorder], caplog: pytest.LogCaptureFixture) -> None:
+    """A VM left running or unreverted: the next task gets that slot, so the operator must hear of it."""
+    async def uses_vm(ctx: TaskContext) -> None:
+        pass
+
+    recorder.hang_stop = True
+    pool = slots(vm=ResourceSettings(tags=("win10",), count=1, plugin=f"{__name__}:Recorder"))
+    async with running_node(sqlite_store, {"scan": uses_vm}, resources=pool, work_root=tmp_path,
+                            engine_config=EngineConfig(stop_timeout_s=0.2)) as node:
+        task = await node.finished(await node.submit("scan", required_tags=("win10",)))
+    assert task.state is State.COMPLETED and pool.statistics().resources["vm"].in_use == 0
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "stop phase" in r.getMessage()]
+    assert len(said) == 1 and task.id in said[0] and "vm[0]" in said[0] and "stop_timeout_s" in said[0], said
 
 
 async def test_a_task_needing_no_tags_takes_no_slot(sqlite_store: SqliteStore, tmp_path: Path) -> None:
