@@ -42,7 +42,7 @@ from .reconciler import Reconciler, ReconcilerConfig
 from .resources import ResourcePool
 from .scheduler import Scheduler
 from .schedules import Schedule, validate
-from .settings import ScheduleSettings, Settings
+from .settings import Settings
 from .store import Node, Store, open_store
 from .systemd import Notifier, StatusReporter, run_watchdog
 
@@ -107,7 +107,6 @@ class Daemon:
         # Several nodes may share a state dir (one SQLite file, several node ids): each keeps its own.
         self._unwritten = UnwrittenInterruptions(
             settings.node.state_dir / f"unwritten-interruptions.{_file_safe(self.node_id)}.json")
-        self._synced_schedules: tuple[ScheduleSettings, ...] = ()
         self._drain_wait: anyio.CancelScope | None = None  # a second SIGINT cuts the current wait short
         self._filter: tuple[Settings, int, ClaimFilter] | None = None
 
@@ -475,8 +474,9 @@ class Daemon:
                             idle_timeout_s=new.pool.idle_timeout_s) and not any(k in changed for k in sizes):
             changed.append("pool sizes (back to the file's from PATCH /v1/pool)")
         self.settings = new
-        if new.schedules != self._synced_schedules:
-            await self._sync_schedules(new)
+        # Even when the file did not change: an API save or delete since may have taken a schedule from it,
+        # and a SIGHUP is how an operator puts the file's back (README).
+        await self._sync_schedules(new)
         self.metrics.reloaded(ok=True)
         log.info("reloaded %s: %s", where, ", ".join(changed) if changed else "nothing changed")
         if self.pending_restart:
@@ -488,7 +488,6 @@ class Daemon:
             await self.scheduler.sync_config(settings.schedules)
         except (InvalidRequest, StoreUnavailable) as exc:
             log.error("schedules from %s not saved: %s", self.config_path or "defaults", exc)
-        self._synced_schedules = settings.schedules
 
     def _may_claim(self) -> bool:
         """Not while a host guard holds, nor on a node whose pool.task_types accepts none of its types (one

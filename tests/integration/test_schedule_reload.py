@@ -49,3 +49,22 @@ async def test_a_schedule_taken_out_of_the_config_is_removed_but_not_one_the_api
     assert sorted(s.name for s in await daemon.store.list_schedules()) == ["by-api", "by-b"]
     listed = {s.name: s.to_json()["config_node"] for s in await daemon.store.list_schedules()}
     assert listed == {"by-api": None, "by-b": "b"}
+
+
+async def test_a_reload_of_an_unchanged_file_puts_back_its_schedules_the_api_changed_or_deleted(
+        tmp_path: Path) -> None:
+    """README: a schedule the config file defines is saved at every start and SIGHUP. An unchanged file
+    used to be skipped, so an API save kept the schedule from the file (config_node null: the file could
+    no longer remove it) and an API delete stuck until a restart."""
+    path = tmp_path / "tidepool.toml"
+    nightly = '\n[[schedules]]\nname = "nightly"\ntype = "noop"\ncron = "0 2 * * *"\n'
+    path.write_text('[node]\nid = "a"\n' + CONFIG + nightly)
+    daemon = Daemon(settings.load(path), config_path=path)
+    await daemon.store.open()
+    await daemon._sync_schedules(daemon.settings)
+    await daemon.save_schedule(Schedule(name="hourly", type="noop", every_s=60))  # over the file's
+    await daemon.store.delete_schedule("nightly")
+    await daemon.reload()
+    saved = {s.name: s for s in await daemon.store.list_schedules()}
+    assert set(saved) == {"hourly", "nightly"}
+    assert (saved["hourly"].every_s, saved["hourly"].config_node) == (3600, "a")
