@@ -29,6 +29,7 @@ from .model import CANCELLED_ON_REQUEST, AttemptStatus, Claimed, Outcome, Phase,
 from .outcomes import OutcomeWriter, Posted
 from .plugins import PluginDef, Registry, denied
 from .plugins.builtin import remove_workdir
+from .plugins.command import kill_leftover_runs
 from .resources import ResourcePool, Slot
 from .store import Store
 
@@ -83,8 +84,13 @@ class Engine:
                     self._leases.release(item[1])
 
     async def remove_leftover_workdirs(self) -> None:
-        """At start, before any attempt runs here: the work directories an earlier process left (it was
-        killed before its stop phases ran) belong to no attempt any more."""
+        """At start, before any attempt runs here: what an earlier process left (it was killed before its stop
+        phases ran) belongs to no attempt any more. First the commands it left running: nothing watches them
+        now, and beside their own retries they would use twice what exists once (a licence) and write into
+        the directories. Then the work directories."""
+        killed = await anyio.to_thread.run_sync(kill_leftover_runs, self._work_root)  # reads all of /proc
+        if killed:
+            log.warning("killed %d processes of commands left running by an earlier process", killed)
         if self.config.keep_workdirs or not self._work_root.is_dir():
             return
         leftover = [str(p) for p in self._work_root.iterdir()]

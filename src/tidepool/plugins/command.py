@@ -10,8 +10,15 @@ status means, retries and results belong to the caller.
 The tree is the child's process group, every descendant seen alive, and every process whose
 environment carries TIDEPOOL_RUN, a cookie unique to the run: a daemon that double-forks out of
 the group and is orphaned between two looks is found by it. A process that clears its environment
-can still escape. The rlimits are set by util-linux's prlimit program, which execs the command in
+can still escape. The cookie starts with a mark of the node's work root, so that when the daemon
+was SIGKILLed the next one finds the trees its commands left running, and kills them
+(kill_leftover_runs). The rlimits are set by util-linux's prlimit program, which execs the command in
 the same process, so they bind it and all it forks from its first instruction.
+
+Looking for new processes means reading the whole process table (/proc). That is done by one scan
+shared by every running command, at most once per poll interval and in a worker thread, and each
+process's environment is read once in its life: watching costs host processes, not commands x host
+processes, and the event loop never waits on the scan (it reads only each tree's own few processes).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -30,9 +38,10 @@ import secrets
 import shutil
 import signal
 import string
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,9 +60,12 @@ _GONE_POLL_S = 0.02  # how often a dying tree is looked at
 _CLEANUP_SLACK_S = 5.0  # cleanup may take kill_grace_s plus this, never longer
 _MAX_FREEZE_ROUNDS = 50
 _RUN_COOKIE = "TIDEPOOL_RUN"
-# psutil's create_time adds /proc/stat's btime, whole seconds rounded down, so it reads up to a second
-# early (not the clock tick's 10 ms); being generous costs one read of a few older processes' environment.
-_CREATE_TIME_SLACK_S = 1.5
+_COOKIE_ENTRY = f"{_RUN_COOKIE}=".encode()
+# Exec failures a retry would meet again: no such program, not allowed to run it, not a program, arguments
+# too long (E2BIG: one argument over 128 KiB). EAGAIN, ENOMEM, EMFILE and the like pass, and stay retryable.
+_SPAWN_FAILS_FOR_GOOD = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG, errno.EACCES,
+                                   errno.EPERM, errno.ENOEXEC, errno.E2BIG})
+_LITERAL_BRACES = "write {{ and }} for a literal { and }"
 _PRLIMIT_OPTIONS = {resource.RLIMIT_CPU: "--cpu", resource.RLIMIT_NOFILE: "--nofile"}
 _FORMATTER = string.Formatter()
 
@@ -76,11 +88,11 @@ def _parts(index: int, element: str) -> list[tuple[str, str | None]]:
     try:
         parts = list(_FORMATTER.parse(element))
     except ValueError as exc:
-        raise InvalidArgument(where, f"bad template {element!r}: {exc}") from None
+        raise InvalidArgument(where, f"bad template {element!r}: {exc}; {_LITERAL_BRACES}") from None
     for _, name, spec, conversion in parts:
         # Attribute/index lookups and format specs would let a payload reach into objects.
         if name is not None and (not name.isidentifier() or spec or conversion):
-            raise InvalidArgument(where, f"placeholder in {element!r} must be a plain {{name}}")
+            raise InvalidArgument(where, f"placeholder in {element!r} must be a plain {{name}}; {_LITERAL_BRACES}")
     return [(literal, name) for literal, name, _, _ in parts]
 
 
@@ -157,21 +169,24 @@ async def run_command(
     limits: CommandLimits,
     kill_grace_s: float,
     poll_interval_s: float = 0.2,
+    work_root: Path | None = None,
     on_end: Callable[[int | None, str], None] = lambda exit_status, stderr_tail: None,
 ) -> CommandResult:
     """Run argv in its own session; a non-zero exit is a result, a breached limit a LimitExceeded.
     `on_end` hears the exit status and stderr tail however the run ended: a timeout or a cancel arrives as
-    a cancellation, and a breach as an exception, and the operator wants both on the attempt all the same."""
+    a cancellation, and a breach as an exception, and the operator wants both on the attempt all the same.
+    `work_root` is the node's, whose mark the run's cookie carries (see kill_leftover_runs); by default the
+    workdir's parent, as the engine lays attempts out (work_root/attempt_id)."""
     capture = _Capture(stdout_cap=limits.max_output_kb * 1024)
     rlimits = _rlimits(limits)
     prlimit = _prlimit_program() if rlimits else None
-    cookie = secrets.token_hex(16)  # what marks this run's processes, wherever they went: see _Tree
-    started = time.time()
+    # What marks this run's processes, wherever they went (see _Tree), and whose run it is.
+    cookie = f"{_node_mark(work_root or workdir.parent)}.{secrets.token_hex(16)}"
     # Shielded so an anyio cancel cannot strike between fork and the cleanup below owning the tree.
     with anyio.CancelScope(shield=True):
         transport = await _spawn(argv, capture, env={**env, _RUN_COOKIE: cookie}, workdir=workdir,
                                  rlimits=rlimits, prlimit=prlimit)
-    tree = _Tree(transport.get_pid(), cookie=cookie, born_after=started - _CREATE_TIME_SLACK_S)
+    tree = _Tree(transport.get_pid(), cookie=cookie)
     breach: LimitExceeded | None = None
     try:
         if prlimit is None:  # the fallback: what the command forks before this keeps our limits
@@ -229,8 +244,14 @@ async def _spawn(
             start_new_session=True,  # own session and process group; never preexec_fn (threads exist)
         )
     except OSError as exc:
-        raise PluginError(f"cannot start {argv[0]!r}: {exc}", code="spawn_failed") from exc
+        raise _spawn_failed(argv[0], exc) from exc
     return transport
+
+
+def _spawn_failed(program: str, exc: OSError) -> PluginError:
+    # Retried, a missing program or a payload too long for exec only uses up the attempts, with backoff between.
+    return PluginError(f"cannot start {program!r}: {exc}", code="spawn_failed",
+                       retryable=exc.errno not in _SPAWN_FAILS_FOR_GOOD)
 
 
 def _rlimits(limits: CommandLimits) -> dict[int, tuple[int, int]]:
@@ -294,7 +315,8 @@ async def _supervise(
             return LimitExceeded("max_output_kb", f"stdout passed {limits.max_output_kb} KiB")
         if capture.exited:
             return None
-        rss = tree.refresh()
+        # A snapshot up to one interval old will do: whoever took it, it was taken for all (see _ProcessTable).
+        rss = tree.refresh(await _PROCESSES.taken_since(time.monotonic() - poll_interval_s))
         if memory_cap is not None and rss > memory_cap:
             return LimitExceeded("memory_mb", f"the process tree used {rss >> 20} MiB of {limits.memory_mb}")
         if limits.cpu_s is not None and tree.cpu_s >= limits.cpu_s:  # RLIMIT_CPU counts each process alone
@@ -365,29 +387,29 @@ class _Tree:
     anyone's descendant either; only having seen it earlier, or the cookie in its environment, lets us kill it.
     """
 
-    def __init__(self, pid: int, *, cookie: str, born_after: float) -> None:
+    def __init__(self, pid: int, *, cookie: str) -> None:
         self.pgid = pid  # start_new_session made the child the leader of its own group
         self.leader_cpu_s = 0.0
         self.cpu_s = 0.0  # the whole tree's, as last seen: see refresh()
         self._cpu_seen: dict[int, tuple[float, int | None]] = {}  # pid: (CPU with its reaped children, ppid)
         self._cpu_orphaned = 0.0  # CPU of processes gone with no ancestor of the tree left to account for it
-        self.known: dict[int, psutil.Process] = {}
+        self.known: dict[_Seen, psutil.Process] = {}
         self._cookie = cookie
-        self._born_after = born_after  # what was there before the command cannot be of it
-        self._foreign: set[tuple[int, float]] = set()  # (pid, create_time) read and found not ours
-        with contextlib.suppress(psutil.NoSuchProcess):  # a quick command may already be reaped
-            self.known[pid] = psutil.Process(pid)
+        with contextlib.suppress(OSError):  # a quick command may already be reaped
+            seen = (pid, _stat(pid)[1])
+            if (proc := _process(seen)) is not None:
+                self.known[seen] = proc
 
-    def refresh(self) -> int:
+    def refresh(self, snapshot: _Snapshot) -> int:
         """Look for new descendants and add up the tree's CPU time; return its RSS in bytes.
 
         A process's CPU counts with its children's once it has reaped them, so the sum over the live
         processes carries the dead ones along (through a parent that died too, into its own parent), except
         those with no live ancestor left to have reaped them: their last-seen time is kept."""
-        self._discover()
+        self._discover(snapshot)
         rss, seen = 0, {}
         for proc in self._alive():
-            with contextlib.suppress(psutil.Error):
+            with contextlib.suppress(psutil.Error), proc.oneshot():  # /proc/<pid>/stat read once for all three
                 rss += int(proc.memory_info().rss)
                 t = proc.cpu_times()
                 seen[proc.pid] = (t.user + t.system + t.children_user + t.children_system, proc.ppid())
@@ -409,27 +431,27 @@ class _Tree:
 
     async def kill(self, *, grace_s: float) -> None:
         """SIGTERM the tree, give it grace_s to exit, then SIGKILL it until nothing is left."""
-        self._discover()
+        self._discover(await _PROCESSES.taken_since(time.monotonic()))  # killing needs the table as it is now
         self._signal_all(signal.SIGTERM)
         with anyio.move_on_after(grace_s):
             # Descendants are not our children: no event tells us when they exit, so look.
             while self._alive():  # noqa: ASYNC110
                 await anyio.sleep(_GONE_POLL_S)
         while True:
-            self._freeze()
+            await self._freeze()
             alive = self._alive()
             self._signal_all(signal.SIGKILL)
             if not alive:
                 return
             await anyio.sleep(_GONE_POLL_S)
 
-    def _freeze(self) -> None:
+    async def _freeze(self) -> None:
         # A stopped process cannot fork, so stop all and look again until no new child turns up;
         # killing a parent first would orphan children we have not seen yet.
         for _ in range(_MAX_FREEZE_ROUNDS):
             for proc in self._alive():
                 _send(proc, signal.SIGSTOP)
-            if not self._discover():
+            if not self._discover(await _PROCESSES.taken_since(time.monotonic())):
                 return
 
     def _signal_all(self, sig: signal.Signals) -> None:
@@ -439,40 +461,168 @@ class _Tree:
         for proc in self._alive():  # the ones that left the group
             _send(proc, sig)
 
-    def _discover(self) -> bool:
-        """Add every process carrying the cookie and every live descendant of a known live process to `known`;
-        True if any was new."""
-        self.known = {proc.pid: proc for proc in self._alive()}  # the dead have no more to tell
+    def _discover(self, snapshot: _Snapshot) -> bool:
+        """Add every process carrying the cookie and every descendant of a known live process, as `snapshot`
+        saw them, to `known`; True if any was new."""
+        # The dead have no more to tell.
+        self.known = {seen: proc for seen, proc in self.known.items() if _running(proc)}
         count = len(self.known)
-        by_parent: defaultdict[int | None, list[psutil.Process]] = defaultdict(list)
-        live = set()
-        for proc in psutil.process_iter(["ppid", "create_time"]):  # one pass over /proc, orphans' children too
-            by_parent[proc.info["ppid"]].append(proc)
-            key = (proc.pid, proc.info["create_time"] or 0.0)
-            live.add(key)
-            if proc.pid not in self.known and self._carries_cookie(proc, key):
-                self.known[proc.pid] = proc
-        self._foreign &= live  # only the live need remembering: on a busy host the dead would pile up
-        queue = list(self.known)
-        while queue:
-            for child in by_parent[queue.pop()]:
-                if child.pid not in self.known:
-                    self.known[child.pid] = child
-                    queue.append(child.pid)
+        carriers = snapshot.carriers.get(self._cookie, [])
+        for seen in [*carriers, *snapshot.descendants([*self.known, *carriers])]:
+            if seen not in self.known and (proc := _process(seen)) is not None:
+                self.known[seen] = proc
         return len(self.known) > count
-
-    def _carries_cookie(self, proc: psutil.Process, key: tuple[int, float]) -> bool:
-        # Only a process born since the command started is read, and only once: each poll passes them all.
-        if key[1] < self._born_after or key in self._foreign:
-            return False
-        with contextlib.suppress(psutil.Error):  # AccessDenied: another user's; NoSuchProcess: gone
-            if proc.environ().get(_RUN_COOKIE) == self._cookie:
-                return True
-        self._foreign.add(key)
-        return False
 
     def _alive(self) -> list[psutil.Process]:
         return [proc for proc in self.known.values() if _running(proc)]
+
+
+def kill_leftover_runs(work_root: Path) -> int:
+    """SIGKILL every process the commands of an earlier daemon on `work_root` left running; return how many.
+
+    For the start of a daemon, before any command of its own runs: one that was SIGKILLed (no systemd to
+    empty its cgroup) leaves its commands' trees running, orphaned, and a task run again beside its old
+    self would use twice what exists once (a licence). Their cookies carry the work root's mark, wherever
+    they went. SIGKILL at once: no one is left whom a grace would serve. Blocking: run it in a worker thread.
+    """
+    mark = f"{_node_mark(work_root)}."
+    doomed: dict[_Seen, psutil.Process] = {}
+    for _ in range(_MAX_FREEZE_ROUNDS):
+        snapshot = _PROCESSES.scan_since(time.monotonic())
+        carriers = [seen for cookie, carrying in snapshot.carriers.items() if cookie.startswith(mark)
+                    for seen in carrying]
+        new = {}
+        for seen in [*carriers, *snapshot.descendants(carriers)]:
+            if seen not in doomed and (proc := _process(seen)) is not None and _running(proc):
+                new[seen] = proc
+        if not new:
+            break
+        for proc in new.values():  # stopped, they cannot fork: look again until no new one turns up
+            _send(proc, signal.SIGSTOP)
+        doomed.update(new)
+    for proc in doomed.values():
+        _send(proc, signal.SIGKILL)
+    return len(doomed)
+
+
+def _node_mark(work_root: Path) -> str:
+    """What a run's cookie starts with: the same for every run of a node, whatever its daemon process."""
+    return hashlib.sha256(os.fsencode(os.path.abspath(work_root))).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class WatchStatistics:
+    process_table_scans: int  # reads of the whole /proc, for every command together: see _ProcessTable
+
+
+def statistics() -> WatchStatistics:
+    return WatchStatistics(process_table_scans=_PROCESSES.scans)
+
+
+_Seen = tuple[int, int]  # (pid, start time in clock ticks since boot): a process, which a pid alone is not
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """The host's processes as one scan saw them."""
+
+    taken: float  # time.monotonic() when the scan began
+    children: Mapping[_Seen, list[_Seen]]
+    carriers: Mapping[str, list[_Seen]]  # by the TIDEPOOL_RUN in their environment
+    cookies: Mapping[_Seen, str | None]  # every process's TIDEPOOL_RUN, read once in its life
+
+    def descendants(self, roots: Iterable[_Seen]) -> list[_Seen]:
+        found: dict[_Seen, None] = {}  # ordered, and a visited set: reads of a racing host cannot loop us
+        queue = list(roots)
+        while queue:
+            for child in self.children.get(queue.pop(), ()):
+                if child not in found:
+                    found[child] = None
+                    queue.append(child)
+        return list(found)
+
+
+class _ProcessTable:
+    """The latest snapshot of the host's processes, shared by every command's supervisor.
+
+    Scanned per command, each poll read all of /proc once per running command, on the event loop's thread:
+    8 commands on a 490-process host held up the loop for most of each second. Here a snapshot serves
+    everyone who asks for one no older than it, and the scan runs in a worker thread, one at a time.
+    """
+
+    def __init__(self) -> None:
+        self.scans = 0
+        self.latest = _Snapshot(taken=-math.inf, children={}, carriers={}, cookies={})
+        self._lock = threading.Lock()
+
+    async def taken_since(self, since: float) -> _Snapshot:
+        """A snapshot begun at or after `since` (time.monotonic()); the loop never waits on /proc for it."""
+        latest = self.latest
+        if latest.taken >= since:
+            return latest
+        return await anyio.to_thread.run_sync(self.scan_since, since)
+
+    def scan_since(self, since: float) -> _Snapshot:
+        """taken_since, blocking."""
+        with self._lock:  # who comes while a scan runs waits for it, and mostly takes its result
+            if self.latest.taken < since:
+                self.latest = _scan(self.latest)
+                self.scans += 1
+            return self.latest
+
+
+_PROCESSES = _ProcessTable()
+
+
+def _scan(previous: _Snapshot) -> _Snapshot:
+    taken = time.monotonic()
+    stats = {}
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):  # gone since the listing
+            stats[pid] = _stat(pid)
+    children: defaultdict[_Seen, list[_Seen]] = defaultdict(list)
+    carriers: defaultdict[str, list[_Seen]] = defaultdict(list)
+    cookies: dict[_Seen, str | None] = {}
+    for pid, (ppid, start) in stats.items():
+        seen = (pid, start)
+        cookie = cookies[seen] = previous.cookies[seen] if seen in previous.cookies else _cookie(pid)
+        if ppid in stats:
+            children[(ppid, stats[ppid][1])].append(seen)
+        if cookie is not None:
+            carriers[cookie].append(seen)
+    return _Snapshot(taken, children, carriers, cookies)
+
+
+def _stat(pid: int) -> tuple[int, int]:
+    """(parent pid, start time in clock ticks since boot) from one read of /proc/<pid>/stat. psutil's ppid()
+    reads it twice (the second for its pid-reuse check) and costs about four times as much per process."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    fields = stat[stat.rfind(b")") + 2 :].split()  # after the name, which may hold spaces and parentheses
+    return int(fields[1]), int(fields[19])
+
+
+def _cookie(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+    except OSError:  # another user's process (unreadable, and none of ours), or gone
+        return None
+    for entry in environ.split(b"\0"):
+        if entry.startswith(_COOKIE_ENTRY):
+            return entry[len(_COOKIE_ENTRY) :].decode(errors="replace")
+    return None
+
+
+def _process(seen: _Seen) -> psutil.Process | None:
+    """The process a snapshot saw, if it still runs: its pid may belong to another one by now."""
+    pid, start = seen
+    try:
+        proc = psutil.Process(pid)
+        # Read after: a pid holds one process from its birth to its reaping, so the same start then is the same one.
+        return proc if _stat(pid)[1] == start else None
+    except (psutil.Error, OSError):
+        return None
 
 
 def _running(proc: psutil.Process) -> bool:
