@@ -8,10 +8,13 @@ The scheduler loop that fires due ticks lives in scheduler.py; stores fire them 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
+import re
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -24,6 +27,9 @@ from .model import NewTask, rfc3339
 
 MIN_EVERY_S = 1.0         # shorter periods are not what a schedule is for (and overflow the tick arithmetic)
 MAX_CATCH_UP = 10          # catch_up = "all" fires at most this many missed ticks at once
+MAX_COUNTED = 1000         # a cron schedule's missed ticks are counted by walking them: up to this many
+NAME_PATTERN = r"^[A-Za-z0-9_.:-]+$"  # a schedule's name, in config and API alike: it goes into URLs and task keys
+MAX_NAME_LEN = 200
 ON_TIME_GRACE_S = 5.0      # catch_up = "none" still fires a tick this late (at most half a period)
 CatchUp = Literal["none", "last", "all"]
 Overlap = Literal["allow", "skip"]
@@ -66,7 +72,8 @@ class Firing:
     """What one due schedule does now: the ticks to fire, the ticks skipped, and where it goes next."""
 
     fire: list[float]
-    skipped: list[float]
+    skipped: int                   # due ticks catch_up drops: exact for every_s, at most MAX_COUNTED for cron
+    last_skipped: float | None     # the latest of them
     next_tick_at: float
     next_run_at: float
 
@@ -77,13 +84,16 @@ class Fired:
     tick: float
     task_id: str | None          # None when skipped
     reason: str | None = None    # why skipped: "overlap", or "missed" (catch_up dropped `count` ticks)
-    count: int = 1
+    count: int = 1               # for a cron schedule's "missed", at most MAX_COUNTED (Firing.skipped)
     type: str | None = None      # the task's type and priority, when one was created
     priority: int = 0
 
 
 def validate(schedule: Schedule) -> Schedule:
     """Refuse a schedule that cannot run, naming the field; InvalidRequest is a 400 at the API."""
+    if not (re.fullmatch(NAME_PATTERN, schedule.name) and len(schedule.name) <= MAX_NAME_LEN):
+        raise InvalidRequest("name", f"{schedule.name!r} is not a schedule name: 1 to {MAX_NAME_LEN} letters, "
+                                     "digits and _ . : -")
     if (schedule.cron is None) == (schedule.every_s is None):
         raise InvalidRequest("cron", "set exactly one of cron or every_s")
     if schedule.cron is not None and not schedule.cron.startswith("@") and (fields := len(schedule.cron.split())) != 5:
@@ -96,6 +106,11 @@ def validate(schedule: Schedule) -> Schedule:
         raise InvalidRequest("cron", f"not a cron expression: {schedule.cron!r}")
     if schedule.every_s is not None and not (math.isfinite(schedule.every_s) and schedule.every_s >= MIN_EVERY_S):
         raise InvalidRequest("every_s", f"must be at least {MIN_EVERY_S:g} second")
+    if not (math.isfinite(schedule.jitter_s) and schedule.jitter_s >= 0):
+        raise InvalidRequest("jitter_s", f"must be a number of seconds, 0 or more, not {schedule.jitter_s}")
+    if schedule.every_s is not None and schedule.jitter_s >= schedule.every_s:
+        # A tick delayed past the next one would find that one due too: catch_up would count it missed.
+        raise InvalidRequest("jitter_s", f"{schedule.jitter_s:g} must be below every_s ({schedule.every_s:g})")
     try:
         json.dumps(schedule.payload, allow_nan=False)
     except (TypeError, ValueError) as exc:  # a TOML date, say: tasks carry JSON
@@ -114,13 +129,48 @@ def validate(schedule: Schedule) -> Schedule:
 
 def next_tick(schedule: Schedule, after: float) -> float:
     """The first tick strictly after `after` (epoch seconds)."""
+    return next(_ticks_after(schedule, after))
+
+
+def _ticks_after(schedule: Schedule, after: float) -> Iterator[float]:
+    """The ticks strictly after `after`, in order."""
     if schedule.every_s is not None:
-        # Anchored on the epoch, so every node computes the same ticks.
-        return (math.floor(after / schedule.every_s) + 1) * schedule.every_s
+        # Anchored on the epoch, so every node computes the same ticks: tick k is at k * every_s.
+        return (k * schedule.every_s for k in itertools.count(_index(schedule.every_s, after) + 1))
+    return _cron_ticks(schedule, after, back=False)
+
+
+def _ticks_back_from(schedule: Schedule, at: float) -> Iterator[float]:
+    """The ticks at or before `at`, latest first."""
+    if schedule.every_s is not None:
+        return (k * schedule.every_s for k in itertools.count(_index(schedule.every_s, at), -1))
+    return _cron_ticks(schedule, at, back=True)
+
+
+def _index(every_s: float, t: float) -> int:
+    """The k of the every_s tick at or before t: k * every_s <= t < (k + 1) * every_s."""
+    k = math.floor(t / every_s)
+    # The division can round across a whole number; the products are the ticks, so settle k on them.
+    return k - 1 if k * every_s > t else k + 1 if (k + 1) * every_s <= t else k
+
+
+def _cron_ticks(schedule: Schedule, start: float, *, back: bool) -> Iterator[float]:
+    """Cron ticks after `start` (back: at or before it, latest first), walked by one croniter."""
     assert schedule.cron is not None
-    start = datetime.fromtimestamp(after, ZoneInfo(schedule.timezone))
-    tick: datetime = croniter(schedule.cron, start).get_next(datetime)
-    return tick.timestamp()
+    zone = ZoneInfo(schedule.timezone)
+    # croniter steps strictly past its start; ticks fall on whole seconds, so "at or before start"
+    # is "before floor(start) + 1".
+    it = croniter(schedule.cron, datetime.fromtimestamp(math.floor(start) + 1 if back else start, zone))
+    step = it.get_prev if back else it.get_next
+    # As cron (vixie, cronie) does when the clocks go back: a job at a fixed local time runs at the
+    # first of the two moments that bear it; one whose minute or hour field starts with "*" (every
+    # minute, every hour, */15) keeps running in real time, through both copies of the hour.
+    minute, hour = it.expressions[:2]
+    once = not (minute.startswith("*") or hour.startswith("*"))
+    while True:
+        tick: float = step(float)
+        if not (once and datetime.fromtimestamp(tick, zone).fold):  # fold: the second copy of a wall time
+            yield tick
 
 
 def jitter_of(schedule: Schedule, tick: float) -> float:
@@ -138,28 +188,56 @@ def start(schedule: Schedule, now: float) -> Schedule:
 
 
 def plan(schedule: Schedule, now: float) -> Firing:
-    """Which ticks a due schedule fires at `now`, by its catch_up policy; never a burst."""
+    """Which ticks a due schedule fires at `now`, by its catch_up policy; never a burst. However long
+    the schedule was down, one pass decides from the latest due ticks and a count of the others."""
     assert schedule.next_tick_at is not None
-    due: list[float] = []
-    tick = schedule.next_tick_at
-    while tick + jitter_of(schedule, tick) <= now and len(due) < 10_000:
-        due.append(tick)
-        tick = next_tick(schedule, tick)
+    first = schedule.next_tick_at
+    due = _latest_due(schedule, first, now)
     if not due:
-        return Firing([], [], tick, tick + jitter_of(schedule, tick))
+        return Firing([], 0, None, first, first + jitter_of(schedule, first))
+    last, after = due[0], next_tick(schedule, due[0])
     if schedule.catch_up == "all":
-        fire = due[-MAX_CATCH_UP:]
+        keep = MAX_CATCH_UP
     elif schedule.catch_up == "last":
-        fire = due[-1:]
-    else:
-        fire = [t for t in due[-1:] if now - (t + jitter_of(schedule, t)) <= _grace_s(schedule, t)]
-    skipped = [t for t in due if t not in fire]
-    return Firing(fire, skipped, tick, tick + jitter_of(schedule, tick))
+        keep = 1
+    else:  # "none" still fires a tick that is on time, never later than half a period
+        keep = int(now - (last + jitter_of(schedule, last)) <= min(ON_TIME_GRACE_S, (after - last) / 2))
+    fire, missed = due[:keep][::-1], due[keep] if len(due) > keep else None
+    skipped = 0 if missed is None else _count(schedule, first, missed)
+    return Firing(fire, skipped, missed, after, after + jitter_of(schedule, after))
 
 
-def _grace_s(schedule: Schedule, tick: float) -> float:
-    """How late a tick may fire and still count as on time: never more than half its period."""
-    return min(ON_TIME_GRACE_S, (next_tick(schedule, tick) - tick) / 2)
+def _latest_due(schedule: Schedule, first: float, now: float) -> list[float]:
+    """The latest due ticks from `first` on, latest first, at most MAX_CATCH_UP + 1 of them. A tick is
+    due when tick + its jitter <= now; ticks fire in order, so one not due yet holds back those after it."""
+    # Most passes find a tick or two: walk forward from `first`, tick by tick.
+    walked: deque[float] = deque(maxlen=MAX_CATCH_UP + 1)
+    for tick in itertools.chain([first], _ticks_after(schedule, first)):
+        if tick + jitter_of(schedule, tick) > now:
+            return list(reversed(walked))
+        if len(walked) == walked.maxlen:
+            break
+        walked.append(tick)
+    # A longer backlog (a long stop): step back from now instead of walking all of it.
+    due: list[float] = []
+    for tick in _ticks_back_from(schedule, now):
+        if tick < first:
+            break
+        if tick + jitter_of(schedule, tick) > now:
+            due.clear()  # not due yet: neither it nor any tick after it fires now
+        elif len(due) <= MAX_CATCH_UP:
+            due.append(tick)
+        if len(due) > MAX_CATCH_UP and tick + schedule.jitter_s <= now:
+            break  # every earlier tick is due too: jitter is below jitter_s
+    return due
+
+
+def _count(schedule: Schedule, first: float, last: float) -> int:
+    """How many ticks lie in [first, last]: counted for every_s; walked for cron, up to MAX_COUNTED."""
+    if schedule.every_s is not None:
+        return _index(schedule.every_s, last) - _index(schedule.every_s, first) + 1
+    later = itertools.takewhile(lambda tick: tick <= last, _ticks_after(schedule, first))
+    return 1 + sum(1 for _ in itertools.islice(later, MAX_COUNTED - 1))
 
 
 def rewound(schedule: Schedule, now: float) -> bool:
@@ -210,7 +288,8 @@ def fire(schedule: Schedule, now: float, *, max_attempts: Callable[[str], int], 
     if rewound(schedule, now):
         return [], start(schedule, now)
     firing = plan(schedule, now)
-    fired = [Fired(schedule.name, firing.skipped[-1], None, "missed", len(firing.skipped))] if firing.skipped else []
+    fired = [Fired(schedule.name, firing.last_skipped, None, "missed", firing.skipped)] \
+        if firing.last_skipped is not None else []
     last_task, last_run = schedule.last_task_id, schedule.last_run_at
     for tick in firing.fire:
         if schedule.overlap == "skip" and last_task is not None and running(last_task):

@@ -299,6 +299,15 @@ class Settings(BaseSettings):
     resources: dict[str, ResourceSettings] = {}
     schedules: tuple[ScheduleSettings, ...] = ()
 
+    @field_validator("schedules")
+    @classmethod
+    def _one_schedule_per_name(cls, items: tuple[ScheduleSettings, ...]) -> tuple[ScheduleSettings, ...]:
+        """A schedule is saved by its name: a second entry with the same name would silently replace the first."""
+        names = [item.name for item in items]
+        if twice := next((name for name in names if names.count(name) > 1), None):
+            raise ValueError(f"schedules.{twice}: two [[schedules]] entries have this name; give each its own")
+        return items
+
     @classmethod
     def settings_customise_sources(
         cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,

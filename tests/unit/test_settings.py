@@ -86,6 +86,11 @@ def test_env_beats_file_beats_default(tmp_path: Path, monkeypatch: pytest.Monkey
     ("[[schedules]]\nname = 'n'\ntype = 'noop'\ncron = 'every day'\n", "schedules.n.cron"),
     ("[[schedules]]\nname = 'n'\ntype = 'noop'\nevery_s = 60\npayload = { at = 2026-01-01 }\n", "schedules.n.payload"),
     ("[[schedules]]\nname = 'n'\ntype = 'nope'\nevery_s = 60\n", "schedules.n.type"),
+    ("[[schedules]]\nname = 'n'\ntype = 'noop'\nevery_s = 60\n[[schedules]]\nname = 'n'\ntype = 'noop'\n"
+     "cron = '0 2 * * *'\n", "config: schedules.n: two [[schedules]] entries have this name"),  # not: the last wins
+    ("[[schedules]]\nname = 'n'\ntype = 'noop'\nevery_s = 60\njitter_s = 60\n", "schedules.n.jitter_s: 60 must be "
+     "below every_s (60)"),  # ticks would look missed while the daemon runs
+    ("[[schedules]]\nname = 'a/b c'\ntype = 'noop'\nevery_s = 60\n", "schedules.a/b c.name"),  # as the API refuses
     ("[resources.vm]\ntags = ['win10', ' gpu']\n", "resources.vm.tags"),  # " gpu" is not "gpu"
     ("[resources.vm]\ntags = ['a,b']\n", "resources.vm.tags"),  # --tags a,b asks for two
     ("[types.t]\nplugins = ['noop']\nrequired_tags = ['']\n", "types.t.required_tags"),

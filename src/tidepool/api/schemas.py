@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from ..model import Attempt, AttemptStatus, NewTask, ResultBatch, Task, rfc3339
-from ..schedules import Schedule
+from ..schedules import MAX_NAME_LEN, NAME_PATTERN, Schedule
 from ..settings import Tag
 
 MAX_LIST_LIMIT = 1000
@@ -69,7 +69,7 @@ class PoolPatch(BaseModel):
 class ScheduleIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:-]+$")
+    name: str = Field(min_length=1, max_length=MAX_NAME_LEN, pattern=NAME_PATTERN)
     type: str = Field(min_length=1, max_length=200)
     payload: dict[str, Any] = {}
     cron: str | None = Field(None, max_length=200)
