@@ -23,11 +23,15 @@ log = logging.getLogger("tidepool.scheduler")
 class Scheduler:
     def __init__(self, store: Store, events: EventBus, *, node_id: str, max_attempts: Callable[[str], int],
                  wake: Callable[[int], None], interval_s: float = 0.5,
+                 defines: Callable[[str], bool] = lambda type_name: True,
+                 max_queued: Callable[[], int | None] = lambda: None,
                  clock: Callable[[], float] = time.time) -> None:
         self._store = store
         self._node_id = node_id
         self._events = events
         self._max_attempts = max_attempts
+        self._defines = defines  # the schedules of types this node does not define are another node's to fire
+        self._max_queued = max_queued
         self._wake = wake
         self.interval_s = interval_s
         self._clock = clock
@@ -59,7 +63,8 @@ class Scheduler:
             await anyio.sleep(self.interval_s)
 
     async def tick(self) -> list[Fired]:
-        fired = await self._store.fire_schedules(now=self._clock(), max_attempts=self._max_attempts)
+        fired = await self._store.fire_schedules(now=self._clock(), max_attempts=self._max_attempts,
+                                                 defines=self._defines, max_queued=self._max_queued())
         created = 0
         for f in fired:
             if f.task_id is not None:

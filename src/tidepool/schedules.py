@@ -22,7 +22,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter  # type: ignore[import-untyped]
 
-from .errors import InvalidRequest
+from .errors import InvalidRequest, QueueFull
 from .model import NewTask, rfc3339
 
 MIN_EVERY_S = 1.0         # shorter periods are not what a schedule is for (and overflow the tick arithmetic)
@@ -295,7 +295,11 @@ def fire(schedule: Schedule, now: float, *, max_attempts: Callable[[str], int], 
         if schedule.overlap == "skip" and last_task is not None and running(last_task):
             fired.append(Fired(schedule.name, tick, None, "overlap"))
             continue
-        task_id = add(task_for(schedule, tick, max_attempts=max_attempts(schedule.type)))
+        try:
+            task_id = add(task_for(schedule, tick, max_attempts=max_attempts(schedule.type)))
+        except QueueFull:  # refused as a submit would be; the tick is not tried again
+            fired.append(Fired(schedule.name, tick, None, "queue_full"))
+            continue
         if task_id is not None:
             fired.append(Fired(schedule.name, tick, task_id, type=schedule.type, priority=schedule.priority))
             last_task, last_run = task_id, tick

@@ -99,7 +99,9 @@ class Daemon:
                                      policy=lambda: self.engine.policy, wake=self.pool.wake,
                                      fleet_tags=self._fleet_tag_sets)
         self.scheduler = Scheduler(self.store, self.events, node_id=self.node_id,
-                                   max_attempts=self.max_attempts_for, wake=self.pool.wake)
+                                   max_attempts=self.max_attempts_for, wake=self.pool.wake,
+                                   defines=lambda type_name: self.registry.knows_type(type_name),
+                                   max_queued=lambda: self.settings.pool.max_queued)
         self.started_at = time.time()
         self.heartbeat = Heartbeat(self.store, self._describe)
         self._shutdown = anyio.Event()
@@ -483,11 +485,18 @@ class Daemon:
             log.warning("reload: %s changed but need a restart to take effect", ", ".join(self.pending_restart))
 
     async def _sync_schedules(self, settings: Settings) -> None:
-        """Save the config's [[schedules]]; a bad one is logged and skipped, the others still run."""
+        """Save the config's [[schedules]]; a bad one is logged and skipped, the others still run. Then say
+        which stored schedules name a type this node does not define: it leaves them to a node that does,
+        and with no such node (SQLite has one) they do not fire at all."""
         try:
             await self.scheduler.sync_config(settings.schedules)
         except (InvalidRequest, StoreUnavailable) as exc:
             log.error("schedules from %s not saved: %s", self.config_path or "defaults", exc)
+        with contextlib.suppress(StoreUnavailable):
+            for schedule in await self.store.list_schedules():
+                if not self.registry.knows_type(schedule.type):
+                    log.warning("schedule %s names task type %r, which this node does not define: it fires "
+                                "only on a node that does", schedule.name, schedule.type)
 
     def _may_claim(self) -> bool:
         """Not while a host guard holds, nor on a node whose pool.task_types accepts none of its types (one

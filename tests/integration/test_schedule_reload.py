@@ -3,6 +3,8 @@ ones taken out of it."""
 
 from pathlib import Path
 
+import pytest
+
 from tidepool import settings
 from tidepool.schedules import Schedule
 from tidepool.service import Daemon
@@ -68,3 +70,22 @@ async def test_a_reload_of_an_unchanged_file_puts_back_its_schedules_the_api_cha
     saved = {s.name: s for s in await daemon.store.list_schedules()}
     assert set(saved) == {"hourly", "nightly"}
     assert (saved["hourly"].every_s, saved["hourly"].config_node) == (3600, "a")
+
+
+async def test_a_reload_that_drops_a_type_a_stored_schedule_uses_says_so_and_the_schedule_stops_firing(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tidepool.toml"
+    typed = '[store]\nurl = "memory://"\n[types.probe]\nplugins = ["noop"]\n'
+    path.write_text(typed)
+    daemon = Daemon(settings.load(path), config_path=path)
+    await daemon.store.open()
+    await daemon.save_schedule(Schedule(name="probing", type="probe", every_s=60))
+    path.write_text('[store]\nurl = "memory://"\n')
+    await daemon.reload()
+    said = [line for line in capfd.readouterr().err.splitlines() if "WARNING" in line and "probing" in line]
+    assert len(said) == 1 and "'probe'" in said[0] and "does not define" in said[0], said  # (the reload's logging)
+    (schedule,) = await daemon.store.list_schedules()
+    assert schedule.next_run_at is not None
+    fired = await daemon.store.fire_schedules(now=schedule.next_run_at + 1, max_attempts=lambda _: 3,
+                                              defines=daemon.registry.knows_type)
+    assert fired == [] and (await daemon.store.list_tasks()).tasks == []

@@ -110,3 +110,27 @@ async def test_an_op_that_breaks_fails_alone_not_its_whole_transaction(store: St
     assert isinstance(results[0], StoreUnavailable)
     task, created = results[1]  # type: ignore[misc]
     assert created and (await store.get(task.id)).state is State.PENDING
+
+
+async def test_a_tick_that_would_fill_the_queue_past_max_queued_is_skipped_and_said(store: Store) -> None:
+    """A schedule queues a task as a submit does: past pool.max_queued the tick is refused, not added."""
+    from tidepool.model import NewTask
+
+    await store.save_schedule(every(), now=30.0)
+    await store.add(NewTask("noop"), now=30.0)
+    (skipped,) = await store.fire_schedules(now=61.0, max_attempts=lambda _: 3, max_queued=1)
+    assert (skipped.task_id, skipped.reason, skipped.tick) == (None, "queue_full", 60.0)
+    assert len((await store.list_tasks()).tasks) == 1
+    assert (await store.list_schedules())[0].next_tick_at == 120.0  # not tried again
+    (fired,) = await store.fire_schedules(now=121.0, max_attempts=lambda _: 3, max_queued=2)
+    assert fired.task_id is not None and fired.tick == 120.0
+
+
+async def test_a_schedule_of_a_type_this_node_does_not_define_is_left_for_one_that_does(store: Store) -> None:
+    """Its tasks would wait for ever on a node that cannot run them (a type taken out by a reload)."""
+    await store.save_schedule(every(), now=30.0)
+    assert await store.fire_schedules(now=61.0, max_attempts=lambda _: 3, defines=lambda t: t != "noop") == []
+    assert (await store.list_tasks()).tasks == []
+    assert (await store.list_schedules())[0].next_tick_at == 60.0, "untouched: another node fires it"
+    (fired,) = await store.fire_schedules(now=61.0, max_attempts=lambda _: 3, defines=lambda t: t == "noop")
+    assert fired.task_id is not None

@@ -230,15 +230,25 @@ class MemoryStore:
         self._schedules[name] = schedules.set_paused(self._schedules[name], paused, now)
         return self._schedules[name]
 
-    async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int]) -> list[Fired]:
+    async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int],
+                             defines: Callable[[str], bool] = lambda type_name: True,
+                             max_queued: int | None = None) -> list[Fired]:
+        def add(new: NewTask) -> str | None:
+            if new.idempotency_key in self._keys:
+                return None
+            self._check_room(1, max_queued)
+            return self._insert(new, now).id
+
         fired: list[Fired] = []
         for schedule in list(self._schedules.values()):
             if schedule.paused or schedule.next_run_at is None or schedule.next_run_at > now:
                 continue
+            if not defines(schedule.type):
+                continue
             outcome, saved = schedules.fire(
                 schedule, now, max_attempts=max_attempts,
                 running=lambda task_id: task_id in self._rows and not self._rows[task_id].task.state.terminal,
-                add=lambda new: None if new.idempotency_key in self._keys else self._insert(new, now).id)
+                add=add)
             self._schedules[schedule.name] = saved
             fired.extend(outcome)
         return fired

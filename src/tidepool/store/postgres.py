@@ -966,13 +966,17 @@ class PostgresStore:
             await conn.execute(SAVE_SCHEDULE, *_schedule_args(saved))
         return saved
 
-    async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int]) -> list[Fired]:
+    async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int],
+                             defines: Callable[[str], bool] = lambda type_name: True,
+                             max_queued: int | None = None) -> list[Fired]:
         async with self._conn() as conn:
-            due = await conn.fetch("SELECT name FROM schedules WHERE NOT paused AND next_run_at <= $1", now)
+            due = await conn.fetch("SELECT name, spec FROM schedules WHERE NOT paused AND next_run_at <= $1", now)
             fired: list[Fired] = []
-            for (name,) in due:
+            for name, spec in due:
+                if not defines(schedules.stored_spec(spec)["type"]):
+                    continue  # a node that defines the type fires it
                 async with conn.transaction():
-                    these = await _fire(conn, name, now, max_attempts)
+                    these = await _fire(conn, name, now, max_attempts, max_queued)
                     if created := sum(1 for f in these if f.task_id is not None):
                         await conn.execute(NOTIFY, str(created))
                 fired.extend(these)
@@ -1382,11 +1386,17 @@ async def _existing(conn: Conn, new: NewTask) -> Task | None:
 
 
 async def _check_room(conn: Conn, n: int, max_queued: int) -> None:
-    # Submits that check the limit take turns, so two nodes cannot both fill the last places.
-    await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended('tidepool.queued.' || current_schema(), 0))")
-    queued = await conn.fetchval(QUEUED, max_queued + 1)
+    queued = await _queued(conn, max_queued)
     if queued + n > max_queued:
         raise QueueFull(f"{queued} tasks are queued; pool.max_queued is {max_queued}")
+
+
+async def _queued(conn: Conn, max_queued: int) -> int:
+    """The tasks queued (counted up to max_queued + 1), holding the count until the transaction ends:
+    submits that check the limit take turns, so two nodes cannot both fill the last places."""
+    await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended('tidepool.queued.' || current_schema(), 0))")
+    queued: int = await conn.fetchval(QUEUED, max_queued + 1)
+    return queued
 
 
 def _insert_args(new: NewTask, now: float, task_id: str | None = None) -> tuple[Any, ...]:
@@ -1411,7 +1421,8 @@ async def _locked_schedule(conn: Conn, name: str) -> Schedule | None:
     return None if row is None else _schedule(row)
 
 
-async def _fire(conn: Conn, name: str, now: float, max_attempts: Callable[[str], int]) -> list[Fired]:
+async def _fire(conn: Conn, name: str, now: float, max_attempts: Callable[[str], int],
+                max_queued: int | None) -> list[Fired]:
     """Fire one due schedule, holding its row; nothing when another node holds or has just fired it."""
     row = await conn.fetchrow(DUE_SCHEDULE, name, now)
     if row is None:
@@ -1426,10 +1437,16 @@ async def _fire(conn: Conn, name: str, now: float, max_attempts: Callable[[str],
         f"SELECT {TERMINAL_SQL} IS FALSE FROM tasks WHERE id = $1", schedule.last_task_id
     )
     created: dict[str, NewTask] = {}
+    room = None if max_queued is None or not ticks else max_queued - await _queued(conn, max_queued)
 
     def add(new: NewTask) -> str | None:
+        nonlocal room
         if new.idempotency_key in taken:
             return None
+        if room is not None:
+            if room <= 0:
+                raise QueueFull(f"pool.max_queued is {max_queued}")
+            room -= 1
         task_id = new_id(now)
         created[task_id] = new
         return task_id

@@ -629,7 +629,9 @@ class SqliteStore:
         saved: Schedule = await self._write(op)
         return saved
 
-    async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int]) -> list[Fired]:
+    async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int],
+                             defines: Callable[[str], bool] = lambda type_name: True,
+                             max_queued: int | None = None) -> list[Fired]:
         """Fire every due tick in one transaction: tasks created and next_run_at advanced together."""
         def op(conn: sqlite3.Connection, batch: _Batch) -> list[Fired]:
             rows = conn.execute(f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE paused = 0 AND next_run_at <= ?",
@@ -637,9 +639,11 @@ class SqliteStore:
             fired: list[Fired] = []
             for row in rows:
                 schedule = _schedule(row)
+                if not defines(schedule.type):
+                    continue
                 outcome, saved = schedules.fire(schedule, now, max_attempts=max_attempts,
                                                 running=lambda task_id: _is_active(conn, task_id),
-                                                add=lambda new: _add_once(conn, new, now))
+                                                add=lambda new: _add_once(conn, batch, new, now, max_queued))
                 conn.execute("INSERT OR REPLACE INTO schedules VALUES (?, ?, ?, ?, ?, ?, ?)", _schedule_row(saved))
                 fired.extend(outcome)
             if fired:
@@ -883,10 +887,12 @@ def _is_active(conn: sqlite3.Connection, task_id: str) -> bool:
     return row is not None and not State(row[0]).terminal
 
 
-def _add_once(conn: sqlite3.Connection, new: NewTask, now: float) -> str | None:
-    """The new task's id, or None when a task for this key exists already (a tick fires once)."""
+def _add_once(conn: sqlite3.Connection, batch: _Batch, new: NewTask, now: float, max_queued: int | None) -> str | None:
+    """The new task's id, or None when a task for this key exists already (a tick fires once); QueueFull
+    past max_queued."""
     if conn.execute("SELECT 1 FROM tasks WHERE idempotency_key = ?", (new.idempotency_key,)).fetchone():
         return None
+    _check_room(conn, batch, 1, max_queued)
     return _insert_many(conn, [new], now)[0]
 
 
