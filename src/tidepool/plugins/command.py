@@ -16,9 +16,10 @@ was SIGKILLed the next one finds the trees its commands left running, and kills 
 the same process, so they bind it and all it forks from its first instruction.
 
 Looking for new processes means reading the whole process table (/proc). That is done by one scan
-shared by every running command, at most once per poll interval and in a worker thread, and each
-process's environment is read once in its life: watching costs host processes, not commands x host
-processes, and the event loop never waits on the scan (it reads only each tree's own few processes).
+shared by every running command, at most once per poll interval (a kill asks for a fresh one) and in a
+worker thread, and each process's environment is read once in its life: watching costs host processes,
+not commands x host processes, and the event loop never waits on the scan (it reads only each tree's own
+few processes).
 """
 
 from __future__ import annotations
@@ -169,19 +170,18 @@ async def run_command(
     limits: CommandLimits,
     kill_grace_s: float,
     poll_interval_s: float = 0.2,
-    work_root: Path | None = None,
     on_end: Callable[[int | None, str], None] = lambda exit_status, stderr_tail: None,
 ) -> CommandResult:
     """Run argv in its own session; a non-zero exit is a result, a breached limit a LimitExceeded.
     `on_end` hears the exit status and stderr tail however the run ended: a timeout or a cancel arrives as
     a cancellation, and a breach as an exception, and the operator wants both on the attempt all the same.
-    `work_root` is the node's, whose mark the run's cookie carries (see kill_leftover_runs); by default the
-    workdir's parent, as the engine lays attempts out (work_root/attempt_id)."""
+    `workdir` is the attempt's, in the node's work root (Engine: work_root/attempt_id): the run's cookie
+    carries the work root's mark (see kill_leftover_runs)."""
     capture = _Capture(stdout_cap=limits.max_output_kb * 1024)
     rlimits = _rlimits(limits)
     prlimit = _prlimit_program() if rlimits else None
     # What marks this run's processes, wherever they went (see _Tree), and whose run it is.
-    cookie = f"{_node_mark(work_root or workdir.parent)}.{secrets.token_hex(16)}"
+    cookie = f"{_node_mark(workdir.parent)}.{secrets.token_hex(16)}"
     # Shielded so an anyio cancel cannot strike between fork and the cleanup below owning the tree.
     with anyio.CancelScope(shield=True):
         transport = await _spawn(argv, capture, env={**env, _RUN_COOKIE: cookie}, workdir=workdir,
@@ -431,19 +431,22 @@ class _Tree:
 
     async def kill(self, *, grace_s: float) -> None:
         """SIGTERM the tree, give it grace_s to exit, then SIGKILL it until nothing is left."""
-        self._discover(await _PROCESSES.taken_since(time.monotonic()))  # killing needs the table as it is now
-        self._signal_all(signal.SIGTERM)
-        with anyio.move_on_after(grace_s):
-            # Descendants are not our children: no event tells us when they exit, so look.
-            while self._alive():  # noqa: ASYNC110
+        try:
+            self._discover(await _PROCESSES.taken_since(time.monotonic()))  # killing needs the table as it is now
+            self._signal_all(signal.SIGTERM)
+            with anyio.move_on_after(grace_s):
+                # Descendants are not our children: no event tells us when they exit, so look.
+                while self._alive():  # noqa: ASYNC110
+                    await anyio.sleep(_GONE_POLL_S)
+            while True:
+                await self._freeze()
+                alive = self._alive()
+                self._signal_all(signal.SIGKILL)
+                if not alive:
+                    return
                 await anyio.sleep(_GONE_POLL_S)
-        while True:
-            await self._freeze()
-            alive = self._alive()
+        finally:  # cut short at an await (the cleanup's deadline): what is known gets its SIGKILL all the same
             self._signal_all(signal.SIGKILL)
-            if not alive:
-                return
-            await anyio.sleep(_GONE_POLL_S)
 
     async def _freeze(self) -> None:
         # A stopped process cannot fork, so stop all and look again until no new child turns up;
@@ -469,7 +472,8 @@ class _Tree:
         count = len(self.known)
         carriers = snapshot.carriers.get(self._cookie, [])
         for seen in [*carriers, *snapshot.descendants([*self.known, *carriers])]:
-            if seen not in self.known and (proc := _process(seen)) is not None:
+            # Not a zombie: its frozen parent cannot reap it, and it would count as new at every look.
+            if seen not in self.known and (proc := _process(seen)) is not None and _running(proc):
                 self.known[seen] = proc
         return len(self.known) > count
 
@@ -486,6 +490,8 @@ def kill_leftover_runs(work_root: Path) -> int:
     they went. SIGKILL at once: no one is left whom a grace would serve. Blocking: run it in a worker thread.
     """
     mark = f"{_node_mark(work_root)}."
+    # A daemon started from one of the node's own commands carries the mark too: never itself, nor its parents.
+    spared = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
     doomed: dict[_Seen, psutil.Process] = {}
     for _ in range(_MAX_FREEZE_ROUNDS):
         snapshot = _PROCESSES.scan_since(time.monotonic())
@@ -493,7 +499,8 @@ def kill_leftover_runs(work_root: Path) -> int:
                     for seen in carrying]
         new = {}
         for seen in [*carriers, *snapshot.descendants(carriers)]:
-            if seen not in doomed and (proc := _process(seen)) is not None and _running(proc):
+            if seen not in doomed and seen[0] not in spared and (proc := _process(seen)) is not None \
+                    and _running(proc):
                 new[seen] = proc
         if not new:
             break
