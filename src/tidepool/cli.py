@@ -280,13 +280,13 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
 
 
 _ERR = Console(stderr=True)
+_STYLE = {"completed": "green", "failed": "red", "timed_out": "red", "cancelled": "yellow", "running": "cyan"}
+_VISIBLE = {c: f"\\u{c:04x}" for c in (*range(0x20), *range(0x7f, 0xa0))}  # C0, DEL and C1
 
 
 def _stdout() -> Console:
     """Tables fit a terminal's width; piped into grep or a file, no column is cut at rich's default 80."""
     return Console(width=None if sys.stdout.isatty() else 10_000)
-_STYLE = {"completed": "green", "failed": "red", "timed_out": "red", "cancelled": "yellow", "running": "cyan"}
-_VISIBLE = {c: f"\\u{c:04x}" for c in (*range(0x20), *range(0x7f, 0xa0))}  # C0, DEL and C1
 
 
 def _visible(text: str) -> str:

@@ -316,7 +316,8 @@ class Metrics:
         yield self.reloads.family("tidepool_config_reloads", "SIGHUP reloads, applied or rejected.")
         yield self.schedule_fired.family("tidepool_schedule_fired", "Schedule ticks that created a task, by schedule.")
         yield self.schedule_skipped.family("tidepool_schedule_skipped",
-                                           "Schedule ticks skipped, by schedule and reason (overlap, missed).")
+                                           "Schedule ticks skipped, by schedule and reason "
+                                           "(overlap, missed, queue_full).")
 
     def _pool_families(self) -> Iterator[Metric]:
         stats = self._pool()

@@ -37,20 +37,26 @@ class Scheduler:
         self._clock = clock
         self._outage = Outage(log)  # the store did not answer: said once, not every tick
 
-    async def sync_config(self, configured: Sequence[ScheduleSettings]) -> None:
+    async def sync_config(self, configured: Sequence[ScheduleSettings]) -> list[Schedule]:
         """Save the config file's schedules, their state (next/last run, paused) kept, and remove those
-        this node's config defined before and defines no more. A schedule saved through the API, or by
-        another node's config, is not this file's to remove: on a fleet, one node may define them all."""
+        this node's config defined before and defines no more; the schedules stored then. A schedule saved
+        through the API, or by another node's config, is not this file's to remove: on a fleet, one node
+        may define them all."""
         for item in configured:
             await self._store.save_schedule(validate(from_settings(item, self._node_id)), now=self._clock())
         names = {item.name for item in configured}
+        kept = []
         for schedule in await self._store.list_schedules():
             if schedule.config_node == self._node_id and schedule.name not in names:
                 try:  # fenced: not if an API save or another node's config has taken it over since the list
                     await self._store.delete_schedule(schedule.name, config_node=self._node_id)
                 except ScheduleNotFound:
+                    kept.append(schedule)
                     continue
                 log.info("schedule %s removed: the config file no longer defines it", schedule.name)
+            else:
+                kept.append(schedule)
+        return kept
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()

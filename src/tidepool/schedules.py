@@ -13,7 +13,6 @@ import json
 import math
 import re
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -83,7 +82,7 @@ class Fired:
     schedule: str
     tick: float
     task_id: str | None          # None when skipped
-    reason: str | None = None    # why skipped: "overlap", or "missed" (catch_up dropped `count` ticks)
+    reason: str | None = None    # why skipped: "overlap", "queue_full", or "missed" (catch_up dropped `count`)
     count: int = 1               # for a cron schedule's "missed", at most MAX_COUNTED (Firing.skipped)
     type: str | None = None      # the task's type and priority, when one was created
     priority: int = 0
@@ -211,11 +210,11 @@ def _latest_due(schedule: Schedule, first: float, now: float) -> list[float]:
     """The latest due ticks from `first` on, latest first, at most MAX_CATCH_UP + 1 of them. A tick is
     due when tick + its jitter <= now; ticks fire in order, so one not due yet holds back those after it."""
     # Most passes find a tick or two: walk forward from `first`, tick by tick.
-    walked: deque[float] = deque(maxlen=MAX_CATCH_UP + 1)
+    walked: list[float] = []
     for tick in itertools.chain([first], _ticks_after(schedule, first)):
         if tick + jitter_of(schedule, tick) > now:
-            return list(reversed(walked))
-        if len(walked) == walked.maxlen:
+            return walked[::-1]
+        if len(walked) == MAX_CATCH_UP + 1:
             break
         walked.append(tick)
     # A longer backlog (a long stop): step back from now instead of walking all of it.
@@ -238,14 +237,6 @@ def _count(schedule: Schedule, first: float, last: float) -> int:
         return _index(schedule.every_s, last) - _index(schedule.every_s, first) + 1
     later = itertools.takewhile(lambda tick: tick <= last, _ticks_after(schedule, first))
     return 1 + sum(1 for _ in itertools.islice(later, MAX_COUNTED - 1))
-
-
-def rewound(schedule: Schedule, now: float) -> bool:
-    """The clock went back: the next tick is further away than one period from now. Restart from now."""
-    if schedule.next_tick_at is None:
-        return True
-    return next_tick(schedule, now) < schedule.next_tick_at and \
-        next_tick(schedule, next_tick(schedule, now)) <= schedule.next_tick_at
 
 
 SPEC_FIELDS = ("type", "payload", "cron", "every_s", "timezone", "jitter_s", "catch_up", "overlap", "priority",
@@ -285,8 +276,6 @@ def fire(schedule: Schedule, now: float, *, max_attempts: Callable[[str], int], 
     """Fire a due schedule inside the store's transaction: `add` creates a task (None if its tick's
     key exists already), `running` says whether the schedule's last task is still unfinished, and
     `max_attempts` gives a task of a type its attempt budget."""
-    if rewound(schedule, now):
-        return [], start(schedule, now)
     firing = plan(schedule, now)
     fired = [Fired(schedule.name, firing.last_skipped, None, "missed", firing.skipped)] \
         if firing.last_skipped is not None else []

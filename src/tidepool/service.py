@@ -42,13 +42,14 @@ from .reconciler import Reconciler, ReconcilerConfig
 from .resources import ResourcePool
 from .scheduler import Scheduler
 from .schedules import Schedule, validate
-from .settings import Settings
+from .settings import BUILTIN_TYPES, Settings
 from .store import Node, Store, open_store
 from .systemd import Notifier, StatusReporter, run_watchdog
 
 log = logging.getLogger("tidepool.service")
 OUTCOME_FLUSH_S = 10.0  # at shutdown, after the drain and the stop phases, for outcomes a slow store still holds
 READY_PROBE_S = 2.0  # /readyz: a store slower than this to count the queue is as good as away
+RELOAD_SYNC_S = 5.0  # a SIGHUP saves the config's schedules within this, or leaves them to the next one
 RESTART_KEYS = ("store.url", "api.listen", "node.id", "node.state_dir", "api.token_file", "api.max_body_kb")
 GC_YOUNG_THRESHOLD = 20_000
 QUEUE_STATES = ("pending", "leased", "running", "retry_wait", "cancelling")
@@ -86,12 +87,11 @@ class Daemon:
                              min_free_memory_mb=settings.guards.min_free_memory_mb,
                              min_free_disk_mb=settings.guards.min_free_disk_mb,
                              on_clear=lambda: self.pool.wake(self.pool.config.max_workers))
+        # Absolute: a command runs in its work directory, where a relative {workdir} (state_dir = "./var",
+        # the example's) would not resolve.
+        self.work_root = settings.node.state_dir.absolute() / "work" / _file_safe(self.node_id)
         self.engine = Engine(self.store, self.registry, self.leases, self.events, config=_engine_config(settings),
-                             policy=retry_policy(settings.retry),
-                             # absolute: a command runs in its work directory, where a relative
-                             # {workdir} (state_dir = "./var", the example's) would not resolve
-                             work_root=settings.node.state_dir.absolute() / "work" / _file_safe(self.node_id),
-                             resources=self.resources)
+                             policy=retry_policy(settings.retry), work_root=self.work_root, resources=self.resources)
         self.pool = Pool(self.store, self.engine, self.leases, self.events, config=_pool_config(settings),
                          node_id=self.node_id, instance_id=self.instance_id, claim_filter=self._claim_filter,
                          promise_slots=self.resources.claiming, may_claim=self._may_claim)
@@ -139,6 +139,7 @@ class Daemon:
                 await self.reconciler.recover(node_id=self.node_id, instance_id=self.instance_id,
                                               interrupted=self._unwritten.read())
                 self._unwritten.forget()  # written now (or their leases were gone already)
+                self._say_left_out(self.settings)
                 await self._sync_schedules(self.settings)
                 await self.engine.remove_leftover_workdirs()
                 async with anyio.create_task_group() as tg:
@@ -255,25 +256,19 @@ class Daemon:
 
     @contextlib.contextmanager
     def _node_lock(self) -> Iterator[None]:
-        """One daemon per node id and SQLite file: a lock file beside the database."""
-        db = self.settings.db_path()
-        if db is None:
-            yield
-            return
-        db.parent.mkdir(parents=True, exist_ok=True)
-        db = db.resolve()  # one file reached through a symlink is still one database: one lock
-        path = db.with_name(f"{db.name}.{_file_safe(self.node_id)}.lock")
-        with open(path, "a+") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.seek(0)
-                other = handle.read().strip() or "unknown"
-                raise ConfigError(f"node {self.node_id} already runs on {db} (pid {other}, lock {path}); "
-                                  "stop it or give this daemon another node.id") from None
-            handle.truncate(0)
-            handle.write(str(os.getpid()))
-            handle.flush()
+        """One daemon per node id and SQLite file (a lock file beside the database), and per node id and
+        state dir (a lock file beside the work root): a start clears its work root, killing the commands an
+        earlier daemon left running there, which must never be a running daemon's, whatever its store."""
+        with contextlib.ExitStack() as locks:
+            db = self.settings.db_path()
+            if db is not None:
+                db.parent.mkdir(parents=True, exist_ok=True)
+                db = db.resolve()  # one file reached through a symlink is still one database: one lock
+                locks.enter_context(_locked(db.with_name(f"{db.name}.{_file_safe(self.node_id)}.lock"),
+                                            f"node {self.node_id} already runs on {db}"))
+            self.work_root.parent.mkdir(parents=True, exist_ok=True)
+            locks.enter_context(_locked(self.work_root.with_name(f"{self.work_root.name}.lock"),
+                                        f"node {self.node_id} already runs with work directories in {self.work_root}"))
             yield
 
     # what the API asks for
@@ -476,27 +471,40 @@ class Daemon:
                             idle_timeout_s=new.pool.idle_timeout_s) and not any(k in changed for k in sizes):
             changed.append("pool sizes (back to the file's from PATCH /v1/pool)")
         self.settings = new
+        self._say_left_out(new)
         # Even when the file did not change: an API save or delete since may have taken a schedule from it,
-        # and a SIGHUP is how an operator puts the file's back (README).
-        await self._sync_schedules(new)
+        # and a SIGHUP is how an operator puts the file's back (README). Bounded: the signal handler waits
+        # for this, and a SIGTERM must not wait behind a store that does not answer.
+        with anyio.move_on_after(RELOAD_SYNC_S) as syncing:
+            await self._sync_schedules(new)
+        if syncing.cancelled_caught:
+            log.warning("reload: the config's schedules were not saved within %gs (the store does not answer); "
+                        "the next SIGHUP or start saves them", RELOAD_SYNC_S)
         self.metrics.reloaded(ok=True)
         log.info("reloaded %s: %s", where, ", ".join(changed) if changed else "nothing changed")
         if self.pending_restart:
             log.warning("reload: %s changed but need a restart to take effect", ", ".join(self.pending_restart))
 
     async def _sync_schedules(self, settings: Settings) -> None:
-        """Save the config's [[schedules]]; a bad one is logged and skipped, the others still run. Then say
-        which stored schedules name a type this node does not define: it leaves them to a node that does,
-        and with no such node (SQLite has one) they do not fire at all."""
+        """Save the config's [[schedules]] (a failure is logged: the next start or SIGHUP tries again). Then
+        say which stored schedules name a type this node does not define: it leaves them to a node that
+        does, and with no such node (SQLite has one) they do not fire at all."""
         try:
-            await self.scheduler.sync_config(settings.schedules)
+            stored = await self.scheduler.sync_config(settings.schedules)
         except (InvalidRequest, StoreUnavailable) as exc:
             log.error("schedules from %s not saved: %s", self.config_path or "defaults", exc)
-        with contextlib.suppress(StoreUnavailable):
-            for schedule in await self.store.list_schedules():
-                if not self.registry.knows_type(schedule.type):
-                    log.warning("schedule %s names task type %r, which this node does not define: it fires "
-                                "only on a node that does", schedule.name, schedule.type)
+            return
+        for schedule in stored:
+            if not self.registry.knows_type(schedule.type):
+                log.warning("schedule %s names task type %r, which this node does not define: it fires only on a "
+                            "node that does", schedule.name, schedule.type)
+
+    def _say_left_out(self, settings: Settings) -> None:
+        """The built-in types plugins.allow/deny leave out: their tasks wait for a node that defines them."""
+        left_out = sorted(set(BUILTIN_TYPES) - set(settings.all_types))
+        if left_out:
+            log.warning("built-in task types %s are not defined on this node: plugins.allow/deny leave out their "
+                        "plugins", ", ".join(left_out))
 
     def _may_claim(self) -> bool:
         """Not while a host guard holds, nor on a node whose pool.task_types accepts none of its types (one
@@ -534,6 +542,23 @@ def check_startable(settings: Settings) -> None:
 def _file_safe(node_id: str) -> str:
     """A node id as part of a file name (node ids are free text)."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", node_id)
+
+
+@contextlib.contextmanager
+def _locked(path: Path, held: str) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (with our pid in it); ConfigError saying `held` when another has it."""
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            other = handle.read().strip() or "unknown"
+            raise ConfigError(f"{held} (pid {other}, lock {path}); stop it or give this daemon another "
+                              "node.id") from None
+        handle.truncate(0)
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
 
 
 def check_state_dir(state_dir: Path) -> None:

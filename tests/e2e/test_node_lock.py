@@ -34,6 +34,22 @@ def test_a_second_daemon_with_the_same_node_id_and_state_dir_exits_2_naming_the_
 
 
 @pytest.mark.e2e
+def test_a_second_daemon_of_the_node_on_another_store_but_the_same_state_dir_exits_2(
+        daemon: Daemon, make_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    """Its start would kill the commands running in the work directories the two share, taking them for
+    what a SIGKILLed daemon left behind."""
+    (tmp_path / "other").mkdir()
+    twin = make_daemon({"store": {"url": f"sqlite:///{tmp_path / 'other' / 'other.db'}"},
+                        "node": {"id": "e2e-node", "state_dir": str(daemon.state_dir)}}, root=tmp_path / "other")
+    result = subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(twin.config_path)],
+                            cwd=twin.root, env=twin.env, capture_output=True, text=True, timeout=30,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 2, result.stderr
+    assert f"pid {daemon.pid}" in result.stderr and "work directories" in result.stderr
+    assert daemon.get("/readyz").status == 200, "the first daemon is unharmed"
+
+
+@pytest.mark.e2e
 def test_a_second_daemon_reaching_the_same_database_through_a_symlink_exits_2(
         daemon: Daemon, make_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
     """Started, it would take the first one's live leases for an earlier process's and run their tasks again."""

@@ -1,11 +1,14 @@
 """SIGHUP picks up [[schedules]] added to the config file, keeping the running ones' state, and drops the
 ones taken out of it."""
 
+import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from tidepool import settings
+from tidepool.model import NewTask
 from tidepool.schedules import Schedule
 from tidepool.service import Daemon
 
@@ -79,13 +82,23 @@ async def test_a_reload_that_drops_a_type_a_stored_schedule_uses_says_so_and_the
     path.write_text(typed)
     daemon = Daemon(settings.load(path), config_path=path)
     await daemon.store.open()
-    await daemon.save_schedule(Schedule(name="probing", type="probe", every_s=60))
+    await daemon.save_schedule(Schedule(name="probing", type="probe", every_s=1))
     path.write_text('[store]\nurl = "memory://"\n')
     await daemon.reload()
     said = [line for line in capfd.readouterr().err.splitlines() if "WARNING" in line and "probing" in line]
     assert len(said) == 1 and "'probe'" in said[0] and "does not define" in said[0], said  # (the reload's logging)
-    (schedule,) = await daemon.store.list_schedules()
-    assert schedule.next_run_at is not None
-    fired = await daemon.store.fire_schedules(now=schedule.next_run_at + 1, max_attempts=lambda _: 3,
-                                              defines=daemon.registry.knows_type)
-    assert fired == [] and (await daemon.store.list_tasks()).tasks == []
+    await anyio.sleep(1.1)  # due now
+    assert await daemon.scheduler.tick() == [] and (await daemon.store.list_tasks()).tasks == []
+
+
+async def test_a_tick_past_max_queued_is_skipped_and_said_as_queue_full(tmp_path: Path) -> None:
+    path = tmp_path / "tidepool.toml"
+    path.write_text('[store]\nurl = "memory://"\n[pool]\nmax_queued = 1\n')
+    daemon = Daemon(settings.load(path), config_path=path)
+    await daemon.store.open()
+    await daemon.submit(NewTask("noop", available_at=time.time() + 3600))  # the queue is full from here on
+    await daemon.save_schedule(Schedule(name="often", type="noop", every_s=1))
+    await anyio.sleep(1.1)
+    (skipped,) = await daemon.scheduler.tick()
+    assert (skipped.reason, skipped.task_id) == ("queue_full", None)
+    assert len((await daemon.store.list_tasks()).tasks) == 1

@@ -216,13 +216,6 @@ def test_catch_up_across_the_night_the_clocks_go_back_fires_no_repeat_of_a_fixed
     assert (firing.skipped, firing.last_skipped) == (4, at(2027, 10, 23, 2, 30))
 
 
-def test_clock_going_back_restarts_from_now_without_firing() -> None:
-    schedule = start(every(60.0), 10_000.0)
-    fired, saved = fire(schedule, 100.0, max_attempts=lambda _: 3, running=lambda _: False, add=lambda _: "t")
-    assert fired == []
-    assert saved.next_tick_at == 120.0
-
-
 def test_overlap_skip_skips_while_the_previous_task_runs() -> None:
     schedule = replace(start(every(60.0, overlap="skip"), 0.0), last_task_id="busy")
     added: list[NewTask] = []
