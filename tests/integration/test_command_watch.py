@@ -36,7 +36,7 @@ from tidepool.plugins.command import CommandLimits, run_command, scrubbed_env
 from tidepool.settings import PluginSpec, PluginsSettings, TypeSettings
 from tidepool.store.sqlite import SqliteStore
 
-from .conftest import running_node
+from .conftest import gone, pids, running_node
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -117,21 +117,6 @@ def script(tmp_path: Path, name: str, text: str) -> Path:
     path = tmp_path / name
     path.write_text(text)
     return path
-
-
-def pids(path: Path) -> dict[str, int]:
-    try:
-        lines = path.read_text().split("\n")[:-1]  # a last line without newline is still being written
-    except FileNotFoundError:
-        return {}
-    return {role: int(pid) for role, pid in (line.split() for line in lines)}
-
-
-def gone(pid: int) -> bool:
-    try:  # a zombie has exited; reaping an orphan is init's business
-        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return True
 
 
 async def until(condition: Callable[[], bool], *, timeout_s: float = 10.0) -> None:

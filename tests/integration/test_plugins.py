@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
-import psutil  # type: ignore[import-untyped]
 import pytest
 from aiohttp import web
 from anyio.abc import SocketAttribute
@@ -29,7 +28,7 @@ from tidepool.resources import ResourcePool
 from tidepool.settings import PluginSpec, PluginsSettings, ResourceSettings, TypeSettings
 from tidepool.store.sqlite import SqliteStore
 
-from .conftest import Node, running_node
+from .conftest import Node, gone, pids, running_node
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,21 +94,6 @@ def command(tmp_path: Path, script: str, **spec: object) -> PluginSpec:
 
 def registry_of(defs: dict[str, PluginSpec], types: dict[str, TypeSettings], **access: tuple[str, ...]) -> Registry:
     return Registry.from_settings(PluginsSettings(defs=defs, **access), types, kill_grace_s=GRACE_S)
-
-
-def pids(path: Path) -> dict[str, int]:
-    try:
-        lines = path.read_text().split("\n")[:-1]  # a last line without newline is still being written
-    except FileNotFoundError:
-        return {}
-    return {role: int(pid) for role, pid in (line.split() for line in lines)}
-
-
-def gone(pid: int) -> bool:
-    try:  # a zombie has exited; reaping an orphan is init's business
-        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return True
 
 
 def event_ts(node: Node, task_id: str, name: str) -> float:
