@@ -14,6 +14,9 @@ import aiohttp
 from yarl import URL
 
 TERMINAL = frozenset({"completed", "failed", "timed_out", "cancelled"})
+# Every answer of a daemon carries it: what tells a daemon's answer from a proxy's or another service's
+# on the port, whose JSON would otherwise be read as the daemon's.
+API_HEADER = ("Tidepool-API", "v1")
 
 
 class ApiError(Exception):
@@ -82,7 +85,7 @@ class Client:
         error = data.get("error") if isinstance(data, dict) else None
         if response.status >= 400 and isinstance(error, dict):
             raise ApiError(response.status, str(error.get("code", "error")), str(error.get("message", "")))
-        if response.status >= 400 or data is _NOT_JSON:
+        if response.status >= 400 or data is _NOT_JSON or response.headers.get(API_HEADER[0]) != API_HEADER[1]:
             raise Unreachable(f"no tidepool daemon answered at {self.url}: it answered {response.status} "
                               f"{response.reason or ''}".rstrip() + ", not as tidepool does (a proxy whose daemon "
                               "is down, or another service)")
@@ -131,7 +134,8 @@ class Client:
         try:
             async with self._session.get(f"{self._base}/v1/events?{query}", headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=None, sock_read=60)) as response:
-                if response.status >= 400 or response.content_type != "text/event-stream":
+                if response.status >= 400 or response.content_type != "text/event-stream" or \
+                        response.headers.get(API_HEADER[0]) != API_HEADER[1]:
                     self._answer(response, await response.read())
                     raise Unreachable(f"no tidepool daemon answered at {self.url}: GET /v1/events answered "
                                       f"{response.content_type}, not an event stream")

@@ -122,6 +122,8 @@ def read_token(token_file: str) -> str | None:
         token = Path(token_file).read_text().strip()
     except OSError as exc:
         raise ConfigError(f"config: api.token_file: cannot read {token_file}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config: api.token_file: {token_file} is not UTF-8 text") from None
     if not token:
         raise ConfigError(f"config: api.token_file: {token_file} is empty")
     return token

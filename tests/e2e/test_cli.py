@@ -201,7 +201,8 @@ class NotTidepool(http.server.BaseHTTPRequestHandler):
     another service on the port."""
 
     answers = {"/proxy": (502, "text/html", b"<html><body><h1>502 Bad Gateway</h1></body></html>"),
-               "/empty": (404, "text/plain", b""), "/other": (200, "text/html", b"<html>a directory</html>")}
+               "/empty": (404, "text/plain", b""), "/other": (200, "text/html", b"<html>a directory</html>"),
+               "/json": (200, "application/json", b'{"foo": 1}')}  # read as the daemon's: a KeyError traceback
 
     def do_GET(self) -> None:
         self.do_POST()
@@ -219,7 +220,7 @@ class NotTidepool(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("kind", ["proxy", "empty", "other"])
+@pytest.mark.parametrize("kind", ["proxy", "empty", "other", "json"])
 def test_an_address_where_something_else_answers_is_unreachable_exit_3_in_one_line(cli: Cli, kind: str) -> None:
     """Exit 1 would say the task failed: a script must not take a proxy's error page for that."""
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotTidepool) as server:
@@ -233,6 +234,19 @@ def test_an_address_where_something_else_answers_is_unreachable_exit_3_in_one_li
         assert result.returncode == UNREACHABLE, result.stderr
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and url in lines[0] and "not as tidepool does" in lines[0], result.stderr
+
+
+@pytest.mark.e2e
+def test_a_token_file_that_is_not_text_is_a_config_error_naming_the_key(tmp_path: Path, cli: Cli) -> None:
+    """It was a UnicodeDecodeError traceback and exit 1, which systemd's RestartPreventExitStatus=2 let restart."""
+    token = tmp_path / "token"
+    token.write_bytes(b"\xff\xfe\x00bad")
+    config = tmp_path / "client.toml"
+    config.write_text(to_toml({"api": {"listen": f"127.0.0.1:{free_port()}", "token_file": str(token)}}))
+    for args in (["pool"], ["run"]):
+        result = cli(*args, "--config", str(config))
+        assert result.returncode == USAGE, result.stderr
+        assert "api.token_file" in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 @pytest.mark.e2e

@@ -17,6 +17,7 @@ from aiohttp import web
 from anyio.abc import TaskStatus
 from pydantic import BaseModel, ValidationError
 
+from ..client import API_HEADER
 from ..errors import (
     ConfigError,
     Conflict,
@@ -298,12 +299,17 @@ async def dashboard(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC / "index.html")
 
 
+async def _identify(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[API_HEADER[0]] = API_HEADER[1]
+
+
 def build_app(daemon: Daemon, fanout: stream.Fanout, *, token: str | None = None,
               guard_browsers: bool = False) -> web.Application:
     """`guard_browsers`: refuse what web pages may not do to an API without a token (see browsers)."""
     middlewares = [errors_as_json, *([browser_guard()] if guard_browsers else []), require_token, no_nul]
     app = web.Application(middlewares=middlewares, client_max_size=daemon.max_body_kb * 1024)
     app.on_response_prepare.append(no_framing)
+    app.on_response_prepare.append(_identify)
     app[DAEMON] = daemon
     app[FANOUT] = fanout
     app[TOKEN] = token
