@@ -134,11 +134,13 @@ class Client:
         try:
             async with self._session.get(f"{self._base}/v1/events?{query}", headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=None, sock_read=60)) as response:
-                if response.status >= 400 or response.content_type != "text/event-stream" or \
-                        response.headers.get(API_HEADER[0]) != API_HEADER[1]:
-                    self._answer(response, await response.read())
+                if response.status >= 400 or response.content_type != "text/event-stream":
+                    self._answer(response, await response.read())  # ApiError or Unreachable, as it is
                     raise Unreachable(f"no tidepool daemon answered at {self.url}: GET /v1/events answered "
                                       f"{response.content_type}, not an event stream")
+                if response.headers.get(API_HEADER[0]) != API_HEADER[1]:  # someone's stream: never read to its end
+                    raise Unreachable(f"no tidepool daemon answered at {self.url}: the event stream there is "
+                                      "not tidepool's")
                 name, data = "message", []
                 async for raw in response.content:
                     line = raw.decode().rstrip("\r\n")

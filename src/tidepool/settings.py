@@ -119,7 +119,7 @@ def read_token(token_file: str) -> str | None:
     if not token_file:
         return None
     try:
-        token = Path(token_file).read_text().strip()
+        token = Path(token_file).read_text(encoding="utf-8").strip()
     except OSError as exc:
         raise ConfigError(f"config: api.token_file: cannot read {token_file}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:

@@ -10,6 +10,7 @@ from typing import Any
 
 import anyio
 import pytest
+from aiohttp import web
 
 from tidepool.client import ApiError, Client, InvalidAddress, Unreachable
 
@@ -157,3 +158,27 @@ async def test_the_client_sends_the_bearer_token(make_daemon: Callable[..., Daem
         with pytest.raises(ApiError) as caught:
             await client.pool()
         assert (caught.value.status, caught.value.code) == (401, "unauthorized")
+
+
+@pytest.mark.e2e
+async def test_someone_elses_event_stream_at_the_address_is_unreachable_at_once_not_read_for_ever() -> None:
+    async def endless(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        while True:
+            await response.write(b"data: {}\n\n")
+            await asyncio.sleep(0.05)
+
+    app = web.Application()
+    app.router.add_get("/v1/events", endless)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with Client(f"http://127.0.0.1:{port}") as client:
+            with anyio.fail_after(5), pytest.raises(Unreachable, match="not tidepool's"):
+                async for _ in client.events():
+                    pass
+    finally:
+        await runner.cleanup()
