@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import psutil  # type: ignore[import-untyped]
 import pytest
 
 from tidepool.engine import Engine, EngineConfig
@@ -134,21 +133,3 @@ async def store(sqlite_store: SqliteStore) -> AsyncIterator[SqliteStore]:
 
 def done_states(*states: State) -> set[str]:
     return {s.value for s in states}
-
-
-# the process trees commands leave behind: test scripts write `<role> <pid>` lines to a pid file
-
-
-def pids(path: Path) -> dict[str, int]:
-    try:
-        lines = path.read_text().split("\n")[:-1]  # a last line without newline is still being written
-    except FileNotFoundError:
-        return {}
-    return {role: int(pid) for role, pid in (line.split() for line in lines)}
-
-
-def gone(pid: int) -> bool:
-    try:  # a zombie has exited; reaping an orphan is init's business
-        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return True

@@ -36,29 +36,13 @@ from tidepool.plugins.command import CommandLimits, run_command, scrubbed_env
 from tidepool.settings import PluginSpec, PluginsSettings, TypeSettings
 from tidepool.store.sqlite import SqliteStore
 
-from .conftest import gone, pids, running_node
+from ..process_trees import RECORD, gone, pids
+from .conftest import running_node
 
 pytestmark = pytest.mark.timeout(60)
 
 PY = sys.executable
 GRACE_S = 0.5
-
-RECORD = """
-import os, sys, time
-def record(role):
-    with open(sys.argv[1], "a") as f:
-        f.write(f"{role} {os.getpid()}\\n")
-def sleep_forever(role):
-    record(role)
-    while True:
-        time.sleep(3600)
-def fork(body):
-    if os.fork() == 0:
-        try:
-            body()
-        finally:
-            os._exit(0)
-"""
 
 # leader -> child; both sleep.
 PAIR = RECORD + """

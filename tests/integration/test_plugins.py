@@ -28,29 +28,13 @@ from tidepool.resources import ResourcePool
 from tidepool.settings import PluginSpec, PluginsSettings, ResourceSettings, TypeSettings
 from tidepool.store.sqlite import SqliteStore
 
-from .conftest import Node, gone, pids, running_node
+from ..process_trees import RECORD, gone, pids
+from .conftest import Node, running_node
 
 pytestmark = pytest.mark.timeout(60)
 
 PY = sys.executable
 GRACE_S = 0.5
-
-RECORD = """
-import os, sys, time
-def record(role):
-    with open(sys.argv[1], "a") as f:
-        f.write(f"{role} {os.getpid()}\\n")
-def fork(body):
-    if os.fork() == 0:
-        try:
-            body()
-        finally:
-            os._exit(0)
-def sleep_forever(role):
-    record(role)
-    while True:
-        time.sleep(3600)
-"""
 
 # leader -> middle -> {escaper (leaves the group with setsid), stubborn (ignores SIGTERM)}
 TREE = RECORD + """
