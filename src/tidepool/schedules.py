@@ -272,11 +272,13 @@ def set_paused(schedule: Schedule, paused: bool, now: float) -> Schedule:
 
 
 def fire(schedule: Schedule, now: float, *, max_attempts: Callable[[str], int], running: Callable[[str], bool],
-         add: Callable[[NewTask], str | None]) -> tuple[list[Fired], Schedule]:
+         add: Callable[[NewTask], str | None], firing: Firing | None = None) -> tuple[list[Fired], Schedule]:
     """Fire a due schedule inside the store's transaction: `add` creates a task (None if its tick's
     key exists already), `running` says whether the schedule's last task is still unfinished, and
-    `max_attempts` gives a task of a type its attempt budget."""
-    firing = plan(schedule, now)
+    `max_attempts` gives a task of a type its attempt budget. `firing`: plan(schedule, now), when the
+    caller needed it first (a cron backlog's plan walks up to MAX_COUNTED ticks)."""
+    if firing is None:
+        firing = plan(schedule, now)
     fired = [Fired(schedule.name, firing.last_skipped, None, "missed", firing.skipped)] \
         if firing.last_skipped is not None else []
     last_task, last_run = schedule.last_task_id, schedule.last_run_at

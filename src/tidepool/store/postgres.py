@@ -1429,7 +1429,8 @@ async def _fire(conn: Conn, name: str, now: float, max_attempts: Callable[[str],
         return []
     schedule = _schedule(row)
     # schedules.fire() asks its questions synchronously: answer them from what the store holds now.
-    ticks = schedules.plan(schedule, now).fire
+    firing = schedules.plan(schedule, now)
+    ticks = firing.fire
     keys = [schedules.tick_key(schedule, t) for t in ticks]
     used = await conn.fetch("SELECT idempotency_key FROM tasks WHERE idempotency_key = ANY($1::text[])", keys)
     taken = {r[0] for r in used}
@@ -1454,7 +1455,8 @@ async def _fire(conn: Conn, name: str, now: float, max_attempts: Callable[[str],
     def running(task_id: str) -> bool:
         return task_id in created or (task_id == schedule.last_task_id and bool(last_active))
 
-    fired, saved = schedules.fire(schedule, now, max_attempts=max_attempts, running=running, add=add)
+    fired, saved = schedules.fire(schedule, now, max_attempts=max_attempts, running=running, add=add,
+                                  firing=firing)
     for task_id, new in created.items():
         if await conn.fetchrow(INSERT, *_insert_args(new, now, task_id)) is None:
             # Only a submit that borrowed this tick's key can get here: give up this pass, retry the next.
