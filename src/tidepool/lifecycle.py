@@ -71,15 +71,6 @@ def step(state: State, event: Event) -> State:
         raise InvalidTransition(state.value, event.value) from None
 
 
-def can(state: State, event: Event) -> bool:
-    return (state, event) in TRANSITIONS
-
-
-def sources(event: Event) -> frozenset[State]:
-    """Every state `event` may leave: what adapters put in their fenced WHERE clauses."""
-    return frozenset(s for (s, e) in TRANSITIONS if e is event)
-
-
 def backoff_s(attempt: int, *, base_s: float, max_s: float, jitter: float,
               rng: random.Random | None = None) -> float:
     """delay = min(max, base * 2**(attempt-1)) * (1 ± jitter)."""

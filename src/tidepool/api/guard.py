@@ -41,7 +41,6 @@ class ConnectionGuard:
         self.header_timeout_s = header_timeout_s
         self.max_connections = max_connections
         self.open = 0
-        self.cut_off = 0
         self.full = Outage(log)  # said once when the cap starts refusing, once when it admits again
         self._connections: dict[object, _Guarded] = {}  # by transport, for the middleware
 
@@ -138,7 +137,6 @@ class _Guarded(asyncio.Protocol):
             self._timer = asyncio.get_running_loop().call_later(self._guard.header_timeout_s, self._cut_off)
 
     def _cut_off(self) -> None:
-        self._guard.cut_off += 1
         if self._transport is not None:
             self._transport.abort()
 
