@@ -214,9 +214,12 @@ class Engine:
             else:
                 with anyio.move_on_after(plugin.timeout_s) as scope:
                     await plugin.run(ctx)
-                if scope.cancelled_caught:
+                if scope.cancel_called:  # not cancelled_caught: a plugin may swallow the cancel and return
                     outcome = "timed_out"
                     raise _PluginTimedOut(f"plugin {plugin.name} timed out after {plugin.timeout_s}s")
+            # Returned, but its attempt was stopped meanwhile (the run deadline, a cancel, a lost lease, a
+            # shutdown) and the plugin swallowed that: it ends as stopped, as though it had let it through.
+            await _cancelled_yet(held)
             outcome = "succeeded"
         except Exception:
             if outcome == "stopped":

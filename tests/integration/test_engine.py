@@ -1,5 +1,6 @@
 """The engine runs each task through its phases and ends it in the state the outcome calls for."""
 
+import contextlib
 import gc
 import time
 from pathlib import Path
@@ -182,6 +183,27 @@ async def test_run_phase_timeout_ends_timed_out(sqlite_store: SqliteStore, tmp_p
         assert task.error is not None and task.error.code == "timeout"
         assert [a.status for a in task.attempts] == [AttemptStatus.TIMED_OUT]
         assert "task.phase:stop" in node.names(task.id)
+
+
+async def stubborn(ctx: TaskContext) -> None:
+    """Swallows every cancellation (a broad `except BaseException`, a retry wrapper) and returns."""
+    for _ in range(3):
+        with contextlib.suppress(BaseException):
+            await anyio.sleep(0.1)
+
+
+@pytest.mark.parametrize("deadline", ["run phase", "plugin"])
+async def test_a_plugin_that_swallows_its_timeout_and_returns_still_timed_out(sqlite_store: SqliteStore,
+                                                                              tmp_path: Path, deadline: str) -> None:
+    plugins = {"stubborn": PluginDef("stubborn", stubborn, timeout_s=0.05 if deadline == "plugin" else None)}
+    types = {"stubborn": TypeSettings(plugins=("stubborn",), timeout_s=0.05 if deadline == "run phase" else None)}
+    async with running_node(sqlite_store, {}, registry=Registry(plugins, types), work_root=tmp_path) as node:
+        task = await node.finished(await node.submit("stubborn", max_attempts=1))
+        plugin_ended = [e.data["outcome"] for e in node.seen
+                        if e.data.get("task_id") == task.id and e.name == "plugin.finished"]
+    assert task.state is State.TIMED_OUT
+    assert [a.status for a in task.attempts] == [AttemptStatus.TIMED_OUT]
+    assert plugin_ended == ["stopped" if deadline == "run phase" else "timed_out"]
 
 
 async def test_a_timeout_is_retried_when_the_type_says_so(sqlite_store: SqliteStore, tmp_path: Path) -> None:
