@@ -68,12 +68,16 @@ class Engine:
         Once keep_going() is false, or release_unstarted() was called, the rest go back unstarted.
         """
         batch = [c.lease.attempt_id for c in claimed]
-        self._unstarted.update((c.lease.attempt_id, (c, self._leases.hold(c.lease), worker_id)) for c in claimed)
+        for c in claimed:
+            held = self._leases.hold(c.lease)
+            held.waiting = self._stopped_waiting
+            self._unstarted[c.lease.attempt_id] = (c, held, worker_id)
         try:
             for attempt_id in batch:
                 item = self._unstarted.pop(attempt_id, None)
                 if item is None:
-                    continue  # already given back by release_unstarted()
+                    continue  # already ended: given back by release_unstarted(), or stopped while waiting
+                item[1].waiting = None  # its turn: from here a stop cancels its scope
                 if keep_going():
                     await self.run(item[0], worker_id, held=item[1])
                 else:
@@ -117,6 +121,18 @@ class Engine:
                         held.lease.attempt_id)
             self._conclude(task, held, Outcome(AttemptStatus.INTERRUPTED, TaskError(
                 "interrupted", "interrupted by shutdown; did not stop in time")), worker_id)
+
+    def _stopped_waiting(self, held: Held) -> None:
+        """A batch-claimed task was stopped before its turn: it ends now, without a phase (nothing ran)."""
+        item = self._unstarted.pop(held.lease.attempt_id, None)
+        if item is None:
+            return
+        if held.why == "cancel":
+            self._conclude(item[0].task, held, Outcome(AttemptStatus.CANCELLED, CANCELLED_ON_REQUEST), item[2])
+        elif held.why == "interrupt":
+            self._give_back(*item)
+        else:  # its lease is gone: nothing of it may be written
+            self._conclude(item[0].task, held, None, item[2])
 
     def _give_back(self, claimed: Claimed, held: Held, worker_id: str) -> None:
         outcome = Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "released unstarted"))

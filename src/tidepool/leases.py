@@ -41,11 +41,16 @@ class Held:
     why: str | None = None                # "cancel", "lost", "interrupt"
     phase: Phase | None = None            # the latest phase and progress, written behind
     progress: dict[str, object] | None = None
+    # Called when stopped before its attempt started (a batch-claimed task waiting its turn): no scope is
+    # entered yet to cancel, so whoever holds the task must end it now rather than at its turn.
+    waiting: Callable[[Held], None] | None = None
 
     def stop(self, why: str) -> None:
         if self.why is None:
             self.why = why
         self.scope.cancel()
+        if self.waiting is not None:
+            self.waiting(self)
 
 
 class LeaseKeeper:

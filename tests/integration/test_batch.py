@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import anyio
@@ -63,3 +64,27 @@ async def test_stopping_the_pool_gives_back_the_unstarted_part_of_a_batch_at_onc
             assert [a.status for a in task.attempts] == [AttemptStatus.INTERRUPTED]
             assert task.error is None or task.error.code == "interrupted"
         assert node.leases.held() == []
+
+
+async def test_a_cancel_of_a_task_waiting_in_a_batch_ends_it_at_once_without_running_it(sqlite_store: SqliteStore,
+                                                                                       tmp_path: Path) -> None:
+    gate = anyio.Event()
+
+    async def blocked(ctx: TaskContext) -> None:
+        await gate.wait()
+
+    config = PoolConfig(min_workers=1, max_workers=1, claim_batch=3, poll_interval_s=0.5)
+    async with running_node(sqlite_store, {"blocked": blocked}, pool=config, renew_every_s=0.05,
+                            work_root=tmp_path) as node:
+        first, waiting, last = await node.submit_many("blocked", 3)
+        await node.until(lambda: "plugin.started" in node.names(first))
+        # the cancel lands in the store only, as from another node; the next renewal notices it
+        assert (await node.store.request_cancel(waiting, now=time.time())).state is State.CANCELLING
+        with anyio.fail_after(2):  # not at its turn, nor at the reconciler's cancel deadline (5 s here)
+            cancelled = await node.finished(waiting)
+        assert not gate.is_set() and "plugin.finished" not in node.names(first)
+        gate.set()
+        assert [(await node.finished(i)).state for i in (first, last)] == [State.COMPLETED] * 2
+    assert cancelled.state is State.CANCELLED
+    assert [a.status for a in cancelled.attempts] == [AttemptStatus.CANCELLED]
+    assert node.names(waiting) == ["task.leased", "task.finished"]  # it never started: no phases
