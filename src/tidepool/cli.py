@@ -236,11 +236,14 @@ def _with_client(args: argparse.Namespace, settings: Settings,
         return UNREACHABLE
     except ApiError as exc:  # the daemon's message often quotes the request back: an id, a type name
         print(_visible(f"tidepool: {exc.message} ({exc.status} {exc.code})"), file=sys.stderr)
-        if exc.status in (429, 503):  # the daemon answers but cannot take it now: its store is down, or full
-            return UNREACHABLE
-        if exc.status in (400, 401, 404, 409, 413, 415):  # the request or the token: usage or config (2)
-            return USAGE
-        return TASK_FAILED
+        return exit_code(exc.status)
+
+
+def exit_code(status: int) -> int:
+    """The exit code for an HTTP error answer. 1 is kept for a task that ended badly: a refusal is the
+    request's or the token's (2); a daemon that answers but cannot take it now (store down, queue full),
+    or fails, is as good as unreachable (3)."""
+    return USAGE if 400 <= status < 500 and status != 429 else UNREACHABLE
 
 
 def _url(listen: str) -> str:

@@ -1,4 +1,4 @@
-"""What the CLI puts on a terminal from task data: control characters spelled out, markup shown as text."""
+"""What the CLI puts on a terminal from task data (control characters spelled out, markup as text); its exit codes."""
 
 from __future__ import annotations
 
@@ -38,3 +38,12 @@ def test_the_submit_wait_live_line_shows_a_plugin_name_and_progress_message_lite
     Console(file=out, width=200, color_system=None).print(line)  # the text only, as `| cat -v` sees it
     assert out.getvalue() == ("01TASK pending               shout\\u001b[31m  50.0% "
                               "[bold red]MARKUP[/bold red] \\u001b]0;PWNED\\u0007 \\u001b[2J\\u000d:smile:\n")
+
+
+@pytest.mark.parametrize(("status", "code"), [
+    (400, cli.USAGE), (401, cli.USAGE), (403, cli.USAGE), (404, cli.USAGE), (405, cli.USAGE), (408, cli.USAGE),
+    (409, cli.USAGE), (413, cli.USAGE), (415, cli.USAGE),
+    (429, cli.UNREACHABLE), (500, cli.UNREACHABLE), (503, cli.UNREACHABLE),
+])
+def test_an_error_answer_never_exits_1_which_says_the_task_ended_badly(status: int, code: int) -> None:
+    assert cli.exit_code(status) == code
