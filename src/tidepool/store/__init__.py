@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import anyio
 from anyio.abc import TaskStatus
 
-from ..errors import ConfigError, Conflict, InvalidTransition, LeaseLost, TidepoolError
+from ..errors import ConfigError, Conflict, InvalidTransition, LeaseLost, QueueFull, TidepoolError
 from ..lifecycle import Event, RetryPolicy, step
 from ..model import (
     AttemptStatus,
@@ -244,6 +244,13 @@ class Store(Protocol):
 def progress_text(progress: dict[str, Any] | None) -> str | None:
     """A progress report as the stores keep it (JSON text); None stays None, and the column keeps its value."""
     return None if progress is None else json.dumps(progress)
+
+
+def check_room(queued: int, adding: int, max_queued: int) -> None:
+    """QueueFull when `adding` more tasks would take the queue past max_queued, saying by how much."""
+    if queued + adding > max_queued:
+        these = f"; these {adding} would make {queued + adding}" if adding > 1 else ""
+        raise QueueFull(f"{queued} tasks are queued{these}; pool.max_queued is {max_queued}")
 
 
 def batch_answer(batch: Sequence[NewTask], existing: Mapping[str | None, str],

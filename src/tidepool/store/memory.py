@@ -10,7 +10,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from .. import schedules
-from ..errors import Conflict, LeaseLost, QueueFull, ScheduleNotFound, TaskCancelling, TaskNotFound, TidepoolError
+from ..errors import Conflict, LeaseLost, ScheduleNotFound, TaskCancelling, TaskNotFound, TidepoolError
 from ..lifecycle import Event, RetryPolicy, decide_end, step
 from ..model import (
     CANCELLED_ON_REQUEST,
@@ -42,6 +42,7 @@ from . import (
     PhaseNote,
     batch_answer,
     cancel_step,
+    check_room,
     expiry_outcome,
     retry_step,
 )
@@ -348,9 +349,7 @@ class MemoryStore:
     def _check_room(self, n: int, max_queued: int | None) -> None:
         if max_queued is None:
             return
-        queued = sum(1 for r in self._rows.values() if r.task.state in QUEUED)
-        if queued + n > max_queued:
-            raise QueueFull(f"{queued} tasks are queued; pool.max_queued is {max_queued}")
+        check_room(sum(1 for r in self._rows.values() if r.task.state in QUEUED), n, max_queued)
 
     def _insert(self, new: NewTask, now: float) -> Task:
         task = Task(

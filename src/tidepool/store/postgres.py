@@ -80,6 +80,7 @@ from . import (
     PhaseNote,
     batch_answer,
     cancel_step,
+    check_room,
     completable_at_once,
     expiry_outcome,
     progress_text,
@@ -1386,9 +1387,7 @@ async def _existing(conn: Conn, new: NewTask) -> Task | None:
 
 
 async def _check_room(conn: Conn, n: int, max_queued: int) -> None:
-    queued = await _queued(conn, max_queued)
-    if queued + n > max_queued:
-        raise QueueFull(f"{queued} tasks are queued; pool.max_queued is {max_queued}")
+    check_room(await _queued(conn, max_queued), n, max_queued)
 
 
 async def _queued(conn: Conn, max_queued: int) -> int:

@@ -37,7 +37,6 @@ from ..errors import (
     ConfigError,
     Conflict,
     LeaseLost,
-    QueueFull,
     ScheduleNotFound,
     SchemaMismatch,
     StoreUnavailable,
@@ -77,6 +76,7 @@ from . import (
     PhaseNote,
     batch_answer,
     cancel_step,
+    check_room,
     completable_at_once,
     expiry_outcome,
     progress_text,
@@ -983,8 +983,7 @@ def _check_room(conn: sqlite3.Connection, batch: _Batch, n: int, max_queued: int
         batch.queued = None  # an unchecked insert still grows the queue: recount at the next check
         return
     queued = batch.queued_count(conn)
-    if queued + n > max_queued:
-        raise QueueFull(f"{queued} tasks are queued; pool.max_queued is {max_queued}")
+    check_room(queued, n, max_queued)
     batch.queued = queued + n
 
 
