@@ -185,7 +185,12 @@ def test_bad_requests_are_refused_naming_the_field_and_change_nothing(make_daemo
     refused(400, "invalid_request", "tasks.2.type", path="/v1/tasks/batch",
             body={"tasks": [{"type": "noop"}, {"type": "sleep"}, {"type": "no-such-type"}]})
     refused(400, "invalid_request", "tasks", path="/v1/tasks/batch", body={"tasks": []})
-    refused(405, "method_not_allowed", "", "GET", "/v1/tasks/batch")
+    refused(404, "not_found", "batch", "GET", "/v1/tasks/batch")  # no task has that id: 404, as any other
+    refused(405, "method_not_allowed", "", "PUT", "/v1/tasks/batch")
+    refused(400, "invalid_request", "state", "GET", "/v1/tasks?state=pending&state=failed")
+    refused(400, "invalid_request", "stat", "GET", "/v1/tasks?stat=failed")  # misspelt: not everything
+    refused(400, "invalid_request", "limit", "GET", "/v1/tasks?limit=1_0")
+    refused(400, "invalid_request", "type", "GET", "/v1/tasks?type=")
     refused(400, "invalid_request", "min_workers", "PATCH", "/v1/pool", body={"min_workers": "many"})
     for method, path, names in NUL_REQUESTS:  # a 400, not whatever the store makes of a NUL
         refused(400, "invalid_request", names, method, path)
@@ -215,6 +220,7 @@ def test_max_queued_refuses_the_next_submit_and_a_whole_batch_over_it(make_daemo
         assert call(daemon, "POST", f"/v1/tasks/{task_id}/cancel").status == 202
     over = call(daemon, "POST", "/v1/tasks/batch", {"tasks": [held] * 3})  # 1 queued + 3 > 3
     assert over.status == 429 and over.error["code"] == "queue_full", over
+    assert "these 3 would make 4" in over.error["message"], over
     assert store_counts(daemon)[1]["pending"] == 1, "a batch over the limit is refused whole"
     fits = call(daemon, "POST", "/v1/tasks/batch", {"tasks": [held] * 2})
     assert fits.status == 201 and len(fits.body["ids"]) == 2
@@ -283,6 +289,22 @@ def test_retry_runs_a_failed_task_again_and_refuses_a_pending_one(daemon: Daemon
     assert r.status == 409 and r.error["code"] == "conflict", r
     assert daemon.task(waiting["id"])["state"] == "pending"
     assert call(daemon, "POST", f"/v1/tasks/{UNKNOWN_ID}/retry").status == 404
+
+
+@pytest.mark.e2e
+def test_cancel_and_retry_refuse_a_body_asking_for_more_and_change_nothing(daemon: Daemon) -> None:
+    waiting = daemon.submit("noop", available_at=later(3600))
+    for body, data, names in (({"reason": "obsolete"}, None, "reason"), (None, b"garbage{", "JSON")):
+        r = call(daemon, "POST", f"/v1/tasks/{waiting['id']}/cancel", body, data=data)
+        assert r.status == 400 and names in r.error["message"], r
+    assert daemon.task(waiting["id"])["state"] == "pending"
+    assert call(daemon, "POST", f"/v1/tasks/{waiting['id']}/cancel", {}).status == 202  # {} asks for nothing
+
+    failing = daemon.submit("sleep", {"seconds": "soon"}, max_attempts=1)
+    assert daemon.wait_terminal(failing["id"])["state"] == "failed"
+    r = call(daemon, "POST", f"/v1/tasks/{failing['id']}/retry", {"max_attempts": 5})  # it would not apply
+    assert r.status == 400 and "max_attempts" in r.error["message"], r
+    assert daemon.task(failing["id"])["state"] == "failed"
 
 
 HEADER_TIMEOUT_S = 1.5

@@ -33,7 +33,7 @@ from ..settings import api_address, read_token
 from . import openapi, stream
 from .browsers import browser_guard, no_framing
 from .guard import KEEPALIVE_TIMEOUT_S, ConnectionGuard, GuardedSite
-from .schemas import MAX_LIST_LIMIT, PoolPatch, ScheduleIn, SubmitBatch, SubmitTask, task_json
+from .schemas import MAX_LIST_LIMIT, NoFields, PoolPatch, ScheduleIn, SubmitBatch, SubmitTask, task_json
 
 if TYPE_CHECKING:
     from ..service import Daemon
@@ -178,7 +178,9 @@ async def submit_batch(request: web.Request) -> web.Response:
 
 
 async def batch_only(request: web.Request) -> web.Response:
-    """/v1/tasks/batch answers POST; anything else is 405 rather than a lookup of a task named "batch"."""
+    """/v1/tasks/batch answers POST; a GET looks for a task of that id, as any other (there is none: 404)."""
+    if request.method in ("GET", "HEAD"):
+        raise TaskNotFound("batch")
     if request.method != "POST":
         raise web.HTTPMethodNotAllowed(request.method, ["POST"])
     return await submit_batch(request)
@@ -189,35 +191,60 @@ async def get_task(request: web.Request) -> web.Response:
     return web.json_response(task_json(task))
 
 
+LIST_PARAMETERS = ("state", "type", "limit", "cursor")
+
+
 async def list_tasks(request: web.Request) -> web.Response:
-    q = request.query
+    q = _one_each(request, LIST_PARAMETERS)
     state = None
     if "state" in q:  # present but empty is not "no filter": the document lists the states
         try:
             state = State(q["state"])
         except ValueError:
             raise _http(400, "invalid_request", f"state: unknown state {q['state']!r}") from None
-    try:
-        limit = int(q.get("limit", 50))
-    except ValueError:
-        raise _http(400, "invalid_request", "limit: expected an integer") from None
-    if not 1 <= limit <= MAX_LIST_LIMIT:
+    if q.get("type") == "":
+        raise _http(400, "invalid_request", "type: empty; leave the parameter out to list every type")
+    limit = q.get("limit", "50")
+    if not (limit.isascii() and limit.isdigit()):  # int() would take "1_0", " 10" and "+10"
+        raise _http(400, "invalid_request", "limit: expected an integer")
+    if not 1 <= int(limit) <= MAX_LIST_LIMIT:
         raise _http(400, "invalid_request", f"limit: must be between 1 and {MAX_LIST_LIMIT}")
     cursor = q.get("cursor") or None
     if cursor is not None and not CURSOR.fullmatch(cursor):
         raise _http(400, "invalid_request", "cursor: pass back a next_cursor of an earlier page")
-    page = await request.app[DAEMON].store.list_tasks(state=state, type=q.get("type") or None, limit=limit,
+    page = await request.app[DAEMON].store.list_tasks(state=state, type=q.get("type"), limit=int(limit),
                                                       cursor=cursor)
     return web.json_response({"tasks": [task_json(t, results=False) for t in page.tasks],
                               "next_cursor": page.next_cursor})
 
 
+def _one_each(request: web.Request, known: tuple[str, ...]) -> dict[str, str]:
+    """The query's parameters, each at most once and each one the route knows: a misspelt filter must not
+    answer with everything, nor a repeated one with whichever came first."""
+    q = request.query
+    for name in q:
+        if name not in known:
+            raise _http(400, "invalid_request", f"{name}: not a parameter of this route (it takes {', '.join(known)})")
+        if len(q.getall(name)) > 1:
+            raise _http(400, "invalid_request", f"{name}: given {len(q.getall(name))} times; give it once")
+    return dict(q)
+
+
+async def no_body(request: web.Request) -> None:
+    """A route that takes no body refuses one with fields (or one that is not JSON) rather than ignore what
+    the caller meant it to change; an empty body and {} are fine."""
+    if request.can_read_body:
+        await parse(request, NoFields)
+
+
 async def cancel(request: web.Request) -> web.Response:
+    await no_body(request)
     state = await request.app[DAEMON].cancel(request.match_info["id"])
     return web.json_response({"state": state.value}, status=202)
 
 
 async def retry(request: web.Request) -> web.Response:
+    await no_body(request)
     task = await request.app[DAEMON].retry(request.match_info["id"])
     return web.json_response({"state": task.state.value, "task": task_json(task, results=False)}, status=202)
 

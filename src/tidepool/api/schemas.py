@@ -19,6 +19,12 @@ EARLIEST = datetime(1000, 1, 1, tzinfo=UTC)
 LATEST = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC)
 
 
+class NoFields(BaseModel):
+    """The body of a route that takes none, when one is sent anyway: {} and nothing more."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class SubmitTask(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
