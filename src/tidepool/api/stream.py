@@ -60,6 +60,8 @@ def frame(event: Event) -> bytes:
     orjson: every event of every task is encoded once a subscriber follows (measured: 5.7 µs an
     event with json, 2.5 with orjson)."""
     data = {"id": event.id, "event": event.name, "ts": rfc3339(event.ts), **event.data}
+    if isinstance(at := data.get("available_at"), float):  # kept a float on the bus, for the metrics
+        data["available_at"] = rfc3339(at)
     try:
         text = orjson.dumps(data, default=str)
     except TypeError:  # what orjson refuses (an integer past 64 bits), json writes
