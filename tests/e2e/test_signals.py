@@ -6,8 +6,10 @@ from __future__ import annotations
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -350,3 +352,28 @@ def test_a_reload_after_patch_says_it_set_the_pool_back_to_the_file(
     reload(daemon, notify)  # the file is unchanged
     assert (pool(daemon)["min_workers"], pool(daemon)["max_workers"]) == (2, 4)
     assert "pool sizes (back to the file's from PATCH /v1/pool)" in daemon.log(), "before: 'nothing changed'"
+
+
+@pytest.mark.e2e
+def test_a_daemon_on_a_unix_socket_takes_the_socket_file_away_when_it_stops(
+        make_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    with tempfile.TemporaryDirectory(dir="/tmp") as short:  # a socket's path must fit in 108 bytes
+        path = Path(short) / "api.sock"
+        daemon = make_daemon({"api": {"listen": f"unix:{path}"}})
+        for run in (1, 2):  # the second start finds the path free, as the first did
+            with NotifySocket() as notify:
+                proc = subprocess.Popen([sys.executable, "-m", "tidepool", "run", "--config", str(daemon.config_path)],
+                                        cwd=daemon.root, env={**daemon.env, **notify.env()}, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                try:
+                    notify.wait_for("READY=1")
+                    with socket.socket(socket.AF_UNIX) as client:  # it answers there
+                        client.connect(str(path))
+                        client.sendall(b"GET /healthz HTTP/1.0\r\nHost: localhost\r\n\r\n")
+                        assert client.recv(64).startswith(b"HTTP/1.0 200"), run
+                    proc.send_signal(signal.SIGTERM)
+                    assert proc.wait(20) == 0
+                finally:
+                    proc.kill()
+                    stderr = proc.communicate()[1].decode()
+            assert not path.exists(), f"run {run} left its socket file behind: {stderr}"

@@ -15,6 +15,7 @@ knob for tests that prove the cut-off in seconds rather than minutes, not a conf
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -144,12 +145,13 @@ class _Guarded(asyncio.Protocol):
 class GuardedSite(web.BaseSite):
     """A TCP or unix-socket site whose connections pass through a ConnectionGuard."""
 
-    __slots__ = ("_guard", "_listen")
+    __slots__ = ("_guard", "_listen", "_socket_file")
 
     def __init__(self, runner: web.BaseRunner, listen: str, guard: ConnectionGuard) -> None:
         super().__init__(runner)
         self._listen = listen  # checked by the settings: a port the kernel would choose is refused there
         self._guard = guard
+        self._socket_file: tuple[str, int, int] | None = None  # a unix socket's path, device and inode
 
     @property
     def name(self) -> str:
@@ -163,5 +165,17 @@ class GuardedSite(web.BaseSite):
         address = api_address(self._listen)
         if isinstance(address, str):
             self._server = await loop.create_unix_server(factory, address, backlog=LISTEN_BACKLOG)
+            made = os.stat(address)
+            self._socket_file = (address, made.st_dev, made.st_ino)
         else:
             self._server = await loop.create_server(factory, *address, reuse_address=True, backlog=LISTEN_BACKLOG)
+
+    async def stop(self) -> None:
+        """Closing a unix socket leaves its file: it goes too, unless something has bound the path since."""
+        await super().stop()
+        if self._socket_file is not None:
+            path, device, inode = self._socket_file
+            with contextlib.suppress(FileNotFoundError):
+                now = os.stat(path)
+                if (now.st_dev, now.st_ino) == (device, inode):
+                    os.unlink(path)
