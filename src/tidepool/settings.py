@@ -360,9 +360,15 @@ def load(path: str | os.PathLike[str] | None = None) -> Settings:
     data: dict[str, Any] = {}
     if config_path is not None:
         try:
-            data = tomllib.loads(config_path.read_text())
+            raw = config_path.read_bytes()
+            # TOML is UTF-8, whatever the locale; a byte-order mark, as some editors write, is no error
+            data = tomllib.loads(raw.decode("utf-8-sig"))
         except FileNotFoundError:
             raise ConfigError(f"config: file {config_path} not found") from None
+        except UnicodeDecodeError as exc:
+            line = raw[:exc.start].count(b"\n") + 1
+            raise ConfigError(f"config: {config_path} is not UTF-8 text: byte 0x{raw[exc.start]:02x} on line "
+                              f"{line}; save it as UTF-8") from None
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"config: cannot read {config_path}: {exc}") from None
     return parse(data)

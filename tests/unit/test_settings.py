@@ -156,6 +156,16 @@ def test_env_override_of_a_section_that_does_not_exist_is_an_error_naming_it(mon
     assert settings.parse({}).pool.max_workers == 16
 
 
+def test_a_file_that_is_not_utf8_is_a_config_error_naming_the_line_and_a_byte_order_mark_is_none(
+        tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[pool]\nmax_workers = 8\n# caf\u00e9, as a Latin-1 editor saves it\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"not UTF-8 text: byte 0xe9 on line 3"):  # was a UnicodeDecodeError
+        settings.load(path)
+    path.write_bytes(b"\xef\xbb\xbf[pool]\nmax_workers = 8\n")
+    assert settings.load(path).pool.max_workers == 8
+
+
 def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         settings.load(tmp_path / "nope.toml")
