@@ -40,13 +40,13 @@ def main(argv: list[str] | None = None) -> int:
         command: Callable[[argparse.Namespace, Settings], int] = args.func
         return command(args, settings)
     except ConfigError as exc:
-        print(f"tidepool: {exc}", file=sys.stderr)
+        _fatal(f"tidepool: {exc}")
         return USAGE
     except StoreUnavailable as exc:
-        print(f"tidepool: {exc}", file=sys.stderr)
+        _fatal(f"tidepool: {exc}")
         return UNREACHABLE
     except SchemaMismatch as exc:  # the store answered: not exit 3, and retrying will not help
-        print(f"tidepool: {exc}", file=sys.stderr)
+        _fatal(f"tidepool: {exc}")
         return 1
     except KeyboardInterrupt:
         return 130
@@ -169,7 +169,8 @@ def _run_failed(exc: Exception) -> int:
 
 
 def _fatal(message: str) -> None:
-    """Why the daemon did not start; in the journal at error priority, so `journalctl -p warning` shows it."""
+    """Why a command (the daemon among them) could not go on; in the journal at error priority, so
+    `journalctl -p warning` shows it."""
     from . import logs
 
     print(f"<3>{message}" if logs.stderr_is_journal() else message, file=sys.stderr)
