@@ -319,16 +319,18 @@ class _Progress:
             self.state, self.phase = seen["state"], seen["phase"] or ""
             if seen["progress"]:
                 self.fraction, self.message = seen["progress"].get("fraction"), seen["progress"].get("message", "")
-        elif event == "task.leased":
-            self.state = "leased"
+        elif event in ("task.leased", "task.retry_scheduled"):  # a new attempt starts from nothing
+            self.state = "leased" if event == "task.leased" else "retry_wait"
+            self.phase, self.plugin, self.fraction, self.message = "", "", None, ""
         elif event == "task.phase":
             self.state, self.phase = "running", seen["phase"]
         elif event == "plugin.started":
             self.plugin = seen["plugin"]
         elif event == "task.progress":
+            # Only a running plugin reports progress: this says so even when the stream opened after the
+            # attempt's phase events went by (the task read then showed it leased: phases are written behind).
+            self.state, self.phase, self.plugin = "running", "run", seen.get("plugin") or self.plugin
             self.fraction, self.message = seen["fraction"], seen.get("message", "")
-        elif event == "task.retry_scheduled":
-            self.state = "retry_wait"
         return self.render()
 
     def render(self) -> Text:

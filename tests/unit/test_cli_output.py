@@ -36,8 +36,20 @@ def test_the_submit_wait_live_line_shows_a_plugin_name_and_progress_message_lite
                          "message": "[bold red]MARKUP[/bold red] \x1b]0;PWNED\x07 \x1b[2J\r:smile:"})
     out = io.StringIO()
     Console(file=out, width=200, color_system=None).print(line)  # the text only, as `| cat -v` sees it
-    assert out.getvalue() == ("01TASK pending               shout\\u001b[31m  50.0% "
+    assert out.getvalue() == ("01TASK running    run        shout\\u001b[31m  50.0% "
                               "[bold red]MARKUP[/bold red] \\u001b]0;PWNED\\u0007 \\u001b[2J\\u000d:smile:\n")
+
+
+def test_the_live_line_of_a_stream_opened_mid_attempt_says_running_from_the_first_progress_report() -> None:
+    """The task read when the stream opens shows it leased (phases are written behind); its phase events
+    went by before the stream opened: the progress reports still say it runs, and which plugin."""
+    progress = cli._Progress("01TASK")
+    progress.see({"state": "leased", "phase": None, "progress": None})
+    assert progress.see({"event": "task.progress", "plugin": "sleep", "fraction": 0.25,
+                         "message": ""}).plain.split() == ["01TASK", "running", "run", "sleep", "25.0%"]
+    # the attempt failed: the next one has neither phase nor plugin nor progress yet
+    assert progress.see({"event": "task.retry_scheduled"}).plain.split() == ["01TASK", "retry_wait"]
+    assert progress.see({"event": "task.leased"}).plain.split() == ["01TASK", "leased"]
 
 
 @pytest.mark.parametrize(("status", "code"), [
