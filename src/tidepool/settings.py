@@ -10,7 +10,16 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -27,8 +36,21 @@ DEFAULT_PATHS = (Path("config/tidepool.toml"), Path("/etc/tidepool/tidepool.toml
 ENV_PREFIX = "TIDEPOOL_"
 
 
+NUMBERS = (int, float, int | None, float | None)
+MAX_WORKERS = 10_000  # each worker is a coroutine of this one process: far past what one host runs
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """TOML's true is not the number 1 (pydantic would take it as one): `min_workers = true` is a mistake."""
+        if isinstance(value, bool) and info.field_name is not None and \
+                cls.model_fields[info.field_name].annotation in NUMBERS:
+            raise ValueError("expected a number, not true or false")
+        return value
 
 
 class NodeSettings(Section):
@@ -46,8 +68,8 @@ class StoreSettings(Section):
 
 
 class PoolSettings(Section):
-    min_workers: int = Field(2, ge=1)  # the baseline is what polls the queue: with none, nothing claims
-    max_workers: int = Field(16, ge=1)
+    min_workers: int = Field(2, ge=1, le=MAX_WORKERS)  # the baseline polls the queue: with none, nothing claims
+    max_workers: int = Field(16, ge=1, le=MAX_WORKERS)
     idle_timeout_s: float = Field(30.0, gt=0)
     poll_interval_s: float = Field(2.0, gt=0)
     claim_batch: int = Field(1, ge=1, le=1000)
@@ -230,7 +252,7 @@ Tag = Annotated[str, AfterValidator(_check_tag)]
 
 
 class TypeSettings(Section):
-    plugins: tuple[str, ...]
+    plugins: tuple[str, ...] = Field(min_length=1)  # a type that runs nothing would complete every task unrun
     timeout_s: float | None = Field(None, gt=0)
     max_attempts: int | None = Field(None, ge=1)
     retry_on_timeout: bool = False

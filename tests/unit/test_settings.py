@@ -94,6 +94,12 @@ def test_env_beats_file_beats_default(tmp_path: Path, monkeypatch: pytest.Monkey
     ("[resources.vm]\ntags = ['win10', ' gpu']\n", "resources.vm.tags"),  # " gpu" is not "gpu"
     ("[resources.vm]\ntags = ['a,b']\n", "resources.vm.tags"),  # --tags a,b asks for two
     ("[types.t]\nplugins = ['noop']\nrequired_tags = ['']\n", "types.t.required_tags"),
+    ("[types.t]\nplugins = []\n", "types.t.plugins"),  # its tasks would complete without anything run
+    ("[pool]\nmin_workers = true\n", "pool.min_workers: expected a number"),  # not 1
+    ("[pool]\nidle_timeout_s = false\n", "pool.idle_timeout_s: expected a number"),
+    ("[retry]\njitter = true\n", "retry.jitter: expected a number"),
+    ("[pool]\nmax_workers = 20000\n", "pool.max_workers"),  # more than PATCH /v1/pool may set
+    ("[store]\nmigrate = true\n", None),  # a boolean where one belongs
 ])
 def test_bad_config_names_the_key(tmp_path: Path, text: str, named: str | None) -> None:
     path = write(tmp_path, text)

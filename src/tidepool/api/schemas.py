@@ -10,7 +10,7 @@ from pydantic_core import PydanticCustomError
 
 from ..model import Attempt, AttemptStatus, NewTask, ResultBatch, Task, rfc3339
 from ..schedules import MAX_NAME_LEN, NAME_PATTERN, Schedule
-from ..settings import Tag
+from ..settings import MAX_WORKERS, Tag
 
 MAX_LIST_LIMIT = 1000
 # The instants the task JSON can show: model.rfc3339 writes years below 1000 with fewer than four digits, and
@@ -67,8 +67,8 @@ class SubmitBatch(BaseModel):
 class PoolPatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    min_workers: int | None = Field(None, ge=1, le=10_000)  # as pool.min_workers
-    max_workers: int | None = Field(None, ge=1, le=10_000)
+    min_workers: int | None = Field(None, ge=1, le=MAX_WORKERS)  # as pool.min_workers
+    max_workers: int | None = Field(None, ge=1, le=MAX_WORKERS)
     idle_timeout_s: float | None = Field(None, gt=0)
 
 
