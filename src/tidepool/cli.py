@@ -206,11 +206,12 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
-    from .service import check_startable  # the daemon's modules: not loaded for the client commands
+    from .service import check_startable, redacted  # the daemon's modules: not loaded for the client commands
 
     check_startable(settings)
     effective = settings.model_dump(mode="json")
     effective["node"]["id"] = settings.node.node_id  # an empty id means the host name: say which
+    effective["store"]["url"] = redacted(settings.store.url)  # printed, pasted into tickets: no password
     print(json.dumps(effective, indent=2))
     return OK
 

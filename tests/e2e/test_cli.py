@@ -315,6 +315,11 @@ def test_config_check_of_a_valid_file_exits_0_and_prints_the_effective_config(tm
     assert effective["api"]["listen"] == "127.0.0.1:18999"
     assert effective["node"]["id"] == socket.gethostname(), "no id configured: the host name, as the daemon uses"
 
+    for url in ("postgresql://tp:s3cret@127.0.0.1/test", "postgresql://tp@127.0.0.1/test?password=s3cret"):
+        result = cli("config", "check", "--config", str(path), env={"TIDEPOOL_STORE__URL": url})
+        assert result.returncode == OK, result.stderr
+        assert "s3cret" not in result.stdout and "***" in json.loads(result.stdout)["store"]["url"]
+
 
 @pytest.mark.e2e
 def test_a_listen_without_a_host_binds_loopback_needs_no_token_and_the_cli_finds_it(
