@@ -27,7 +27,7 @@ from . import settings as settings_mod
 from .api import serve_api
 from .api.app import load_token
 from .engine import Engine, EngineConfig
-from .errors import ConfigError, InvalidRequest, StoreUnavailable, TaskNotFound
+from .errors import ConfigError, Conflict, InvalidRequest, StoreUnavailable, TaskNotFound
 from .events import EventBus, first_id_of_this_run
 from .guards import Guards
 from .leases import LeaseKeeper
@@ -348,6 +348,8 @@ class Daemon:
         return task
 
     def resize(self, **sizes: Any) -> None:
+        if self.draining:  # its workers are retiring for good: new sizes would only look as if they applied
+            raise Conflict(f"node {self.node_id} is draining (shutting down): its pool is not resized")
         if self.pool.resize(**sizes):
             log.info("pool resized: min %d max %d idle %.1fs", self.pool.config.min_workers,
                      self.pool.config.max_workers, self.pool.config.idle_timeout_s)

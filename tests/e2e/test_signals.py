@@ -126,6 +126,23 @@ def test_sigterm_in_batch_mode_gives_back_claimed_unstarted_tasks_at_once(make_d
 
 
 @pytest.mark.e2e
+def test_a_draining_node_refuses_to_be_resized(make_daemon: Callable[..., Daemon], notify: NotifySocket) -> None:
+    daemon = make_daemon({"pool": {"min_workers": 1, "max_workers": 2, "drain_timeout_s": 30.0}}, env=notify.env())
+    daemon.start()
+    task = daemon.submit("sleep", {"seconds": 30})
+    daemon.wait_for("the task to run", lambda: running(daemon, task["id"]))
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGTERM)
+    notify.wait_for("STOPPING=1")
+    r = daemon.request("PATCH", "/v1/pool", {"max_workers": 8})
+    assert r.status == 409 and "draining" in r.error["message"], r
+    pool = daemon.get("/v1/pool").body
+    assert (pool["max_workers"], pool["draining"]) == (2, True)
+    daemon.proc.send_signal(signal.SIGINT)  # the second: interrupts now
+    assert daemon.proc.wait(10) == 0, daemon.log()
+
+
+@pytest.mark.e2e
 def test_a_second_sigint_cuts_the_drain_short_and_leaves_the_store_consistent(
         make_daemon: Callable[..., Daemon], notify: NotifySocket) -> None:
     daemon = make_daemon({"pool": {"min_workers": 2, "drain_timeout_s": 30.0}}, env=notify.env())

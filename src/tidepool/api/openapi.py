@@ -33,7 +33,7 @@ MODELS: list[type[BaseModel]] = [SubmitTask, SubmitBatch, PoolPatch, TaskOut, Pa
                                  SchedulesOut, NodesOut]
 ERRORS = {"400": "invalid input, naming the field", "401": "missing or wrong bearer token",
           "403": "a change asked from another origin, or (without a token) a Host that is not a loopback name",
-          "404": "no such task", "409": "conflicts with the task's state or an earlier submit",
+          "404": "no such task", "409": "conflicts with the task's state, an earlier submit or the node's (draining)",
           "413": "body over api.max_body_kb", "415": "body is not application/json",
           "429": "queue over pool.max_queued", "503": "store unavailable"}
 
@@ -94,14 +94,16 @@ def document(*, task_types: Sequence[str] = ()) -> dict[str, Any]:
                                         errors=("400", "409", "413", "415", "429", "503"))},
         "/v1/tasks/{id}": {"get": _op("a task with attempts and results", {"200": TaskOut},
                                       errors=("404", "503"), params=[TASK_ID])},
-        "/v1/tasks/{id}/cancel": {"post": _op("cancel a task", {"202": StateOut}, errors=("404", "409", "503"),
-                                              params=[TASK_ID])},
+        # no body; one asking for anything is refused (400, 413, 415)
+        "/v1/tasks/{id}/cancel": {"post": _op("cancel a task", {"202": StateOut},
+                                              errors=("400", "404", "409", "413", "415", "503"), params=[TASK_ID])},
         "/v1/tasks/{id}/retry": {"post": _op("retry a finished task", {"202": RetryOut},
-                                             errors=("404", "409", "429", "503"), params=[TASK_ID])},
+                                             errors=("400", "404", "409", "413", "415", "429", "503"),
+                                             params=[TASK_ID])},
         "/v1/pool": {
             "get": _op("pool and queue figures", {"200": PoolOut}, errors=("503",)),
             "patch": _op("change pool sizes live", {"200": PoolOut}, body=PoolPatch,
-                         errors=("400", "413", "415", "503")),
+                         errors=("400", "409", "413", "415", "503")),
         },
         "/v1/nodes": {"get": _op("nodes sharing the store, with liveness", {"200": NodesOut}, errors=("503",))},
         "/v1/schedules": {
