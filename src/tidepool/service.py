@@ -341,6 +341,10 @@ class Daemon:
         return answer.state
 
     async def retry(self, task_id: str) -> Task:
+        known = await self.store.get(task_id)  # an unknown id is 404 before anything else
+        if not self.registry.knows_type(known.type):  # as a submit of it would be
+            raise InvalidRequest("type", f"unknown task type {known.type!r}: this node no longer defines it, and "
+                                 "retried, the task would wait for a node that does")
         task = await self.store.retry(task_id, now=time.time(), max_queued=self.settings.pool.max_queued)
         self.events.publish("task.created", task_id=task_id, worker_id=None, type=task.type, retry=True)
         self.pool.wake(1)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from .api_helpers import NUL_REQUESTS, bearer, call, store_counts
-from .conftest import Daemon, Response, free_port
+from .conftest import Daemon, Response, free_port, to_toml
 
 TOKEN = "k3y-0f-the-test-node-0123456789"
 UNKNOWN_ID = "06H2NOSUCHTASK000000000000"
@@ -305,6 +305,22 @@ def test_cancel_and_retry_refuse_a_body_asking_for_more_and_change_nothing(daemo
     r = call(daemon, "POST", f"/v1/tasks/{failing['id']}/retry", {"max_attempts": 5})  # it would not apply
     assert r.status == 400 and "max_attempts" in r.error["message"], r
     assert daemon.task(failing["id"])["state"] == "failed"
+
+
+@pytest.mark.e2e
+def test_a_task_of_a_type_the_node_no_longer_defines_is_not_retried(make_daemon: Callable[..., Daemon]) -> None:
+    daemon = make_daemon({"types.nightly": {"plugins": ["sleep"]}})
+    daemon.start()
+    failing = daemon.submit("nightly", {"seconds": "soon"}, max_attempts=1)  # invalid_argument: failed
+    assert daemon.wait_terminal(failing["id"])["state"] == "failed"
+    assert daemon.stop() == 0
+    del daemon.config["types.nightly"]
+    daemon.config_path.write_text(to_toml(daemon.config))
+    daemon.start()
+    r = call(daemon, "POST", f"/v1/tasks/{failing['id']}/retry")
+    assert r.status == 400 and "type" in r.error["message"] and "'nightly'" in r.error["message"], r
+    assert daemon.task(failing["id"])["state"] == "failed", "a bad request changes nothing"
+    assert call(daemon, "POST", f"/v1/tasks/{UNKNOWN_ID}/retry").status == 404
 
 
 HEADER_TIMEOUT_S = 1.5
