@@ -48,3 +48,16 @@ def test_listening_off_loopback_without_a_token_file_refuses_to_start_with_exit_
     assert result.returncode == 2, result.stderr
     assert "api.token_file" in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "var" / "open.db").exists(), "a config error must not touch the store"
+
+
+@pytest.mark.e2e
+def test_a_unix_socket_that_cannot_be_made_exits_1_naming_its_path(make_daemon: Callable[..., Daemon],
+                                                                    tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir" / "api.sock"
+    daemon = make_daemon({"api": {"listen": f"unix:{missing}"}})
+    result = subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(daemon.config_path)],
+                            cwd=daemon.root, env=daemon.env, capture_output=True, text=True, timeout=30,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tidepool:")]
+    assert len(errors) == 1 and str(missing) in errors[0], result.stderr

@@ -163,12 +163,16 @@ class GuardedSite(web.BaseSite):
         assert self._runner.server is not None
         factory: Any = self._guard.wrap(self._runner.server)
         address = api_address(self._listen)
-        if isinstance(address, str):
-            self._server = await loop.create_unix_server(factory, address, backlog=LISTEN_BACKLOG)
-            made = os.stat(address)
-            self._socket_file = (address, made.st_dev, made.st_ino)
-        else:
-            self._server = await loop.create_server(factory, *address, reuse_address=True, backlog=LISTEN_BACKLOG)
+        try:
+            if isinstance(address, str):
+                self._server = await loop.create_unix_server(factory, address, backlog=LISTEN_BACKLOG)
+                made = os.stat(address)
+                self._socket_file = (address, made.st_dev, made.st_ino)
+            else:
+                self._server = await loop.create_server(factory, *address, reuse_address=True,
+                                                        backlog=LISTEN_BACKLOG)
+        except OSError as exc:  # a unix socket's error names no path: "No such file or directory"
+            raise OSError(exc.errno, f"api.listen {self._listen}: {exc.strerror or exc}") from exc
 
     async def stop(self) -> None:
         """Closing a unix socket leaves its file: it goes too, unless something has bound the path since."""
