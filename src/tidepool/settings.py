@@ -430,7 +430,19 @@ def _describe(exc: ValidationError) -> str:
             msg = err["msg"].removeprefix("Value error, ")
             names_itself = not key or msg.startswith(key.split(".")[0] + ".")
             lines.append(f"config: {msg}" if names_itself else f"config: {key}: {msg}")
+        if (variable := _env_variable(err["loc"])) is not None:  # or the operator looks in the file
+            lines[-1] += f" (from the environment: {variable})"
     return "\n".join(lines)
+
+
+def _env_variable(loc: tuple[int | str, ...]) -> str | None:
+    """The TIDEPOOL_ variable set for the key at `loc` (or for its section or table as a whole), if any."""
+    path = [str(p).upper() for p in loc if p != "defs"]
+    for depth in range(len(path), 0, -1):
+        name = ENV_PREFIX + "__".join(path[:depth])
+        if name in os.environ:
+            return name
+    return None
 
 
 def _check_references(settings: Settings) -> None:

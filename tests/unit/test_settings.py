@@ -148,6 +148,18 @@ def test_env_list_or_table_that_is_not_json_names_the_variable_and_key(
     assert str(info.value).startswith(f"config: {key}: {variable}=") and "\n" not in str(info.value)
 
 
+def test_a_bad_value_from_the_environment_names_the_variable_not_only_the_key(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Path) -> None:
+    monkeypatch.setenv("TIDEPOOL_POOL__MAX_WORKERS", "lots")
+    with pytest.raises(ConfigError, match=r"^config: pool.max_workers: .* \(from the environment: "
+                                          r"TIDEPOOL_POOL__MAX_WORKERS\)$"):
+        settings.parse({})
+    monkeypatch.delenv("TIDEPOOL_POOL__MAX_WORKERS")
+    with pytest.raises(ConfigError) as info:  # from the file: nothing about the environment
+        settings.load(write(tmp_path, "[pool]\nmax_workers = 'lots'\n"))
+    assert "environment" not in str(info.value)
+
+
 def test_env_list_given_as_json_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIDEPOOL_POOL__TASK_TYPES", '["sleep", "scan*"]')
     assert settings.parse({}).pool.task_types == ("sleep", "scan*")
