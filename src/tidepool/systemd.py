@@ -153,6 +153,9 @@ class StatusReporter:
         return self._pending is not None and self.report(self._pending, now=now)
 
 
+MIN_WATCHDOG_PERIOD_S = 0.01
+
+
 async def run_watchdog(
     notifier: Notifier, *, is_alive: Callable[[], bool], clock: Callable[[], float] = time.monotonic
 ) -> None:
@@ -161,7 +164,9 @@ async def run_watchdog(
     interval_s = notifier.watchdog_interval_s
     if interval_s is None:
         return
-    period_s = interval_s / 2
+    # An absurd WatchdogSec of microseconds must not make this a busy loop: systemd kills the
+    # daemon either way, but it should not burn a core first.
+    period_s = max(interval_s / 2, MIN_WATCHDOG_PERIOD_S)
     alive = True
     next_at = clock()
     while True:

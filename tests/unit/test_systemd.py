@@ -240,6 +240,16 @@ async def test_watchdog_pings_every_half_interval(
     assert 5 <= len(pings(receiver, notifier)) <= 9
 
 
+async def test_a_watchdog_of_microseconds_does_not_make_the_pings_a_busy_loop(
+    receiver: Receiver, make_notifier: Callable[[dict[str, str]], Notifier]
+) -> None:
+    notifier = make_notifier(
+        {"NOTIFY_SOCKET": receiver.address, "WATCHDOG_USEC": "100", "WATCHDOG_PID": str(os.getpid())}
+    )
+    await watch_for(0.3, notifier, lambda: True)
+    assert 1 <= len(pings(receiver, notifier)) <= 40  # one each 10 ms at most, not tens of thousands
+
+
 async def test_no_watchdog_when_it_belongs_to_another_pid(
     receiver: Receiver, make_notifier: Callable[[dict[str, str]], Notifier]
 ) -> None:
