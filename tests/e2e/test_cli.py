@@ -72,6 +72,13 @@ def test_show_prints_a_finished_task_as_a_person_reads_it(daemon: Daemon, cli: C
 
 
 @pytest.mark.e2e
+def test_a_url_with_a_path_too_many_says_which_route_it_asked_for(daemon: Daemon, cli: Cli) -> None:
+    result = cli("pool", "--url", f"{daemon.url}/v1")
+    assert result.returncode == USAGE
+    assert "no route GET /v1/v1/pool" in result.stderr, result.stderr
+
+
+@pytest.mark.e2e
 def test_list_and_schedules_print_whole_rows_with_times_to_the_second(daemon: Daemon, cli: Cli) -> None:
     """Piped (into grep, a file), as here: no column is cut, whatever width a terminal would have."""
     task_id = cli("submit", "noop", "--wait", "--url", daemon.url).stdout.split()[0]

@@ -66,7 +66,11 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         if exc.status < 400:
             raise
         code = {413: "body_too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
-        message = exc.reason if exc.status != 413 else f"request body is over {request.app[DAEMON].max_body_kb} KiB"
+        message = exc.reason
+        if exc.status == 413:
+            message = f"request body is over {request.app[DAEMON].max_body_kb} KiB"
+        elif exc.status == 404:  # no route: say which was asked (a client's base URL may hold a path too many)
+            message = f"no route {request.method} {request.path[:200]}; see /v1/openapi.json for the API's routes"
         response = error(exc.status, code, message)
         if "Allow" in exc.headers:  # a 405 must say which methods the route has (RFC 9110)
             response.headers["Allow"] = exc.headers["Allow"]
