@@ -85,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--state")
     p.add_argument("--type")
     p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--cursor", help="the next page: the cursor a page before ended with")
     for name, func, text in (("cancel", cmd_cancel, "cancel a task"), ("retry", cmd_retry, "retry a task")):
         add(name, func, text).add_argument("task_id")
     add("pool", cmd_pool, "workers, busy, queue depth, guards")
@@ -401,7 +402,7 @@ def _took(started: str, finished: str | None) -> str:
 
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
     async def body(client: Client) -> int:
-        page = await client.list(state=args.state, type=args.type, limit=args.limit)
+        page = await client.list(state=args.state, type=args.type, limit=args.limit, cursor=args.cursor)
         if args.json:
             print(json.dumps(page, indent=2))
             return OK
@@ -413,6 +414,9 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
                           *map(_text, (t["phase"] or "", _percent(t["progress"]), f"{t['attempt']}/{t['max_attempts']}",
                                        t["node_id"] or "", _when(t["created_at"]))))
         _stdout().print(table)
+        if page["next_cursor"]:  # on stderr: a pipe into grep or wc gets the rows alone
+            _ERR.print(_text(f"more tasks: the next page is `tidepool list --cursor {page['next_cursor']}` with "
+                             "the same --state, --type and --limit"))
         return OK
 
     return _with_client(args, settings, body)

@@ -79,6 +79,22 @@ def test_a_url_with_a_path_too_many_says_which_route_it_asked_for(daemon: Daemon
 
 
 @pytest.mark.e2e
+def test_list_says_when_there_are_more_tasks_and_the_cursor_pages_through_them(daemon: Daemon, cli: Cli) -> None:
+    ids = daemon.post("/v1/tasks/batch", {"tasks": [{"type": "noop"}] * 5}).body["ids"]
+    seen: list[str] = []
+    cursor: list[str] = []
+    for _ in range(3):
+        page = cli("list", "--limit", "2", *cursor, "--url", daemon.url)
+        assert page.returncode == OK, page.stderr
+        seen += [words[0] for line in page.stdout.splitlines() if (words := line.split()) and words[0] in ids]
+        if "--cursor" not in page.stderr:
+            break
+        cursor = ["--cursor", page.stderr.split("--cursor ")[1].split()[0].strip("`")]
+    assert seen == sorted(ids, reverse=True), "newest first, each once, across the pages"
+    assert "more tasks" not in page.stderr, "the last page says nothing more"
+
+
+@pytest.mark.e2e
 def test_list_and_schedules_print_whole_rows_with_times_to_the_second(daemon: Daemon, cli: Cli) -> None:
     """Piped (into grep, a file), as here: no column is cut, whatever width a terminal would have."""
     task_id = cli("submit", "noop", "--wait", "--url", daemon.url).stdout.split()[0]
