@@ -352,7 +352,8 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
         console = _stdout()
         facts = Table.grid(padding=(0, 2))
         for key in ("id", "type", "state", "phase", "progress", "attempt", "max_attempts", "priority", "node_id",
-                    "error", "payload", "created_at", "finished_at"):
+                    "error", "payload", "required_tags", "idempotency_key", "created_at", "available_at",
+                    "updated_at", "finished_at"):
             facts.add_row(key, _text(_fact(key, task[key])))
         console.print(facts)
         attempts = Table("#", "status", "worker", "started (UTC)", "took", "error", title="attempts")
@@ -370,12 +371,14 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
 
 def _fact(key: str, value: Any) -> str:
     """One field of a task as a person reads it: "-" for none, progress and errors as sentences."""
-    if value is None:
+    if value is None or value == []:
         return "-"
     if key == "progress":
         return " ".join(p for p in (_percent(value), value.get("message", "")) if p) or "-"
-    if key == "error":
-        return f"{value.get('code')}: {value.get('message')}"
+    if key == "error":  # a command's stderr often ends its message with a newline: not worth a \u000a
+        return f"{value.get('code')}: {str(value.get('message')).rstrip()}"
+    if key == "required_tags":
+        return ", ".join(value)
     return json.dumps(value) if isinstance(value, dict | list) else str(value)
 
 

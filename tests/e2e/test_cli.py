@@ -67,6 +67,9 @@ def test_show_prints_a_finished_task_as_a_person_reads_it(daemon: Daemon, cli: C
     facts = dict(line.split(None, 1) for line in shown.stdout.splitlines() if line[:1].isalpha() and " " in line)
     assert (facts["state"].strip(), facts["error"].strip(), facts["phase"].strip()) == ("completed", "-", "-")
     assert facts["progress"].strip() == "100% slept 0.20s of 0.2s"  # the last report, not an earlier flush
+    assert facts["required_tags"].strip() == facts["idempotency_key"].strip() == "-"
+    task = daemon.task(task_id)
+    assert facts["available_at"].strip() == task["available_at"] and facts["finished_at"].strip() == task["finished_at"]
     assert "None" not in shown.stdout
     assert f"{daemon.task(task_id)['attempts'][0]['worker_id']} " in shown.stdout and "succeeded" in shown.stdout
 
