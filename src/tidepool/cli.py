@@ -139,8 +139,8 @@ def _exit_within(grace_s: float) -> None:
 
     def end() -> None:
         logging.getLogger("tidepool.service").error(
-            "plugin code still runs %.0fs after the drain (a blocking thread, or a plugin that ignores its "
-            "cancellation); exiting without it", grace_s)
+            "the process has not ended %.0fs after the drain (plugin code blocked in a thread, a plugin that "
+            "ignores its cancellation, or a store call that does not return); exiting without it", grace_s)
         logging.shutdown()
         os._exit(OK)
 
