@@ -99,6 +99,6 @@ async def test_a_tick_past_max_queued_is_skipped_and_said_as_queue_full(tmp_path
     await daemon.submit(NewTask("noop", available_at=time.time() + 3600))  # the queue is full from here on
     await daemon.save_schedule(Schedule(name="often", type="noop", every_s=1))
     await anyio.sleep(1.1)
-    (skipped,) = await daemon.scheduler.tick()
-    assert (skipped.reason, skipped.task_id) == ("queue_full", None)
+    said = await daemon.scheduler.tick()  # a slow machine may have let a second tick go by: "missed" first
+    assert [f.task_id for f in said] == [None] * len(said) and said[-1].reason == "queue_full", said
     assert len((await daemon.store.list_tasks()).tasks) == 1
