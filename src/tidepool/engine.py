@@ -224,20 +224,23 @@ class Engine:
         ctx.enter_plugin(plugin.name)
         self._events.publish("plugin.started", task_id=ctx.task.id, worker_id=worker_id, plugin=plugin.name)
         started, outcome = time.monotonic(), "stopped"  # unless it returns or raises: the attempt was stopped
+        own_deadline = None  # no scope of its own unless it has a timeout: one scope per task costs enough
         try:
             if plugin.timeout_s is None:
                 await plugin.run(ctx)
             else:
-                with anyio.move_on_after(plugin.timeout_s) as scope:
+                with anyio.move_on_after(plugin.timeout_s) as own_deadline:
                     await plugin.run(ctx)
-                if scope.cancel_called:  # not cancelled_caught: a plugin may swallow the cancel and return
-                    outcome = "timed_out"
-                    raise _PluginTimedOut(f"plugin {plugin.name} timed out after {plugin.timeout_s}s")
-            # Returned, but its attempt was stopped meanwhile (the run deadline, a cancel, a lost lease, a
-            # shutdown) and the plugin swallowed that: it ends as stopped, as though it had let it through.
+            # It returned; a plugin may have swallowed what stopped it. Its attempt's stop (the run deadline,
+            # a cancel, a lost lease, a shutdown) comes first, as though the plugin had let it through ...
             await _cancelled_yet(held)
+            if own_deadline is not None and own_deadline.cancel_called:  # ... then its own deadline
+                outcome = "timed_out"
+                raise _PluginTimedOut(f"plugin {plugin.name} timed out after {plugin.timeout_s}s")
             outcome = "succeeded"
         except Exception:
+            # One that turned its attempt's stop into an error of its own was stopped all the same.
+            await _cancelled_yet(held)
             if outcome == "stopped":
                 outcome = "failed"
             raise

@@ -14,7 +14,7 @@ from tidepool.errors import PluginError, StoreUnavailable
 from tidepool.leases import Held
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, Claimed, Lease, ResultBatch, State
-from tidepool.plugins import PluginDef, Registry
+from tidepool.plugins import Plugin, PluginDef, Registry
 from tidepool.settings import TypeSettings
 from tidepool.store.sqlite import SqliteStore
 
@@ -204,6 +204,41 @@ async def test_a_plugin_that_swallows_its_timeout_and_returns_still_timed_out(sq
     assert task.state is State.TIMED_OUT
     assert [a.status for a in task.attempts] == [AttemptStatus.TIMED_OUT]
     assert plugin_ended == ["stopped" if deadline == "run phase" else "timed_out"]
+
+
+async def turns_its_stop_into_an_error(ctx: TaskContext) -> None:
+    try:
+        await anyio.sleep(1)
+    except BaseException:
+        raise RuntimeError("stopped; said my own way") from None
+
+
+@pytest.mark.parametrize("plugin", [stubborn, turns_its_stop_into_an_error])
+@pytest.mark.parametrize("why", ["interrupt", "cancel", "lost"])
+async def test_an_attempt_stopped_under_a_plugin_that_hides_it_ends_as_its_stop_says(
+        sqlite_store: SqliteStore, tmp_path: Path, why: str, plugin: Plugin) -> None:
+    """Not completed, failed nor timed out (the plugin's own timeout passes while it hides the stop): an
+    interrupted attempt uses no attempt, a cancelled one ends cancelled, a lost lease writes nothing."""
+    registry = Registry({"hider": PluginDef("hider", plugin, timeout_s=0.05)},
+                        {"hider": TypeSettings(plugins=("hider",))})
+    async with running_node(sqlite_store, {}, registry=registry, work_root=tmp_path) as node:
+        task_id = await node.submit("hider", max_attempts=1)
+        await node.until(lambda: "plugin.started" in node.names(task_id))
+        if why == "cancel":
+            await node.store.request_cancel(task_id, now=time.time())
+        node.pool.stop_claiming()  # an interrupted task goes back to the queue: not to be run again here
+        held = node.leases.find(task_id)
+        assert held is not None
+        held.stop(why)
+        await node.until(lambda: node.leases.held() == [])  # its outcome written, or (lost) given up
+        task = await node.store.get(task_id)
+    ended = [e.data["outcome"] for e in node.seen if e.name == "plugin.finished" and e.data["task_id"] == task_id]
+    assert ended == ["stopped"]
+    if why == "lost":  # nothing written: its end is for whoever expires the lease
+        assert task.state.active and task.attempts[0].status in (AttemptStatus.LEASED, AttemptStatus.RUNNING)
+    else:
+        assert (task.state, task.attempts[0].status) == {"interrupt": (State.PENDING, AttemptStatus.INTERRUPTED),
+                                                         "cancel": (State.CANCELLED, AttemptStatus.CANCELLED)}[why]
 
 
 async def test_a_timeout_is_retried_when_the_type_says_so(sqlite_store: SqliteStore, tmp_path: Path) -> None:
