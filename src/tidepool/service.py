@@ -43,7 +43,7 @@ from .resources import ResourcePool
 from .scheduler import Scheduler
 from .schedules import Schedule, validate
 from .settings import BUILTIN_TYPES, Settings
-from .store import Node, Store, open_store
+from .store import Node, Store, open_store, retry_step
 from .systemd import Notifier, StatusReporter, run_watchdog
 
 log = logging.getLogger("tidepool.service")
@@ -342,6 +342,7 @@ class Daemon:
 
     async def retry(self, task_id: str) -> Task:
         known = await self.store.get(task_id)  # an unknown id is 404 before anything else
+        retry_step(known.state)  # a task that may not be retried is 409 whatever its type
         if not self.registry.knows_type(known.type):  # as a submit of it would be
             raise InvalidRequest("type", f"unknown task type {known.type!r}: this node no longer defines it, and "
                                  "retried, the task would wait for a node that does")

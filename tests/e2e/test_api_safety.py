@@ -312,7 +312,8 @@ def test_a_task_of_a_type_the_node_no_longer_defines_is_not_retried(make_daemon:
     daemon = make_daemon({"types.nightly": {"plugins": ["sleep"]}})
     daemon.start()
     failing = daemon.submit("nightly", {"seconds": "soon"}, max_attempts=1)  # invalid_argument: failed
-    assert daemon.wait_terminal(failing["id"])["state"] == "failed"
+    done = daemon.submit("nightly", {"seconds": 0})
+    assert [daemon.wait_terminal(t["id"])["state"] for t in (failing, done)] == ["failed", "completed"]
     assert daemon.stop() == 0
     del daemon.config["types.nightly"]
     daemon.config_path.write_text(to_toml(daemon.config))
@@ -320,6 +321,7 @@ def test_a_task_of_a_type_the_node_no_longer_defines_is_not_retried(make_daemon:
     r = call(daemon, "POST", f"/v1/tasks/{failing['id']}/retry")
     assert r.status == 400 and "type" in r.error["message"] and "'nightly'" in r.error["message"], r
     assert daemon.task(failing["id"])["state"] == "failed", "a bad request changes nothing"
+    assert call(daemon, "POST", f"/v1/tasks/{done['id']}/retry").status == 409, "its state is what refuses it"
     assert call(daemon, "POST", f"/v1/tasks/{UNKNOWN_ID}/retry").status == 404
 
 
