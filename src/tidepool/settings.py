@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import socket
 import tomllib
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -36,7 +37,6 @@ DEFAULT_PATHS = (Path("config/tidepool.toml"), Path("/etc/tidepool/tidepool.toml
 ENV_PREFIX = "TIDEPOOL_"
 
 
-NUMBERS = (int, float, int | None, float | None)
 MAX_WORKERS = 10_000  # each worker is a coroutine of this one process: far past what one host runs
 
 
@@ -47,9 +47,10 @@ class Section(BaseModel):
     @classmethod
     def _no_boolean_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
         """TOML's true is not the number 1 (pydantic would take it as one): `min_workers = true` is a mistake."""
-        if isinstance(value, bool) and info.field_name is not None and \
-                cls.model_fields[info.field_name].annotation in NUMBERS:
-            raise ValueError("expected a number, not true or false")
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            if bool not in (kinds := get_args(annotation) or (annotation,)) and {int, float} & set(kinds):
+                raise ValueError("expected a number, not true or false")
         return value
 
 
@@ -382,9 +383,9 @@ def load(path: str | os.PathLike[str] | None = None) -> Settings:
     data: dict[str, Any] = {}
     if config_path is not None:
         try:
-            raw = config_path.read_bytes()
             # TOML is UTF-8, whatever the locale; a byte-order mark, as some editors write, is no error
-            data = tomllib.loads(raw.decode("utf-8-sig"))
+            raw = config_path.read_bytes().removeprefix(codecs.BOM_UTF8)
+            data = tomllib.loads(raw.decode())
         except FileNotFoundError:
             raise ConfigError(f"config: file {config_path} not found") from None
         except UnicodeDecodeError as exc:
@@ -436,12 +437,25 @@ def _describe(exc: ValidationError) -> str:
 
 
 def _env_variable(loc: tuple[int | str, ...]) -> str | None:
-    """The TIDEPOOL_ variable set for the key at `loc` (or for its section or table as a whole), if any."""
-    path = [str(p).upper() for p in loc if p != "defs"]
+    """The TIDEPOOL_ variable that set the key at `loc`, if any: its own, or one giving its section or
+    table as JSON that holds it. Names are matched as pydantic-settings matches them, in any case."""
+    path = [str(p) for p in loc if p != "defs"]
+    variables = {name.upper(): (name, value) for name, value in os.environ.items()}
     for depth in range(len(path), 0, -1):
-        name = ENV_PREFIX + "__".join(path[:depth])
-        if name in os.environ:
-            return name
+        found = variables.get((ENV_PREFIX + "__".join(path[:depth])).upper())
+        if found is None:
+            continue
+        if depth == len(path):
+            return found[0]
+        try:
+            held: Any = json.loads(found[1])
+        except ValueError:
+            return None
+        for key in path[depth:]:
+            if not isinstance(held, dict) or key not in held:
+                return None
+            held = held[key]
+        return found[0]
     return None
 
 

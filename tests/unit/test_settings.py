@@ -158,6 +158,13 @@ def test_a_bad_value_from_the_environment_names_the_variable_not_only_the_key(mo
     with pytest.raises(ConfigError) as info:  # from the file: nothing about the environment
         settings.load(write(tmp_path, "[pool]\nmax_workers = 'lots'\n"))
     assert "environment" not in str(info.value)
+    monkeypatch.setenv("TIDEPOOL_POOL", '{"min_workers": 3}')  # the section's variable, without the key
+    with pytest.raises(ConfigError) as info:
+        settings.load(write(tmp_path, "[pool]\nmax_workers = 'lots'\n"))
+    assert "environment" not in str(info.value)
+    monkeypatch.setenv("TIDEPOOL_POOL", '{"max_workers": "lots"}')  # with it
+    with pytest.raises(ConfigError, match=r"\(from the environment: TIDEPOOL_POOL\)$"):
+        settings.parse({})
 
 
 def test_env_list_given_as_json_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,6 +189,9 @@ def test_a_file_that_is_not_utf8_is_a_config_error_naming_the_line_and_a_byte_or
         settings.load(path)
     path.write_bytes(b"\xef\xbb\xbf[pool]\nmax_workers = 8\n")
     assert settings.load(path).pool.max_workers == 8
+    path.write_bytes(b"\xef\xbb\xbf[pool]\nmax_workers = 8\n# caf\xe9\n")  # the mark does not shift the count
+    with pytest.raises(ConfigError, match=r"byte 0xe9 on line 3"):
+        settings.load(path)
 
 
 def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
