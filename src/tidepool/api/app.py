@@ -117,13 +117,24 @@ async def no_nul(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 async def parse(request: web.Request, model: type[M]) -> M:
     """The request body validated against `model`; 415 when not JSON, 400 naming the bad field."""
+    _json_only(request)
+    return _validated(await _body(request), model)
+
+
+def _json_only(request: web.Request) -> None:
     if request.content_type != "application/json":
         raise _http(415, "unsupported_media_type", "send the body as application/json")
+
+
+async def _body(request: web.Request) -> bytes:
     try:
         with anyio.fail_after(BODY_TIMEOUT_S):  # a client trickling its body is cut off
-            raw = await request.read()
+            return await request.read()
     except TimeoutError:
         raise _http(408, "request_timeout", f"the body did not arrive within {BODY_TIMEOUT_S}s") from None
+
+
+def _validated(raw: bytes, model: type[M]) -> M:
     try:
         json.loads(raw or b"null", parse_constant=_no_constant, parse_float=_finite)
     except ValueError as exc:
@@ -236,9 +247,10 @@ def _one_each(request: web.Request, known: tuple[str, ...]) -> dict[str, str]:
 
 async def no_body(request: web.Request) -> None:
     """A route that takes no body refuses one with fields (or one that is not JSON) rather than ignore what
-    the caller meant it to change; an empty body and {} are fine."""
-    if request.can_read_body:
-        await parse(request, NoFields)
+    the caller meant it to change; an empty body (chunked too) and {} are fine."""
+    if request.can_read_body and (raw := await _body(request)):
+        _json_only(request)
+        _validated(raw, NoFields)
 
 
 async def cancel(request: web.Request) -> web.Response:
