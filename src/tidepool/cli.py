@@ -244,9 +244,9 @@ def _with_client(args: argparse.Namespace, settings: Settings,
 
 def exit_code(status: int) -> int:
     """The exit code for an HTTP error answer. 1 is kept for a task that ended badly: a refusal is the
-    request's or the token's (2); a daemon that answers but cannot take it now (store down, queue full),
-    or fails, is as good as unreachable (3)."""
-    return USAGE if 400 <= status < 500 and status != 429 else UNREACHABLE
+    request's or the token's (2); a daemon that answers but cannot take it now (store down, queue full,
+    the body too slow to arrive), or fails, is as good as unreachable (3)."""
+    return USAGE if 400 <= status < 500 and status not in (408, 429) else UNREACHABLE
 
 
 def _url(listen: str) -> str:
@@ -324,14 +324,18 @@ class _Progress:
         elif event in ("task.leased", "task.retry_scheduled"):  # a new attempt starts from nothing
             self.state = "leased" if event == "task.leased" else "retry_wait"
             self.phase, self.plugin, self.fraction, self.message = "", "", None, ""
+        elif event == "task.cancel_requested":
+            self.state = "cancelling"
         elif event == "task.phase":
-            self.state, self.phase = "running", seen["phase"]
+            self.state, self.phase = ("cancelling" if self.state == "cancelling" else "running"), seen["phase"]
         elif event == "plugin.started":
             self.plugin = seen["plugin"]
         elif event == "task.progress":
             # Only a running plugin reports progress: this says so even when the stream opened after the
             # attempt's phase events went by (the task read then showed it leased: phases are written behind).
-            self.state, self.phase, self.plugin = "running", "run", seen.get("plugin") or self.plugin
+            if self.state != "cancelling":  # a cancel asked (read with the task) still stands
+                self.state = "running"
+            self.phase, self.plugin = "run", seen.get("plugin") or self.plugin
             self.fraction, self.message = seen["fraction"], seen.get("message", "")
         return self.render()
 
@@ -417,9 +421,9 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
                           *map(_text, (t["phase"] or "", _percent(t["progress"]), f"{t['attempt']}/{t['max_attempts']}",
                                        t["node_id"] or "", _when(t["created_at"]))))
         _stdout().print(table)
-        if page["next_cursor"]:  # on stderr: a pipe into grep or wc gets the rows alone
-            _ERR.print(_text(f"more tasks: the next page is `tidepool list --cursor {page['next_cursor']}` with "
-                             "the same --state, --type and --limit"))
+        if page["next_cursor"]:  # on stderr: a pipe into grep or wc gets the rows alone; one line, never wrapped
+            print(_visible(f"more tasks: the next page is `tidepool list --cursor {page['next_cursor']}` with the "
+                           "same --state, --type and --limit"), file=sys.stderr)
         return OK
 
     return _with_client(args, settings, body)

@@ -50,11 +50,14 @@ def test_the_live_line_of_a_stream_opened_mid_attempt_says_running_from_the_firs
     # the attempt failed: the next one has neither phase nor plugin nor progress yet
     assert progress.see({"event": "task.retry_scheduled"}).plain.split() == ["01TASK", "retry_wait"]
     assert progress.see({"event": "task.leased"}).plain.split() == ["01TASK", "leased"]
+    progress.see({"event": "task.cancel_requested"})  # a cancel stands through what the attempt still says
+    progress.see({"event": "task.progress", "plugin": "sleep", "fraction": 0.5, "message": ""})
+    assert progress.see({"event": "task.phase", "phase": "stop"}).plain.split()[:3] == ["01TASK", "cancelling", "stop"]
 
 
 @pytest.mark.parametrize(("status", "code"), [
-    (400, cli.USAGE), (401, cli.USAGE), (403, cli.USAGE), (404, cli.USAGE), (405, cli.USAGE), (408, cli.USAGE),
-    (409, cli.USAGE), (413, cli.USAGE), (415, cli.USAGE),
+    (400, cli.USAGE), (401, cli.USAGE), (403, cli.USAGE), (404, cli.USAGE), (405, cli.USAGE),
+    (409, cli.USAGE), (413, cli.USAGE), (415, cli.USAGE), (408, cli.UNREACHABLE),
     (429, cli.UNREACHABLE), (500, cli.UNREACHABLE), (503, cli.UNREACHABLE),
 ])
 def test_an_error_answer_never_exits_1_which_says_the_task_ended_badly(status: int, code: int) -> None:
