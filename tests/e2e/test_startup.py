@@ -3,6 +3,7 @@ touches no task (SPEC §9 "Exit codes of run")."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -61,3 +62,19 @@ def test_a_unix_socket_that_cannot_be_made_exits_1_naming_its_path(make_daemon: 
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("tidepool:")]
     assert len(errors) == 1 and str(missing) in errors[0], result.stderr
+
+
+@pytest.mark.e2e
+def test_a_config_error_at_start_reaches_the_journal_at_error_priority(tmp_path: Path) -> None:
+    """Exit 2 stops systemd's restarts: the one line saying why must show in `journalctl -p err`."""
+    config = tmp_path / "bad.toml"
+    config.write_text("[pool]\nmax_workerz = 8\n")
+    stderr = tmp_path / "stderr"
+    stderr.touch()
+    st = os.stat(stderr)
+    env = {**os.environ, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
+    with open(stderr, "w") as out:
+        result = subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(config)], stderr=out,
+                                env=env, timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode == 2
+    assert stderr.read_text().splitlines() == ["<3>tidepool: config: unknown key pool.max_workerz"]

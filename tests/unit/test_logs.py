@@ -218,19 +218,3 @@ def test_an_outage_is_said_when_it_begins_and_when_it_ends_not_at_every_retry(
         outage.failing("store away: %s", "again")
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("WARNING", "store away: 0"), ("INFO", "back"), ("WARNING", "store away: again")]
-
-
-def test_a_config_error_at_start_reaches_the_journal_at_error_priority(tmp_path: Path) -> None:
-    """Exit 2 stops systemd's restarts: the one line saying why must show in `journalctl -p err`."""
-    config = tmp_path / "bad.toml"
-    config.write_text("[pool]\nmax_workerz = 8\n")
-    stderr = tmp_path / "stderr"
-    stderr.touch()
-    st = os.stat(stderr)
-    env = {**os.environ, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
-    with open(stderr, "w") as out:
-        result = subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(config)], stderr=out,
-                                env=env, timeout=60, stdin=subprocess.DEVNULL)
-    assert result.returncode == 2
-    assert stderr.read_text().splitlines() == ["<3>tidepool: config: unknown key pool.max_workerz"]
-

@@ -69,7 +69,8 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         message = exc.reason
         if exc.status == 413:
             message = f"request body is over {request.app[DAEMON].max_body_kb} KiB"
-        elif exc.status == 404:  # no route: say which was asked (a client's base URL may hold a path too many)
+        elif exc.status == 404 and not request.path.startswith("/static/"):  # a route, not a dashboard file:
+            # say which was asked (a client's base URL may hold a path too many)
             message = f"no route {request.method} {request.path[:200]}; see /v1/openapi.json for the API's routes"
         response = error(exc.status, code, message)
         if "Allow" in exc.headers:  # a 405 must say which methods the route has (RFC 9110)

@@ -172,7 +172,7 @@ class GuardedSite(web.BaseSite):
                 self._server = await loop.create_server(factory, *address, reuse_address=True,
                                                         backlog=LISTEN_BACKLOG)
         except OSError as exc:  # a unix socket's error names no path: "No such file or directory"
-            raise OSError(exc.errno, f"api.listen {self._listen}: {exc.strerror or exc}") from exc
+            raise OSError(f"api.listen {self._listen}: {exc.strerror or exc}") from exc
 
     async def stop(self) -> None:
         """Closing a unix socket leaves its file: it goes too, unless something has bound the path since."""

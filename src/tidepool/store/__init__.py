@@ -249,6 +249,8 @@ def progress_text(progress: dict[str, Any] | None) -> str | None:
 def check_room(queued: int, adding: int, max_queued: int) -> None:
     """QueueFull when `adding` more tasks would take the queue past max_queued, saying by how much."""
     if queued + adding > max_queued:
+        if queued > max_queued:  # a limit lowered under a full queue; PostgreSQL counts no further than this
+            raise QueueFull(f"more than {max_queued} tasks are queued; pool.max_queued is {max_queued}")
         these = f"; these {adding} would make {queued + adding}" if adding > 1 else ""
         raise QueueFull(f"{queued} tasks are queued{these}; pool.max_queued is {max_queued}")
 
