@@ -633,6 +633,6 @@ def _loop_name() -> str:
 def redacted(url: str) -> str:
     """The URL with its password, if any, as ***: for logs and messages. libpq takes one in the query too."""
     url = re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
-    return re.sub(r"([?&]password=)[^&]*", r"\1***", url)
+    return re.sub(r"([?&](?:ssl)?password=)[^&]*", r"\1***", url)
 
 
