@@ -20,7 +20,7 @@ from .events import EventBus
 from .lifecycle import RetryPolicy
 from .logs import Outage
 from .model import CANCELLED_ON_REQUEST, State, cancel_deadline_error
-from .store import UNWRITTEN_INTERRUPTION, Expired, Store
+from .store import LEASE_EXPIRED, UNWRITTEN_INTERRUPTION, Expired, Store
 
 log = logging.getLogger("tidepool.reconciler")
 
@@ -149,9 +149,9 @@ class Reconciler:
                             e.state.value)
                 self._events.publish("task.expired", task_id=e.task_id, worker_id=None, attempt_id=e.attempt_id,
                                      state=e.state.value, type=e.type)
-                # a cancelled one ends as the cancel asked (its attempt expired all the same)
-                error = CANCELLED_ON_REQUEST.to_json() if e.state is State.CANCELLED else {
-                    "code": "lease_expired", "message": why}
+                # a cancelled one ends as the cancel asked (its attempt expired all the same); the error is
+                # the task's own, as stored (`why` is for the log line)
+                error = (CANCELLED_ON_REQUEST if e.state is State.CANCELLED else LEASE_EXPIRED).to_json()
             if e.state in (State.PENDING, State.RETRY_WAIT):
                 self._wake(1)
             elif e.state.terminal:

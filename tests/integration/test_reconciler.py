@@ -176,6 +176,9 @@ async def test_every_task_the_reconciler_ends_is_counted_under_its_type(setup: S
                       for e in setup.seen if e.name == "task.finished")
     assert finished == [("crashy", "failed", "lease_expired"), ("scan", "failed", "unserviceable"),
                         ("stubborn", "cancelled", "cancel_deadline")]
+    for event in (e for e in setup.seen if e.name == "task.finished"):  # the event says what the task says
+        stored = (await store.get(event.data["task_id"])).error
+        assert stored is not None and event.data["error"] == stored.to_json(), event
     scraped = (await setup.metrics.render()).decode()
     for line in ('tidepool_tasks_finished_total{state="failed",type="crashy"} 1.0',
                  'tidepool_tasks_finished_total{state="failed",type="scan"} 1.0',

@@ -56,7 +56,8 @@ class Ending:
     resent: bool = False
 
 
-EXPIRED = Outcome(AttemptStatus.EXPIRED, TaskError("lease_expired", "the lease expired before the worker renewed it"))
+LEASE_EXPIRED = TaskError("lease_expired", "the lease expired before the worker renewed it")
+EXPIRED = Outcome(AttemptStatus.EXPIRED, LEASE_EXPIRED)
 UNWRITTEN_INTERRUPTION = TaskError("interrupted", "interrupted by shutdown; written by the next start (the store "
                                                    "was away)")
 INTERRUPTED_UNWRITTEN = Outcome(AttemptStatus.INTERRUPTED, UNWRITTEN_INTERRUPTION)
