@@ -170,27 +170,34 @@ class Client:
         task = await self.get(task_id)
         if on_change is not None:
             on_change(task)
-        closed = False
+        ended: dict[str, Any] | None = None
         silence_s = poll_s * 2.5
         while task["state"] not in TERMINAL:
-            if closed:  # a daemon shutting down closes each new stream at once: do not spin on it
-                await asyncio.sleep(poll_s)
-            closed = False
+            if ended is not None and ended["event"] == "stream.closed":  # a daemon shutting down closes each
+                await asyncio.sleep(poll_s)                                # new stream at once: do not spin
+            ended = None
             with contextlib.suppress(asyncio.TimeoutError):
                 async with asyncio.timeout(silence_s) as silence:
                     try:
-                        closed = await self._follow(task_id, silence, silence_s, on_change)
+                        ended = await self._follow(task_id, silence, silence_s, on_change)
                     except ApiError as exc:
                         if exc.code != "too_many_streams":
                             raise
-                        closed = True
-            task = await self.get(task_id)
+                        ended = {"event": "stream.closed"}
+            try:
+                task = await self.get(task_id)
+            except Unreachable:
+                if ended is None or ended["event"] != "task.finished":
+                    raise
+                # It finished (its event came), and the daemon went away before the read, as a restart
+                # does right after a drain: the ending is known, and is the answer.
+                return {**task, "state": ended["state"], "error": ended["error"], "phase": None}
         return task
 
     async def _follow(self, task_id: str, silence: asyncio.Timeout, silence_s: float,
-                      on_change: Callable[[dict[str, Any]], None] | None) -> bool:
-        """wait()'s reading of one stream, until the task finishes or the stream ends; True if the daemon
-        closed it."""
+                      on_change: Callable[[dict[str, Any]], None] | None) -> dict[str, Any] | None:
+        """wait()'s reading of one stream, until the task finishes or the stream ends: the task.finished
+        or stream.closed event that ended it, or None."""
         async for event in self.events(task_id=task_id):
             silence.reschedule(asyncio.get_running_loop().time() + silence_s)
             if event["event"] == "stream.connected":  # what happened before we listened
@@ -198,15 +205,13 @@ class Client:
                 if on_change is not None:
                     on_change(task)
                 if task["state"] in TERMINAL:
-                    return False
+                    return None
                 continue
             if on_change is not None:
                 on_change(event)
-            if event["event"] == "task.finished":
-                return False
-            if event["event"] == "stream.closed":
-                return True
-        return False
+            if event["event"] in ("task.finished", "stream.closed"):
+                return event
+        return None
 
 
 def _segment(task_id: str) -> str:

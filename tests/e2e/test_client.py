@@ -95,6 +95,25 @@ async def test_wait_raises_unreachable_when_the_daemon_shuts_down_under_it(daemo
 
 
 @pytest.mark.e2e
+async def test_wait_returns_a_task_that_finished_in_the_drain_though_the_daemon_is_gone_after(
+        daemon: Daemon) -> None:
+    """systemctl restart: the task ends in the drain, its task.finished arrives, the daemon exits before
+    wait() reads the task once more. The ending is known: it is the answer, not Unreachable."""
+    async with Client(daemon.url) as client:
+        task = await client.submit("sleep", {"seconds": 1.0})  # within the 2 s drain
+
+        async def stop_once_running() -> None:
+            while (await client.get(task["id"]))["state"] != "running":
+                await anyio.sleep(0.05)
+            await anyio.to_thread.run_sync(daemon.stop)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_once_running)
+            ended = await client.wait(task["id"])  # was: Unreachable, though task.finished had come
+    assert (ended["id"], ended["state"], ended["error"]) == (task["id"], "completed", None)
+
+
+@pytest.mark.e2e
 async def test_submit_many_list_with_filters_and_pages(daemon: Daemon) -> None:
     async with Client(daemon.url) as client:
         held = {"type": "noop", "available_at": later(3600)}
