@@ -10,6 +10,7 @@ goes on to its next task, and reports it (events, logs) once the store has answe
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -210,8 +211,9 @@ class Engine:
             return Outcome(AttemptStatus.SUCCEEDED)
         except _PluginTimedOut as exc:
             return self._timed_out(task, str(exc))
-        except PluginError as exc:
-            log.warning("task %s attempt %s failed: %s (%s)", task.id, held.lease.attempt_id, exc, exc.code)
+        except PluginError as exc:  # the traceback only of what escaped: a PluginError says all it means to
+            log.warning("task %s attempt %s failed: %s (%s)", task.id, held.lease.attempt_id, exc, exc.code,
+                        exc_info=isinstance(exc, _Escaped))
             return Outcome(AttemptStatus.FAILED, TaskError(exc.code, str(exc), exc.retryable))
         except Exception as exc:
             log.exception("task %s attempt %s: plugin %s raised", task.id, held.lease.attempt_id, ctx.plugin)
@@ -227,10 +229,10 @@ class Engine:
         own_deadline = None  # no scope of its own unless it has a timeout: one scope per task costs enough
         try:
             if plugin.timeout_s is None:
-                await plugin.run(ctx)
+                await _call(plugin, ctx, held)
             else:
                 with anyio.move_on_after(plugin.timeout_s) as own_deadline:
-                    await plugin.run(ctx)
+                    await _call(plugin, ctx, held)
             # It returned; a plugin may have swallowed what stopped it. Its attempt's stop (the run deadline,
             # a cancel, a lost lease, a shutdown) comes first, as though the plugin had let it through ...
             await _cancelled_yet(held)
@@ -358,6 +360,33 @@ def _remove_all(paths: list[str]) -> None:
 
 class _PluginTimedOut(Exception):
     pass
+
+
+class _Escaped(PluginError):
+    """What a plugin raised that is no Exception, as the failure of its attempt; the original is the cause."""
+
+
+async def _call(plugin: PluginDef, ctx: TaskContext, held: Held) -> None:
+    """Run a plugin. What it raises that is no Exception fails its attempt, not a worker or the node: a
+    library's SystemExit, a KeyboardInterrupt of its own, or a CancelledError nobody asked for (awaiting a
+    task it cancelled itself), which would otherwise end the worker's loop as though the pool were
+    stopping it. A cancellation that is ours (the attempt stopped, a deadline, shutdown) goes on up."""
+    try:
+        await plugin.run(ctx)
+    except Exception:
+        raise
+    except BaseException as exc:
+        ours = isinstance(exc, anyio.get_cancelled_exc_class()) and (
+            held.scope.cancel_called or _being_cancelled())
+        if ours:
+            raise
+        raise _Escaped(f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} raised") from exc
+
+
+def _being_cancelled() -> bool:
+    """A cancellation of this task is under way (anyio delivers its scopes' through asyncio's, counted)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 async def _cancelled_yet(held: Held) -> None:

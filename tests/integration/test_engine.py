@@ -1,5 +1,6 @@
 """The engine runs each task through its phases and ends it in the state the outcome calls for."""
 
+import asyncio
 import contextlib
 import gc
 import time
@@ -15,6 +16,7 @@ from tidepool.leases import Held
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, Claimed, Lease, ResultBatch, State
 from tidepool.plugins import Plugin, PluginDef, Registry
+from tidepool.pool import PoolConfig
 from tidepool.settings import TypeSettings
 from tidepool.store.sqlite import SqliteStore
 
@@ -239,6 +241,44 @@ async def test_an_attempt_stopped_under_a_plugin_that_hides_it_ends_as_its_stop_
     else:
         assert (task.state, task.attempts[0].status) == {"interrupt": (State.PENDING, AttemptStatus.INTERRUPTED),
                                                          "cancel": (State.CANCELLED, AttemptStatus.CANCELLED)}[why]
+
+
+class _NotAnException(BaseException):
+    pass
+
+
+async def exits(ctx: TaskContext) -> None:
+    raise SystemExit(3)  # a library's sys.exit()
+
+
+async def interrupts(ctx: TaskContext) -> None:
+    raise KeyboardInterrupt
+
+
+async def raises_a_base_exception(ctx: TaskContext) -> None:
+    raise _NotAnException("of its own")
+
+
+async def awaits_what_it_cancelled(ctx: TaskContext) -> None:
+    helper = asyncio.ensure_future(asyncio.sleep(10))
+    await asyncio.sleep(0)
+    helper.cancel()
+    await helper  # CancelledError, though nobody cancelled the attempt
+
+
+@pytest.mark.parametrize(("plugin", "named"), [(exits, "SystemExit: 3"), (interrupts, "KeyboardInterrupt raised"),
+                                               (raises_a_base_exception, "_NotAnException: of its own"),
+                                               (awaits_what_it_cancelled, "CancelledError")])
+async def test_what_a_plugin_raises_that_is_no_exception_fails_its_attempt_not_the_pool(
+        sqlite_store: SqliteStore, tmp_path: Path, plugin: Plugin, named: str) -> None:
+    config = PoolConfig(min_workers=2, max_workers=2, poll_interval_s=0.5)
+    async with running_node(sqlite_store, {"bad": plugin, "noop": noop}, pool=config, work_root=tmp_path) as node:
+        bad = await node.finished(await node.submit("bad", max_attempts=1))
+        after = await node.finished(await node.submit("noop"))  # the pool still runs tasks
+        workers = node.pool.statistics().workers
+    assert bad.state is State.FAILED and bad.error is not None, bad
+    assert (bad.error.code, named in bad.error.message) == ("plugin_error", True), bad.error
+    assert after.state is State.COMPLETED and workers == 2
 
 
 async def test_a_timeout_is_retried_when_the_type_says_so(sqlite_store: SqliteStore, tmp_path: Path) -> None:
