@@ -260,6 +260,41 @@ def test_a_denied_plugin_is_a_config_error_naming_type_and_plugin_and_is_never_i
         registry_of(defs, types)  # allowed, so imported: and it does not exist
 
 
+def not_async(ctx: TaskContext) -> None:
+    pass
+
+
+class AsyncCallable:
+    async def __call__(self, ctx: TaskContext) -> None:
+        pass
+
+
+async_callable = AsyncCallable()
+
+
+@pytest.mark.parametrize(("module", "function", "refused"), [
+    (None, "not_async", "is not an async function"),  # was: every task failed with a TypeError, retried
+    ("import sys\nsys.exit(0)\n", "f", "cannot load .*SystemExit: 0"),  # was: config check and run ended 0
+    (None, "async_callable", None),
+    (None, "enrich", None),
+])
+def test_a_python_plugin_must_be_an_async_function_whose_module_imports(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str | None, function: str,
+        refused: str | None) -> None:
+    name = __name__
+    if module is not None:
+        (tmp_path / "tidepool_test_exits.py").write_text(module)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        name = "tidepool_test_exits"
+    defs = {"p": PluginSpec(python=f"{name}:{function}")}
+    types = {"t": TypeSettings(plugins=("p",))}
+    if refused is None:
+        assert registry_of(defs, types).plugins_for("t")[0].name == "p"
+        return
+    with pytest.raises(ConfigError, match=rf"plugins\.p\.python: .*{refused}"):
+        registry_of(defs, types)
+
+
 def test_an_unknown_plugin_is_a_config_error_naming_type_and_plugin() -> None:
     with pytest.raises(ConfigError, match=r"types\.audit\.plugins: unknown plugin 'nosuch'"):
         registry_of({}, {"audit": TypeSettings(plugins=("noop", "nosuch"))})

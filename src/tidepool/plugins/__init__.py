@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ..context import TaskContext
 from ..errors import ConfigError, PluginError
@@ -148,10 +150,19 @@ def load_dotted(path: str, *, key: str) -> Plugin:
         raise ConfigError(f"config: {key}: expected 'package.module:function', got {path!r}")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
-    except Exception as exc:  # importing runs the module's code: any failure is a config problem here
+    except (Exception, SystemExit) as exc:  # importing runs the module's code: a failure, or its sys.exit(),
+        # is a config problem here (not `config check` passing, or the daemon ending, silently with 0)
         raise ConfigError(f"config: {key}: cannot load {path!r}: {type(exc).__name__}: {exc}") from None
+    return _coroutine_function(fn, f"config: {key}: {path!r}")
+
+
+def _coroutine_function(fn: Any, what: str) -> Plugin:
+    """`fn` if it is an async function (or a callable whose __call__ is one); else a config error, now,
+    rather than a TypeError and a failed attempt for every task of its type."""
     if not callable(fn):
-        raise ConfigError(f"config: {key}: {path!r} is not callable")
+        raise ConfigError(f"{what} is not callable")
+    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):
+        raise ConfigError(f"{what} is not an async function: a plugin is `async def plugin(ctx)`")
     return fn  # type: ignore[no-any-return]
 
 
@@ -160,10 +171,8 @@ def _entry_point(name: str, *, where: str) -> Plugin | None:
         if entry.name == name:
             try:
                 fn = entry.load()
-            except Exception as exc:  # an entry point's import runs foreign code: say whose it is
+            except (Exception, SystemExit) as exc:  # an entry point's import runs foreign code: say whose
                 raise ConfigError(f"{where}: cannot load entry point {name!r} ({entry.value}): "
                                   f"{type(exc).__name__}: {exc}") from None
-            if not callable(fn):
-                raise ConfigError(f"{where}: entry point {name!r} ({entry.value}) is not callable")
-            return fn  # type: ignore[no-any-return]
+            return _coroutine_function(fn, f"{where}: entry point {name!r} ({entry.value})")
     return None
