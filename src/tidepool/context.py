@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import anyio.lowlevel
@@ -25,7 +25,7 @@ class TaskContext:
                  store_result: Callable[[ResultBatch], Awaitable[ResultBatch]]) -> None:
         self.task = task
         self.attempt_id = attempt_id
-        self.workdir = workdir
+        self._workdir = workdir
         self.resource = resource
         self.scope: dict[str, Any] = {}
         self.plugin = ""
@@ -33,7 +33,7 @@ class TaskContext:
         self._report_progress = report_progress
         self._store_result = store_result
         self._sequence: dict[str, int] = {}
-        self.workdir_used = False             # set when a plugin creates workdir; the stop phase removes it
+        self.workdir_used = False             # set once a plugin asks for workdir; the stop phase removes it
         self.exit_status: int | None = None   # set by command plugins, kept on the attempt
         self.stderr_tail: str | None = None
 
@@ -42,10 +42,17 @@ class TaskContext:
         return self.task.payload
 
     @property
+    def workdir(self) -> str:
+        """This attempt's own directory. It is not made for a plugin: one that wants it makes it, and the
+        stop phase removes it however the attempt ended (asked for, it is looked for there)."""
+        self.workdir_used = True
+        return self._workdir
+
+    @property
     def log(self) -> logging.LoggerAdapter[logging.Logger]:
-        """A logger bound to the task id and the running plugin."""
+        """A logger bound to the task id and the running plugin: each line starts with them."""
         if self._log is None or self._log.extra != {"task_id": self.task.id, "plugin": self.plugin}:
-            self._log = logging.LoggerAdapter(_PLUGIN_LOG, {"task_id": self.task.id, "plugin": self.plugin})
+            self._log = _PluginLog(_PLUGIN_LOG, {"task_id": self.task.id, "plugin": self.plugin})
         return self._log
 
     def enter_plugin(self, name: str) -> None:
@@ -77,3 +84,13 @@ class TaskContext:
 
 
 _PLUGIN_LOG = logging.getLogger("tidepool.plugin")
+
+
+class _PluginLog(logging.LoggerAdapter[logging.Logger]):
+    """Lines that start "task <id> plugin <name>:", as every line about a task starts with its id (the text
+    format shows no extra fields); the JSON format has both as fields too."""
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+        assert self.extra is not None
+        kwargs["extra"] = {**self.extra, **kwargs.get("extra", {})}
+        return f"task {self.extra['task_id']} plugin {self.extra['plugin']}: {msg}", kwargs

@@ -177,6 +177,26 @@ async def test_a_result_key_of_the_plugin_is_its_task_s_not_shared_with_other_ta
     assert acks[3].payload == {"task": second.id}, "the second task's emit was stored, not taken for the first's"
 
 
+async def test_a_python_plugin_s_work_directory_goes_with_its_attempt_and_its_log_lines_name_the_task(
+        sqlite_store: SqliteStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    made: list[Path] = []
+
+    async def writes(ctx: TaskContext) -> None:
+        workdir = Path(ctx.workdir)
+        workdir.mkdir(parents=True)
+        (workdir / "scan.xml").write_text("<scan/>")
+        made.append(workdir)
+        ctx.log.info("wrote %s", "scan.xml")
+
+    with caplog.at_level("INFO", logger="tidepool.plugin"):
+        async with running_node(sqlite_store, {"writes": writes}, work_root=tmp_path) as node:
+            task = await node.finished(await node.submit("writes"))
+    assert task.state is State.COMPLETED and made and not made[0].exists(), "left behind: only commands' went"
+    (line,) = [r for r in caplog.records if r.name == "tidepool.plugin"]
+    assert line.getMessage() == f"task {task.id} plugin writes: wrote scan.xml"  # the text format shows this
+    assert (line.task_id, line.plugin) == (task.id, "writes")  # type: ignore[attr-defined]  # JSON's fields
+
+
 async def test_run_phase_timeout_ends_timed_out(sqlite_store: SqliteStore, tmp_path: Path) -> None:
     types = {"slow": TypeSettings(plugins=("forever",), timeout_s=0.1)}
     async with running_node(sqlite_store, {"forever": forever}, types=types, work_root=tmp_path) as node:

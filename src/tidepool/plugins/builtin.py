@@ -91,7 +91,6 @@ def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float) -> Plugi
         argv = render_argv(spec.command or (), values)
         workdir = Path(ctx.workdir)
         await anyio.to_thread.run_sync(lambda: workdir.mkdir(parents=True, exist_ok=True))
-        ctx.workdir_used = True
         result = await run_command(argv, env=scrubbed_env(spec.env), workdir=workdir, limits=limits,
                                    kill_grace_s=kill_grace_s, on_end=partial(_keep_on_attempt, ctx))
         # A failed run's output is kept to look at, but it is not the plugin's result: a task retried to
