@@ -24,6 +24,7 @@ class Scheduler:
     def __init__(self, store: Store, events: EventBus, *, node_id: str, max_attempts: Callable[[str], int],
                  wake: Callable[[int], None], interval_s: float = 0.5,
                  defines: Callable[[str], bool] = lambda type_name: True,
+                 required_tags: Callable[[str], frozenset[str]] = lambda type_name: frozenset(),
                  max_queued: Callable[[], int | None] = lambda: None,
                  clock: Callable[[], float] = time.time) -> None:
         self._store = store
@@ -31,6 +32,7 @@ class Scheduler:
         self._events = events
         self._max_attempts = max_attempts
         self._defines = defines  # the schedules of types this node does not define are another node's to fire
+        self._required_tags = required_tags  # its type's, for each task (a submit's task gets them too)
         self._max_queued = max_queued
         self._wake = wake
         self.interval_s = interval_s
@@ -70,7 +72,8 @@ class Scheduler:
 
     async def tick(self) -> list[Fired]:
         fired = await self._store.fire_schedules(now=self._clock(), max_attempts=self._max_attempts,
-                                                 defines=self._defines, max_queued=self._max_queued())
+                                                 defines=self._defines, max_queued=self._max_queued(),
+                                                 required_tags=self._required_tags)
         created = 0
         for f in fired:
             if f.task_id is not None:

@@ -101,6 +101,7 @@ class Daemon:
         self.scheduler = Scheduler(self.store, self.events, node_id=self.node_id,
                                    max_attempts=self.max_attempts_for, wake=self.pool.wake,
                                    defines=lambda type_name: self.registry.knows_type(type_name),
+                                   required_tags=lambda type_name: self.registry.required_tags(type_name),
                                    max_queued=lambda: self.settings.pool.max_queued)
         self.started_at = time.time()
         self.heartbeat = Heartbeat(self.store, self._describe)
@@ -396,8 +397,8 @@ class Daemon:
 
     async def save_schedule(self, schedule: Schedule) -> Schedule:
         validate(schedule)
-        if not self.registry.knows_type(schedule.type):
-            raise InvalidRequest("type", f"unknown task type {schedule.type!r}")
+        probe = NewTask(schedule.type)  # its tasks are checked as a submit's would be: the type, its tags
+        self.check(probe, fleet_tags=await self._fleet_tags([probe]))
         saved = await self.store.save_schedule(schedule, now=time.time())
         log.info("schedule %s saved, next run %s", saved.name, rfc3339(saved.next_run_at))
         return saved

@@ -8,6 +8,7 @@ import anyio
 import pytest
 
 from tidepool import settings
+from tidepool.errors import InvalidRequest
 from tidepool.model import NewTask
 from tidepool.schedules import Schedule
 from tidepool.service import Daemon
@@ -102,3 +103,22 @@ async def test_a_tick_past_max_queued_is_skipped_and_said_as_queue_full(tmp_path
     said = await daemon.scheduler.tick()  # a slow machine may have let a second tick go by: "missed" first
     assert [f.task_id for f in said] == [None] * len(said) and said[-1].reason == "queue_full", said
     assert len((await daemon.store.list_tasks()).tasks) == 1
+
+
+async def test_a_scheduled_task_carries_its_type_s_tags_and_a_schedule_no_node_could_serve_is_refused(
+        tmp_path: Path) -> None:
+    """As a submit's task does: else its claim ignores the slots, and it waits in prepare for one."""
+    path = tmp_path / "tidepool.toml"
+    path.write_text('[store]\nurl = "memory://"\n[resources.lic]\ntags = ["lic"]\n'
+                    '[types.licensed]\nplugins = ["noop"]\nrequired_tags = ["lic"]\n'
+                    '[types.nowhere]\nplugins = ["noop"]\nrequired_tags = ["nosuch"]\n')
+    daemon = Daemon(settings.load(path), config_path=path)
+    await daemon.store.open()
+    await daemon.save_schedule(Schedule(name="licensed", type="licensed", every_s=1))
+    with pytest.raises(InvalidRequest, match=r"required_tags: .*nosuch"):
+        await daemon.save_schedule(Schedule(name="nowhere", type="nowhere", every_s=1))
+    await anyio.sleep(1.1)
+    said = await daemon.scheduler.tick()
+    (task,) = (await daemon.store.list_tasks()).tasks
+    assert [f.task_id for f in said if f.task_id] == [task.id] and task.required_tags == ("lic",)
+    assert [s.name for s in await daemon.store.list_schedules()] == ["licensed"]

@@ -198,10 +198,13 @@ class Store(Protocol):
     async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule: ...
     async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int],
                              defines: Callable[[str], bool] = lambda type_name: True,
-                             max_queued: int | None = None) -> list[Fired]:
+                             max_queued: int | None = None,
+                             required_tags: Callable[[str], frozenset[str]] = lambda type_name: frozenset(),
+                             ) -> list[Fired]:
         """In one transaction per schedule: create the due ticks' tasks and advance next_run_at. A schedule
         whose type `defines` refuses is left as it is, for a node that defines it; a tick that would take
-        the queue past max_queued is skipped (reason "queue_full"), as a submit would be refused."""
+        the queue past max_queued is skipped (reason "queue_full"), as a submit would be refused. Each task
+        gets the tags its type asks for (`required_tags`), as a submit's does."""
 
     # the reconciler
     async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,

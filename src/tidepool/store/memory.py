@@ -233,7 +233,9 @@ class MemoryStore:
 
     async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int],
                              defines: Callable[[str], bool] = lambda type_name: True,
-                             max_queued: int | None = None) -> list[Fired]:
+                             max_queued: int | None = None,
+                             required_tags: Callable[[str], frozenset[str]] = lambda type_name: frozenset(),
+                             ) -> list[Fired]:
         def add(new: NewTask) -> str | None:
             if new.idempotency_key in self._keys:
                 return None
@@ -249,7 +251,7 @@ class MemoryStore:
             outcome, saved = schedules.fire(
                 schedule, now, max_attempts=max_attempts,
                 running=lambda task_id: task_id in self._rows and not self._rows[task_id].task.state.terminal,
-                add=add)
+                add=add, required_tags=required_tags)
             self._schedules[schedule.name] = saved
             fired.extend(outcome)
         return fired

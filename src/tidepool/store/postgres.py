@@ -969,7 +969,9 @@ class PostgresStore:
 
     async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int],
                              defines: Callable[[str], bool] = lambda type_name: True,
-                             max_queued: int | None = None) -> list[Fired]:
+                             max_queued: int | None = None,
+                             required_tags: Callable[[str], frozenset[str]] = lambda type_name: frozenset(),
+                             ) -> list[Fired]:
         async with self._conn() as conn:
             due = await conn.fetch("SELECT name, spec FROM schedules WHERE NOT paused AND next_run_at <= $1", now)
             fired: list[Fired] = []
@@ -977,7 +979,7 @@ class PostgresStore:
                 if not defines(schedules.stored_spec(spec)["type"]):
                     continue  # a node that defines the type fires it
                 async with conn.transaction():
-                    these = await _fire(conn, name, now, max_attempts, max_queued)
+                    these = await _fire(conn, name, now, max_attempts, max_queued, required_tags)
                     if created := sum(1 for f in these if f.task_id is not None):
                         await conn.execute(NOTIFY, str(created))
                 fired.extend(these)
@@ -1421,7 +1423,7 @@ async def _locked_schedule(conn: Conn, name: str) -> Schedule | None:
 
 
 async def _fire(conn: Conn, name: str, now: float, max_attempts: Callable[[str], int],
-                max_queued: int | None) -> list[Fired]:
+                max_queued: int | None, required_tags: Callable[[str], frozenset[str]]) -> list[Fired]:
     """Fire one due schedule, holding its row; nothing when another node holds or has just fired it."""
     row = await conn.fetchrow(DUE_SCHEDULE, name, now)
     if row is None:
@@ -1455,7 +1457,7 @@ async def _fire(conn: Conn, name: str, now: float, max_attempts: Callable[[str],
         return task_id in created or (task_id == schedule.last_task_id and bool(last_active))
 
     fired, saved = schedules.fire(schedule, now, max_attempts=max_attempts, running=running, add=add,
-                                  firing=firing)
+                                  firing=firing, required_tags=required_tags)
     for task_id, new in created.items():
         if await conn.fetchrow(INSERT, *_insert_args(new, now, task_id)) is None:
             # Only a submit that borrowed this tick's key can get here: give up this pass, retry the next.

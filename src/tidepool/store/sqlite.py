@@ -631,7 +631,9 @@ class SqliteStore:
 
     async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int],
                              defines: Callable[[str], bool] = lambda type_name: True,
-                             max_queued: int | None = None) -> list[Fired]:
+                             max_queued: int | None = None,
+                             required_tags: Callable[[str], frozenset[str]] = lambda type_name: frozenset(),
+                             ) -> list[Fired]:
         """Fire every due tick in one transaction: tasks created and next_run_at advanced together."""
         def op(conn: sqlite3.Connection, batch: _Batch) -> list[Fired]:
             rows = conn.execute(f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE paused = 0 AND next_run_at <= ?",
@@ -643,7 +645,8 @@ class SqliteStore:
                     continue
                 outcome, saved = schedules.fire(schedule, now, max_attempts=max_attempts,
                                                 running=lambda task_id: _is_active(conn, task_id),
-                                                add=lambda new: _add_once(conn, batch, new, now, max_queued))
+                                                add=lambda new: _add_once(conn, batch, new, now, max_queued),
+                                                required_tags=required_tags)
                 conn.execute("INSERT OR REPLACE INTO schedules VALUES (?, ?, ?, ?, ?, ?, ?)", _schedule_row(saved))
                 fired.extend(outcome)
             if fired:
