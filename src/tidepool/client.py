@@ -72,7 +72,7 @@ class Client:
             async with self._session.request(method, self._base + path, json=body) as response:
                 return self._answer(response, await response.read())
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
-            raise Unreachable(f"no tidepool daemon answered at {self.url}: {exc}") from None
+            raise Unreachable(f"no tidepool daemon answered at {self.url}: {_reason(exc)}") from None
 
     def _answer(self, response: aiohttp.ClientResponse, body: bytes) -> Any:
         """The JSON the daemon answered, or its error as ApiError. What is not a tidepool daemon's answer (a
@@ -157,7 +157,7 @@ class Client:
                                 return
                         name, data = "message", []
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
-            raise Unreachable(f"event stream from {self.url} broke: {exc}") from None
+            raise Unreachable(f"event stream from {self.url} broke: {_reason(exc)}") from None
 
     async def wait(self, task_id: str, *, on_change: Callable[[dict[str, Any]], None] | None = None,
                    poll_s: float = 2.0) -> dict[str, Any]:
@@ -212,6 +212,13 @@ class Client:
             if event["event"] in ("task.finished", "stream.closed"):
                 return event
         return None
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong, in words: a timeout's own text is empty."""
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return "no answer in time (a daemon whose event loop is held up by blocking work answers nothing)"
+    return str(exc) or type(exc).__name__
 
 
 def _segment(task_id: str) -> str:

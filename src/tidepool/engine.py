@@ -35,6 +35,7 @@ from .resources import ResourcePool, Slot
 from .store import Store
 
 log = logging.getLogger("tidepool.engine")
+MAX_RAN = 10_000  # plugins remembered between two supervisor ticks, for the held-up loop's warning
 RESULT_RETRY_S = 0.5  # between tries of a result write while the store does not answer
 
 
@@ -61,6 +62,8 @@ class Engine:
         self._clock = clock
         self._unstarted: dict[str, tuple[Claimed, Held, str]] = {}  # batch-claimed, waiting their turn
         self._running: dict[str, tuple[Task, Held, str]] = {}  # started, outcome not posted yet
+        self._plugin_of: dict[str, TaskContext] = {}  # the running attempts' contexts: which plugin runs
+        self._ran: dict[str, str] = {}  # task id -> plugin, of what ran since plugins_since_asked() was
         self.outcomes = OutcomeWriter(store, policy=lambda: self.policy, report=self._written)
 
     async def run_batch(self, claimed: list[Claimed], worker_id: str, *, keep_going: Callable[[], bool]) -> None:
@@ -110,6 +113,13 @@ class Engine:
         for item in items:
             self._give_back(*item)
 
+    def plugins_since_asked(self) -> dict[str, str]:
+        """Task id -> plugin of every attempt that ran since the last call: running then, started since, or
+        running now ("" between plugins). What held the event loop up is among them."""
+        now = {ctx.task.id: ctx.plugin for ctx in self._plugin_of.values()}
+        ran, self._ran = {**self._ran, **now}, now
+        return ran
+
     def abandon_running(self) -> None:
         """Shutdown, once running tasks had their time to stop: post every attempt still running as
         interrupted, which uses no attempt (SPEC rule 6). Left to expire with the lease, it would be
@@ -149,12 +159,15 @@ class Engine:
                           report_progress=partial(self._progress, held, worker_id),
                           store_result=partial(self._result, held, worker_id))
         self._running[lease.attempt_id] = (task, held, worker_id)
+        self._plugin_of[lease.attempt_id] = ctx
         try:
             outcome = await self._attempt(ctx, held, worker_id)
         except BaseException:
             if self._running.pop(lease.attempt_id, None) is not None:
                 self._leases.release(held)
             raise
+        finally:
+            del self._plugin_of[lease.attempt_id]
         if self._running.pop(lease.attempt_id, None) is not None:  # else abandoned at shutdown, posted already
             self._conclude(task, held, outcome, worker_id)
 
@@ -224,6 +237,8 @@ class Engine:
         if not self.registry.allowed(plugin.name):  # allow/deny apply at run time too
             raise denied(plugin.name, ctx.task.type)
         ctx.enter_plugin(plugin.name)
+        if len(self._ran) < MAX_RAN:  # read (and emptied) every supervisor tick; bounded all the same
+            self._ran[ctx.task.id] = plugin.name
         self._events.publish("plugin.started", task_id=ctx.task.id, worker_id=worker_id, plugin=plugin.name)
         started, outcome = time.monotonic(), "stopped"  # unless it returns or raises: the attempt was stopped
         own_deadline = None  # no scope of its own unless it has a timeout: one scope per task costs enough

@@ -29,6 +29,7 @@ from .model import Claimed, ClaimFilter, Worker
 from .store import Store
 
 log = logging.getLogger("tidepool.pool")
+LOOP_HELD_S = 2.0  # a supervisor tick this late says the event loop was held up (and by whom it may have been)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,14 @@ class Pool:
             task_status.started()
             while True:  # the supervisor's tick: proof for the watchdog that the loop runs
                 self.last_tick = self._monotonic()
-                await anyio.sleep(min(1.0, self.config.poll_interval_s))
+                period_s = min(1.0, self.config.poll_interval_s)
+                await anyio.sleep(period_s)
+                ran = self._engine.plugins_since_asked()
+                if (held_s := self._monotonic() - self.last_tick - period_s) >= LOOP_HELD_S:
+                    log.warning("the event loop was held up for %.1fs: no lease was renewed nor request answered "
+                                "meanwhile. A plugin doing blocking work (time.sleep, a blocking library) in its "
+                                "coroutine does this; ran then: %s", held_s,
+                                ", ".join(f"task {t} plugin {p or '-'}" for t, p in ran.items()) or "no task")
 
     def statistics(self) -> PoolStats:
         baseline = sum(1 for w in self._workers.values() if w.kind == "baseline")

@@ -1,8 +1,10 @@
 """The pool grows under load up to max_workers, never above, and shrinks back after the idle timeout."""
 
+import time
 from pathlib import Path
 
 import anyio
+import pytest
 
 from tidepool.context import TaskContext
 from tidepool.model import State
@@ -156,3 +158,18 @@ async def test_raising_min_at_max_keeps_the_demand_workers_as_baseline(sqlite_st
         await anyio.sleep(0.6)  # three idle timeouts: a demand worker would have retired by now
         stats = node.pool.statistics()
         assert (stats.workers, stats.baseline, stats.demand) == (4, 4, 0)
+
+
+async def test_a_plugin_that_holds_the_event_loop_up_is_named_in_a_warning(sqlite_store: SqliteStore,
+                                                                            tmp_path: Path,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing else can say why leases went unrenewed and the API did not answer for seconds."""
+    async def blocks(ctx: TaskContext) -> None:
+        time.sleep(2.6)  # the plugin author's mistake: blocking code in a coroutine
+
+    with caplog.at_level("WARNING", logger="tidepool.pool"):
+        async with running_node(sqlite_store, {"blocks": blocks}, work_root=tmp_path) as node:
+            task = await node.finished(await node.submit("blocks"))
+            await anyio.sleep(0.6)  # the supervisor's next tick
+    (said,) = [r.getMessage() for r in caplog.records if "held up" in r.getMessage()]
+    assert f"task {task.id} plugin blocks" in said, said
