@@ -115,7 +115,7 @@ class Engine:
 
     def plugins_since_asked(self) -> dict[str, str]:
         """Task id -> plugin of every attempt that ran since the last call: running then, started since, or
-        running now ("" between plugins). What held the event loop up is among them."""
+        running now (its latest plugin; "" before the first). What held the event loop up is among them."""
         now = {ctx.task.id: ctx.plugin for ctx in self._plugin_of.values()}
         ran, self._ran = {**self._ran, **now}, now
         return ran
@@ -388,12 +388,13 @@ async def _call(plugin: PluginDef, ctx: TaskContext, held: Held) -> None:
     stopping it. A cancellation that is ours (the attempt stopped, a deadline, shutdown) goes on up."""
     try:
         await plugin.run(ctx)
-    except Exception:
+    except (Exception, GeneratorExit):  # GeneratorExit: the coroutine itself is being closed
         raise
     except BaseException as exc:
-        ours = isinstance(exc, anyio.get_cancelled_exc_class()) and (
-            held.scope.cancel_called or _being_cancelled())
-        if ours:
+        # Ours only if a cancellation of this task is under way: anyio delivers every one of its scopes'
+        # through asyncio's counted cancel. A stray one while the attempt's stop is pending but not yet
+        # delivered (or under a shield) becomes the failure below, and _run_plugin delivers the stop.
+        if isinstance(exc, anyio.get_cancelled_exc_class()) and _being_cancelled():
             raise
         raise _Escaped(f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} raised") from exc
 

@@ -301,6 +301,31 @@ async def test_what_a_plugin_raises_that_is_no_exception_fails_its_attempt_not_t
     assert after.state is State.COMPLETED and workers == 2
 
 
+async def test_a_stray_cancellation_while_the_attempt_s_stop_waits_behind_a_shield_ends_it_as_the_stop_says(
+        sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    async def stray_under_a_shield(ctx: TaskContext) -> None:
+        with anyio.CancelScope(shield=True):  # the attempt's cancel cannot be delivered in here
+            helper = asyncio.ensure_future(asyncio.sleep(10))
+            await asyncio.sleep(0.3)
+            helper.cancel()
+            await helper  # CancelledError: not the attempt's, which is still pending
+
+    config = PoolConfig(min_workers=2, max_workers=2, poll_interval_s=0.5)
+    async with running_node(sqlite_store, {"stray": stray_under_a_shield, "noop": noop}, pool=config,
+                            work_root=tmp_path) as node:
+        task_id = await node.submit("stray", max_attempts=1)
+        await node.until(lambda: "plugin.started" in node.names(task_id))
+        await node.store.request_cancel(task_id, now=time.time())
+        held = node.leases.find(task_id)
+        assert held is not None
+        held.stop("cancel")
+        task = await node.finished(task_id)
+        after = await node.finished(await node.submit("noop"))
+        workers = node.pool.statistics().workers
+    assert (task.state, task.attempts[0].status) == (State.CANCELLED, AttemptStatus.CANCELLED)
+    assert after.state is State.COMPLETED and workers == 2  # no worker ended with the stray
+
+
 async def test_a_timeout_is_retried_when_the_type_says_so(sqlite_store: SqliteStore, tmp_path: Path) -> None:
     types = {"slow": TypeSettings(plugins=("forever",), timeout_s=0.05, retry_on_timeout=True)}
     async with running_node(sqlite_store, {"forever": forever}, types=types, work_root=tmp_path) as node:
