@@ -32,6 +32,18 @@ log = logging.getLogger("tidepool.pool")
 LOOP_HELD_S = 2.0  # a supervisor tick this late says the event loop was held up (and by whom it may have been)
 
 
+def _who_ran(ran: dict[str, str], *, named: int = 3) -> str:
+    """Each plugin with how many tasks ran it and the first few of them, the rarest first: one short line."""
+    by_plugin: dict[str, list[str]] = {}
+    for task_id, plugin in ran.items():
+        by_plugin.setdefault(plugin or "-", []).append(task_id)
+    said = []
+    for plugin, ids in sorted(by_plugin.items(), key=lambda kv: len(kv[1])):
+        more = ", ..." if len(ids) > named else ""
+        said.append(f"plugin {plugin}: {len(ids)} tasks ({', '.join(ids[:named])}{more})")
+    return "; ".join(said) or "no task"
+
+
 @dataclass(frozen=True)
 class PoolStats:
     min_workers: int
@@ -139,11 +151,11 @@ class Pool:
                 period_s = min(1.0, self.config.poll_interval_s)
                 await anyio.sleep(period_s)
                 ran = self._engine.plugins_since_asked()
-                if (held_s := self._monotonic() - self.last_tick - period_s) >= LOOP_HELD_S:
-                    log.warning("the event loop was held up for %.1fs: no lease was renewed nor request answered "
-                                "meanwhile. A plugin doing blocking work (time.sleep, a blocking library) in its "
-                                "coroutine does this; ran then: %s", held_s,
-                                ", ".join(f"task {t} plugin {p or '-'}" for t, p in ran.items()) or "no task")
+                # Late by this much, the loop was held at least as long (less the part of the sleep left then)
+                if (late_s := self._monotonic() - self.last_tick - period_s) >= LOOP_HELD_S - period_s:
+                    log.warning("the event loop was held up for at least %.1fs: no lease was renewed nor request "
+                                "answered meanwhile. A plugin doing blocking work (time.sleep, a blocking library) "
+                                "in its coroutine does this; ran then: %s", late_s, _who_ran(ran))
 
     def statistics(self) -> PoolStats:
         baseline = sum(1 for w in self._workers.values() if w.kind == "baseline")

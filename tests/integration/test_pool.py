@@ -172,4 +172,4 @@ async def test_a_plugin_that_holds_the_event_loop_up_is_named_in_a_warning(sqlit
             task = await node.finished(await node.submit("blocks"))
             await anyio.sleep(0.6)  # the supervisor's next tick
     (said,) = [r.getMessage() for r in caplog.records if "held up" in r.getMessage()]
-    assert f"task {task.id} plugin blocks" in said, said
+    assert f"plugin blocks: 1 tasks ({task.id})" in said, said
