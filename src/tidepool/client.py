@@ -166,7 +166,9 @@ class Client:
         A daemon streams the events of its own node: a task that another node of a fleet runs sends
         none here after it was created. So a stream silent for `poll_s` * 2.5 is closed and the task read
         again. A stream the daemon closed (shutdown) is followed by a re-read too: Unreachable once the
-        daemon is gone. A daemon serving all the streams it can is polled every `poll_s` instead."""
+        daemon is gone, unless the task's task.finished came first (a restart right after the drain): then
+        the last task read, with the state, error and time that event told. A daemon serving all the
+        streams it can is polled every `poll_s` instead."""
         task = await self.get(task_id)
         if on_change is not None:
             on_change(task)
@@ -190,8 +192,9 @@ class Client:
                 if ended is None or ended["event"] != "task.finished":
                     raise
                 # It finished (its event came), and the daemon went away before the read, as a restart
-                # does right after a drain: the ending is known, and is the answer.
-                return {**task, "state": ended["state"], "error": ended["error"], "phase": None}
+                # does right after a drain: the ending is known, and is the answer, said as told by the event.
+                return {**task, "state": ended["state"], "error": ended["error"], "phase": None,
+                        "finished_at": ended.get("ts"), "updated_at": ended.get("ts")}
         return task
 
     async def _follow(self, task_id: str, silence: asyncio.Timeout, silence_s: float,
