@@ -8,11 +8,12 @@ which pids must be gone afterwards without sleeping for them to start.
 
 from __future__ import annotations
 
+import functools
 import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 import anyio
@@ -23,7 +24,7 @@ from anyio.abc import SocketAttribute
 from tidepool.context import TaskContext
 from tidepool.errors import ConfigError
 from tidepool.model import AttemptStatus, State, Task
-from tidepool.plugins import Registry
+from tidepool.plugins import Plugin, Registry
 from tidepool.resources import ResourcePool
 from tidepool.settings import PluginSpec, PluginsSettings, ResourceSettings, TypeSettings
 from tidepool.store.sqlite import SqliteStore
@@ -272,10 +273,21 @@ class AsyncCallable:
 async_callable = AsyncCallable()
 
 
+def _traced(fn: Plugin) -> Plugin:
+    @functools.wraps(fn)
+    def wrapper(ctx: TaskContext) -> Awaitable[None]:  # a plain function returning the coroutine
+        return fn(ctx)
+    return wrapper
+
+
+wrapped = _traced(enrich)
+
+
 @pytest.mark.parametrize(("module", "function", "refused"), [
     (None, "not_async", "is not an async function"),  # was: every task failed with a TypeError, retried
     ("import sys\nsys.exit(0)\n", "f", "cannot load .*SystemExit: 0"),  # was: config check and run ended 0
     (None, "async_callable", None),
+    (None, "wrapped", None),  # a tracing decorator's wrapper, made with functools.wraps
     (None, "enrich", None),
 ])
 def test_a_python_plugin_must_be_an_async_function_whose_module_imports(

@@ -157,11 +157,12 @@ def load_dotted(path: str, *, key: str) -> Plugin:
 
 
 def _coroutine_function(fn: Any, what: str) -> Plugin:
-    """`fn` if it is an async function (or a callable whose __call__ is one); else a config error, now,
-    rather than a TypeError and a failed attempt for every task of its type."""
+    """`fn` if it is an async function (or wraps one, with functools.wraps, or is a callable whose __call__
+    is one); else a config error, now, rather than a TypeError and a failed attempt for every task of its
+    type."""
     if not callable(fn):
         raise ConfigError(f"{what} is not callable")
-    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):
+    if not any(inspect.iscoroutinefunction(f) for f in (fn, inspect.unwrap(fn), type(fn).__call__)):
         raise ConfigError(f"{what} is not an async function: a plugin is `async def plugin(ctx)`")
     return fn  # type: ignore[no-any-return]
 
