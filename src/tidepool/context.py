@@ -92,5 +92,5 @@ class _PluginLog(logging.LoggerAdapter[logging.Logger]):
 
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
         assert self.extra is not None
-        kwargs["extra"] = {**self.extra, **kwargs.get("extra", {})}
+        kwargs["extra"] = {**kwargs.get("extra", {}), **self.extra}  # the task and plugin are not the caller's
         return f"task {self.extra['task_id']} plugin {self.extra['plugin']}: {msg}", kwargs

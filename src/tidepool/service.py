@@ -398,7 +398,13 @@ class Daemon:
     async def save_schedule(self, schedule: Schedule) -> Schedule:
         validate(schedule)
         probe = NewTask(schedule.type)  # its tasks are checked as a submit's would be: the type, its tags
-        self.check(probe, fleet_tags=await self._fleet_tags([probe]))
+        try:
+            self.check(probe, fleet_tags=await self._fleet_tags([probe]))
+        except InvalidRequest as exc:
+            if exc.field == "type":
+                raise
+            raise InvalidRequest("type", f"type {schedule.type!r} needs tags no resource of this fleet has: "
+                                 f"{sorted(self.registry.required_tags(schedule.type))}") from None
         saved = await self.store.save_schedule(schedule, now=time.time())
         log.info("schedule %s saved, next run %s", saved.name, rfc3339(saved.next_run_at))
         return saved

@@ -115,7 +115,7 @@ async def test_a_scheduled_task_carries_its_type_s_tags_and_a_schedule_no_node_c
     daemon = Daemon(settings.load(path), config_path=path)
     await daemon.store.open()
     await daemon.save_schedule(Schedule(name="licensed", type="licensed", every_s=1))
-    with pytest.raises(InvalidRequest, match=r"required_tags: .*nosuch"):
+    with pytest.raises(InvalidRequest, match=r"type: .*needs tags .*nosuch"):
         await daemon.save_schedule(Schedule(name="nowhere", type="nowhere", every_s=1))
     await anyio.sleep(1.1)
     said = await daemon.scheduler.tick()
