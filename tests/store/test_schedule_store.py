@@ -70,6 +70,13 @@ async def test_a_due_tick_creates_one_task_and_advances(store: Store) -> None:
     assert schedule.last_task_id == task.id and schedule.next_run_at == 120.0
 
 
+async def test_a_tick_s_task_carries_the_tags_its_type_asks_for(store: Store) -> None:
+    await store.save_schedule(every(), now=30.0)
+    (fired,) = await store.fire_schedules(now=60.5, max_attempts=lambda _: 3,
+                                          required_tags=lambda type_name: frozenset({"win10", "lic"}))
+    assert (await store.get(fired.task_id or "")).required_tags == ("lic", "win10")
+
+
 async def test_concurrent_firing_never_duplicates_a_tick(store: Store) -> None:
     await store.save_schedule(every(seconds=1.0), now=0.5)
     for second in range(1, 11):
