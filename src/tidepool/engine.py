@@ -61,8 +61,7 @@ class Engine:
         self.resources = resources
         self._clock = clock
         self._unstarted: dict[str, tuple[Claimed, Held, str]] = {}  # batch-claimed, waiting their turn
-        self._running: dict[str, tuple[Task, Held, str]] = {}  # started, outcome not posted yet
-        self._plugin_of: dict[str, TaskContext] = {}  # the running attempts' contexts: which plugin runs
+        self._running: dict[str, tuple[TaskContext, Held, str]] = {}  # started, outcome not posted yet
         self._ran: dict[str, str] = {}  # task id -> plugin, of what ran since plugins_since_asked() was
         self.outcomes = OutcomeWriter(store, policy=lambda: self.policy, report=self._written)
 
@@ -116,7 +115,7 @@ class Engine:
     def plugins_since_asked(self) -> dict[str, str]:
         """Task id -> plugin of every attempt that ran since the last call: running then, started since, or
         running now (its latest plugin; "" before the first). What held the event loop up is among them."""
-        now = {ctx.task.id: ctx.plugin for ctx in self._plugin_of.values()}
+        now = {ctx.task.id: ctx.plugin for ctx, _, _ in self._running.values()}
         ran, self._ran = {**self._ran, **now}, now
         return ran
 
@@ -127,10 +126,10 @@ class Engine:
         under. What such an attempt posts later is refused by its lease's fence."""
         items = list(self._running.values())
         self._running.clear()
-        for task, held, worker_id in items:
-            log.warning("task %s attempt %s did not stop in time at shutdown: recorded as interrupted", task.id,
+        for ctx, held, worker_id in items:
+            log.warning("task %s attempt %s did not stop in time at shutdown: recorded as interrupted", ctx.task.id,
                         held.lease.attempt_id)
-            self._conclude(task, held, Outcome(AttemptStatus.INTERRUPTED, TaskError(
+            self._conclude(ctx.task, held, Outcome(AttemptStatus.INTERRUPTED, TaskError(
                 "interrupted", "interrupted by shutdown; did not stop in time")), worker_id)
 
     def _stopped_waiting(self, held: Held) -> None:
@@ -158,16 +157,13 @@ class Engine:
         ctx = TaskContext(task, attempt_id=lease.attempt_id, workdir=f"{self._work_root}/{lease.attempt_id}",
                           report_progress=partial(self._progress, held, worker_id),
                           store_result=partial(self._result, held, worker_id))
-        self._running[lease.attempt_id] = (task, held, worker_id)
-        self._plugin_of[lease.attempt_id] = ctx
+        self._running[lease.attempt_id] = (ctx, held, worker_id)
         try:
             outcome = await self._attempt(ctx, held, worker_id)
         except BaseException:
             if self._running.pop(lease.attempt_id, None) is not None:
                 self._leases.release(held)
             raise
-        finally:
-            del self._plugin_of[lease.attempt_id]
         if self._running.pop(lease.attempt_id, None) is not None:  # else abandoned at shutdown, posted already
             self._conclude(task, held, outcome, worker_id)
 
