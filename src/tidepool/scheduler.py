@@ -12,7 +12,7 @@ from anyio.abc import TaskStatus
 from .errors import ScheduleNotFound, StoreUnavailable
 from .events import EventBus
 from .logs import Outage
-from .model import rfc3339
+from .model import NewTask, rfc3339
 from .schedules import Fired, Schedule, validate
 from .settings import ScheduleSettings
 from .store import Store
@@ -21,18 +21,16 @@ log = logging.getLogger("tidepool.scheduler")
 
 
 class Scheduler:
-    def __init__(self, store: Store, events: EventBus, *, node_id: str, max_attempts: Callable[[str], int],
-                 wake: Callable[[int], None], interval_s: float = 0.5,
-                 defines: Callable[[str], bool] = lambda type_name: True,
-                 required_tags: Callable[[str], frozenset[str]] = lambda type_name: frozenset(),
+    def __init__(self, store: Store, events: EventBus, *, node_id: str,
+                 new_task: Callable[[Schedule, float], NewTask], wake: Callable[[int], None],
+                 interval_s: float = 0.5, defines: Callable[[str], bool] = lambda type_name: True,
                  max_queued: Callable[[], int | None] = lambda: None,
                  clock: Callable[[], float] = time.time) -> None:
         self._store = store
         self._node_id = node_id
         self._events = events
-        self._max_attempts = max_attempts
+        self._new_task = new_task  # a tick's task, as a submit of its type would be: its budget, its tags
         self._defines = defines  # the schedules of types this node does not define are another node's to fire
-        self._required_tags = required_tags  # its type's, for each task (a submit's task gets them too)
         self._max_queued = max_queued
         self._wake = wake
         self.interval_s = interval_s
@@ -71,9 +69,8 @@ class Scheduler:
             await anyio.sleep(self.interval_s)
 
     async def tick(self) -> list[Fired]:
-        fired = await self._store.fire_schedules(now=self._clock(), max_attempts=self._max_attempts,
-                                                 defines=self._defines, max_queued=self._max_queued(),
-                                                 required_tags=self._required_tags)
+        fired = await self._store.fire_schedules(now=self._clock(), new_task=self._new_task,
+                                                 defines=self._defines, max_queued=self._max_queued())
         created = 0
         for f in fired:
             if f.task_id is not None:

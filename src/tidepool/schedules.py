@@ -271,15 +271,15 @@ def set_paused(schedule: Schedule, paused: bool, now: float) -> Schedule:
     return start(replace(schedule, paused=False), now)
 
 
-def fire(schedule: Schedule, now: float, *, max_attempts: Callable[[str], int], running: Callable[[str], bool],
-         add: Callable[[NewTask], str | None], firing: Firing | None = None,
-         required_tags: Callable[[str], frozenset[str]] = lambda type_name: frozenset(),
-         ) -> tuple[list[Fired], Schedule]:
+def fire(schedule: Schedule, now: float, *, running: Callable[[str], bool], add: Callable[[NewTask], str | None],
+         new_task: Callable[[Schedule, float], NewTask] | None = None,
+         firing: Firing | None = None) -> tuple[list[Fired], Schedule]:
     """Fire a due schedule inside the store's transaction: `add` creates a task (None if its tick's
     key exists already), `running` says whether the schedule's last task is still unfinished, and
-    `max_attempts` and `required_tags` give a task of a type its attempt budget and the tags its type
-    asks for (as a submit's task gets them). `firing`: plan(schedule, now), when the caller needed it
-    first (a cron backlog's plan walks up to MAX_COUNTED ticks)."""
+    `new_task` makes a tick's task as the node would a submit of its type (task_for by default).
+    `firing`: plan(schedule, now), when the caller needed it first (a cron backlog's plan walks up to
+    MAX_COUNTED ticks)."""
+    new_task = new_task or task_for
     if firing is None:
         firing = plan(schedule, now)
     fired = [Fired(schedule.name, firing.last_skipped, None, "missed", firing.skipped)] \
@@ -290,8 +290,7 @@ def fire(schedule: Schedule, now: float, *, max_attempts: Callable[[str], int], 
             fired.append(Fired(schedule.name, tick, None, "overlap"))
             continue
         try:
-            task_id = add(task_for(schedule, tick, max_attempts=max_attempts(schedule.type),
-                                   required_tags=required_tags(schedule.type)))
+            task_id = add(new_task(schedule, tick))
         except QueueFull:  # refused as a submit would be; the tick is not tried again
             fired.append(Fired(schedule.name, tick, None, "queue_full"))
             continue
@@ -302,8 +301,9 @@ def fire(schedule: Schedule, now: float, *, max_attempts: Callable[[str], int], 
                           last_run_at=last_run, last_task_id=last_task)
 
 
-def task_for(schedule: Schedule, tick: float, *, max_attempts: int,
+def task_for(schedule: Schedule, tick: float, *, max_attempts: int = 3,
              required_tags: frozenset[str] = frozenset()) -> NewTask:
+    """A tick's task: its type's attempt budget and required tags are the node's to give (as to a submit)."""
     return NewTask(schedule.type, dict(schedule.payload), schedule.priority, max_attempts, None,
                    tuple(sorted(required_tags)), tick_key(schedule, tick), None)
 

@@ -41,7 +41,7 @@ from .pool import Pool, PoolConfig
 from .reconciler import Reconciler, ReconcilerConfig
 from .resources import ResourcePool
 from .scheduler import Scheduler
-from .schedules import Schedule, validate
+from .schedules import Schedule, task_for, validate
 from .settings import BUILTIN_TYPES, Settings
 from .store import Node, Store, open_store, retry_step
 from .systemd import Notifier, StatusReporter, run_watchdog
@@ -99,9 +99,8 @@ class Daemon:
                                      policy=lambda: self.engine.policy, wake=self.pool.wake,
                                      fleet_tags=self._fleet_tag_sets)
         self.scheduler = Scheduler(self.store, self.events, node_id=self.node_id,
-                                   max_attempts=self.max_attempts_for, wake=self.pool.wake,
+                                   new_task=self._scheduled_task, wake=self.pool.wake,
                                    defines=lambda type_name: self.registry.knows_type(type_name),
-                                   required_tags=lambda type_name: self.registry.required_tags(type_name),
                                    max_queued=lambda: self.settings.pool.max_queued)
         self.started_at = time.time()
         self.heartbeat = Heartbeat(self.store, self._describe)
@@ -116,6 +115,11 @@ class Daemon:
     @property
     def max_body_kb(self) -> int:
         return self.settings.api.max_body_kb
+
+    def _scheduled_task(self, schedule: Schedule, tick: float) -> NewTask:
+        """A schedule's task for a tick, as a submit of its type makes one: the type's attempt budget and tags."""
+        return task_for(schedule, tick, max_attempts=self.max_attempts_for(schedule.type),
+                        required_tags=self.registry.required_tags(schedule.type))
 
     def max_attempts_for(self, task_type: str) -> int:
         """The attempt budget of a new task of `task_type` that names none: its type's, else retry's."""

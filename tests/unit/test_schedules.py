@@ -23,6 +23,7 @@ from tidepool.schedules import (
     spec_of,
     start,
     stored_spec,
+    task_for,
     tick_key,
     validate,
 )
@@ -136,7 +137,7 @@ def down_since(first: float, **kw: object) -> Schedule:
 
 def fire_now(schedule: Schedule, now: float) -> tuple[list[Fired], Schedule, list[NewTask]]:
     added: list[NewTask] = []
-    fired, saved = fire(schedule, now, max_attempts=lambda _: 3, running=lambda _: False,
+    fired, saved = fire(schedule, now, running=lambda _: False,
                         add=lambda new: added.append(new) or f"t{len(added)}")
     return fired, saved, added
 
@@ -219,10 +220,10 @@ def test_catch_up_across_the_night_the_clocks_go_back_fires_no_repeat_of_a_fixed
 def test_overlap_skip_skips_while_the_previous_task_runs() -> None:
     schedule = replace(start(every(60.0, overlap="skip"), 0.0), last_task_id="busy")
     added: list[NewTask] = []
-    fired, saved = fire(schedule, 61.0, max_attempts=lambda _: 3, running=lambda task_id: task_id == "busy",
+    fired, saved = fire(schedule, 61.0, running=lambda task_id: task_id == "busy",
                         add=lambda new: added.append(new) or "t2")
     assert added == [] and fired[0].reason == "overlap" and saved.last_task_id == "busy"
-    fired, saved = fire(saved, 121.0, max_attempts=lambda _: 3, running=lambda _: False, add=lambda new: "t3")
+    fired, saved = fire(saved, 121.0, running=lambda _: False, add=lambda new: "t3")
     assert fired[0].task_id == "t3" and saved.last_task_id == "t3"
 
 
@@ -230,8 +231,8 @@ def test_a_tick_fires_one_task_with_its_idempotency_key_and_its_type_s_attempt_b
     schedule = start(every(60.0), 0.0)
     added: list[NewTask] = []
     budgets = {schedule.type: 1}
-    fire(schedule, 60.0, max_attempts=budgets.__getitem__, running=lambda _: False,
-         add=lambda new: added.append(new) or "t")
+    fire(schedule, 60.0, new_task=lambda s, tick: task_for(s, tick, max_attempts=budgets[s.type]),
+         running=lambda _: False, add=lambda new: added.append(new) or "t")
     assert [(n.idempotency_key, n.max_attempts) for n in added] == [("schedule:s:1970-01-01T00:01:00+00:00", 1)]
 
 

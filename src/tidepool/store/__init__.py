@@ -196,15 +196,13 @@ class Store(Protocol):
         """ScheduleNotFound if unknown; with config_node, also when that node's config no longer defines it
         (an API save or another node's config took it over meanwhile)."""
     async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule: ...
-    async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int],
+    async def fire_schedules(self, *, now: float, new_task: Callable[[Schedule, float], NewTask] | None = None,
                              defines: Callable[[str], bool] = lambda type_name: True,
-                             max_queued: int | None = None,
-                             required_tags: Callable[[str], frozenset[str]] = lambda type_name: frozenset(),
-                             ) -> list[Fired]:
+                             max_queued: int | None = None) -> list[Fired]:
         """In one transaction per schedule: create the due ticks' tasks and advance next_run_at. A schedule
         whose type `defines` refuses is left as it is, for a node that defines it; a tick that would take
-        the queue past max_queued is skipped (reason "queue_full"), as a submit would be refused. Each task
-        gets the tags its type asks for (`required_tags`), as a submit's does."""
+        the queue past max_queued is skipped (reason "queue_full"), as a submit would be refused.
+        `new_task` makes a tick's task (schedules.fire)."""
 
     # the reconciler
     async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,

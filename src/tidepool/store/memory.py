@@ -231,11 +231,9 @@ class MemoryStore:
         self._schedules[name] = schedules.set_paused(self._schedules[name], paused, now)
         return self._schedules[name]
 
-    async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int],
+    async def fire_schedules(self, *, now: float, new_task: Callable[[Schedule, float], NewTask] | None = None,
                              defines: Callable[[str], bool] = lambda type_name: True,
-                             max_queued: int | None = None,
-                             required_tags: Callable[[str], frozenset[str]] = lambda type_name: frozenset(),
-                             ) -> list[Fired]:
+                             max_queued: int | None = None) -> list[Fired]:
         def add(new: NewTask) -> str | None:
             if new.idempotency_key in self._keys:
                 return None
@@ -249,9 +247,9 @@ class MemoryStore:
             if not defines(schedule.type):
                 continue
             outcome, saved = schedules.fire(
-                schedule, now, max_attempts=max_attempts,
+                schedule, now, new_task=new_task,
                 running=lambda task_id: task_id in self._rows and not self._rows[task_id].task.state.terminal,
-                add=add, required_tags=required_tags)
+                add=add)
             self._schedules[schedule.name] = saved
             fired.extend(outcome)
         return fired

@@ -967,11 +967,9 @@ class PostgresStore:
             await conn.execute(SAVE_SCHEDULE, *_schedule_args(saved))
         return saved
 
-    async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int],
+    async def fire_schedules(self, *, now: float, new_task: Callable[[Schedule, float], NewTask] | None = None,
                              defines: Callable[[str], bool] = lambda type_name: True,
-                             max_queued: int | None = None,
-                             required_tags: Callable[[str], frozenset[str]] = lambda type_name: frozenset(),
-                             ) -> list[Fired]:
+                             max_queued: int | None = None) -> list[Fired]:
         async with self._conn() as conn:
             due = await conn.fetch("SELECT name, spec FROM schedules WHERE NOT paused AND next_run_at <= $1", now)
             fired: list[Fired] = []
@@ -979,7 +977,7 @@ class PostgresStore:
                 if not defines(schedules.stored_spec(spec)["type"]):
                     continue  # a node that defines the type fires it
                 async with conn.transaction():
-                    these = await _fire(conn, name, now, max_attempts, max_queued, required_tags)
+                    these = await _fire(conn, name, now, new_task, max_queued)
                     if created := sum(1 for f in these if f.task_id is not None):
                         await conn.execute(NOTIFY, str(created))
                 fired.extend(these)
@@ -1422,8 +1420,8 @@ async def _locked_schedule(conn: Conn, name: str) -> Schedule | None:
     return None if row is None else _schedule(row)
 
 
-async def _fire(conn: Conn, name: str, now: float, max_attempts: Callable[[str], int],
-                max_queued: int | None, required_tags: Callable[[str], frozenset[str]]) -> list[Fired]:
+async def _fire(conn: Conn, name: str, now: float, new_task: Callable[[Schedule, float], NewTask] | None,
+                max_queued: int | None) -> list[Fired]:
     """Fire one due schedule, holding its row; nothing when another node holds or has just fired it."""
     row = await conn.fetchrow(DUE_SCHEDULE, name, now)
     if row is None:
@@ -1456,8 +1454,7 @@ async def _fire(conn: Conn, name: str, now: float, max_attempts: Callable[[str],
     def running(task_id: str) -> bool:
         return task_id in created or (task_id == schedule.last_task_id and bool(last_active))
 
-    fired, saved = schedules.fire(schedule, now, max_attempts=max_attempts, running=running, add=add,
-                                  firing=firing, required_tags=required_tags)
+    fired, saved = schedules.fire(schedule, now, new_task=new_task, running=running, add=add, firing=firing)
     for task_id, new in created.items():
         if await conn.fetchrow(INSERT, *_insert_args(new, now, task_id)) is None:
             # Only a submit that borrowed this tick's key can get here: give up this pass, retry the next.

@@ -629,11 +629,9 @@ class SqliteStore:
         saved: Schedule = await self._write(op)
         return saved
 
-    async def fire_schedules(self, *, now: float, max_attempts: Callable[[str], int],
+    async def fire_schedules(self, *, now: float, new_task: Callable[[Schedule, float], NewTask] | None = None,
                              defines: Callable[[str], bool] = lambda type_name: True,
-                             max_queued: int | None = None,
-                             required_tags: Callable[[str], frozenset[str]] = lambda type_name: frozenset(),
-                             ) -> list[Fired]:
+                             max_queued: int | None = None) -> list[Fired]:
         """Fire every due tick in one transaction: tasks created and next_run_at advanced together."""
         def op(conn: sqlite3.Connection, batch: _Batch) -> list[Fired]:
             rows = conn.execute(f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE paused = 0 AND next_run_at <= ?",
@@ -643,10 +641,9 @@ class SqliteStore:
                 schedule = _schedule(row)
                 if not defines(schedule.type):
                     continue
-                outcome, saved = schedules.fire(schedule, now, max_attempts=max_attempts,
+                outcome, saved = schedules.fire(schedule, now, new_task=new_task,
                                                 running=lambda task_id: _is_active(conn, task_id),
-                                                add=lambda new: _add_once(conn, batch, new, now, max_queued),
-                                                required_tags=required_tags)
+                                                add=lambda new: _add_once(conn, batch, new, now, max_queued))
                 conn.execute("INSERT OR REPLACE INTO schedules VALUES (?, ?, ?, ?, ?, ?, ?)", _schedule_row(saved))
                 fired.extend(outcome)
             if fired:
