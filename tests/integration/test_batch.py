@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -12,7 +15,7 @@ from tidepool.model import AttemptStatus, State
 from tidepool.pool import PoolConfig
 from tidepool.store.sqlite import SqliteStore
 
-from .conftest import running_node
+from .conftest import Node, running_node
 
 
 async def test_a_worker_runs_its_batch_in_turn_with_every_lease_renewed(sqlite_store: SqliteStore,
@@ -41,17 +44,25 @@ async def test_a_worker_runs_its_batch_in_turn_with_every_lease_renewed(sqlite_s
     assert len({e.data["worker_id"] for e in node.seen if e.name == "task.leased"}) == 1
 
 
-async def test_stopping_the_pool_gives_back_the_unstarted_part_of_a_batch_at_once(sqlite_store: SqliteStore,
-                                                                                 tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def three_in_one_batch(store: SqliteStore, tmp_path: Path,
+                             **node_options: Any) -> AsyncIterator[tuple[Node, anyio.Event, list[str]]]:
+    """One worker has claimed three tasks in one batch and runs the first, which waits for the gate."""
     gate = anyio.Event()
 
     async def blocked(ctx: TaskContext) -> None:
         await gate.wait()
 
     config = PoolConfig(min_workers=1, max_workers=1, claim_batch=3, poll_interval_s=0.5)
-    async with running_node(sqlite_store, {"blocked": blocked}, pool=config, work_root=tmp_path) as node:
-        first, *rest = await node.submit_many("blocked", 3)
-        await node.until(lambda: "plugin.started" in node.names(first))
+    async with running_node(store, {"blocked": blocked}, pool=config, work_root=tmp_path, **node_options) as node:
+        ids = await node.submit_many("blocked", 3)
+        await node.until(lambda: "plugin.started" in node.names(ids[0]))
+        yield node, gate, ids
+
+
+async def test_stopping_the_pool_gives_back_the_unstarted_part_of_a_batch_at_once(sqlite_store: SqliteStore,
+                                                                                 tmp_path: Path) -> None:
+    async with three_in_one_batch(sqlite_store, tmp_path) as (node, gate, (first, *rest)):
         node.pool.stop_claiming()  # what the daemon's drain does on SIGTERM
         with anyio.fail_after(2):  # while the first task still runs
             while {(await node.store.get(i)).state for i in rest} != {State.PENDING}:
@@ -68,16 +79,8 @@ async def test_stopping_the_pool_gives_back_the_unstarted_part_of_a_batch_at_onc
 
 async def test_a_cancel_of_a_task_waiting_in_a_batch_ends_it_at_once_without_running_it(sqlite_store: SqliteStore,
                                                                                        tmp_path: Path) -> None:
-    gate = anyio.Event()
-
-    async def blocked(ctx: TaskContext) -> None:
-        await gate.wait()
-
-    config = PoolConfig(min_workers=1, max_workers=1, claim_batch=3, poll_interval_s=0.5)
-    async with running_node(sqlite_store, {"blocked": blocked}, pool=config, renew_every_s=0.05,
-                            work_root=tmp_path) as node:
-        first, waiting, last = await node.submit_many("blocked", 3)
-        await node.until(lambda: "plugin.started" in node.names(first))
+    async with three_in_one_batch(sqlite_store, tmp_path, renew_every_s=0.05) as (node, gate, ids):
+        first, waiting, last = ids
         # the cancel lands in the store only, as from another node; the next renewal notices it
         assert (await node.store.request_cancel(waiting, now=time.time())).state is State.CANCELLING
         with anyio.fail_after(2):  # not at its turn, nor at the reconciler's cancel deadline (5 s here)
