@@ -327,17 +327,20 @@ class _Progress:
         elif event == "task.cancel_requested":
             self.state = "cancelling"
         elif event == "task.phase":
-            self.state, self.phase = ("cancelling" if self.state == "cancelling" else "running"), seen["phase"]
+            self._runs(seen["phase"])
         elif event == "plugin.started":
             self.plugin = seen["plugin"]
         elif event == "task.progress":
             # Only a running plugin reports progress: this says so even when the stream opened after the
             # attempt's phase events went by (the task read then showed it leased: phases are written behind).
-            if self.state != "cancelling":  # a cancel asked (read with the task) still stands
-                self.state = "running"
-            self.phase, self.plugin = "run", seen.get("plugin") or self.plugin
+            self._runs("run")
+            self.plugin = seen.get("plugin") or self.plugin
             self.fraction, self.message = seen["fraction"], seen.get("message", "")
         return self.render()
+
+    def _runs(self, phase: str) -> None:
+        """The attempt is in `phase`: running, unless a cancel was asked (that still stands)."""
+        self.state, self.phase = ("cancelling" if self.state == "cancelling" else "running"), phase
 
     def render(self) -> Text:
         fraction = "" if self.fraction is None else f" {self.fraction * 100:5.1f}%"
