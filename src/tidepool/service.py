@@ -401,7 +401,7 @@ class Daemon:
 
     async def save_schedule(self, schedule: Schedule) -> Schedule:
         validate(schedule)
-        probe = NewTask(schedule.type)  # its tasks are checked as a submit's would be: the type, its tags
+        probe = self._scheduled_task(schedule, time.time())  # checked as its submit would be: type and tags
         try:
             self.check(probe, fleet_tags=await self._fleet_tags([probe]))
         except InvalidRequest as exc:
