@@ -228,26 +228,21 @@ def pings(receiver: Receiver, notifier: Notifier) -> list[str]:
     return received
 
 
+@pytest.mark.parametrize(("usec", "for_s", "fewest", "most"), [
+    # every 0.1 s for 0.6 s is 6 or 7 pings (every 0.2 s would be 3 or 4); loose bounds for a loaded
+    # machine, since this counts on the real clock
+    ("200000", 0.6, 5, 9),
+    ("100", 0.3, 1, 40),  # an absurd WatchdogSec: one ping each 10 ms at most, not a busy loop's tens of thousands
+])
 async def test_watchdog_pings_every_half_interval(
-    receiver: Receiver, make_notifier: Callable[[dict[str, str]], Notifier]
+    receiver: Receiver, make_notifier: Callable[[dict[str, str]], Notifier], usec: str, for_s: float, fewest: int,
+    most: int,
 ) -> None:
     notifier = make_notifier(
-        {"NOTIFY_SOCKET": receiver.address, "WATCHDOG_USEC": "200000", "WATCHDOG_PID": str(os.getpid())}
+        {"NOTIFY_SOCKET": receiver.address, "WATCHDOG_USEC": usec, "WATCHDOG_PID": str(os.getpid())}
     )
-    await watch_for(0.6, notifier, lambda: True)
-    # Every 0.1 s for 0.6 s is 6 or 7 pings (pinging every 0.2 s would be 3 or 4); loose bounds
-    # for a loaded machine, since this counts on the real clock.
-    assert 5 <= len(pings(receiver, notifier)) <= 9
-
-
-async def test_a_watchdog_of_microseconds_does_not_make_the_pings_a_busy_loop(
-    receiver: Receiver, make_notifier: Callable[[dict[str, str]], Notifier]
-) -> None:
-    notifier = make_notifier(
-        {"NOTIFY_SOCKET": receiver.address, "WATCHDOG_USEC": "100", "WATCHDOG_PID": str(os.getpid())}
-    )
-    await watch_for(0.3, notifier, lambda: True)
-    assert 1 <= len(pings(receiver, notifier)) <= 40  # one each 10 ms at most, not tens of thousands
+    await watch_for(for_s, notifier, lambda: True)
+    assert fewest <= len(pings(receiver, notifier)) <= most
 
 
 async def test_no_watchdog_when_it_belongs_to_another_pid(
