@@ -19,6 +19,7 @@ import anyio
 import psutil  # type: ignore[import-untyped]
 import pytest
 import uvloop
+from tests.process_trees import RECORD, gone, pids
 
 from tidepool.errors import InvalidArgument, LimitExceeded, PluginError
 from tidepool.plugins import command
@@ -37,28 +38,11 @@ PY = sys.executable
 GRACE_S = 0.5
 POLL_S = 0.05
 
-# Writes one "role pid" line per process; O_APPEND keeps each short write whole.
-RECORD = """
-import os, sys, time
-def record(role):
-    with open(sys.argv[1], "a") as f:
-        f.write(f"{role} {os.getpid()}\\n")
-"""
 
 # leader -> middle -> {escaper (calls setsid), sleeper}; all sleep forever.
 TREE = (
     RECORD
     + """
-def fork(body):
-    if os.fork() == 0:
-        try:
-            body()
-        finally:
-            os._exit(0)
-def sleep_forever(role):
-    record(role)
-    while True:
-        time.sleep(3600)
 def escaper():
     os.setsid()  # leaves the process group: killpg alone cannot reach it
     sleep_forever("escaper")
@@ -148,12 +132,7 @@ def _script(tmp_path: Path, body: str) -> list[str]:
 
 
 def _pids(tmp_path: Path) -> dict[str, int]:
-    try:
-        text = (tmp_path / "pids").read_text()
-    except FileNotFoundError:
-        return {}
-    complete = text.split("\n")[:-1]  # a last line without newline is still being written
-    return {role: int(pid) for role, pid in (line.split() for line in complete)}
+    return pids(tmp_path / "pids")
 
 
 async def _wait_for_pids(tmp_path: Path, count: int) -> dict[str, int]:
@@ -164,16 +143,9 @@ async def _wait_for_pids(tmp_path: Path, count: int) -> dict[str, int]:
             await anyio.sleep(0.01)
 
 
-def _gone(pid: int) -> bool:
-    try:  # a zombie has exited; reaping an orphan is init's business
-        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return True
-
-
 async def _assert_gone_by(pids: dict[str, int], deadline: float) -> None:
     while True:
-        alive = {role: pid for role, pid in pids.items() if not _gone(pid)}
+        alive = {role: pid for role, pid in pids.items() if not gone(pid)}
         if not alive or anyio.current_time() >= deadline:
             break
         await anyio.sleep(0.01)
