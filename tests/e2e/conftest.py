@@ -133,6 +133,12 @@ class Daemon:
         self.kill()
         pytest.fail(f"daemon not ready within {READY_TIMEOUT_S}s:\n{self.log()}")
 
+    def run_to_exit(self) -> subprocess.CompletedProcess[str]:
+        """Run in the foreground until it exits (one that must refuse to start): its exit code and output."""
+        return subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(self.config_path)],
+                              cwd=self.root, env=self.env, capture_output=True, text=True, timeout=30,
+                              stdin=subprocess.DEVNULL)
+
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after STOP_TIMEOUT_S; the exit code (negative: killed by that signal)."""
         if self.proc is None:

@@ -7,8 +7,6 @@ import json
 import selectors
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -131,9 +129,7 @@ def test_with_the_token_every_v1_route_works(token_daemon: Daemon) -> None:
 @pytest.mark.e2e
 def test_off_loopback_without_a_token_file_refuses_to_start_with_exit_2(make_daemon: Callable[..., Daemon]) -> None:
     daemon = make_daemon({"api": {"listen": f"0.0.0.0:{free_port()}"}})
-    result = subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(daemon.config_path)],
-                            cwd=daemon.root, env=daemon.env, capture_output=True, text=True, timeout=30,
-                            stdin=subprocess.DEVNULL)
+    result = daemon.run_to_exit()
     assert result.returncode == 2, result.stderr
     assert "api.token_file" in result.stderr and "Traceback" not in result.stderr, result.stderr
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,9 +19,7 @@ def test_a_second_daemon_with_the_same_node_id_and_state_dir_exits_2_naming_the_
     twin = make_daemon(root=daemon.root)  # same node.id, same state dir and database, another API port
     assert twin.db_path == daemon.db_path and twin.port != daemon.port
 
-    result = subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(twin.config_path)],
-                            cwd=twin.root, env=twin.env, capture_output=True, text=True, timeout=30,
-                            stdin=subprocess.DEVNULL)
+    result = twin.run_to_exit()
     assert result.returncode == 2, result.stderr
     assert f"pid {daemon.pid}" in result.stderr
     assert "e2e-node" in result.stderr
@@ -41,9 +37,7 @@ def test_a_second_daemon_of_the_node_on_another_store_but_the_same_state_dir_exi
     (tmp_path / "other").mkdir()
     twin = make_daemon({"store": {"url": f"sqlite:///{tmp_path / 'other' / 'other.db'}"},
                         "node": {"id": "e2e-node", "state_dir": str(daemon.state_dir)}}, root=tmp_path / "other")
-    result = subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(twin.config_path)],
-                            cwd=twin.root, env=twin.env, capture_output=True, text=True, timeout=30,
-                            stdin=subprocess.DEVNULL)
+    result = twin.run_to_exit()
     assert result.returncode == 2, result.stderr
     assert f"pid {daemon.pid}" in result.stderr and "work directories" in result.stderr
     assert daemon.get("/readyz").status == 200, "the first daemon is unharmed"
@@ -58,17 +52,9 @@ def test_a_second_daemon_reaching_the_same_database_through_a_symlink_exits_2(
     (tmp_path / "twin").mkdir()
     (alias_dir / "alias.db").symlink_to(daemon.db_path)
     twin = make_daemon({"store": {"url": f"sqlite:///{alias_dir / 'alias.db'}"}}, root=tmp_path / "twin")
-    result = subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(twin.config_path)],
-                            cwd=twin.root, env=twin.env, capture_output=True, text=True, timeout=30,
-                            stdin=subprocess.DEVNULL)
+    result = twin.run_to_exit()
     assert result.returncode == 2, result.stderr
     assert f"pid {daemon.pid}" in result.stderr
-
-
-def _run(daemon: Daemon) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(daemon.config_path)],
-                          cwd=daemon.root, env=daemon.env, capture_output=True, text=True, timeout=30,
-                          stdin=subprocess.DEVNULL)
 
 
 @pytest.mark.e2e
@@ -77,7 +63,7 @@ def test_a_second_daemon_exits_2_even_when_the_first_ones_lock_file_was_deleted(
     """Started, it would expire the first one's live leases as an earlier process's and run them twice."""
     (lock,) = daemon.db_path.parent.glob(f"{daemon.db_path.name}.*.lock")
     lock.unlink()
-    result = _run(make_daemon(root=daemon.root))
+    result = make_daemon(root=daemon.root).run_to_exit()
     assert result.returncode == 2, result.stderr
     assert f"pid {daemon.pid}" in result.stderr and "already runs" in result.stderr
     assert daemon.get("/readyz").status == 200
@@ -91,7 +77,7 @@ def test_a_second_daemon_reaching_the_database_through_a_hard_link_exits_2(
     nor the node's row (in the other name's log) can see the other: the second name is refused."""
     (tmp_path / "twin" / "var").mkdir(parents=True)
     os.link(daemon.db_path, tmp_path / "twin" / "var" / "tidepool.db")
-    result = _run(make_daemon(root=tmp_path / "twin"))
+    result = make_daemon(root=tmp_path / "twin").run_to_exit()
     assert result.returncode == 2, result.stderr
     assert "2 hard links" in result.stderr and "store.url" in result.stderr
     task = daemon.submit("noop")
@@ -112,7 +98,7 @@ def test_a_file_of_another_application_is_refused_and_left_as_it_was(
             conn.execute(statement)
         conn.commit()
     before = foreign.read_bytes()
-    result = _run(make_daemon({"store": {"url": f"sqlite:///{foreign}"}}))
+    result = make_daemon({"store": {"url": f"sqlite:///{foreign}"}}).run_to_exit()
     assert result.returncode == 2, result.stderr
     assert f"is not a tidepool database ({said})" in result.stderr
     assert foreign.read_bytes() == before

@@ -477,9 +477,7 @@ def test_a_second_daemon_with_the_same_node_id_on_the_same_database_exits_2(flee
     a = fleet.add("a")
     fleet.start(a)
     twin = fleet.add("twin", node={"id": "a"})
-    result = subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(twin.config_path)],
-                            cwd=twin.root, env=twin.env, capture_output=True, text=True, timeout=30,
-                            stdin=subprocess.DEVNULL)
+    result = twin.run_to_exit()
     assert result.returncode == 2, result.stderr
     assert f"pid {a.pid}" in result.stderr and "node a already runs" in result.stderr
     assert a.get("/readyz").status == 200, "the first daemon is unharmed"

@@ -27,9 +27,7 @@ def test_a_daemon_that_cannot_bind_its_port_exits_1_in_one_line_and_claims_nothi
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", worker.port))
         squatter.listen()
-        result = subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(worker.config_path)],
-                                cwd=worker.root, env=worker.env, capture_output=True, text=True, timeout=30,
-                                stdin=subprocess.DEVNULL)
+        result = worker.run_to_exit()
     assert result.returncode == 1
     states = dict(worker.query("SELECT id, state FROM tasks"))
     assert states == dict.fromkeys(ids, "pending"), "a node that never became ready must not hold leases"
@@ -56,9 +54,7 @@ def test_a_unix_socket_that_cannot_be_made_exits_1_naming_its_path(make_daemon: 
                                                                     tmp_path: Path) -> None:
     missing = tmp_path / "no-such-dir" / "api.sock"
     daemon = make_daemon({"api": {"listen": f"unix:{missing}"}})
-    result = subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(daemon.config_path)],
-                            cwd=daemon.root, env=daemon.env, capture_output=True, text=True, timeout=30,
-                            stdin=subprocess.DEVNULL)
+    result = daemon.run_to_exit()
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("tidepool:")]
     assert len(errors) == 1 and str(missing) in errors[0], result.stderr
