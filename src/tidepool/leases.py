@@ -24,7 +24,7 @@ from anyio.abc import TaskStatus
 from .errors import LeaseLost, StoreUnavailable, TaskCancelling
 from .logs import Outage
 from .model import Lease, Phase
-from .store import PhaseNote, Store
+from .store import PhaseNote, WorkerPort
 
 log = logging.getLogger("tidepool.leases")
 GIVE_UP_SHARE = 0.25  # of lease_s: a lease is given up up to this long before the store would expire it
@@ -54,7 +54,7 @@ class Held:
 
 
 class LeaseKeeper:
-    def __init__(self, store: Store, *, lease_s: float, renew_every_s: float, flush_every_s: float = 0.1,
+    def __init__(self, store: WorkerPort, *, lease_s: float, renew_every_s: float, flush_every_s: float = 0.1,
                  clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
         self._store = store
         self.lease_s = lease_s

@@ -22,7 +22,7 @@ from .errors import StoreUnavailable, TidepoolError
 from .leases import Held
 from .lifecycle import RetryPolicy
 from .model import AttemptStatus, Outcome, State, Task
-from .store import Ending, Store
+from .store import Ending, WorkerPort
 
 log = logging.getLogger("tidepool.outcomes")
 RETRY_DELAYS_S = (0.2, 0.5, 1.0, 2.0)  # then one last try; the lease is renewed meanwhile (see Engine)
@@ -42,7 +42,7 @@ class Posted:
 
 
 class OutcomeWriter:
-    def __init__(self, store: Store, *, policy: Callable[[], RetryPolicy],
+    def __init__(self, store: WorkerPort, *, policy: Callable[[], RetryPolicy],
                  report: Callable[[Posted, State | TidepoolError], None],
                  retry_delays_s: tuple[float, ...] = RETRY_DELAYS_S) -> None:
         self._store = store

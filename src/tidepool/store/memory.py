@@ -32,20 +32,8 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import (
-    CancelAnswer,
-    Ended,
-    Ending,
-    Expired,
-    Node,
-    Page,
-    PhaseNote,
-    batch_answer,
-    cancel_step,
-    check_room,
-    expiry_outcome,
-    retry_step,
-)
+from .port import CancelAnswer, Ended, Ending, Expired, Node, Page, PhaseNote
+from .rules import batch_answer, cancel_step, check_room, expiry_outcome, retry_step
 
 
 @dataclasses.dataclass

@@ -48,13 +48,11 @@ from ..lifecycle import Event, RetryPolicy, decide_end, step
 from ..model import (
     CANCELLED_ON_REQUEST,
     Attempt,
-    AttemptStatus,
     Claimed,
     ClaimFilter,
     Lease,
     NewTask,
     Outcome,
-    Phase,
     ResultBatch,
     State,
     Task,
@@ -65,20 +63,34 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
-from . import (
+from .port import CancelAnswer, Ended, Ending, Expired, Node, Page, PhaseNote
+from .rows import (
+    ATTEMPT_COLUMNS,
+    NODE_COLUMNS,
+    RESULT_COLUMNS,
+    SCHEDULE_COLUMNS,
     SCHEMA_VERSION,
-    CancelAnswer,
-    Ended,
-    Ending,
-    Expired,
-    Node,
-    Page,
-    PhaseNote,
+    TASK_COLUMNS,
+    attempt_of,
+    loads,
+    node_of,
+    node_values,
+    result_of,
+    schedule_of,
+    schedule_values,
+    task_of,
+)
+from .rules import (
+    QUEUED_SQL,
+    TERMINAL_SQL,
+    UNFINISHED_SQL,
+    WORKING_SQL,
     batch_answer,
     cancel_step,
     check_room,
     completable_at_once,
     expiry_outcome,
+    may_end,
     progress_text,
     retry_step,
 )
@@ -105,8 +117,6 @@ CREATE TABLE IF NOT EXISTS nodes (
     max_workers INTEGER NOT NULL
 );
 """
-NODE_COLUMNS = ("node_id, instance_id, hostname, pid, version, started_at, heartbeat_at, heartbeat_s, stopped_at, "
-                "task_types, tags, max_workers")
 SCHEDULES = """
 CREATE TABLE IF NOT EXISTS schedules (
     name TEXT PRIMARY KEY,
@@ -181,11 +191,6 @@ CREATE TABLE results (
 CREATE INDEX results_task ON results (task_id, created_at);
 """
 
-TASK_COLUMNS = ("id, type, payload, priority, state, phase, progress, attempt, max_attempts, interruptions, "
-                "timeout_s, required_tags, idempotency_key, node_id, error, created_at, updated_at, "
-                "available_at, finished_at")
-RESULT_COLUMNS = "plugin, sequence, idempotency_key, sha256, final, payload, attempt_id"
-ACTIVE_SQL = "('leased', 'running')"
 FENCE = "id = ? AND lease_attempt_id = ? AND lease_token = ?"
 Op: TypeAlias = "Callable[[sqlite3.Connection, _Batch], Any] | _Grouped"
 
@@ -198,7 +203,7 @@ class _Batch:
 
     def queued_count(self, conn: sqlite3.Connection) -> int:
         if self.queued is None:
-            row = conn.execute("SELECT count(*) FROM tasks WHERE state IN ('pending', 'retry_wait')").fetchone()
+            row = conn.execute(f"SELECT count(*) FROM tasks WHERE state IN {QUEUED_SQL}").fetchone()
             self.queued = int(row[0])
         return self.queued
 
@@ -453,7 +458,7 @@ class SqliteStore:
             results = conn.execute(f"SELECT {RESULT_COLUMNS} FROM results WHERE task_id = ? "
                                    "ORDER BY created_at, sequence", (task_id,)).fetchall()
             task = _task(row, attempts=_attempts(conn, [task_id]).get(task_id, ()))
-            return _replace_results(task, tuple(_result(r) for r in results))
+            return _replace_results(task, tuple(result_of(r) for r in results))
 
         return await self._read(read)
 
@@ -478,8 +483,7 @@ class SqliteStore:
 
     async def counts(self) -> dict[State, int]:
         def read(conn: sqlite3.Connection) -> dict[State, int]:
-            rows = conn.execute("SELECT state, count(*) FROM tasks WHERE state IN "
-                                "('pending', 'leased', 'running', 'retry_wait', 'cancelling') "
+            rows = conn.execute(f"SELECT state, count(*) FROM tasks WHERE state IN {UNFINISHED_SQL} "
                                 "GROUP BY state").fetchall()
             return {State(s): n for s, n in rows}
 
@@ -535,7 +539,7 @@ class SqliteStore:
             lost = {}
             for lease in leases:
                 cur = conn.execute(f"UPDATE tasks SET lease_expires_at = ? WHERE {FENCE} AND state IN "
-                                   f"{ACTIVE_SQL} AND lease_expires_at > ?",
+                                   f"{WORKING_SQL} AND lease_expires_at > ?",
                                    (now + lease_s, lease.task_id, lease.attempt_id, lease.token, now))
                 if cur.rowcount == 0:
                     lost[lease.attempt_id] = _why_lost(conn, lease)
@@ -565,7 +569,7 @@ class SqliteStore:
             if earlier is not None:
                 if earlier[3] != batch_.sha256:
                     raise Conflict(f"result key {batch_.idempotency_key} was stored with another sha256")
-                return _result(earlier)
+                return result_of(earlier)
             conn.execute("INSERT INTO results VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                          (batch_.idempotency_key, lease.task_id, lease.attempt_id, batch_.plugin,
                           batch_.sequence, batch_.sha256, batch_.final, json.dumps(batch_.payload), now))
@@ -594,8 +598,8 @@ class SqliteStore:
     async def save_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
         def op(conn: sqlite3.Connection, batch: _Batch) -> Schedule:
             row = conn.execute(f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE name = ?", (schedule.name,)).fetchone()
-            saved = schedules.merge(None if row is None else _schedule(row), schedule, now)
-            conn.execute("INSERT OR REPLACE INTO schedules VALUES (?, ?, ?, ?, ?, ?, ?)", _schedule_row(saved))
+            saved = schedules.merge(None if row is None else schedule_of(row), schedule, now)
+            conn.execute("INSERT OR REPLACE INTO schedules VALUES (?, ?, ?, ?, ?, ?, ?)", schedule_values(saved))
             return saved
 
         saved: Schedule = await self._write(op)
@@ -604,7 +608,7 @@ class SqliteStore:
     async def list_schedules(self) -> list[Schedule]:
         def read(conn: sqlite3.Connection) -> list[Schedule]:
             rows = conn.execute(f"SELECT {SCHEDULE_COLUMNS} FROM schedules ORDER BY name").fetchall()
-            return [_schedule(r) for r in rows]
+            return [schedule_of(r) for r in rows]
 
         return await self._read(read)
 
@@ -622,8 +626,8 @@ class SqliteStore:
             row = conn.execute(f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE name = ?", (name,)).fetchone()
             if row is None:
                 raise ScheduleNotFound(name)
-            saved = schedules.set_paused(_schedule(row), paused, now)
-            conn.execute("INSERT OR REPLACE INTO schedules VALUES (?, ?, ?, ?, ?, ?, ?)", _schedule_row(saved))
+            saved = schedules.set_paused(schedule_of(row), paused, now)
+            conn.execute("INSERT OR REPLACE INTO schedules VALUES (?, ?, ?, ?, ?, ?, ?)", schedule_values(saved))
             return saved
 
         saved: Schedule = await self._write(op)
@@ -638,13 +642,13 @@ class SqliteStore:
                                 (now,)).fetchall()
             fired: list[Fired] = []
             for row in rows:
-                schedule = _schedule(row)
+                schedule = schedule_of(row)
                 if not defines(schedule.type):
                     continue
                 outcome, saved = schedules.fire(schedule, now, new_task=new_task,
                                                 running=lambda task_id: _is_active(conn, task_id),
                                                 add=lambda new: _add_once(conn, batch, new, now, max_queued))
-                conn.execute("INSERT OR REPLACE INTO schedules VALUES (?, ?, ?, ?, ?, ?, ?)", _schedule_row(saved))
+                conn.execute("INSERT OR REPLACE INTO schedules VALUES (?, ?, ?, ?, ?, ?, ?)", schedule_values(saved))
                 fired.extend(outcome)
             if fired:
                 batch.queued = None
@@ -704,8 +708,7 @@ class SqliteStore:
 
     async def prune(self, *, before: float) -> int:
         def op(conn: sqlite3.Connection, batch: _Batch) -> int:
-            old = "SELECT id FROM tasks WHERE finished_at < ? AND state IN " \
-                  "('completed', 'failed', 'timed_out', 'cancelled')"
+            old = f"SELECT id FROM tasks WHERE finished_at < ? AND state IN {TERMINAL_SQL}"
             conn.execute(f"DELETE FROM results WHERE task_id IN ({old})", (before,))
             conn.execute(f"DELETE FROM attempts WHERE task_id IN ({old})", (before,))
             conn.execute("DELETE FROM nodes WHERE heartbeat_at < ?", (before,))
@@ -716,7 +719,7 @@ class SqliteStore:
 
     async def queued_tag_sets(self) -> list[frozenset[str]]:
         def read(conn: sqlite3.Connection) -> list[frozenset[str]]:
-            rows = conn.execute("SELECT DISTINCT required_tags FROM tasks WHERE state IN ('pending', 'retry_wait') "
+            rows = conn.execute(f"SELECT DISTINCT required_tags FROM tasks WHERE state IN {QUEUED_SQL} "
                                 "AND required_tags != '[]'").fetchall()
             return [frozenset(json.loads(r[0])) for r in rows]
 
@@ -729,7 +732,7 @@ class SqliteStore:
         def op(conn: sqlite3.Connection, batch: _Batch) -> list[Ended]:
             rows = conn.execute(
                 "UPDATE tasks SET state = ?, phase = NULL, error = ?, finished_at = ?, updated_at = ? "
-                "WHERE state IN ('pending', 'retry_wait') AND required_tags = ? RETURNING id, type",
+                f"WHERE state IN {QUEUED_SQL} AND required_tags = ? RETURNING id, type",
                 (target, error, now, now, json.dumps(sorted(tags)))).fetchall()  # stored as a sorted JSON list
             if batch.queued is not None:
                 batch.queued -= len(rows)
@@ -754,9 +757,7 @@ class SqliteStore:
                               "stop it or give this daemon another node.id")
 
     async def save_node(self, node: Node) -> None:
-        row = (node.node_id, node.instance_id, node.hostname, node.pid, node.version, node.started_at,
-               node.heartbeat_at, node.heartbeat_s, node.stopped_at, json.dumps(list(node.task_types)),
-               json.dumps([list(t) for t in node.tags]), node.max_workers)
+        row = node_values(node, task_types=json.dumps(list(node.task_types)))
 
         def op(conn: sqlite3.Connection, batch: _Batch) -> None:
             conn.execute(f"INSERT OR REPLACE INTO nodes ({NODE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -867,19 +868,6 @@ def _groups(ops: list[tuple[Op, asyncio.Future[Any]]]) -> list[list[tuple[Op, as
             runs.append(run)
         run.append(item)
     return runs
-
-
-SCHEDULE_COLUMNS = "name, spec, paused, next_tick_at, next_run_at, last_run_at, last_task_id"
-
-
-def _schedule(row: Any) -> Schedule:
-    return Schedule(name=row[0], **schedules.stored_spec(row[1]), paused=bool(row[2]), next_tick_at=row[3],
-                    next_run_at=row[4], last_run_at=row[5], last_task_id=row[6])
-
-
-def _schedule_row(s: Schedule) -> tuple[Any, ...]:
-    return (s.name, json.dumps(schedules.spec_of(s)), int(s.paused), s.next_tick_at, s.next_run_at, s.last_run_at,
-            s.last_task_id)
 
 
 def _is_active(conn: sqlite3.Connection, task_id: str) -> bool:
@@ -1004,7 +992,7 @@ def _insert_many(conn: sqlite3.Connection, batch: Sequence[NewTask], now: float)
 
 
 def _claimable(conn: sqlite3.Connection, where: ClaimFilter, limit: int, now: float) -> list[Any]:
-    sql = [f"SELECT {TASK_COLUMNS} FROM tasks INDEXED BY tasks_queue WHERE state IN ('pending', 'retry_wait') "
+    sql = [f"SELECT {TASK_COLUMNS} FROM tasks INDEXED BY tasks_queue WHERE state IN {QUEUED_SQL} "
            "AND available_at <= ? AND attempt < max_attempts"]
     args: list[Any] = [now]
     if "*" not in where.type_globs:
@@ -1050,7 +1038,7 @@ def _note_phases(conn: sqlite3.Connection, notes: Sequence[PhaseNote], now: floa
         "UPDATE tasks SET phase = v.column4, progress = coalesce(v.column5, progress), updated_at = ?, "
         f"state = 'running' FROM (VALUES {rows}) AS v WHERE tasks.id = v.column1 "
         "AND tasks.lease_attempt_id = v.column2 AND tasks.lease_token = v.column3 "
-        f"AND +tasks.state IN {ACTIVE_SQL} AND tasks.lease_expires_at > ?",
+        f"AND +tasks.state IN {WORKING_SQL} AND tasks.lease_expires_at > ?",
         [now, *(x for n in notes for x in (n.lease.task_id, n.lease.attempt_id, n.lease.token, n.phase,
                                            progress_text(n.progress))), now])
     lost: dict[str, LeaseLost] = {}
@@ -1074,11 +1062,6 @@ def _why_lost(conn: sqlite3.Connection, lease: Lease) -> LeaseLost:
     return LeaseLost(lease.task_id, lease.attempt_id)
 
 
-def _may_end(state: State, lease_expires_at: float, now: float) -> bool:
-    """A worker may end its attempt while its lease is live, and always acknowledge a cancel."""
-    return state is State.CANCELLING or (state.active and lease_expires_at > now)
-
-
 def _complete(conn: sqlite3.Connection, ends: list[tuple[Lease, float, str | None]]) -> set[str]:
     """Complete bare successes, each fenced at its own `now`, two statements per chunk (three when the fence
     refused some); the attempt ids completed. At most one ending per task."""
@@ -1092,7 +1075,7 @@ def _complete(conn: sqlite3.Connection, ends: list[tuple[Lease, float, str | Non
             "error = NULL, updated_at = v.column4, finished_at = v.column4, lease_token = NULL "
             f"FROM (VALUES {','.join('(?, ?, ?, ?, ?)' for _ in chunk)}) "
             "AS v WHERE tasks.id = v.column1 AND tasks.lease_attempt_id = v.column2 AND tasks.lease_token = v.column3 "
-            f"AND +tasks.state IN {ACTIVE_SQL} AND tasks.lease_expires_at > v.column4",
+            f"AND +tasks.state IN {WORKING_SQL} AND tasks.lease_expires_at > v.column4",
             [x for lease, now, p in chunk for x in (lease.task_id, lease.attempt_id, lease.token, now, p)])
         if cur.rowcount != len(chunk):  # some were fenced off: the ones completed just now still have an open attempt
             completed = {r[0] for r in conn.execute(
@@ -1114,7 +1097,7 @@ def _finish_one(conn: sqlite3.Connection, batch: _Batch, *, ending: Ending, poli
     row = conn.execute(
         f"SELECT state, attempt, max_attempts, interruptions, lease_expires_at FROM tasks WHERE {FENCE}",
         (lease.task_id, lease.attempt_id, lease.token)).fetchone()
-    if row is None or not _may_end(State(row[0]), row[4], now):
+    if row is None or not may_end(State(row[0]), row[4], now):
         raise _why_lost(conn, lease)
     return _end(conn, lease, ending.outcome, row, now, policy, batch)
 
@@ -1143,8 +1126,7 @@ def _end(conn: sqlite3.Connection, lease: Lease, outcome: Outcome, row: Any, now
 
 
 def _node(r: Any) -> Node:
-    return Node(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], tuple(json.loads(r[9])),
-                tuple(tuple(t) for t in json.loads(r[10])), r[11], stopped_at=r[8])
+    return node_of(r, task_types=json.loads(r[9]))
 
 
 def _alive_here(node: Node) -> bool:
@@ -1163,49 +1145,18 @@ def _alive_here(node: Node) -> bool:
 def _task(row: Any, *, attempts: tuple[Attempt, ...] = (), leased_by: str | None = None,
           now: float | None = None) -> Task:
     """A Task from a TASK_COLUMNS row; with leased_by, as it reads once this claim commits."""
-    state, attempt, node_id, updated_at = State(row[4]), row[7], row[13], row[16]
-    if leased_by is not None:
-        state, attempt, node_id, updated_at = step(state, Event.CLAIM), attempt + 1, leased_by, now
-    return Task(
-        id=row[0], type=row[1], payload=_loads(row[2]), priority=row[3], state=state,
-        phase=None if row[5] is None or leased_by else Phase(row[5]),
-        progress=None if row[6] is None or leased_by else json.loads(row[6]),
-        attempt=attempt, max_attempts=row[8], interruptions=row[9], timeout_s=row[10],
-        required_tags=tuple(_loads(row[11])), idempotency_key=row[12], node_id=node_id,
-        error=None if row[14] is None or leased_by else _error(row[14]), created_at=row[15],
-        updated_at=updated_at, available_at=row[17], finished_at=row[18], attempts=attempts,
-    )
-
-
-def _loads(text: str) -> Any:
-    # Most payloads and tag lists of a busy queue are empty; skip the parser for them.
-    if text == "{}":
-        return {}
-    return [] if text == "[]" else json.loads(text)
-
-
-def _error(text: str) -> TaskError:
-    data = json.loads(text)
-    return TaskError(data["code"], data["message"])
+    return task_of(row, required_tags=loads(row[11]), attempts=attempts, leased_by=leased_by, now=now)
 
 
 def _attempts(conn: sqlite3.Connection, task_ids: list[str]) -> dict[str, tuple[Attempt, ...]]:
     if not task_ids:
         return {}
     marks = ",".join("?" * len(task_ids))
-    rows = conn.execute(
-        "SELECT id, task_id, number, node_id, worker_id, status, started_at, finished_at, error, exit_status, "
-        f"stderr_tail FROM attempts WHERE task_id IN ({marks}) ORDER BY task_id, number", task_ids).fetchall()
     found: dict[str, list[Attempt]] = {}
-    for r in rows:
-        error = None if r[8] is None else _error(r[8])
-        found.setdefault(r[1], []).append(
-            Attempt(r[0], r[1], r[2], r[3], r[4], AttemptStatus(r[5]), r[6], r[7], error, r[9], r[10]))
+    for r in conn.execute(f"SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE task_id IN ({marks}) "
+                          "ORDER BY task_id, number", task_ids):
+        found.setdefault(r[1], []).append(attempt_of(r))
     return {k: tuple(v) for k, v in found.items()}
-
-
-def _result(row: Any) -> ResultBatch:
-    return ResultBatch(row[0], row[1], row[2], row[3], bool(row[4]), json.loads(row[5]), row[6])
 
 
 def _replace_results(task: Task, results: tuple[ResultBatch, ...]) -> Task:

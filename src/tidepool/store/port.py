@@ -1,0 +1,213 @@
+"""The store's ports: what a worker needs from durable storage, what the queue needs, and their small types.
+
+Every worker write is fenced by attempt id + lease token. A worker (pool, engine, lease keeper, outcome
+writer) depends on WorkerPort only, so an adapter that reaches the store from afar (over HTTPS, for a
+remote worker) implements just that. The daemon's queue, API and reconciler use QueuePort; an adapter of
+a whole store is both, Store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+from anyio.abc import TaskStatus
+
+from ..errors import LeaseLost, TidepoolError
+from ..lifecycle import RetryPolicy
+from ..model import Claimed, ClaimFilter, Lease, NewTask, Outcome, Phase, ResultBatch, State, Task, Worker, rfc3339
+from ..schedules import Fired, Schedule
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseNote:
+    """A phase/progress change a worker reports; written behind, fenced like every worker write."""
+
+    lease: Lease
+    phase: Phase
+    progress: dict[str, object] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How one attempt ended, for finish_many; `now` is when it ended: the lease fence is judged at that time.
+    `resent`: an earlier try of this very ending got no answer, so it may have been written already."""
+
+    lease: Lease
+    outcome: Outcome
+    now: float
+    resent: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    task_id: str
+    attempt_id: str
+    state: State  # the task's state after expiry
+    type: str     # the task's type, for the events and metrics of its ending
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """A task the reconciler ended for good (cancel deadline, unserviceable)."""
+
+    task_id: str
+    type: str  # for the events and metrics of its ending
+
+
+@dataclass(frozen=True, slots=True)
+class CancelAnswer:
+    state: State  # where the cancel left the task
+    moved: bool   # False for a repeated cancel, which found it there already and changed nothing
+    type: str     # the task's type, for the events and metrics of a cancel
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    tasks: list[Task]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One daemon process of the fleet as the node registry records it; re-saved with every heartbeat."""
+
+    node_id: str
+    instance_id: str
+    hostname: str
+    pid: int
+    version: str
+    started_at: float
+    heartbeat_at: float
+    heartbeat_s: float                          # how often this node saves its row
+    task_types: tuple[str, ...]
+    tags: tuple[tuple[str, ...], ...]           # the tag set of each of its resources
+    max_workers: int
+    stopped_at: float | None = None             # set by a clean shutdown
+
+    def alive(self, now: float) -> bool:
+        """Running and heard from within three heartbeats."""
+        return self.stopped_at is None and now - self.heartbeat_at <= 3 * self.heartbeat_s
+
+    def to_json(self, *, now: float) -> dict[str, Any]:
+        return {"node_id": self.node_id, "instance_id": self.instance_id, "hostname": self.hostname,
+                "pid": self.pid, "version": self.version, "started_at": rfc3339(self.started_at),
+                "heartbeat_at": rfc3339(self.heartbeat_at), "alive": self.alive(now),
+                "stopped_at": None if self.stopped_at is None else rfc3339(self.stopped_at),
+                "task_types": list(self.task_types), "tags": [list(t) for t in self.tags],
+                "max_workers": self.max_workers}
+
+
+class WorkerPort(Protocol):
+    """The verbs of a worker: lease tasks, keep and note them, store their results, end them."""
+
+    async def claim(self, worker: Worker, where: ClaimFilter, *, limit: int, now: float,
+                    lease_s: float) -> list[Claimed]:
+        """Atomically lease up to `limit` tasks: priority DESC, created_at ASC."""
+    async def renew(self, leases: Sequence[Lease], *, now: float, lease_s: float) -> dict[str, LeaseLost]:
+        """Extend the leases; the ones that could not be renewed, by attempt id."""
+    async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
+        """Record phases and progress (leased -> running on the first); lost leases by attempt id."""
+    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
+        """Store a result batch once (rule 7); the acknowledged batch comes back."""
+    async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
+        """End the attempt; the task's new state. finish_many of this one ending, its error raised."""
+    async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
+        """End many attempts at once (one transaction where the store can). Each ending gets, in order, its task's
+        new state or its own error: LeaseLost / TaskCancelling when its fence refused it, StoreUnavailable when it
+        was not written. Never raises on account of one ending; an empty list gives []."""
+    async def save_node(self, node: Node) -> None:
+        """Create or replace the registry row of node.node_id (registration, heartbeat, stop)."""
+    async def watch(self, wake: Callable[[int], None], *,
+                    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Until cancelled: call wake(n) when another node made n tasks claimable (PostgreSQL LISTEN).
+
+        Hints only: a missed wake-up costs latency (the pool's poll stays), never correctness.
+        In-process adapters have nothing to hear: the daemon wakes its own pool on submit.
+        """
+
+
+class QueuePort(Protocol):
+    """The verbs of the queue: its lifecycle, producers, readers, schedules, the reconciler, the fleet."""
+
+    async def open(self, *, migrate: bool = True) -> int:
+        """Connect; with `migrate`, bring the schema up to this version's. Returns the schema version the store
+        had (0: none yet). SchemaMismatch when it is newer, or older and `migrate` is false."""
+    async def close(self) -> None: ...
+    async def write_failure(self) -> str | None:
+        """Why writes fail now though reads may still answer (SQLite: its last write transaction failed, or
+        its file is corrupt or gone; PostgreSQL: the server takes no writes, as a standby after a failover
+        does), else None. StoreUnavailable when the store does not answer at all."""
+
+    # producers
+    async def add(self, new: NewTask, *, now: float, max_queued: int | None = None) -> tuple[Task, bool]:
+        """Insert a task; with a known idempotency_key return (existing, False) or raise Conflict."""
+    async def add_many(self, batch: Sequence[NewTask], *, now: float,
+                       max_queued: int | None = None) -> list[tuple[str, bool]]:
+        """Insert all tasks in one transaction, or none (QueueFull, Conflict): (id, created) in the batch's
+        order. A task whose idempotency_key is already used with the same body is that task, not created
+        again (a resubmitted batch); with another body, or a key twice in the batch, Conflict."""
+    async def get(self, task_id: str) -> Task:
+        """The task with its attempts and results; TaskNotFound if unknown."""
+    async def list_tasks(self, *, state: State | None = None, type: str | None = None, limit: int = 50,
+                   cursor: str | None = None) -> Page:
+        """Newest first, without results."""
+    async def counts(self) -> dict[State, int]:
+        """How many tasks are in each non-terminal state."""
+    async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
+        """pending/retry_wait -> cancelled, leased/running -> cancelling; cancelling and cancelled stay
+        (a no-op, rule 8); any other terminal state -> Conflict."""
+    async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
+        """failed/timed_out/cancelled -> pending with max_attempts more attempts; else Conflict. QueueFull
+        when the queue holds max_queued tasks already: a retry queues a task as a submit does."""
+
+    # schedules
+    async def save_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
+        """Create or update a schedule by name; its next tick is recomputed when its timing changed."""
+    async def list_schedules(self) -> list[Schedule]: ...
+    async def delete_schedule(self, name: str, *, config_node: str | None = None) -> None:
+        """ScheduleNotFound if unknown; with config_node, also when that node's config no longer defines it
+        (an API save or another node's config took it over meanwhile)."""
+    async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule: ...
+    async def fire_schedules(self, *, now: float, new_task: Callable[[Schedule, float], NewTask] | None = None,
+                             defines: Callable[[str], bool] = lambda type_name: True,
+                             max_queued: int | None = None) -> list[Fired]:
+        """In one transaction per schedule: create the due ticks' tasks and advance next_run_at. A schedule
+        whose type `defines` refuses is left as it is, for a node that defines it; a tick that would take
+        the queue past max_queued is skipped (reason "queue_full"), as a submit would be refused.
+        `new_task` makes a tick's task (schedules.fire)."""
+
+    # the reconciler
+    async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
+                            keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
+                            ) -> list[Expired]:
+        """Expire leases past their time, or with node_id every lease of that node's other processes. The
+        attempts named in `interrupted` (a shutdown stopped them but could not write it) end interrupted."""
+    async def promote_due(self, *, now: float) -> int:
+        """retry_wait tasks whose backoff is over -> pending."""
+    async def finish_cancels(self, *, now: float, deadline_s: float) -> list[Ended]:
+        """cancelling tasks whose worker did not answer within deadline_s -> cancelled."""
+    async def prune(self, *, before: float) -> int:
+        """Delete terminal tasks finished before `before`, with their attempts and results."""
+    async def queued_tag_sets(self) -> list[frozenset[str]]:
+        """The distinct non-empty required_tags of the pending and retry_wait tasks."""
+    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[Ended]:
+        """pending/retry_wait tasks whose required_tags are exactly `tags` -> failed ("unserviceable").
+
+        Safe to run on several nodes at once: each task moved is returned by one call only.
+        """
+
+    # the fleet: one process per node id, the registry
+    async def lock_node(self, node_id: str, instance_id: str) -> None:
+        """Hold node_id for this process until close(); ConfigError naming the holder if another process has it.
+
+        PostgreSQL: a session advisory lock. SQLite relies on the daemon's lock file; memory has one process.
+        """
+    async def list_nodes(self) -> list[Node]:
+        """Every node that has registered, by node_id."""
+
+
+class Store(WorkerPort, QueuePort, Protocol):
+    """A whole store: what one adapter of durable storage (memory, SQLite, PostgreSQL) provides."""
