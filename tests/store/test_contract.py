@@ -970,14 +970,14 @@ async def test_finish_many_is_one_transaction_whose_successes_share_their_statem
         adapter: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(adapter, SqliteStore)
     statements: list[str] = []
-    connect = adapter._connect
+    connect = adapter._db.connect_writer
 
     def traced(migrate: bool) -> tuple[sqlite3.Connection, int]:  # the writer's connection
         conn, version = connect(migrate)
         conn.set_trace_callback(statements.append)
         return conn, version
 
-    monkeypatch.setattr(adapter, "_connect", traced)
+    monkeypatch.setattr(adapter._db, "connect_writer", traced)
     await adapter.open()
     try:
         await adapter.add_many([NewTask("noop") for _ in range(200)], now=T0)
