@@ -57,7 +57,8 @@ SELECT state, count(*) FROM tasks WHERE state IN {unfinished} GROUP BY state
 -- workers
 
 -- name: claimable
--- `{types}`: `AND type IN (...)` unless any type will do; `{tags}`: one clause per free slot's tag set.
+-- `{types}`: `AND type IN (?, ...)`, the names claimed, unless any type will do; `{tags}`: one clause
+-- per free slot's tag set.
 SELECT {task_columns} FROM tasks INDEXED BY tasks_queue
 WHERE state IN {queued} AND available_at <= ? AND attempt < max_attempts {types} AND (required_tags = '[]' {tags})
 ORDER BY priority DESC, created_at, id LIMIT ?

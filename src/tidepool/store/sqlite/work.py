@@ -43,11 +43,13 @@ def chunks(items: Sequence[Any]) -> list[Sequence[Any]]:
 
 
 def claimable(conn: sqlite3.Connection, where: ClaimFilter, limit: int, now: float) -> list[Any]:
+    if where.types == ():  # SQLite finds no plan for `type IN ()` on the queue index
+        return []
     args: list[Any] = [now]
     types = ""
-    if "*" not in where.type_globs:
-        types = "AND (" + " OR ".join("type GLOB ?" for _ in where.type_globs) + ")"
-        args.extend(where.type_globs)
+    if where.types is not None:
+        types = f"AND type IN ({marks(len(where.types))})"
+        args.extend(where.types)
     tags = []
     for tag_set in where.tag_sets:
         tags.append(Q["claimable_tags"].format(marks=marks(len(tag_set))))
