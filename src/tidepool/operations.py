@@ -92,10 +92,11 @@ class NodeOperations:
         own = None if settings is None else settings.max_attempts
         return self._settings.retry.max_attempts if own is None else own
 
-    def max_queued(self) -> int:
+    def _max_queued(self) -> int:
         return self._settings.pool.max_queued
 
     def defines(self, task_type: str) -> bool:
+        """Whether this node defines the type: a schedule of one it does not is another node's to fire."""
         return self.registry.knows_type(task_type)
 
     def scheduled_task(self, schedule: Schedule, tick: float) -> NewTask:
@@ -134,7 +135,7 @@ class NodeOperations:
 
     async def submit(self, new: NewTask) -> tuple[Task, bool]:
         new = self.check(new, fleet_tags=await self._fleet_tags([new]))
-        task, created = await self._store.add(new, now=time.time(), max_queued=self.max_queued())
+        task, created = await self._store.add(new, now=time.time(), max_queued=self._max_queued())
         if created:
             self._created(task.id, new)
             self._parts.waker.wake(1)
@@ -147,7 +148,7 @@ class NodeOperations:
                 news[i] = self.check(new, fleet_tags=fleet)
             except InvalidRequest as exc:
                 raise InvalidRequest(f"tasks.{i}.{exc.field}", str(exc).split(": ", 1)[1]) from None
-        added = await self._store.add_many(news, now=time.time(), max_queued=self.max_queued())
+        added = await self._store.add_many(news, now=time.time(), max_queued=self._max_queued())
         fresh = [(task_id, new) for (task_id, created), new in zip(added, news, strict=True) if created]
         for task_id, new in fresh:
             self._created(task_id, new)
@@ -185,7 +186,7 @@ class NodeOperations:
         if not self.registry.knows_type(known.type):  # as a submit of it would be
             raise InvalidRequest("type", f"unknown task type {known.type!r}: this node no longer defines it, and "
                                  "retried, the task would wait for a node that does")
-        task = await self._store.retry(task_id, now=time.time(), max_queued=self.max_queued())
+        task = await self._store.retry(task_id, now=time.time(), max_queued=self._max_queued())
         self.events.publish("task.created", task_id=task_id, worker_id=None, type=task.type, retry=True)
         self._parts.waker.wake(1)
         log.info("task %s retried by request -> %s", task_id, task.state.value)
