@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
 import anyio
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from anyio.abc import TaskStatus
 from pydantic import BaseModel, ValidationError
 
@@ -34,7 +34,6 @@ from .ops import Operations
 from .schemas import MAX_LIST_LIMIT, NoFields, PoolPatch, ScheduleIn, SubmitBatch, SubmitTask, task_json
 
 M = TypeVar("M", bound=BaseModel)
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DAEMON: web.AppKey[Operations] = web.AppKey("daemon")  # the node the API serves, as its operations
 FANOUT: web.AppKey[stream.Fanout] = web.AppKey("fanout")
 STREAMS: web.AppKey[stream.StreamLimit] = web.AppKey("streams")

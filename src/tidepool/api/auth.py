@@ -6,14 +6,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from ..errors import ConfigError
 from ..settings import api_address, read_token
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 TOKEN: web.AppKey[str | None] = web.AppKey("token")
 OPEN_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics"})  # and /static/: everything else needs the token
 UNAUTHORIZED = {"error": {"code": "unauthorized", "message": "a valid 'Authorization: Bearer <token>' is required"}}
