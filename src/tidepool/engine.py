@@ -10,13 +10,13 @@ goes on to its next task, and reports it (events, logs) once the store has answe
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.lowlevel
@@ -25,14 +25,18 @@ from .context import TaskContext
 from .errors import LeaseLost, PluginError, StoreUnavailable, TidepoolError
 from .events import EventBus
 from .leases import Held, LeaseKeeper
-from .lifecycle import RetryPolicy
+from .lifecycle import RetryPolicy, retry_policy
 from .model import CANCELLED_ON_REQUEST, AttemptStatus, Claimed, Outcome, Phase, ResultBatch, State, Task, TaskError
 from .outcomes import OutcomeWriter, Posted
+from .plugin_call import Escaped, call_plugin
 from .plugins import PluginDef, Registry, denied
 from .plugins.builtin import remove_workdir
 from .plugins.command import kill_leftover_runs
 from .resources import ResourcePool, Slot
 from .store import Store
+
+if TYPE_CHECKING:
+    from .settings import ExecutionSettings, RetrySettings
 
 log = logging.getLogger("tidepool.engine")
 MAX_RAN = 10_000  # plugins remembered between two supervisor ticks, for the held-up loop's warning
@@ -45,6 +49,11 @@ class EngineConfig:
     prepare_timeout_s: float = 60.0
     stop_timeout_s: float = 30.0
     keep_workdirs: bool = False
+
+    @classmethod
+    def of(cls, section: ExecutionSettings) -> EngineConfig:
+        return cls(timeout_s=section.timeout_s, prepare_timeout_s=section.prepare_timeout_s,
+                   stop_timeout_s=section.stop_timeout_s)
 
 
 class Engine:
@@ -64,6 +73,12 @@ class Engine:
         self._running: dict[str, tuple[TaskContext, Held, str]] = {}  # started, outcome not posted yet
         self._ran: dict[str, str] = {}  # task id -> plugin, of what ran since plugins_since_asked() was
         self.outcomes = OutcomeWriter(store, policy=lambda: self.policy, report=self._written)
+
+    def configure(self, registry: Registry, execution: ExecutionSettings, retry: RetrySettings) -> None:
+        """A reload's task types, deadlines and retry policy, for the attempts that start from now on."""
+        self.registry = registry
+        self.config = EngineConfig.of(execution)
+        self.policy = retry_policy(retry)
 
     async def run_batch(self, claimed: list[Claimed], worker_id: str, *, keep_going: Callable[[], bool]) -> None:
         """Run claimed tasks one after another, their leases renewed together while they wait.
@@ -106,7 +121,8 @@ class Engine:
             log.info("cleared %d work directories left by an earlier process", len(leftover))
 
     def release_unstarted(self) -> None:
-        """Shutdown: give back every batch-claimed task not started yet, at once (SPEC rule 6)."""
+        """Shutdown: give back every batch-claimed task not started yet, at once (it must not wait for the
+        drain: another node may run it meanwhile)."""
         items = list(self._unstarted.values())
         self._unstarted.clear()
         for item in items:
@@ -121,9 +137,9 @@ class Engine:
 
     def abandon_running(self) -> None:
         """Shutdown, once running tasks had their time to stop: post every attempt still running as
-        interrupted, which uses no attempt (SPEC rule 6). Left to expire with the lease, it would be
-        charged as a crash after the restart, and could fail a task the operator only stopped the node
-        under. What such an attempt posts later is refused by its lease's fence."""
+        interrupted, which puts its task back to pending without using an attempt. Left to expire with the
+        lease, it would be charged as a crash after the restart, and could fail a task the operator only
+        stopped the node under. What such an attempt posts later is refused by its lease's fence."""
         items = list(self._running.values())
         self._running.clear()
         for ctx, held, worker_id in items:
@@ -186,7 +202,7 @@ class Engine:
             outcome = self._cut_short(ctx, held)
         if outcome is None:
             return None  # the lease is gone: nothing of this attempt may be written
-        # However it ended, the last command's exit status and stderr tail stay on the attempt (SPEC §9).
+        # However it ended, the last command's exit status and stderr tail stay on the attempt, for the operator.
         outcome.exit_status, outcome.stderr_tail = ctx.exit_status, ctx.stderr_tail
         return outcome
 
@@ -222,7 +238,7 @@ class Engine:
             return self._timed_out(task, str(exc))
         except PluginError as exc:  # the traceback only of what escaped: a PluginError says all it means to
             log.warning("task %s attempt %s failed: %s (%s)", task.id, held.lease.attempt_id, exc, exc.code,
-                        exc_info=isinstance(exc, _Escaped))
+                        exc_info=isinstance(exc, Escaped))
             return Outcome(AttemptStatus.FAILED, TaskError(exc.code, str(exc), exc.retryable))
         except Exception as exc:
             log.exception("task %s attempt %s: plugin %s raised", task.id, held.lease.attempt_id, ctx.plugin)
@@ -240,10 +256,10 @@ class Engine:
         own_deadline = None  # no scope of its own unless it has a timeout: one scope per task costs enough
         try:
             if plugin.timeout_s is None:
-                await _call(plugin, ctx, held)
+                await call_plugin(plugin, ctx)
             else:
                 with anyio.move_on_after(plugin.timeout_s) as own_deadline:
-                    await _call(plugin, ctx, held)
+                    await call_plugin(plugin, ctx)
             # It returned; a plugin may have swallowed what stopped it. Its attempt's stop (the run deadline,
             # a cancel, a lost lease, a shutdown) comes first, as though the plugin had let it through ...
             await _cancelled_yet(held)
@@ -354,7 +370,7 @@ class Engine:
             log.info("task %s attempt %s %s -> %s", task.id, attempt_id, outcome.status, answer.value)
 
     def _run_timeout_s(self, task: Task) -> float:
-        """The task's own timeout, else its type's, else execution.timeout_s (SPEC §9)."""
+        """The task's own timeout, else its type's, else execution.timeout_s."""
         settings = self.registry.types.get(task.type)
         return task.timeout_s or (settings and settings.timeout_s) or self.config.timeout_s
 
@@ -371,34 +387,6 @@ def _remove_all(paths: list[str]) -> None:
 
 class _PluginTimedOut(Exception):
     pass
-
-
-class _Escaped(PluginError):
-    """What a plugin raised that is no Exception, as the failure of its attempt; the original is the cause."""
-
-
-async def _call(plugin: PluginDef, ctx: TaskContext, held: Held) -> None:
-    """Run a plugin. What it raises that is no Exception fails its attempt, not a worker or the node: a
-    library's SystemExit, a KeyboardInterrupt of its own, or a CancelledError nobody asked for (awaiting a
-    task it cancelled itself), which would otherwise end the worker's loop as though the pool were
-    stopping it. A cancellation that is ours (the attempt stopped, a deadline, shutdown) goes on up."""
-    try:
-        await plugin.run(ctx)
-    except (Exception, GeneratorExit):  # GeneratorExit: the coroutine itself is being closed
-        raise
-    except BaseException as exc:
-        # Ours only if a cancellation of this task is under way: anyio delivers every one of its scopes'
-        # through asyncio's counted cancel. A stray one while the attempt's stop is pending but not yet
-        # delivered (or under a shield) becomes the failure below, and _run_plugin delivers the stop.
-        if isinstance(exc, anyio.get_cancelled_exc_class()) and _being_cancelled():
-            raise
-        raise _Escaped(f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} raised") from exc
-
-
-def _being_cancelled() -> bool:
-    """A cancellation of this task is under way (anyio delivers its scopes' through asyncio's, counted)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 async def _cancelled_yet(held: Held) -> None:

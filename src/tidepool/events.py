@@ -20,8 +20,8 @@ from fnmatch import fnmatchcase
 from typing import Any, Protocol, TypeVar
 
 RING_SIZE = 10_000
-# Every name published (SPEC §5, plus task.lease_lost and reconciler.pass); a test holds it to the publish
-# calls. A stream's `type` filter that matches none of them is a typo, refused rather than streamed as silence.
+# Every name published (those the README lists, and task.lease_lost); a test holds it to the publish calls.
+# A stream's `type` filter that matches none of them is a typo, refused rather than streamed as silence.
 EVENT_NAMES = frozenset({
     "task.created", "task.leased", "task.phase", "plugin.started", "plugin.finished", "task.progress",
     "task.result", "task.retry_scheduled", "task.expired", "task.cancel_requested", "task.finished",

@@ -13,12 +13,16 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import psutil  # type: ignore[import-untyped]
 from anyio.abc import TaskStatus
 
 from .events import EventBus
+
+if TYPE_CHECKING:
+    from .settings import GuardSettings
 
 log = logging.getLogger("tidepool.guards")
 MB = 1 << 20
@@ -71,9 +75,9 @@ class Guards:
         """May this node claim work now? (cheap: asked before every claim)"""
         return not self._tripped
 
-    def configure(self, *, min_free_memory_mb: int, min_free_disk_mb: int) -> None:
+    def configure(self, section: GuardSettings) -> None:
         """New floors (SIGHUP); judged at once so a lowered floor resumes work without waiting."""
-        self.min_free_memory_mb, self.min_free_disk_mb = min_free_memory_mb, min_free_disk_mb
+        self.min_free_memory_mb, self.min_free_disk_mb = section.min_free_memory_mb, section.min_free_disk_mb
         self._judge()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

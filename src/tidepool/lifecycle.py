@@ -102,7 +102,7 @@ def decide_end(state: State, outcome: Outcome, *, attempt: int, max_attempts: in
                interruptions: int, policy: RetryPolicy, now: float) -> Decision:
     """How an attempt's outcome moves its task; raises InvalidTransition for an illegal move."""
     status, error = outcome.status, outcome.error
-    if state is State.CANCELLING:  # however the attempt ended, the task ends as the cancel asked (rule 8)
+    if state is State.CANCELLING:  # however the attempt ended, the task ends as the cancel asked
         return Decision(step(state, Event.CANCEL_ACK), _cancelled_status(status), CANCELLED_ON_REQUEST)
     if status is AttemptStatus.SUCCEEDED:
         return Decision(step(state, Event.COMPLETE), status, None)

@@ -1,8 +1,9 @@
 """Periodic repair of the queue: expire stale leases, promote due retries, end overdue cancels, fail
 unserviceable tasks, prune.
 
-Recovery is built in, never left to the user (PITFALLS). On start the node first expires every
-lease its own previous process left behind (SPEC rule 5); other nodes' leases expire by time.
+Recovery is built in, never a periodic job left to the user. On start the node first expires every
+lease its own previous process left behind (that process died: they will not renew); other nodes'
+leases expire by time.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskStatus
@@ -22,6 +24,9 @@ from .logs import Outage
 from .model import CANCELLED_ON_REQUEST, State, cancel_deadline_error
 from .store import LEASE_EXPIRED, UNWRITTEN_INTERRUPTION, Expired, Store
 
+if TYPE_CHECKING:
+    from .settings import ExecutionSettings, ReconcilerSettings
+
 log = logging.getLogger("tidepool.reconciler")
 
 
@@ -31,6 +36,11 @@ class ReconcilerConfig:
     cancel_deadline_s: float = 60.0
     retention_days: float = 14.0
     unserviceable_after_s: float = 60.0  # execution.prepare_timeout_s: how long the fleet may lack a tag set
+
+    @classmethod
+    def of(cls, section: ReconcilerSettings, execution: ExecutionSettings) -> ReconcilerConfig:
+        return cls(section.interval_s, execution.cancel_deadline_s, section.retention_days,
+                   unserviceable_after_s=execution.prepare_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,10 @@ class Reconciler:
         self._clock = clock
         self._unserviceable_since: dict[frozenset[str], float] = {}
         self._outage = Outage(log)  # the store did not answer: said once, not every pass
+
+    def configure(self, section: ReconcilerSettings, execution: ExecutionSettings) -> None:
+        """A reload's settings, from the next pass on."""
+        self.config = ReconcilerConfig.of(section, execution)
 
     async def recover(self, *, node_id: str, instance_id: str,
                       interrupted: frozenset[str] = frozenset()) -> list[Expired]:
@@ -99,7 +113,7 @@ class Reconciler:
         if self.config.retention_days > 0:  # 0: keep every task for good
             pruned = await self._store.prune(before=now - self.config.retention_days * 86400)
         report = PassReport(len(expired), promoted, len(cancelled), pruned, unserviceable)
-        self._events.publish("reconciler.pass", **report.__dict__)  # every pass (rule 9): a stalled one shows
+        self._events.publish("reconciler.pass", **report.__dict__)  # every pass, idle too: a stalled one shows
         if report != PassReport():
             log.info("reconciler: %d expired, %d promoted, %d cancel deadlines, %d pruned, %d unserviceable",
                      *report.__dict__.values())

@@ -115,7 +115,7 @@ class ResourcePool:
 
     def free_tag_sets(self) -> tuple[frozenset[str], ...]:
         """The distinct tag sets of the free slots no claim in flight may take: what a claim of this node may
-        ask for now (rule 2)."""
+        ask for now (a claim takes only tasks whose required tags a free slot can serve)."""
         if self._free_tag_sets is None:  # reset by every change of the free slots and of the promises
             free = collections.Counter(slot.tags for slot in self._free)
             self._free_tag_sets = tuple(tags for tags, n in free.items() if n > self._promised[tags])

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 
 import anyio
 from anyio.abc import TaskStatus
 
-from .errors import ScheduleNotFound, StoreUnavailable
+from .errors import InvalidRequest, ScheduleNotFound, StoreUnavailable
 from .events import EventBus
 from .logs import Outage
 from .model import NewTask, rfc3339
 from .schedules import Fired, Schedule, validate
-from .settings import ScheduleSettings
+from .settings import PoolSettings, ScheduleSettings
 from .store import Store
 
 log = logging.getLogger("tidepool.scheduler")
@@ -24,8 +25,7 @@ class Scheduler:
     def __init__(self, store: Store, events: EventBus, *, node_id: str,
                  new_task: Callable[[Schedule, float], NewTask], wake: Callable[[int], None],
                  interval_s: float = 0.5, defines: Callable[[str], bool] = lambda type_name: True,
-                 max_queued: Callable[[], int | None] = lambda: None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 max_queued: int | None = None, clock: Callable[[], float] = time.time) -> None:
         self._store = store
         self._node_id = node_id
         self._events = events
@@ -36,6 +36,31 @@ class Scheduler:
         self.interval_s = interval_s
         self._clock = clock
         self._outage = Outage(log)  # the store did not answer: said once, not every tick
+
+    def configure(self, section: PoolSettings) -> None:
+        """A reload's pool settings: a tick past pool.max_queued is skipped."""
+        self._max_queued = section.max_queued
+
+    async def save_config(self, configured: Sequence[ScheduleSettings], *, source: str,
+                          timeout_s: float = math.inf) -> None:
+        """Save the config's [[schedules]] (a failure is logged: the next start or SIGHUP tries again). Then
+        say which stored schedules name a type this node does not define: it leaves them to a node that
+        does, and with no such node (SQLite has one) they do not fire at all."""
+        stored = None
+        with anyio.move_on_after(timeout_s):
+            try:
+                stored = await self.sync_config(configured)
+            except (InvalidRequest, StoreUnavailable) as exc:
+                log.error("schedules from %s not saved: %s", source, exc)
+                return
+        if stored is None:
+            log.warning("reload: the config's schedules were not saved within %gs (the store does not answer); "
+                        "the next SIGHUP or start saves them", timeout_s)
+            return
+        for schedule in stored:
+            if not self._defines(schedule.type):
+                log.warning("schedule %s names task type %r, which this node does not define: it fires only on a "
+                            "node that does", schedule.name, schedule.type)
 
     async def sync_config(self, configured: Sequence[ScheduleSettings]) -> list[Schedule]:
         """Save the config file's schedules, their state (next/last run, paused) kept, and remove those
@@ -70,7 +95,7 @@ class Scheduler:
 
     async def tick(self) -> list[Fired]:
         fired = await self._store.fire_schedules(now=self._clock(), new_task=self._new_task,
-                                                 defines=self._defines, max_queued=self._max_queued())
+                                                 defines=self._defines, max_queued=self._max_queued)
         created = 0
         for f in fired:
             if f.task_id is not None:

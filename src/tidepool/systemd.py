@@ -8,11 +8,11 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 
 import anyio
 
-__all__ = ["Notifier", "StatusReporter", "enable_faulthandler", "run_watchdog"]
+__all__ = ["Notifier", "StatusReporter", "enable_faulthandler", "report_status", "run_watchdog"]
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,19 @@ class StatusReporter:
     def flush(self, *, now: float) -> bool:
         """Send the text held back by the rate limit once the interval has passed."""
         return self._pending is not None and self.report(self._pending, now=now)
+
+
+async def report_status(notifier: Notifier, status: Callable[[], Awaitable[str]]) -> None:
+    """STATUS= on change, at most once a second, until cancelled; returns at once when nobody listens (an
+    idle node should not query its store every second for nothing)."""
+    if not notifier.enabled:
+        return
+    reporter = StatusReporter(notifier)
+    while True:
+        reporter.report(await status(), now=time.monotonic())
+        # A little over the reporter's 1 s limit: uvloop's timers run on a millisecond clock and may
+        # wake a hair early, and a text held back then would wait for the next round or be lost.
+        await anyio.sleep(1.05)
 
 
 MIN_WATCHDOG_PERIOD_S = 0.01

@@ -17,7 +17,7 @@ from tidepool.guards import MB, Guards
 from tidepool.model import State
 from tidepool.pool import PoolConfig
 from tidepool.service import Daemon
-from tidepool.settings import parse
+from tidepool.settings import GuardSettings, parse
 from tidepool.store.sqlite import SqliteStore
 
 from .conftest import running_node
@@ -48,7 +48,7 @@ async def test_with_floors_above_what_is_free_nothing_is_claimed_until_they_are_
         assert not [e for e in node.seen if e.name == "task.leased"]
         assert not node.pool.statistics().claiming, "GET /v1/pool and the metric say so"
 
-        guards.configure(min_free_memory_mb=0, min_free_disk_mb=0)
+        guards.configure(GuardSettings(min_free_memory_mb=0, min_free_disk_mb=0))
         for task_id in ids:
             assert (await node.finished(task_id, timeout_s=5)).state is State.COMPLETED
         assert node.pool.statistics().claiming
@@ -125,7 +125,7 @@ async def test_the_pool_view_and_tidepool_pool_show_guards_and_resources(
     daemon = Daemon(settings)
     async with anyio.create_task_group() as tg:
         await tg.start(daemon.run)
-        view = await daemon.pool_view()
+        view = await daemon.ops.pool_view()
         # the CLI runs its own event loop: give it a thread, as a separate process would have
         result: list[int] = []
         thread = threading.Thread(target=lambda: result.append(cli.main(["pool", "--url", f"http://127.0.0.1:{port}"])))

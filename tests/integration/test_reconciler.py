@@ -127,7 +127,7 @@ async def test_the_wait_is_prepare_timeout_as_reloaded(setup: Setup) -> None:
     win = await setup.add("win10")
     setup.fleet.tags = []
     assert await setup.pass_at(0) == 0
-    setup.reconciler.config = ReconcilerConfig(unserviceable_after_s=5.0)  # what Daemon.reload does
+    setup.reconciler.config = ReconcilerConfig(unserviceable_after_s=5.0)  # what a reload's configure() sets
     assert await setup.pass_at(5) == 1
     assert await setup.state(win) is State.FAILED
 
@@ -148,14 +148,14 @@ async def test_the_fleet_of_a_shared_store_is_this_nodes_resources_and_every_liv
     for n in (node("win", ("win10",)), node("stopped", ("gpu",), stopped_at=now),
               node("silent", ("arm",), heartbeat_at=now - 60)):
         await daemon.store.save_node(n)
-    assert set(await daemon._fleet_tag_sets()) == {frozenset({"nic"}), frozenset({"win10"})}
+    assert set(await daemon.ops.fleet_tag_sets()) == {frozenset({"nic"}), frozenset({"win10"})}
 
 
 async def test_the_fleet_of_a_sqlite_store_is_this_nodes_resources(tmp_path: Path) -> None:
     settings = parse({"node": {"id": "here", "state_dir": str(tmp_path)},
                       "store": {"url": f"sqlite:///{tmp_path}/t.db"},
                       "resources": {"vm": {"tags": ["win10", "x64"], "count": 2}, "nic": {"tags": ["nic"]}}})
-    assert set(await Daemon(settings)._fleet_tag_sets()) == {WIN, frozenset({"nic"})}
+    assert set(await Daemon(settings).ops.fleet_tag_sets()) == {WIN, frozenset({"nic"})}
 
 
 async def test_every_task_the_reconciler_ends_is_counted_under_its_type(setup: Setup) -> None:

@@ -305,14 +305,14 @@ def test_submit_refuses_tags_no_resource_has_and_adds_the_types_tags(tmp_path: P
     })
     daemon = Daemon(settings)
     with pytest.raises(InvalidRequest) as caught:
-        daemon.check(NewTask("noop", required_tags=("linux",)))
+        daemon.ops.check(NewTask("noop", required_tags=("linux",)))
     assert caught.value.field == "required_tags"
     with pytest.raises(InvalidRequest):
-        daemon.check(NewTask("gpuscan"))
-    assert daemon.check(NewTask("winscan", required_tags=("x64",))).required_tags == ("win10", "x64")
-    assert daemon.check(NewTask("noop")).required_tags == ()
+        daemon.ops.check(NewTask("gpuscan"))
+    assert daemon.ops.check(NewTask("winscan", required_tags=("x64",))).required_tags == ("win10", "x64")
+    assert daemon.ops.check(NewTask("noop")).required_tags == ()
     # the claim filter offers the tags of the free slots
-    assert daemon._claim_filter().tag_sets == (frozenset({"win10", "x64"}),)
+    assert daemon.claims.filter().tag_sets == (frozenset({"win10", "x64"}),)
 
 
 async def test_the_claim_filter_follows_the_free_slots(tmp_path: Path) -> None:
@@ -320,8 +320,8 @@ async def test_the_claim_filter_follows_the_free_slots(tmp_path: Path) -> None:
                       "store": {"url": f"sqlite:///{tmp_path}/t.db"},
                       "resources": {"vm": {"tags": ["win10"], "count": 1}, "nic": {"tags": ["nic"]}}})
     daemon = Daemon(settings)
-    assert set(daemon._claim_filter().tag_sets) == {frozenset({"win10"}), frozenset({"nic"})}
+    assert set(daemon.claims.filter().tag_sets) == {frozenset({"win10"}), frozenset({"nic"})}
     slot = await daemon.resources.acquire(["win10"], timeout_s=1)
-    assert daemon._claim_filter().tag_sets == (frozenset({"nic"}),)
+    assert daemon.claims.filter().tag_sets == (frozenset({"nic"}),)
     daemon.resources.release(slot)
-    assert set(daemon._claim_filter().tag_sets) == {frozenset({"win10"}), frozenset({"nic"})}
+    assert set(daemon.claims.filter().tag_sets) == {frozenset({"win10"}), frozenset({"nic"})}

@@ -47,7 +47,7 @@ async def test_a_schedule_taken_out_of_the_config_is_removed_but_not_one_the_api
     daemon = Daemon(settings.load(path), config_path=path)
     await daemon.store.open()
     await daemon._sync_schedules(daemon.settings)
-    await daemon.save_schedule(Schedule(name="by-api", type="noop", every_s=60))
+    await daemon.ops.save_schedule(Schedule(name="by-api", type="noop", every_s=60))
     # a fleet: node b's config defines one of its own in the shared store
     await daemon.store.save_schedule(Schedule(name="by-b", type="noop", every_s=60, config_node="b"), now=T0)
     path.write_text('[node]\nid = "a"\n[store]\nurl = "memory://"\n')  # the [[schedules]] block deleted
@@ -68,7 +68,7 @@ async def test_a_reload_of_an_unchanged_file_puts_back_its_schedules_the_api_cha
     daemon = Daemon(settings.load(path), config_path=path)
     await daemon.store.open()
     await daemon._sync_schedules(daemon.settings)
-    await daemon.save_schedule(Schedule(name="hourly", type="noop", every_s=60))  # over the file's
+    await daemon.ops.save_schedule(Schedule(name="hourly", type="noop", every_s=60))  # over the file's
     await daemon.store.delete_schedule("nightly")
     await daemon.reload()
     saved = {s.name: s for s in await daemon.store.list_schedules()}
@@ -83,7 +83,7 @@ async def test_a_reload_that_drops_a_type_a_stored_schedule_uses_says_so_and_the
     path.write_text(typed)
     daemon = Daemon(settings.load(path), config_path=path)
     await daemon.store.open()
-    await daemon.save_schedule(Schedule(name="probing", type="probe", every_s=1))
+    await daemon.ops.save_schedule(Schedule(name="probing", type="probe", every_s=1))
     path.write_text('[store]\nurl = "memory://"\n')
     await daemon.reload()
     said = [line for line in capfd.readouterr().err.splitlines() if "WARNING" in line and "probing" in line]
@@ -97,8 +97,8 @@ async def test_a_tick_past_max_queued_is_skipped_and_said_as_queue_full(tmp_path
     path.write_text('[store]\nurl = "memory://"\n[pool]\nmax_queued = 1\n')
     daemon = Daemon(settings.load(path), config_path=path)
     await daemon.store.open()
-    await daemon.submit(NewTask("noop", available_at=time.time() + 3600))  # the queue is full from here on
-    await daemon.save_schedule(Schedule(name="often", type="noop", every_s=1))
+    await daemon.ops.submit(NewTask("noop", available_at=time.time() + 3600))  # the queue is full from here on
+    await daemon.ops.save_schedule(Schedule(name="often", type="noop", every_s=1))
     await anyio.sleep(1.1)
     said = await daemon.scheduler.tick()  # a slow machine may have let a second tick go by: "missed" first
     assert [f.task_id for f in said] == [None] * len(said) and said[-1].reason == "queue_full", said
@@ -114,9 +114,9 @@ async def test_a_scheduled_task_carries_its_type_s_tags_and_a_schedule_no_node_c
                     '[types.nowhere]\nplugins = ["noop"]\nrequired_tags = ["nosuch"]\n')
     daemon = Daemon(settings.load(path), config_path=path)
     await daemon.store.open()
-    await daemon.save_schedule(Schedule(name="licensed", type="licensed", every_s=1))
+    await daemon.ops.save_schedule(Schedule(name="licensed", type="licensed", every_s=1))
     with pytest.raises(InvalidRequest, match=r"type: .*needs tags .*nosuch"):
-        await daemon.save_schedule(Schedule(name="nowhere", type="nowhere", every_s=1))
+        await daemon.ops.save_schedule(Schedule(name="nowhere", type="nowhere", every_s=1))
     await anyio.sleep(1.1)
     said = await daemon.scheduler.tick()
     (task,) = (await daemon.store.list_tasks()).tasks

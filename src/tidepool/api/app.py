@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import ipaddress
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import anyio
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from anyio.abc import TaskStatus
 from pydantic import BaseModel, ValidationError
 
 from ..client import API_HEADER
 from ..errors import (
-    ConfigError,
     Conflict,
     InvalidRequest,
     QueueFull,
@@ -29,27 +25,22 @@ from ..errors import (
 )
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..model import State
-from ..settings import api_address, read_token
+from ..settings import api_address
 from . import openapi, stream
+from .auth import TOKEN, require_token
 from .browsers import browser_guard, no_framing
 from .guard import KEEPALIVE_TIMEOUT_S, ConnectionGuard, GuardedSite
+from .ops import Operations
 from .schemas import MAX_LIST_LIMIT, NoFields, PoolPatch, ScheduleIn, SubmitBatch, SubmitTask, task_json
 
-if TYPE_CHECKING:
-    from ..service import Daemon
-
 M = TypeVar("M", bound=BaseModel)
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-DAEMON: web.AppKey[Daemon] = web.AppKey("daemon")
+DAEMON: web.AppKey[Operations] = web.AppKey("daemon")  # the node the API serves, as its operations
 FANOUT: web.AppKey[stream.Fanout] = web.AppKey("fanout")
-TOKEN: web.AppKey[str | None] = web.AppKey("token")
 STREAMS: web.AppKey[stream.StreamLimit] = web.AppKey("streams")
 GUARD: web.AppKey[ConnectionGuard] = web.AppKey("guard")
 BODY_TIMEOUT_S = 30.0
 STATIC = Path(__file__).parent / "static"
-OPEN_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics"})  # and /static/: everything else needs the token
 CURSOR = re.compile(r"[0-9a-f]{32}")  # a next_cursor is a task id (model.new_id)
-UNAUTHORIZED = {"error": {"code": "unauthorized", "message": "a valid 'Authorization: Bearer <token>' is required"}}
 
 
 def error(status: int, code: str, message: str) -> web.Response:
@@ -86,22 +77,6 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return error(429, "queue_full", str(exc))
     except StoreUnavailable as exc:
         return error(503, "store_unavailable", str(exc))
-
-
-@web.middleware
-async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """With a token configured every route but the probes, metrics and the dashboard's files needs it;
-    one answer for every failure."""
-    token = request.app[TOKEN]
-    if token is not None and request.path not in OPEN_PATHS and not request.path.startswith("/static/"):
-        scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-        # Digests of equal length: the comparison time says nothing about the token's length either.
-        # surrogateescape: a header of non-UTF-8 bytes is just a wrong token, not a 500.
-        given = hashlib.sha256(value.strip().encode("utf-8", "surrogateescape")).digest()
-        ok = hmac.compare_digest(given, hashlib.sha256(token.encode()).digest()) and scheme.lower() == "bearer"
-        if not ok:
-            return web.json_response(UNAUTHORIZED, status=401, headers={"WWW-Authenticate": "Bearer"})
-    return await handler(request)
 
 
 @web.middleware
@@ -203,7 +178,7 @@ async def batch_only(request: web.Request) -> web.Response:
 
 
 async def get_task(request: web.Request) -> web.Response:
-    task = await request.app[DAEMON].store.get(request.match_info["id"])
+    task = await request.app[DAEMON].get(request.match_info["id"])
     return web.json_response(task_json(task))
 
 
@@ -228,8 +203,7 @@ async def list_tasks(request: web.Request) -> web.Response:
     cursor = q.get("cursor") or None
     if cursor is not None and not CURSOR.fullmatch(cursor):
         raise _http(400, "invalid_request", "cursor: pass back a next_cursor of an earlier page")
-    page = await request.app[DAEMON].store.list_tasks(state=state, type=q.get("type"), limit=int(limit),
-                                                      cursor=cursor)
+    page = await request.app[DAEMON].list_tasks(state=state, type=q.get("type"), limit=int(limit), cursor=cursor)
     return web.json_response({"tasks": [task_json(t, results=False) for t in page.tasks],
                               "next_cursor": page.next_cursor})
 
@@ -296,7 +270,7 @@ async def create_schedule(request: web.Request) -> web.Response:
 
 
 async def delete_schedule(request: web.Request) -> web.Response:
-    await request.app[DAEMON].store.delete_schedule(request.match_info["name"])
+    await request.app[DAEMON].delete_schedule(request.match_info["name"])
     return web.Response(status=204)
 
 
@@ -318,7 +292,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = await request.app[DAEMON].metrics.render()
+    body = await request.app[DAEMON].render_metrics()
     return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
@@ -347,7 +321,7 @@ async def _identify(request: web.Request, response: web.StreamResponse) -> None:
     response.headers[API_HEADER[0]] = API_HEADER[1]
 
 
-def build_app(daemon: Daemon, fanout: stream.Fanout, *, token: str | None = None,
+def build_app(daemon: Operations, fanout: stream.Fanout, *, token: str | None = None,
               guard_browsers: bool = False) -> web.Application:
     """`guard_browsers`: refuse what web pages may not do to an API without a token (see browsers)."""
     middlewares = [errors_as_json, *([browser_guard()] if guard_browsers else []), require_token, no_nul]
@@ -381,28 +355,7 @@ def build_app(daemon: Daemon, fanout: stream.Fanout, *, token: str | None = None
     return app
 
 
-def load_token(token_file: str, listen: str) -> str | None:
-    """The bearer token, if configured; refuses an off-loopback address without one."""
-    token = read_token(token_file)
-    if token is None and not _is_local(listen):
-        raise ConfigError(f"config: api.token_file is required when api.listen ({listen}) is not loopback")
-    return token
-
-
-def _is_local(listen: str) -> bool:
-    address = api_address(listen)
-    if isinstance(address, str):  # a unix socket: its file's permissions guard it
-        return True
-    host = address[0]
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-async def serve_api(daemon: Daemon, listen: str, *, token: str | None = None,
+async def serve_api(daemon: Operations, listen: str, *, token: str | None = None,
                     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """Bind `listen` ("host:port" or "unix:/path"), serve until cancelled."""
     guard = ConnectionGuard()

@@ -1,7 +1,7 @@
 """Connection hygiene aiohttp lacks: a deadline for request headers and a cap on open connections.
 
 aiohttp has no deadline for receiving a request's headers, so a client trickling bytes holds its
-connection forever (PITFALLS, slowloris). Each connection is wrapped: if a request has not reached
+connection forever (a slowloris attack). Each connection is wrapped: if a request has not reached
 the app within `header_timeout_s` of its first byte (of the connection, for the first request), or
 the node already holds `max_connections`, the connection is closed. The app's `next_request`
 middleware says when a request arrives and when it is done; the next byte after that starts the

@@ -34,7 +34,7 @@ from ..logs import Outage
 from ..model import rfc3339
 
 if TYPE_CHECKING:
-    from ..service import Daemon
+    from .ops import Operations
 
 log = logging.getLogger("tidepool.api")
 
@@ -313,7 +313,7 @@ class Fanout:
         stream.ended.set()
 
 
-async def _filter(request: web.Request, daemon: Daemon) -> Filter | None:
+async def _filter(request: web.Request, daemon: Operations) -> Filter | None:
     """The stream's filter: one task, and/or event names (`type`, comma-separated or repeated, globs allowed).
     An unknown task or a name that matches no event would stream silence for ever: refused instead."""
     given = (n.strip() for value in request.query.getall("type", ()) for n in value.split(","))
@@ -323,7 +323,7 @@ async def _filter(request: web.Request, daemon: Daemon) -> Filter | None:
             raise InvalidRequest("type", f"{name!r} matches no event; the events: {', '.join(sorted(EVENT_NAMES))}")
     task_id = request.query.get("task_id") or None
     if task_id is not None:
-        await daemon.store.get(task_id)  # TaskNotFound: 404, as every route answers an unknown task id
+        await daemon.get(task_id)  # TaskNotFound: 404, as every route answers an unknown task id
     return Filter(task_id, names) if task_id is not None or names else None
 
 
@@ -340,7 +340,7 @@ def _last_event_id(request: web.Request) -> int | None:
     return int(raw)
 
 
-async def events(request: web.Request, daemon: Daemon, fanout: Fanout,
+async def events(request: web.Request, daemon: Operations, fanout: Fanout,
                  when_lost: Callable[[asyncio.BaseTransport, Callable[[], None]], Callable[[], None]] | None = None,
                  ) -> web.StreamResponse:
     """One stream, until it ends. `when_lost` (the connection guard's) says when its client went away: an

@@ -1,0 +1,274 @@
+"""The node's operations as its API asks for them: submits checked against this node's task types and
+the fleet's resources, cancels that stop a running attempt, retries, pool sizes, schedules, readiness.
+
+`NodeOperations` implements `api.ops.Operations`; the daemon builds one and hands it to the API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from .errors import Conflict, InvalidRequest, StoreUnavailable, TaskNotFound
+from .events import EventBus
+from .guards import Guards
+from .leases import LeaseKeeper
+from .metrics import Metrics
+from .model import CANCELLED_ON_REQUEST, NewTask, State, Task, rfc3339
+from .plugins import Registry
+from .pool import Pool, Waker
+from .resources import ResourcePool
+from .schedules import Schedule, task_for, validate
+from .settings import Settings
+from .store import Page, Store, retry_step
+
+log = logging.getLogger("tidepool.service")  # the node's own lines, under the name they always had
+READY_PROBE_S = 2.0  # /readyz: a store slower than this to count the queue is as good as away
+QUEUE_STATES = ("pending", "leased", "running", "retry_wait", "cancelling")
+
+
+@dataclass
+class NodeStatus:
+    """Where the node is in its life: what /readyz, /v1/pool and /metrics say of it."""
+
+    ready: bool = False
+    draining: bool = False
+    pending_restart: list[str] = field(default_factory=list)  # keys a reload read but only a restart applies
+
+
+@dataclass(frozen=True)
+class NodeParts:
+    """The running parts the operations act on."""
+
+    store: Store
+    events: EventBus
+    waker: Waker
+    pool: Pool
+    leases: LeaseKeeper
+    guards: Guards
+    resources: ResourcePool
+    metrics: Metrics
+
+
+async def store_answers(store: Store) -> dict[State, int]:
+    """The queue by state, as the probes ask it (/readyz, tidepool_store_up): a store whose writes fail
+    does not answer, though it may still read (a full disk, a file made read-only, a corrupt one)."""
+    failure = await store.write_failure()
+    if failure is not None:
+        raise StoreUnavailable(failure)
+    return await store.counts()
+
+
+class NodeOperations:
+    def __init__(self, settings: Settings, registry: Registry, parts: NodeParts, *, node_id: str,
+                 status: NodeStatus) -> None:
+        self._parts = parts
+        self._store = parts.store
+        self.events = parts.events
+        self._node_id = node_id
+        self._status = status
+        self.registry = registry
+        self._settings = settings
+        self._shared_store = settings.db_path() is None  # SQLite: this node is the whole fleet
+
+    def configure(self, settings: Settings, registry: Registry) -> None:
+        """A reload's settings and task types: every submit, retry and schedule from now on is checked by them."""
+        self._settings, self.registry = settings, registry
+
+    @property
+    def max_body_kb(self) -> int:
+        return self._settings.api.max_body_kb
+
+    def max_attempts_for(self, task_type: str) -> int:
+        """The attempt budget of a new task of `task_type` that names none: its type's, else retry's."""
+        settings = self.registry.types.get(task_type)
+        own = None if settings is None else settings.max_attempts
+        return self._settings.retry.max_attempts if own is None else own
+
+    def _max_queued(self) -> int:
+        return self._settings.pool.max_queued
+
+    def defines(self, task_type: str) -> bool:
+        """Whether this node defines the type: a schedule of one it does not is another node's to fire."""
+        return self.registry.knows_type(task_type)
+
+    def scheduled_task(self, schedule: Schedule, tick: float) -> NewTask:
+        """A schedule's task for a tick, as a submit of its type makes one: the type's attempt budget and tags."""
+        return task_for(schedule, tick, max_attempts=self.max_attempts_for(schedule.type),
+                        required_tags=self.registry.required_tags(schedule.type))
+
+    # tasks
+
+    def check(self, new: NewTask, *, fleet_tags: Sequence[frozenset[str]] = ()) -> NewTask:
+        """Validate a submission; it comes back with its type's required_tags added, so claims see them.
+        `fleet_tags` are the resource tag sets of the live nodes sharing the store."""
+        if not self.registry.knows_type(new.type):
+            raise InvalidRequest("type", f"unknown task type {new.type!r}")
+        type_tags = self.registry.required_tags(new.type)
+        if not type_tags <= set(new.required_tags):
+            new = dataclasses.replace(new, required_tags=tuple(sorted(type_tags.union(new.required_tags))))
+        if new.required_tags and not self._parts.resources.can_serve(new.required_tags) and \
+                not any(set(new.required_tags) <= tags for tags in fleet_tags):
+            raise InvalidRequest("required_tags", f"no resource of this fleet has tags {list(new.required_tags)}")
+        return new
+
+    async def fleet_tag_sets(self) -> list[frozenset[str]]:
+        """This node's resource tag sets and, on a shared store, every live node's: what the fleet can serve."""
+        own = list(self._parts.resources.tag_sets())
+        if not self._shared_store:
+            return own
+        now = time.time()
+        return own + [frozenset(tags) for node in await self._store.list_nodes() if node.alive(now)
+                      for tags in node.tags]
+
+    async def _fleet_tags(self, tasks: Sequence[NewTask]) -> list[frozenset[str]]:
+        """The fleet's tag sets, when a submission asks for tags (its own or its type's)."""
+        wants_tags = any(t.required_tags or self.registry.required_tags(t.type) for t in tasks)
+        return await self.fleet_tag_sets() if wants_tags else []
+
+    async def submit(self, new: NewTask) -> tuple[Task, bool]:
+        new = self.check(new, fleet_tags=await self._fleet_tags([new]))
+        task, created = await self._store.add(new, now=time.time(), max_queued=self._max_queued())
+        if created:
+            self._created(task.id, new)
+            self._parts.waker.wake(1)
+        return task, created
+
+    async def submit_many(self, news: list[NewTask]) -> list[tuple[str, bool]]:
+        fleet = await self._fleet_tags(news)
+        for i, new in enumerate(news):
+            try:
+                news[i] = self.check(new, fleet_tags=fleet)
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"tasks.{i}.{exc.field}", str(exc).split(": ", 1)[1]) from None
+        added = await self._store.add_many(news, now=time.time(), max_queued=self._max_queued())
+        fresh = [(task_id, new) for (task_id, created), new in zip(added, news, strict=True) if created]
+        for task_id, new in fresh:
+            self._created(task_id, new)
+        if fresh:
+            self._parts.waker.wake(len(fresh))
+        return added
+
+    def _created(self, task_id: str, new: NewTask) -> None:
+        self.events.publish("task.created", task_id=task_id, worker_id=None, type=new.type, priority=new.priority)
+
+    async def get(self, task_id: str) -> Task:
+        return await self._store.get(task_id)
+
+    async def list_tasks(self, *, state: State | None, type: str | None, limit: int, cursor: str | None) -> Page:
+        return await self._store.list_tasks(state=state, type=type, limit=limit, cursor=cursor)
+
+    async def cancel(self, task_id: str) -> State:
+        answer = await self._store.request_cancel(task_id, now=time.time())
+        if not answer.moved:  # a repeated cancel changes nothing, so there is nothing to say
+            return answer.state
+        if answer.state is State.CANCELLING:
+            self.events.publish("task.cancel_requested", task_id=task_id, worker_id=None, type=answer.type)
+            held = self._parts.leases.find(task_id)
+            if held is not None:
+                held.stop("cancel")
+        elif answer.state is State.CANCELLED:
+            self.events.publish("task.finished", task_id=task_id, worker_id=None, state=answer.state.value,
+                                error=CANCELLED_ON_REQUEST.to_json(), type=answer.type)
+        log.info("task %s cancel requested -> %s", task_id, answer.state.value)
+        return answer.state
+
+    async def retry(self, task_id: str) -> Task:
+        known = await self._store.get(task_id)  # an unknown id is 404 before anything else
+        retry_step(known.state)  # a task that may not be retried is 409 whatever its type
+        if not self.registry.knows_type(known.type):  # as a submit of it would be
+            raise InvalidRequest("type", f"unknown task type {known.type!r}: this node no longer defines it, and "
+                                 "retried, the task would wait for a node that does")
+        task = await self._store.retry(task_id, now=time.time(), max_queued=self._max_queued())
+        self.events.publish("task.created", task_id=task_id, worker_id=None, type=task.type, retry=True)
+        self._parts.waker.wake(1)
+        log.info("task %s retried by request -> %s", task_id, task.state.value)
+        return task
+
+    # the pool and the fleet
+
+    def resize(self, **sizes: Any) -> None:
+        if self._status.draining:  # its workers are retiring for good: new sizes would only look as if they applied
+            raise Conflict(f"node {self._node_id} is draining (shutting down): its pool is not resized")
+        pool = self._parts.pool
+        if pool.resize(**sizes):
+            log.info("pool resized: min %d max %d idle %.1fs", pool.config.min_workers, pool.config.max_workers,
+                     pool.config.idle_timeout_s)
+
+    async def pool_view(self) -> dict[str, Any]:
+        stats = self._parts.pool.statistics()
+        counts = await self._store.counts()
+        return {
+            "node_id": self._node_id, "min_workers": stats.min_workers, "max_workers": stats.max_workers,
+            "idle_timeout_s": stats.idle_timeout_s, "workers": stats.workers, "busy": stats.busy,
+            "baseline": stats.baseline, "demand": stats.demand, "claiming": stats.claiming,
+            "draining": self._status.draining, "queue": {s: counts.get(State(s), 0) for s in QUEUE_STATES},
+            "guards": self._parts.guards.statistics().to_json(),
+            "resources": self._parts.resources.statistics().to_json(),
+            "pending_restart": self._status.pending_restart,
+        }
+
+    async def nodes_view(self) -> list[dict[str, Any]]:
+        now = time.time()
+        return [node.to_json(now=now) for node in await self._store.list_nodes()]
+
+    # schedules
+
+    async def schedules_view(self) -> list[dict[str, Any]]:
+        return [await self.schedule_view(schedule) for schedule in await self._store.list_schedules()]
+
+    async def schedule_view(self, schedule: Schedule) -> dict[str, Any]:
+        """The schedule's JSON with the state of its last task (gone, if pruned: null)."""
+        state = None
+        if schedule.last_task_id is not None:
+            with contextlib.suppress(TaskNotFound):
+                state = (await self._store.get(schedule.last_task_id)).state.value
+        return schedule.to_json(last_task_state=state)
+
+    async def save_schedule(self, schedule: Schedule) -> Schedule:
+        validate(schedule)
+        probe = self.scheduled_task(schedule, time.time())  # checked as its submit would be: type and tags
+        try:
+            self.check(probe, fleet_tags=await self._fleet_tags([probe]))
+        except InvalidRequest as exc:
+            if exc.field == "type":
+                raise
+            raise InvalidRequest("type", f"type {schedule.type!r} needs tags no resource of this fleet has: "
+                                 f"{sorted(self.registry.required_tags(schedule.type))}") from None
+        saved = await self._store.save_schedule(schedule, now=time.time())
+        log.info("schedule %s saved, next run %s", saved.name, rfc3339(saved.next_run_at))
+        return saved
+
+    async def delete_schedule(self, name: str) -> None:
+        await self._store.delete_schedule(name)
+
+    async def pause_schedule(self, name: str, *, paused: bool) -> Schedule:
+        saved = await self._store.pause_schedule(name, paused=paused, now=time.time())
+        log.info("schedule %s %s", name, "paused" if paused else "resumed")
+        return saved
+
+    # probes
+
+    async def not_ready_reason(self) -> str | None:
+        if self._status.draining:
+            return "draining"
+        if not self._status.ready:
+            return "starting"
+        try:
+            with anyio.fail_after(READY_PROBE_S):
+                await store_answers(self._store)
+        except StoreUnavailable as exc:
+            return f"store unavailable: {exc}"
+        except TimeoutError:
+            return f"store unavailable: no answer within {READY_PROBE_S:g}s"
+        return None
+
+    async def render_metrics(self) -> bytes:
+        return await self._parts.metrics.render()
