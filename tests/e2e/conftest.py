@@ -1,8 +1,9 @@
 """The real daemon as a subprocess: `python -m tidepool run` on a free port, a temp state dir, real HTTP.
 
 `daemon` starts one node and stops it on teardown (SIGTERM, then SIGKILL); `make_daemon` builds more
-(another config, the same state dir). A daemon object can be SIGKILLed and started again on the same
-port and state dir. `cli` runs the `tidepool` command the way an operator would.
+(another config, the same state dir); `token_daemon` is one that needs TOKEN on every /v1 route. A
+daemon object can be SIGKILLed and started again on the same port and state dir. `cli` runs the
+`tidepool` command the way an operator would; `notify` is a NOTIFY_SOCKET standing in for systemd's.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -25,16 +25,23 @@ from typing import Any
 
 import pytest
 
+from ..conftest import free_port
+from .sdnotify import NotifySocket
+
+__all__ = ["free_port"]  # the e2e tests import it from here with the rest of their daemon helpers
+
 READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 10.0
 TERMINAL = frozenset({"completed", "failed", "timed_out", "cancelled"})
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes via a proxy
+TOKEN = "k3y-0f-the-test-node-0123456789"  # token_daemon's
+UNKNOWN_ID = "06H2NOSUCHTASK000000000000"  # a task id of the right form that no store holds
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def tidepool_command() -> list[str]:
+    """The installed `tidepool` script beside this Python, else the module run by this Python."""
+    script = Path(sys.executable).with_name("tidepool")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "tidepool"]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -113,8 +120,9 @@ class Daemon:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self) -> None:
-        """Spawn and wait until /readyz answers 200; fail at once if the process exits first."""
+    def start(self, *, until: str = "/readyz") -> None:
+        """Spawn and wait until `until` answers 200 (/healthz: the API is up, ready or not); fail at once
+        if the process exits first."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
         with open(self.log_path, "ab") as log:
             log.write(f"--- start on port {self.port}\n".encode())
@@ -127,7 +135,7 @@ class Daemon:
             if self.proc.poll() is not None:
                 pytest.fail(f"daemon exited with {self.proc.returncode} before ready:\n{self.log()}")
             with contextlib.suppress(OSError):
-                if self.request("GET", "/readyz", timeout_s=1.0).status == 200:
+                if self.request("GET", until, timeout_s=1.0).status == 200:
                     return
             time.sleep(0.02)
         self.kill()
@@ -264,10 +272,37 @@ def daemon(make_daemon: Callable[..., Daemon]) -> Daemon:
 
 
 @pytest.fixture
+def make_token_daemon(make_daemon: Callable[..., Daemon], tmp_path: Path) -> Callable[..., Daemon]:
+    """Start daemons whose /v1 routes need `Authorization: Bearer TOKEN` (not added to their requests)."""
+    token_file = tmp_path / "api.token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+
+    def make(config: Mapping[str, Mapping[str, Any]] | None = None) -> Daemon:
+        daemon = make_daemon(merge({"api": {"token_file": str(token_file)}}, config or {}))
+        daemon.start()
+        return daemon
+
+    return make
+
+
+@pytest.fixture
+def token_daemon(make_token_daemon: Callable[..., Daemon]) -> Daemon:
+    """A started daemon with the test defaults and a token."""
+    return make_token_daemon()
+
+
+@pytest.fixture
+def notify() -> Iterator[NotifySocket]:
+    """A NOTIFY_SOCKET of the test's own: give a daemon `env=notify.env()`."""
+    with NotifySocket() as sock:
+        yield sock
+
+
+@pytest.fixture
 def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
     """Run the installed `tidepool` command from an empty directory (no ./config/tidepool.toml)."""
-    script = Path(sys.executable).with_name("tidepool")
-    prefix = [str(script)] if script.exists() else [sys.executable, "-m", "tidepool"]
+    prefix = tidepool_command()
     workdir = tmp_path / "cli"
     workdir.mkdir(exist_ok=True)
 

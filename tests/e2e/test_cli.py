@@ -7,7 +7,6 @@ import json
 import socket
 import sqlite3
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 
 from tidepool.store import SCHEMA_VERSION
 
-from .conftest import Daemon, clean_env, free_port, to_toml
+from .conftest import UNKNOWN_ID, Daemon, clean_env, free_port, tidepool_command, to_toml
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]
 OK, TASK_FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
@@ -41,10 +40,8 @@ def test_submit_wait_exits_0_when_completed_and_1_when_failed(daemon: Daemon, cl
 
 @pytest.mark.e2e
 def test_submit_wait_exits_3_without_a_traceback_when_the_daemon_shuts_down(daemon: Daemon, tmp_path: Path) -> None:
-    script = Path(sys.executable).with_name("tidepool")
-    prefix = [str(script)] if script.exists() else [sys.executable, "-m", "tidepool"]
-    waiting = subprocess.Popen([*prefix, "submit", "sleep", "--payload", '{"seconds": 30}', "--wait", "--url",
-                                daemon.url], cwd=tmp_path, env=clean_env(), stdin=subprocess.DEVNULL,
+    waiting = subprocess.Popen([*tidepool_command(), "submit", "sleep", "--payload", '{"seconds": 30}', "--wait",
+                                "--url", daemon.url], cwd=tmp_path, env=clean_env(), stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         daemon.wait_for("the task to run", lambda: daemon.get("/v1/tasks?state=running").body["tasks"])
@@ -118,8 +115,7 @@ def test_a_reader_that_stops_early_gets_no_traceback(daemon: Daemon) -> None:
     """`tidepool list --json | head`: more than a pipe's buffer, and the reader goes away."""
     padded = {"type": "noop", "payload": {"pad": "x" * 500}}
     assert daemon.post("/v1/tasks/batch", {"tasks": [padded] * 200}).status == 201
-    script = Path(sys.executable).with_name("tidepool")
-    with subprocess.Popen([str(script), "list", "--json", "--limit", "200", "--url", daemon.url],
+    with subprocess.Popen([*tidepool_command(), "list", "--json", "--limit", "200", "--url", daemon.url],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env()) as lister:
         assert lister.stdout is not None and lister.stderr is not None
         assert lister.stdout.read(100)
@@ -152,7 +148,7 @@ def test_migrate_creates_the_store_of_its_config_and_takes_no_daemon_address(tmp
 
 @pytest.mark.e2e
 def test_show_of_an_unknown_task_is_a_usage_error(daemon: Daemon, cli: Cli) -> None:
-    shown = cli("show", "06H2NOSUCHTASK000000000000", "--url", daemon.url)
+    shown = cli("show", UNKNOWN_ID, "--url", daemon.url)
     assert shown.returncode == USAGE
     assert "not found" in shown.stderr
     assert shown.stdout == ""
