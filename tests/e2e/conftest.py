@@ -237,7 +237,12 @@ class Daemon:
             timeout_s=timeout_s)
         return task
 
-    # the store, read behind the daemon's back
+    # the store, read (or deleted) behind the daemon's back
+
+    def delete_database(self) -> None:
+        """The SQLite file and its -wal and -shm, as an operator's stray `rm` would."""
+        for suffix in ("", "-wal", "-shm"):
+            self.db_path.with_name(self.db_path.name + suffix).unlink(missing_ok=True)
 
     def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         conn = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True)
