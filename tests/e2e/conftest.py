@@ -108,6 +108,7 @@ class Daemon:
         }, config)
         self.config_path = root / f"tidepool-{self.port}.toml"
         self.config_path.write_text(to_toml(self.config))
+        self.args = ["--config", str(self.config_path)]  # [] : the daemon looks for its config itself
         self.log_path = root / f"daemon-{self.port}.log"
         self.env = clean_env(**(env or {}))
         self.token: str | None = None  # sent as "Authorization: Bearer" when set
@@ -127,9 +128,8 @@ class Daemon:
         with open(self.log_path, "ab") as log:
             log.write(f"--- start on port {self.port}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tidepool", "run", "--config", str(self.config_path)],
-                cwd=self.root, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            self.proc = subprocess.Popen([sys.executable, "-m", "tidepool", "run", *self.args], cwd=self.root,
+                                         env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -143,9 +143,8 @@ class Daemon:
 
     def run_to_exit(self) -> subprocess.CompletedProcess[str]:
         """Run in the foreground until it exits (one that must refuse to start): its exit code and output."""
-        return subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(self.config_path)],
-                              cwd=self.root, env=self.env, capture_output=True, text=True, timeout=30,
-                              stdin=subprocess.DEVNULL)
+        return subprocess.run([sys.executable, "-m", "tidepool", "run", *self.args], cwd=self.root, env=self.env,
+                              capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
 
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after STOP_TIMEOUT_S; the exit code (negative: killed by that signal)."""
