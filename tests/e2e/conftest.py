@@ -25,10 +25,8 @@ from typing import Any
 
 import pytest
 
-from ..conftest import free_port
+from ..conftest import free_port as free_port  # the e2e tests import it from here with the daemon helpers
 from .sdnotify import NotifySocket
-
-__all__ = ["free_port"]  # the e2e tests import it from here with the rest of their daemon helpers
 
 READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 10.0
@@ -42,6 +40,19 @@ def tidepool_command() -> list[str]:
     """The installed `tidepool` script beside this Python, else the module run by this Python."""
     script = Path(sys.executable).with_name("tidepool")
     return [str(script)] if script.exists() else [sys.executable, "-m", "tidepool"]
+
+
+@contextlib.contextmanager
+def cli_in_background(*args: str, cwd: Path) -> Iterator[subprocess.Popen[str]]:
+    """`tidepool ARGS` running while the test acts (its output piped); killed on the way out unless it ended."""
+    proc = subprocess.Popen([*tidepool_command(), *args], cwd=cwd, env=clean_env(), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -16,7 +16,7 @@ import pytest
 
 from tidepool.store import SCHEMA_VERSION
 
-from .conftest import UNKNOWN_ID, Daemon, clean_env, free_port, tidepool_command, to_toml
+from .conftest import UNKNOWN_ID, Daemon, clean_env, cli_in_background, free_port, tidepool_command, to_toml
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]
 OK, TASK_FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
@@ -40,17 +40,11 @@ def test_submit_wait_exits_0_when_completed_and_1_when_failed(daemon: Daemon, cl
 
 @pytest.mark.e2e
 def test_submit_wait_exits_3_without_a_traceback_when_the_daemon_shuts_down(daemon: Daemon, tmp_path: Path) -> None:
-    waiting = subprocess.Popen([*tidepool_command(), "submit", "sleep", "--payload", '{"seconds": 30}', "--wait",
-                                "--url", daemon.url], cwd=tmp_path, env=clean_env(), stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with cli_in_background("submit", "sleep", "--payload", '{"seconds": 30}', "--wait", "--url", daemon.url,
+                           cwd=tmp_path) as waiting:
         daemon.wait_for("the task to run", lambda: daemon.get("/v1/tasks?state=running").body["tasks"])
         daemon.stop()  # SIGTERM: the task's event stream gets stream.closed, then the daemon is gone
         _, stderr = waiting.communicate(timeout=30)
-    finally:
-        if waiting.poll() is None:
-            waiting.kill()
-            waiting.wait()
     assert waiting.returncode == UNREACHABLE, stderr
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1].startswith("tidepool: ") and f"127.0.0.1:{daemon.port}" in stderr

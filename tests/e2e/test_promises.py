@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import TOKEN, UNKNOWN_ID, Daemon, clean_env, tidepool_command, to_toml
+from .conftest import TOKEN, UNKNOWN_ID, Daemon, cli_in_background, to_toml
 
 pytestmark = pytest.mark.e2e
 Cli = Callable[..., subprocess.CompletedProcess[str]]
@@ -53,6 +53,16 @@ def raw_answer(sock: socket.socket, *, timeout_s: float) -> bytes:
                 break
             received += chunk
     return received
+
+
+def closed_unanswered(sock: socket.socket, *, timeout_s: float) -> bool:
+    """The daemon closed `sock` within `timeout_s` and sent nothing on it."""
+    if not select.select([sock], [], [], timeout_s)[0]:
+        return False  # still open: neither answered nor closed
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
 
 
 def _complete(received: bytes) -> bool:
@@ -193,7 +203,7 @@ def test_a_node_holds_at_most_512_connections_and_admits_again_when_one_closes(
         assert raw_answer(held[-1], timeout_s=5.0).startswith(b"HTTP/1.1 200 ")
         with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as one_more:
             one_more.sendall(request)
-            assert raw_answer(one_more, timeout_s=5.0) == b"", "the 513th connection is closed unanswered"
+            assert closed_unanswered(one_more, timeout_s=5.0), "the 513th connection is closed unanswered"
         held.pop(0).close()
         daemon.wait_for("a connection to be admitted again", lambda: _healthz_on_a_new_connection(daemon, request))
         assert held[0].send(request) and raw_answer(held[0], timeout_s=5.0).startswith(b"HTTP/1.1 200 ")
@@ -220,18 +230,12 @@ def test_submit_wait_exits_1_when_the_task_timed_out(make_daemon: Callable[..., 
 
 
 def test_submit_wait_exits_1_when_the_task_is_cancelled(daemon: Daemon, tmp_path: Path) -> None:
-    waiting = subprocess.Popen([*tidepool_command(), "submit", "sleep", "--payload", '{"seconds": 30}', "--wait",
-                                "--url", daemon.url], cwd=tmp_path, env=clean_env(), stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with cli_in_background("submit", "sleep", "--payload", '{"seconds": 30}', "--wait", "--url", daemon.url,
+                           cwd=tmp_path) as waiting:
         running = daemon.wait_for("the task to run", lambda: daemon.get("/v1/tasks?state=running").body["tasks"])
         task_id = running[0]["id"]
         assert daemon.post(f"/v1/tasks/{task_id}/cancel").status == 202
         stdout, stderr = waiting.communicate(timeout=30)
-    finally:
-        if waiting.poll() is None:
-            waiting.kill()
-            waiting.wait()
     assert waiting.returncode == TASK_FAILED, stderr
     assert stdout.split() == [task_id] and daemon.task(task_id)["state"] == "cancelled"
     assert stderr.strip().splitlines()[-1].startswith(f"{task_id} cancelled"), stderr
