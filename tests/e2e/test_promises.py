@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -42,7 +43,7 @@ def answer(daemon: Daemon, method: str, path: str, body: bytes | None = None,
 
 def raw_answer(sock: socket.socket, *, timeout_s: float) -> bytes:
     """One answer read from `sock`: up to the end of its body, the connection's end, or `timeout_s`
-    (b"" if the daemon closed the connection unanswered)."""
+    (b"" when nothing came)."""
     received = b""
     deadline = time.monotonic() + timeout_s
     with contextlib.suppress(ConnectionResetError):
@@ -267,7 +268,7 @@ def test_without_config_the_commands_read_config_tidepool_toml_of_the_working_di
 
 
 @contextlib.contextmanager
-def read_only(path: Path, unavailable: Callable[[str], object]) -> Iterator[None]:
+def read_only(path: Path, unavailable: Callable[[str], NoReturn]) -> Iterator[None]:
     """`path` made read-only for this process: by its mode, or for root (whom modes do not stop) by the
     immutable attribute."""
     if os.geteuid() != 0:
@@ -288,7 +289,7 @@ def read_only(path: Path, unavailable: Callable[[str], object]) -> Iterator[None
 
 
 def test_a_read_only_database_answers_submits_503_naming_it_and_still_reads(
-        make_daemon: Callable[..., Daemon], unavailable: Callable[[str], object]) -> None:
+        make_daemon: Callable[..., Daemon], unavailable: Callable[[str], NoReturn]) -> None:
     daemon = make_daemon()
     daemon.start()
     kept = daemon.wait_terminal(daemon.submit("noop")["id"])
