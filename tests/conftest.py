@@ -1,13 +1,18 @@
-"""Fixtures every test directory may use: the PostgreSQL test server and the missing-prerequisite policy."""
+"""Fixtures every test directory may use: the PostgreSQL test server, a free port and the
+missing-prerequisite policy."""
 
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import pytest
+
+if TYPE_CHECKING:
+    import asyncpg
 
 POSTGRES_URL = os.environ.get("TIDEPOOL_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -24,17 +29,29 @@ def unavailable() -> Callable[[str], NoReturn]:
     return _unavailable
 
 
-@pytest.fixture
-async def postgres_schema() -> AsyncIterator[tuple[str, str]]:
-    """(url, schema): a schema name unique to this test, dropped with all it holds afterwards."""
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now (the kernel's pick, released at once)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def postgres_admin() -> asyncpg.Connection:
+    """A connection to the test server; without asyncpg or the server, the test fails naming which."""
     try:
         import asyncpg
     except ImportError:
         _unavailable("asyncpg is not installed (pip install asyncpg)")
     try:
-        admin = await asyncpg.connect(POSTGRES_URL, timeout=5)
+        return await asyncpg.connect(POSTGRES_URL, timeout=5)
     except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
         _unavailable(f"PostgreSQL at {POSTGRES_URL} is unreachable: {exc}")
+
+
+@pytest.fixture
+async def postgres_schema() -> AsyncIterator[tuple[str, str]]:
+    """(url, schema): a schema name unique to this test, dropped with all it holds afterwards."""
+    admin = await postgres_admin()
     schema = "t_" + uuid.uuid4().hex
     try:
         yield POSTGRES_URL, schema

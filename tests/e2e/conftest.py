@@ -1,8 +1,9 @@
 """The real daemon as a subprocess: `python -m tidepool run` on a free port, a temp state dir, real HTTP.
 
 `daemon` starts one node and stops it on teardown (SIGTERM, then SIGKILL); `make_daemon` builds more
-(another config, the same state dir). A daemon object can be SIGKILLed and started again on the same
-port and state dir. `cli` runs the `tidepool` command the way an operator would.
+(another config, the same state dir); `token_daemon` is one that needs TOKEN on every /v1 route. A
+daemon object can be SIGKILLed and started again on the same port and state dir. `cli` runs the
+`tidepool` command the way an operator would; `notify` is a NOTIFY_SOCKET standing in for systemd's.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -25,16 +25,34 @@ from typing import Any
 
 import pytest
 
+from ..conftest import free_port as free_port  # the e2e tests import it from here with the daemon helpers
+from .sdnotify import NotifySocket
+
 READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 10.0
 TERMINAL = frozenset({"completed", "failed", "timed_out", "cancelled"})
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes via a proxy
+TOKEN = "k3y-0f-the-test-node-0123456789"  # token_daemon's
+UNKNOWN_ID = "06H2NOSUCHTASK000000000000"  # a task id of the right form that no store holds
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def tidepool_command() -> list[str]:
+    """The installed `tidepool` script beside this Python, else the module run by this Python."""
+    script = Path(sys.executable).with_name("tidepool")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "tidepool"]
+
+
+@contextlib.contextmanager
+def cli_in_background(*args: str, cwd: Path) -> Iterator[subprocess.Popen[str]]:
+    """`tidepool ARGS` running while the test acts (its output piped); killed on the way out unless it ended."""
+    proc = subprocess.Popen([*tidepool_command(), *args], cwd=cwd, env=clean_env(), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -101,6 +119,7 @@ class Daemon:
         }, config)
         self.config_path = root / f"tidepool-{self.port}.toml"
         self.config_path.write_text(to_toml(self.config))
+        self.args = ["--config", str(self.config_path)]  # [] : the daemon looks for its config itself
         self.log_path = root / f"daemon-{self.port}.log"
         self.env = clean_env(**(env or {}))
         self.token: str | None = None  # sent as "Authorization: Bearer" when set
@@ -113,21 +132,21 @@ class Daemon:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self) -> None:
-        """Spawn and wait until /readyz answers 200; fail at once if the process exits first."""
+    def start(self, *, until: str = "/readyz") -> None:
+        """Spawn and wait until `until` answers 200 (/healthz: the API is up, ready or not); fail at once
+        if the process exits first."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
         with open(self.log_path, "ab") as log:
             log.write(f"--- start on port {self.port}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tidepool", "run", "--config", str(self.config_path)],
-                cwd=self.root, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            self.proc = subprocess.Popen([sys.executable, "-m", "tidepool", "run", *self.args], cwd=self.root,
+                                         env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"daemon exited with {self.proc.returncode} before ready:\n{self.log()}")
             with contextlib.suppress(OSError):
-                if self.request("GET", "/readyz", timeout_s=1.0).status == 200:
+                if self.request("GET", until, timeout_s=1.0).status == 200:
                     return
             time.sleep(0.02)
         self.kill()
@@ -135,9 +154,8 @@ class Daemon:
 
     def run_to_exit(self) -> subprocess.CompletedProcess[str]:
         """Run in the foreground until it exits (one that must refuse to start): its exit code and output."""
-        return subprocess.run([sys.executable, "-m", "tidepool", "run", "--config", str(self.config_path)],
-                              cwd=self.root, env=self.env, capture_output=True, text=True, timeout=30,
-                              stdin=subprocess.DEVNULL)
+        return subprocess.run([sys.executable, "-m", "tidepool", "run", *self.args], cwd=self.root, env=self.env,
+                              capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
 
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after STOP_TIMEOUT_S; the exit code (negative: killed by that signal)."""
@@ -229,7 +247,12 @@ class Daemon:
             timeout_s=timeout_s)
         return task
 
-    # the store, read behind the daemon's back
+    # the store, read (or deleted) behind the daemon's back
+
+    def delete_database(self) -> None:
+        """The SQLite file and its -wal and -shm, as an operator's stray `rm` would."""
+        for suffix in ("", "-wal", "-shm"):
+            self.db_path.with_name(self.db_path.name + suffix).unlink(missing_ok=True)
 
     def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         conn = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True)
@@ -264,10 +287,37 @@ def daemon(make_daemon: Callable[..., Daemon]) -> Daemon:
 
 
 @pytest.fixture
+def make_token_daemon(make_daemon: Callable[..., Daemon], tmp_path: Path) -> Callable[..., Daemon]:
+    """Start daemons whose /v1 routes need `Authorization: Bearer TOKEN` (not added to their requests)."""
+    token_file = tmp_path / "api.token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+
+    def make(config: Mapping[str, Mapping[str, Any]] | None = None) -> Daemon:
+        daemon = make_daemon(merge({"api": {"token_file": str(token_file)}}, config or {}))
+        daemon.start()
+        return daemon
+
+    return make
+
+
+@pytest.fixture
+def token_daemon(make_token_daemon: Callable[..., Daemon]) -> Daemon:
+    """A started daemon with the test defaults and a token."""
+    return make_token_daemon()
+
+
+@pytest.fixture
+def notify() -> Iterator[NotifySocket]:
+    """A NOTIFY_SOCKET of the test's own: give a daemon `env=notify.env()`."""
+    with NotifySocket() as sock:
+        yield sock
+
+
+@pytest.fixture
 def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
     """Run the installed `tidepool` command from an empty directory (no ./config/tidepool.toml)."""
-    script = Path(sys.executable).with_name("tidepool")
-    prefix = [str(script)] if script.exists() else [sys.executable, "-m", "tidepool"]
+    prefix = tidepool_command()
     workdir = tmp_path / "cli"
     workdir.mkdir(exist_ok=True)
 

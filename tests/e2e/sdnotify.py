@@ -1,6 +1,6 @@
 """A test-owned NOTIFY_SOCKET: an abstract AF_UNIX datagram socket drained by a thread, as systemd's is.
 
-Abstract names have no path, so the 108-byte limit on socket paths never bites (PITFALLS).
+Abstract names have no path, so the 108-byte limit on the path of a unix socket never bites.
 """
 
 from __future__ import annotations

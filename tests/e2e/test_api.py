@@ -8,9 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from .conftest import Daemon
-
-UNKNOWN_ID = "06H2NOSUCHTASK000000000000"
+from .conftest import UNKNOWN_ID, Daemon
 
 
 @pytest.mark.e2e

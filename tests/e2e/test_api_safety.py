@@ -17,24 +17,11 @@ from pathlib import Path
 import pytest
 
 from .api_helpers import NUL_REQUESTS, bearer, call, store_counts
-from .conftest import Daemon, Response, free_port, to_toml
-
-TOKEN = "k3y-0f-the-test-node-0123456789"
-UNKNOWN_ID = "06H2NOSUCHTASK000000000000"
+from .conftest import TOKEN, UNKNOWN_ID, Daemon, Response, free_port, to_toml
 
 
 def later(seconds: float) -> str:
     return (datetime.now(UTC) + timedelta(seconds=seconds)).isoformat()
-
-
-@pytest.fixture
-def token_daemon(make_daemon: Callable[..., Daemon], tmp_path: Path) -> Daemon:
-    token_file = tmp_path / "api.token"
-    token_file.write_text(TOKEN + "\n")
-    token_file.chmod(0o600)
-    daemon = make_daemon({"api": {"token_file": str(token_file)}})
-    daemon.start()
-    return daemon
 
 
 # every /v1 route of SPEC §5: (method, path, body)

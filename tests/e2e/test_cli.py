@@ -7,7 +7,6 @@ import json
 import socket
 import sqlite3
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 
 from tidepool.store import SCHEMA_VERSION
 
-from .conftest import Daemon, clean_env, free_port, to_toml
+from .conftest import UNKNOWN_ID, Daemon, clean_env, cli_in_background, free_port, tidepool_command, to_toml
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]
 OK, TASK_FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
@@ -41,19 +40,11 @@ def test_submit_wait_exits_0_when_completed_and_1_when_failed(daemon: Daemon, cl
 
 @pytest.mark.e2e
 def test_submit_wait_exits_3_without_a_traceback_when_the_daemon_shuts_down(daemon: Daemon, tmp_path: Path) -> None:
-    script = Path(sys.executable).with_name("tidepool")
-    prefix = [str(script)] if script.exists() else [sys.executable, "-m", "tidepool"]
-    waiting = subprocess.Popen([*prefix, "submit", "sleep", "--payload", '{"seconds": 30}', "--wait", "--url",
-                                daemon.url], cwd=tmp_path, env=clean_env(), stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with cli_in_background("submit", "sleep", "--payload", '{"seconds": 30}', "--wait", "--url", daemon.url,
+                           cwd=tmp_path) as waiting:
         daemon.wait_for("the task to run", lambda: daemon.get("/v1/tasks?state=running").body["tasks"])
         daemon.stop()  # SIGTERM: the task's event stream gets stream.closed, then the daemon is gone
         _, stderr = waiting.communicate(timeout=30)
-    finally:
-        if waiting.poll() is None:
-            waiting.kill()
-            waiting.wait()
     assert waiting.returncode == UNREACHABLE, stderr
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1].startswith("tidepool: ") and f"127.0.0.1:{daemon.port}" in stderr
@@ -118,8 +109,7 @@ def test_a_reader_that_stops_early_gets_no_traceback(daemon: Daemon) -> None:
     """`tidepool list --json | head`: more than a pipe's buffer, and the reader goes away."""
     padded = {"type": "noop", "payload": {"pad": "x" * 500}}
     assert daemon.post("/v1/tasks/batch", {"tasks": [padded] * 200}).status == 201
-    script = Path(sys.executable).with_name("tidepool")
-    with subprocess.Popen([str(script), "list", "--json", "--limit", "200", "--url", daemon.url],
+    with subprocess.Popen([*tidepool_command(), "list", "--json", "--limit", "200", "--url", daemon.url],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env()) as lister:
         assert lister.stdout is not None and lister.stderr is not None
         assert lister.stdout.read(100)
@@ -152,7 +142,7 @@ def test_migrate_creates_the_store_of_its_config_and_takes_no_daemon_address(tmp
 
 @pytest.mark.e2e
 def test_show_of_an_unknown_task_is_a_usage_error(daemon: Daemon, cli: Cli) -> None:
-    shown = cli("show", "06H2NOSUCHTASK000000000000", "--url", daemon.url)
+    shown = cli("show", UNKNOWN_ID, "--url", daemon.url)
     assert shown.returncode == USAGE
     assert "not found" in shown.stderr
     assert shown.stdout == ""
@@ -196,30 +186,15 @@ def test_a_refused_token_is_exit_2_and_a_full_queue_exit_3_never_the_task_failed
 
 
 @pytest.mark.e2e
-def test_a_daemon_whose_store_is_down_is_unreachable_exit_3(cli: Cli) -> None:
-    """SPEC §5: exit 3 when the daemon or its store cannot be reached; the daemon says the latter with a 503.
-    A stand-in answers as a daemon does while its store is down (making a real store fail for root is not
-    something a test can do reliably)."""
-    class StoreDown(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = json.dumps({"error": {"code": "store_unavailable", "message": "store unavailable"}}).encode()
-            self.send_response(503)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), StoreDown) as server:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        try:
-            result = cli("pool", "--url", f"http://127.0.0.1:{server.server_address[1]}")
-        finally:
-            server.shutdown()
-    assert result.returncode == UNREACHABLE, result.stderr
-    assert "store unavailable" in result.stderr
+def test_a_daemon_whose_store_is_down_is_unreachable_exit_3(daemon: Daemon, cli: Cli) -> None:
+    """Exit 3 when the daemon or its store cannot be reached; the daemon says the latter with a 503. Its
+    database deleted under it, the daemon writes nothing more: a retry later (after a restart) may work."""
+    daemon.delete_database()
+    for args in (["submit", "noop"], ["submit", "noop", "--wait"]):
+        result = cli(*args, "--url", daemon.url)
+        assert result.returncode == UNREACHABLE, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "(503 store_unavailable)" in lines[0] and "deleted" in lines[0], result.stderr
 
 
 class NotTidepool(http.server.BaseHTTPRequestHandler):

@@ -14,9 +14,7 @@ from aiohttp import web
 
 from tidepool.client import ApiError, Client, InvalidAddress, Unreachable
 
-from .conftest import Daemon, free_port
-
-UNKNOWN_ID = "06H2NOSUCHTASK000000000000"
+from .conftest import UNKNOWN_ID, Daemon, free_port
 
 
 def later(seconds: float) -> str:

@@ -14,13 +14,12 @@ from typing import Any, NoReturn
 import pytest
 
 from .api_helpers import bearer, call
-from .conftest import Daemon
+from .conftest import TOKEN, Daemon
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
         "--disable-component-update", "--disable-sync"]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
-TOKEN = "dashboard-test-token"
 NEED_TOKEN = "token needed: enter the API token above"
 UNREACHABLE = "daemon unreachable: reconnecting"
 
@@ -47,12 +46,8 @@ async def browser_page(unavailable: Callable[[str], NoReturn]) -> AsyncIterator[
 
 
 @pytest.fixture
-def token_daemon(make_daemon: Callable[..., Daemon], tmp_path: Path) -> Daemon:
-    token_file = tmp_path / "api.token"
-    token_file.write_text(TOKEN)
-    daemon = make_daemon({"api": {"token_file": str(token_file)}, "pool": {"min_workers": 3, "max_workers": 6}})
-    daemon.start()
-    return daemon
+def token_daemon(make_token_daemon: Callable[..., Daemon]) -> Daemon:
+    return make_token_daemon({"pool": {"min_workers": 3, "max_workers": 6}})
 
 
 @pytest.mark.e2e

@@ -13,9 +13,7 @@ import psutil
 import pytest
 
 from .api_helpers import NOOP_EVENTS, EventStream, Sse, shape
-from .conftest import Daemon
-
-UNKNOWN_ID = "06H2NOSUCHTASK000000000000"
+from .conftest import UNKNOWN_ID, Daemon
 
 
 @pytest.fixture

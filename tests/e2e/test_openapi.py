@@ -14,9 +14,8 @@ from typing import Any, NoReturn
 import pytest
 
 from .api_helpers import bearer, call
-from .conftest import Daemon
+from .conftest import TOKEN, Daemon
 
-TOKEN = "openapi-test-token"
 SCHEMATHESIS_BUDGET_S = 30
 # Statuses the API answers on purpose beyond what a JSON schema can say: a type or tag set the node does not
 # serve, pool sizes that contradict each other (400), a body over api.max_body_kb before it is read (413).
@@ -38,13 +37,8 @@ SPEC_ROUTES = {
 
 
 @pytest.fixture
-def token_daemon(make_daemon: Callable[..., Daemon], tmp_path: Path) -> Daemon:
-    token_file = tmp_path / "api.token"
-    token_file.write_text(TOKEN)
-    daemon = make_daemon({"api": {"token_file": str(token_file)}, "log": {"level": "warning"},
-                          "pool": {"max_workers": 8}})
-    daemon.start()
-    return daemon
+def token_daemon(make_token_daemon: Callable[..., Daemon]) -> Daemon:
+    return make_token_daemon({"log": {"level": "warning"}, "pool": {"max_workers": 8}})
 
 
 def _refs(node: Any) -> set[str]:

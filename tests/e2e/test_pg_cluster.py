@@ -23,13 +23,13 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 
 from tidepool.client import Client
 
-from ..conftest import POSTGRES_URL
+from ..conftest import POSTGRES_URL, postgres_admin
 from .api_helpers import NUL_REQUESTS
 from .conftest import Daemon, free_port
 
@@ -79,12 +79,6 @@ async def insist(ctx):
 
 
 # the fleet
-
-
-def _unavailable(reason: str) -> NoReturn:
-    from ..conftest import _unavailable as policy
-
-    policy(reason)
 
 
 class Fleet:
@@ -199,19 +193,10 @@ class Fleet:
 
 @pytest.fixture
 def fleet(tmp_path: Path, make_daemon: Callable[..., Daemon]) -> Iterator[Fleet]:
-    try:
-        import asyncpg
-    except ImportError:
-        _unavailable("asyncpg is not installed")
+    async def reachable() -> None:
+        await (await postgres_admin()).close()
 
-    async def check() -> None:
-        conn = await asyncpg.connect(POSTGRES_URL, timeout=5)
-        await conn.close()
-
-    try:
-        asyncio.run(check())
-    except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
-        _unavailable(f"PostgreSQL at {POSTGRES_URL} is unreachable: {exc}")
+    asyncio.run(reachable())
     fleet = Fleet(tmp_path, make_daemon, "e2e_" + uuid.uuid4().hex[:16])
     try:
         yield fleet

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,12 +23,6 @@ from .conftest import Daemon, merge, to_toml
 from .sdnotify import NotifySocket
 
 RELOADING = r"RELOADING=1\nMONOTONIC_USEC=(\d+)"
-
-
-@pytest.fixture
-def notify() -> Iterator[NotifySocket]:
-    with NotifySocket() as sock:
-        yield sock
 
 
 def running(daemon: Daemon, task_id: str) -> bool:

@@ -12,8 +12,7 @@ from .conftest import Daemon
 def test_a_database_deleted_under_the_daemon_refuses_submits_and_the_node_is_not_ready(daemon: Daemon) -> None:
     kept = daemon.submit("noop")
     assert daemon.wait_terminal(kept["id"])["state"] == "completed"
-    for suffix in ("", "-wal", "-shm"):
-        daemon.db_path.with_name(daemon.db_path.name + suffix).unlink(missing_ok=True)
+    daemon.delete_database()
     r = daemon.post("/v1/tasks", {"type": "noop"})
     assert (r.status, r.body["error"]["code"]) == (503, "store_unavailable"), r
     assert "deleted or replaced" in r.body["error"]["message"]

@@ -11,7 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +22,6 @@ from .conftest import _OPENER, Daemon
 from .sdnotify import Message, NotifySocket
 
 STATUS = r"STATUS=workers \d+/\d+ busy \d+ queued \d+"
-
-
-@pytest.fixture
-def notify() -> Iterator[NotifySocket]:
-    with NotifySocket() as sock:
-        yield sock
 
 
 def readyz_status(daemon: Daemon) -> int | str:

@@ -2,7 +2,8 @@
 
 Optional parts come in as keyword arguments: a ready Registry (e.g. from Registry.from_settings),
 a ResourcePool (its free slots then shape the claim filter, as in the daemon) and Guards (asked
-before every claim, run in the node's task group, waking the pool when they clear).
+before every claim, run in the node's task group, waking the pool when they clear). `registry_of`
+builds a Registry from plugin specs the way the daemon builds its own from the config.
 """
 
 from __future__ import annotations
@@ -27,9 +28,20 @@ from tidepool.plugins import Plugin, PluginDef, Registry
 from tidepool.pool import Pool, PoolConfig
 from tidepool.reconciler import Reconciler, ReconcilerConfig
 from tidepool.resources import ResourcePool
-from tidepool.settings import TypeSettings
+from tidepool.settings import PluginSpec, PluginsSettings, TypeSettings
 from tidepool.store import Store
 from tidepool.store.sqlite import SqliteStore
+
+GRACE_S = 0.5  # a command's kill grace (SIGTERM to SIGKILL) in the registries registry_of builds
+
+
+def registry_of(defs: dict[str, PluginSpec], types: dict[str, TypeSettings] | None = None,
+                **access: tuple[str, ...]) -> Registry:
+    """The daemon's registry of these plugins; without `types`, one type per plugin, named after it.
+    `access` is plugins.allow / plugins.deny."""
+    if types is None:
+        types = {name: TypeSettings(plugins=(name,)) for name in defs}
+    return Registry.from_settings(PluginsSettings(defs=defs, **access), types, kill_grace_s=GRACE_S)
 
 
 @dataclass

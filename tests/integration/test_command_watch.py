@@ -33,16 +33,15 @@ from tidepool.lifecycle import RetryPolicy
 from tidepool.model import State
 from tidepool.plugins import Registry, command
 from tidepool.plugins.command import CommandLimits, run_command, scrubbed_env
-from tidepool.settings import PluginSpec, PluginsSettings, TypeSettings
+from tidepool.settings import PluginSpec
 from tidepool.store.sqlite import SqliteStore
 
 from ..process_trees import RECORD, gone, pids
-from .conftest import running_node
+from .conftest import GRACE_S, registry_of, running_node
 
 pytestmark = pytest.mark.timeout(60)
 
 PY = sys.executable
-GRACE_S = 0.5
 
 # leader -> child; both sleep.
 PAIR = RECORD + """
@@ -115,11 +114,6 @@ def kill_all(*pid_files: Path) -> None:
         for pid in pids(path).values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-
-
-def registry_of(defs: dict[str, PluginSpec]) -> Registry:
-    types = {name: TypeSettings(plugins=(name,)) for name in defs}
-    return Registry.from_settings(PluginsSettings(defs=defs), types, kill_grace_s=GRACE_S)
 
 
 # one scan of the process table for every command

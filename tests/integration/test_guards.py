@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from tidepool.service import Daemon
 from tidepool.settings import GuardSettings, parse
 from tidepool.store.sqlite import SqliteStore
 
+from ..conftest import free_port
 from .conftest import running_node
 
 
@@ -104,12 +104,6 @@ def test_a_state_dir_not_made_yet_is_measured_on_its_file_system(tmp_path: Path)
     stats = guards.statistics()
     assert stats.free_disk_mb is not None and stats.free_disk_mb > 0
     assert stats.free_memory_mb is not None and stats.free_memory_mb > 0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def test_the_pool_view_and_tidepool_pool_show_guards_and_resources(

@@ -24,18 +24,17 @@ from anyio.abc import SocketAttribute
 from tidepool.context import TaskContext
 from tidepool.errors import ConfigError
 from tidepool.model import AttemptStatus, State, Task
-from tidepool.plugins import Plugin, Registry
+from tidepool.plugins import Plugin
 from tidepool.resources import ResourcePool
-from tidepool.settings import PluginSpec, PluginsSettings, ResourceSettings, TypeSettings
+from tidepool.settings import PluginSpec, ResourceSettings, TypeSettings
 from tidepool.store.sqlite import SqliteStore
 
 from ..process_trees import RECORD, gone, pids
-from .conftest import Node, running_node
+from .conftest import GRACE_S, Node, registry_of, running_node
 
 pytestmark = pytest.mark.timeout(60)
 
 PY = sys.executable
-GRACE_S = 0.5
 
 # leader -> middle -> {escaper (leaves the group with setsid), stubborn (ignores SIGTERM)}
 TREE = RECORD + """
@@ -75,10 +74,6 @@ def command(tmp_path: Path, script: str, **spec: object) -> PluginSpec:
     path = tmp_path / f"script-{abs(hash(script))}.py"
     path.write_text(script)
     return PluginSpec(command=(PY, str(path), "{pidfile}"), **spec)
-
-
-def registry_of(defs: dict[str, PluginSpec], types: dict[str, TypeSettings], **access: tuple[str, ...]) -> Registry:
-    return Registry.from_settings(PluginsSettings(defs=defs, **access), types, kill_grace_s=GRACE_S)
 
 
 def event_ts(node: Node, task_id: str, name: str) -> float:

@@ -3,6 +3,9 @@
 import itertools
 import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from datetime import UTC, datetime
 from zoneinfo import ZoneInfo
@@ -237,10 +240,26 @@ def test_a_tick_fires_one_task_with_its_idempotency_key_and_its_type_s_attempt_b
 
 
 def test_jitter_is_the_same_on_every_node_and_within_bounds() -> None:
+    """Nodes fire a tick at the moment each derives alike: from the schedule's name and the tick, never from
+    anything of its own process (a hash seed, a start time, an address)."""
     schedule = every(60.0, jitter_s=10.0)
-    offsets = {jitter_of(schedule, t) for t in (60.0, 120.0, 180.0)}
-    assert all(0 <= o < 10 for o in offsets) and len(offsets) == 3
+    ticks = [60.0, 120.0, 180.0]
+    offsets = [jitter_of(schedule, t) for t in ticks]
+    assert all(0 <= o < 10 for o in offsets) and len(set(offsets)) == 3
     assert jitter_of(schedule, 60.0) == jitter_of(replace(schedule), 60.0)
+    for hash_seed in ("1", "2"):  # other processes, as other nodes are: str hashes differ in each
+        assert jitter_in_another_process(ticks, hash_seed) == offsets
+
+
+def jitter_in_another_process(ticks: list[float], hash_seed: str) -> list[float]:
+    """jitter_of(every(60.0, jitter_s=10.0), tick) for each tick, as a fresh interpreter computes it."""
+    program = ("import json, sys; from tidepool.schedules import Schedule, jitter_of; "
+               "s = Schedule(name='s', type='noop', every_s=60.0, jitter_s=10.0); "
+               "print(json.dumps([jitter_of(s, t) for t in json.loads(sys.argv[1])]))")
+    done = subprocess.run([sys.executable, "-c", program, json.dumps(ticks)], capture_output=True, text=True,
+                          timeout=30, env={**os.environ, "PYTHONHASHSEED": hash_seed}, check=True)
+    offsets: list[float] = json.loads(done.stdout)
+    return offsets
 
 
 @pytest.mark.parametrize(("schedule", "field"), [
