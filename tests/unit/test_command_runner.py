@@ -481,15 +481,20 @@ def without_prlimit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     spawn._prlimit_program.cache_clear()  # found again by the tests that follow
 
 
-@pytest.mark.parametrize("prlimit", ["with_prlimit", "without_prlimit"])
-async def test_rlimits_are_in_force_before_the_command_runs_its_first_instruction(
-        tmp_path: Path, request: pytest.FixtureRequest, prlimit: str) -> None:
-    if prlimit == "without_prlimit":
-        request.getfixturevalue("without_prlimit")
+async def _limits_are_in_force_from_the_first_instruction(tmp_path: Path) -> None:
     # sh forks the pipeline at once: limits set on it after it started would mostly miss the subshell.
     for _ in range(20):  # each run a race that setting them late could still win
         result = await _run(["/bin/sh", "-c", SHOW_LIMITS], tmp_path, nofile=50, cpu_s=5)
         assert result.stdout.split() == LIMITS_SHOWN
+
+
+async def test_rlimits_are_in_force_before_the_command_runs_its_first_instruction(tmp_path: Path) -> None:
+    await _limits_are_in_force_from_the_first_instruction(tmp_path)
+
+
+@pytest.mark.usefixtures("without_prlimit")
+async def test_without_prlimit_the_command_waits_until_its_limits_are_set(tmp_path: Path) -> None:
+    await _limits_are_in_force_from_the_first_instruction(tmp_path)
 
 
 @pytest.mark.usefixtures("without_prlimit")
@@ -512,6 +517,14 @@ async def test_without_prlimit_the_command_gets_its_environment_and_stdin_unchan
     assert shown.pop("TIDEPOOL_RUN") and shown == env
     stdin = await _run(["/usr/bin/readlink", "/proc/self/fd/0"], tmp_path, nofile=64)
     assert stdin.stdout == b"/dev/null\n"
+
+
+@pytest.mark.usefixtures("without_prlimit")
+def test_without_prlimit_under_uvloop(tmp_path: Path) -> None:
+    """uvloop's pipe to the waiting child is another class than asyncio's: the limits and environment get there."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(_limits_are_in_force_from_the_first_instruction(tmp_path))
+        runner.run(test_without_prlimit_the_command_gets_its_environment_and_stdin_unchanged(tmp_path))
 
 
 @pytest.mark.usefixtures("without_prlimit")

@@ -21,6 +21,7 @@ import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 from tidepool.errors import PluginError
 
@@ -97,7 +98,12 @@ async def spawn(
         transport = await _exec(command, protocol, env=env, workdir=workdir, stdin=asyncio.subprocess.PIPE)
     except OSError as exc:
         raise _spawn_failed(argv[0], exc) from exc
-    _hand_over(transport, limits, env)
+    try:
+        _hand_over(transport, limits, env)
+    except BaseException:
+        transport.kill()  # it would wait for them as long as the pipe is open
+        transport.close()
+        raise
     return transport
 
 
@@ -121,8 +127,7 @@ async def _exec(
 
 def _hand_over(transport: asyncio.SubprocessTransport, limits: Rlimits, env: dict[str, str]) -> None:
     """Give the waiting child its limits and environment: it sets them and execs the command."""
-    pipe = transport.get_pipe_transport(0)
-    assert isinstance(pipe, asyncio.WriteTransport)
+    pipe = cast(asyncio.WriteTransport, transport.get_pipe_transport(0))  # uvloop's is one, unregistered
     given = {"rlimits": [[which, soft, hard] for which, (soft, hard) in limits.items()], "env": env}
     pipe.write(json.dumps(given).encode())
     pipe.close()  # its end of file: all is there (a child gone meanwhile only leaves the pipe broken)
