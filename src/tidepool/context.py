@@ -66,9 +66,10 @@ class TaskContext:
         self._report_progress(self, min(1.0, max(0.0, float(fraction))), message)
 
     async def emit(self, result: Any, *, final: bool = False, key: str | None = None) -> ResultBatch:
-        """Store a result batch; the same key and content twice is acknowledged once (rule 7). A key of the
-        plugin's own is its task's (stored as `<task id>:<key>`): the same key in another task is another
-        result, not that one's acknowledgement. Without a key, each emit of the attempt is its own."""
+        """Store a result batch; the same key and content twice is acknowledged once, the same key with other
+        content is refused (Conflict). A key of the plugin's own is its task's (stored as `<task id>:<key>`):
+        the same key in another task is another result, not that one's acknowledgement. Without a key, each
+        emit of the attempt is its own."""
         sequence = self._sequence.get(self.plugin, 0)
         self._sequence[self.plugin] = sequence + 1
         stored_key = f"{self.task.id}:{key}" if key else f"{self.attempt_id}:{self.plugin}:{sequence}"

@@ -1,5 +1,6 @@
-"""Signals to the real daemon: SIGTERM drains (SPEC rule 6), a second SIGINT cuts the drain short,
-SIGHUP reloads the config live or keeps the running one when the new file is invalid."""
+"""Signals to the real daemon: SIGTERM drains (running tasks get until the drain deadline, then are interrupted
+without using up an attempt), a second SIGINT cuts the drain short, SIGHUP reloads the config live or keeps the
+running one when the new file is invalid."""
 
 from __future__ import annotations
 
@@ -71,9 +72,9 @@ def test_sigterm_lets_short_tasks_finish_and_interrupts_long_ones_which_a_restar
     sent = time.monotonic()
     assert daemon.proc is not None
     daemon.proc.send_signal(signal.SIGTERM)
-    assert daemon.proc.wait(15) == 0, daemon.log()
+    assert daemon.proc.wait(20) == 0, daemon.log()
     took = time.monotonic() - sent
-    assert 1.8 <= took < 6.0, f"drain_timeout_s is 2.0 but the daemon took {took:.1f}s"
+    assert 1.8 <= took < 10.0, f"drain_timeout_s is 2.0 but the daemon took {took:.1f}s"
     assert notify.wait_for("STOPPING=1").at >= sent
 
     for t in short:  # finished within the drain deadline
@@ -95,9 +96,10 @@ def test_sigterm_lets_short_tasks_finish_and_interrupts_long_ones_which_a_restar
 
 @pytest.mark.e2e
 def test_sigterm_in_batch_mode_gives_back_claimed_unstarted_tasks_at_once(make_daemon: Callable[..., Daemon]) -> None:
-    daemon = make_daemon({"pool": {"min_workers": 1, "max_workers": 1, "claim_batch": 4, "drain_timeout_s": 1.5}})
+    # The running task outlasts the drain, and the drain the wait for the give-back: "at once" is before both.
+    daemon = make_daemon({"pool": {"min_workers": 1, "max_workers": 1, "claim_batch": 4, "drain_timeout_s": 5.0}})
     daemon.start()
-    ids = daemon.post("/v1/tasks/batch", {"tasks": [{"type": "sleep", "payload": {"seconds": 3}}] * 4}).body["ids"]
+    ids = daemon.post("/v1/tasks/batch", {"tasks": [{"type": "sleep", "payload": {"seconds": 10}}] * 4}).body["ids"]
 
     def states() -> list[str]:
         return sorted(state for ((state, _, _),) in ([row(daemon, i)] for i in ids))
@@ -107,14 +109,14 @@ def test_sigterm_in_batch_mode_gives_back_claimed_unstarted_tasks_at_once(make_d
     assert daemon.proc is not None
     daemon.proc.send_signal(signal.SIGTERM)
     daemon.wait_for("the three unstarted tasks back in the queue",
-                    lambda: states() == ["pending", "pending", "pending", "running"], timeout_s=1.0)
+                    lambda: states() == ["pending", "pending", "pending", "running"], timeout_s=4.0)
     assert daemon.proc.poll() is None, "given back while the running task still drains, not after"
     given_back = [i for i in ids if row(daemon, i)[0] == "pending"]
     for task_id in given_back:
         assert row(daemon, task_id) == ("pending", 0, 1)
         assert [a[1:3] for a in attempts(daemon, task_id)] == [(1, "interrupted")]
 
-    assert daemon.proc.wait(10) == 0, daemon.log()
+    assert daemon.proc.wait(20) == 0, daemon.log()
     assert states() == ["pending"] * 4
     assert all(row(daemon, i)[1] == 0 for i in ids)
 
@@ -151,8 +153,8 @@ def test_a_second_sigint_cuts_the_drain_short_and_leaves_the_store_consistent(
     assert daemon.proc.poll() is None, "the first SIGINT drains: 30 s for running tasks"
     sent = time.monotonic()
     daemon.proc.send_signal(signal.SIGINT)
-    assert daemon.proc.wait(10) == 0, daemon.log()
-    assert time.monotonic() - sent < 3.0
+    assert daemon.proc.wait(15) == 0, daemon.log()
+    assert time.monotonic() - sent < 10.0  # not the drain's 30 s
 
     for task_id in ids:
         assert row(daemon, task_id) == ("pending", 0, 1)
@@ -167,7 +169,7 @@ def test_a_second_sigint_cuts_the_drain_short_and_leaves_the_store_consistent(
 def test_a_task_that_does_not_stop_in_time_at_shutdown_is_interrupted_not_charged_as_a_crash(
         make_daemon: Callable[..., Daemon], notify: NotifySocket) -> None:
     """A command that ignores SIGTERM outlasts the second SIGINT's 1 s: its attempt must still be recorded
-    interrupted (no attempt used, SPEC rule 6), not left to expire into a crash that fails the task."""
+    interrupted (no attempt used), not left to expire into a crash that fails the task."""
     marker = f"7.{random.randrange(1000, 9999)}"
     daemon = make_daemon({
         "pool": {"min_workers": 1, "drain_timeout_s": 30.0},
@@ -251,21 +253,21 @@ def test_sighup_resizes_the_pool_live_and_running_tasks_carry_on(
         make_daemon: Callable[..., Daemon], notify: NotifySocket) -> None:
     daemon = make_daemon({"pool": {"min_workers": 2, "max_workers": 4}}, env=notify.env())
     daemon.start()
-    task = daemon.submit("sleep", {"seconds": 2.5})
+    task = daemon.submit("sleep", {"seconds": 8.0})  # still running when the pool has shrunk
     daemon.wait_for("the task to run", lambda: running(daemon, task["id"]))
 
     rewrite(daemon, {"pool": {"min_workers": 6, "max_workers": 8}})
     reload(daemon, notify)
-    grown = daemon.wait_for("6..8 workers", lambda: (p := pool(daemon))["workers"] >= 6 and p, timeout_s=1.0)
+    grown = daemon.wait_for("6..8 workers", lambda: (p := pool(daemon))["workers"] >= 6 and p, timeout_s=4.0)
     assert (grown["min_workers"], grown["max_workers"]) == (6, 8)
 
     rewrite(daemon, {"pool": {"min_workers": 1, "max_workers": 2, "idle_timeout_s": 0.2}})
     reload(daemon, notify)
-    shrunk = daemon.wait_for("at most 2 workers", lambda: (p := pool(daemon))["workers"] <= 2 and p, timeout_s=1.0)
+    shrunk = daemon.wait_for("at most 2 workers", lambda: (p := pool(daemon))["workers"] <= 2 and p, timeout_s=4.0)
     assert (shrunk["min_workers"], shrunk["max_workers"], shrunk["idle_timeout_s"]) == (1, 2, 0.2)
     assert shrunk["busy"] == 1, "the running task kept its worker"
 
-    ended = daemon.wait_terminal(task["id"], timeout_s=10)
+    ended = daemon.wait_terminal(task["id"], timeout_s=20)
     assert ended["state"] == "completed"
     assert [(a["number"], a["status"]) for a in ended["attempts"]] == [(1, "succeeded")]
     log = daemon.log(200)
@@ -299,7 +301,7 @@ def test_sighup_with_an_invalid_file_keeps_the_running_config(
     for n, (text, reason) in enumerate(bad, 1):
         rewrite(daemon, text=text)
         reload(daemon, notify)
-        lines: list[str] = daemon.wait_for(f"rejection {n}", partial(rejections, daemon, n), timeout_s=2.0)
+        lines: list[str] = daemon.wait_for(f"rejection {n}", partial(rejections, daemon, n), timeout_s=4.0)
         assert reason in lines[-1], lines[-1]
         after = pool(daemon)
         assert {k: after[k] for k in ("min_workers", "max_workers", "workers")} == \
@@ -310,12 +312,12 @@ def test_sighup_with_an_invalid_file_keeps_the_running_config(
     rewrite(daemon, {"pool": {"max_workers": 5}, "api": {"listen": "127.0.0.1:1"},
                      "types.quick": {"plugins": ["noop"]}})
     reload(daemon, notify)
-    applied = daemon.wait_for("max_workers 5", lambda: (p := pool(daemon))["max_workers"] == 5 and p, timeout_s=1.0)
+    applied = daemon.wait_for("max_workers 5", lambda: (p := pool(daemon))["max_workers"] == 5 and p, timeout_s=4.0)
     assert applied["pending_restart"] == ["api.listen"]
     assert daemon.url == old_url and daemon.get("/healthz").status == 200  # still where it was bound
     assert "api.listen changed but need a restart" in daemon.log(50)
     reload(daemon, notify)  # the same file again: api.listen is still not what the node runs with
-    assert daemon.wait_for("2nd reload", lambda: "nothing changed" in daemon.log(20), timeout_s=2.0)
+    assert daemon.wait_for("2nd reload", lambda: "nothing changed" in daemon.log(20), timeout_s=4.0)
     assert pool(daemon)["pending_restart"] == ["api.listen"]
     task = daemon.submit("quick")  # a type the reload added: accepted and run
     assert daemon.wait_terminal(task["id"])["state"] == "completed"

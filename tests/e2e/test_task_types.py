@@ -1,4 +1,4 @@
-"""A node claims only the task types it defines (SPEC rule 2): on a shared store, a type another
+"""A node claims only the task types it defines: on a shared store, a type another
 node defines stays queued for that node, however wide this one's pool.task_types globs are."""
 
 from __future__ import annotations

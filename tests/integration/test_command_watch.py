@@ -32,7 +32,7 @@ from tidepool.leases import LeaseKeeper
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import State
 from tidepool.plugins import Registry, command
-from tidepool.plugins.command import CommandLimits, run_command, scrubbed_env
+from tidepool.plugins.command import CommandLimits, run_command, scrubbed_env, spawn
 from tidepool.settings import PluginSpec
 from tidepool.store.sqlite import SqliteStore
 
@@ -69,7 +69,7 @@ DAEMON = """
 import sys
 from pathlib import Path
 import anyio
-from tidepool.plugins.command import CommandLimits, run_command, scrubbed_env
+from tidepool.plugins.command import CommandLimits, run_command, scrubbed_env, spawn
 async def main() -> None:
     workdir = Path(sys.argv[1])
     workdir.mkdir(parents=True)
@@ -226,7 +226,7 @@ async def test_a_program_that_could_not_start_for_want_of_file_descriptors_may_b
 ], ids=errno.errorcode.get)
 def test_only_the_spawn_failures_a_retry_may_get_past_are_retryable(cause: int, retryable: bool) -> None:
     """What the host cannot make for us now (processes, memory, descriptors) it may later; the rest it never will."""
-    error = command._spawn_failed("nmap", OSError(cause, os.strerror(cause)))
+    error = spawn._spawn_failed("nmap", OSError(cause, os.strerror(cause)))
     assert (error.code, error.retryable) == ("spawn_failed", retryable)
 
 

@@ -149,7 +149,7 @@ async def test_a_timed_out_tree_is_gone_within_the_grace_even_setsid_and_sigterm
 @pytest.mark.parametrize("timeout_in", ["type", "plugin"])
 async def test_a_timed_out_command_keeps_its_exit_status_and_stderr_tail_on_the_attempt(
         sqlite_store: SqliteStore, tmp_path: Path, timeout_in: str) -> None:
-    """What a hung scanner said before it was killed is what its operator needs most (SPEC §9)."""
+    """What a hung scanner said before it was killed is what its operator needs most."""
     script = (PY, "-c", "import sys, time; print('scanning 10.0.0.0/8', file=sys.stderr, flush=True); time.sleep(60)")
     spec = PluginSpec(command=script, timeout_s=0.5) if timeout_in == "plugin" else PluginSpec(command=script)
     kind = TypeSettings(plugins=("hung",), timeout_s=0.5) if timeout_in == "type" else TypeSettings(plugins=("hung",))
@@ -342,7 +342,7 @@ async def test_a_plugin_denied_while_the_task_runs_fails_it_with_plugin_denied(s
                             work_root=tmp_path) as node:
         task_id = await node.submit("audit", max_attempts=3)
         await node.until(lambda: "plugin.started" in node.names(task_id))
-        node.engine.registry.deny = ("rep*",)  # the operator's new policy reaches a running attempt
+        node.engine.registry.set_policy(deny=("rep*",))  # the operator's new policy reaches a running attempt
         gate.set()
         task = await node.finished(task_id)
     assert task.state is State.FAILED

@@ -11,7 +11,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +22,15 @@ import uvloop
 from tests.process_trees import RECORD, gone, pids
 
 from tidepool.errors import InvalidArgument, LimitExceeded, PluginError
-from tidepool.plugins import command
 from tidepool.plugins.command import (
     CommandLimits,
     CommandResult,
     ran_out_of_files,
     render_argv,
     run_command,
+    runner,
     scrubbed_env,
+    spawn,
 )
 
 pytestmark = pytest.mark.timeout(20)
@@ -320,7 +321,7 @@ async def test_a_daemon_the_command_left_holding_stdout_is_killed_and_the_run_en
     await _assert_gone_by(pids, anyio.current_time() + 1)
     assert result.result_payload() == {"done": True}
     # The pipe stays open while the daemon lives: were it not found, the run would end only at the cleanup slack.
-    assert took < GRACE_S + command._CLEANUP_SLACK_S
+    assert took < GRACE_S + runner.CLEANUP_SLACK_S
 
 
 # --- killing the tree ------------------------------------------------------------------------
@@ -467,25 +468,70 @@ async def test_running_out_of_files_under_nofile_is_told_from_other_failures(tmp
     assert other.exit_status != 0 and not ran_out_of_files(other)  # ENFILE: the host's table, not our limit
 
 
-async def test_rlimits_are_in_force_before_the_command_runs_its_first_instruction(tmp_path: Path) -> None:
+SHOW_LIMITS = "(ulimit -Sn; ulimit -Hn; ulimit -St; ulimit -Ht) | /bin/cat"
+LIMITS_SHOWN = [b"50", b"50", b"6", b"7"]  # cpu: the backstop a second past cpu_s
+
+
+@pytest.fixture
+def without_prlimit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The daemon's PATH has no prlimit program: commands start through the waiting preexec instead."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    spawn._prlimit_program.cache_clear()
+    yield
+    spawn._prlimit_program.cache_clear()  # found again by the tests that follow
+
+
+async def _limits_are_in_force_from_the_first_instruction(tmp_path: Path) -> None:
     # sh forks the pipeline at once: limits set on it after it started would mostly miss the subshell.
-    show = "(ulimit -Sn; ulimit -Hn; ulimit -St; ulimit -Ht) | cat"
     for _ in range(20):  # each run a race that setting them late could still win
-        result = await _run(["/bin/sh", "-c", show], tmp_path, nofile=50, cpu_s=5)
-        assert result.stdout.split() == [b"50", b"50", b"6", b"7"]  # cpu: the backstop a second past cpu_s
+        result = await _run(["/bin/sh", "-c", SHOW_LIMITS], tmp_path, nofile=50, cpu_s=5)
+        assert result.stdout.split() == LIMITS_SHOWN
 
 
-async def test_without_prlimit_the_limits_are_set_after_spawn_and_the_gap_is_logged_once(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path))  # where there is no prlimit program
-    command._prlimit_program.cache_clear()
-    try:
-        code = "import os; files = [open(os.devnull) for _ in range(64)]"
-        results = [await _run([PY, "-c", code], tmp_path, nofile=16) for _ in range(2)]
-    finally:
-        command._prlimit_program.cache_clear()  # found again by the tests that follow
+async def test_rlimits_are_in_force_before_the_command_runs_its_first_instruction(tmp_path: Path) -> None:
+    await _limits_are_in_force_from_the_first_instruction(tmp_path)
+
+
+@pytest.mark.usefixtures("without_prlimit")
+async def test_without_prlimit_the_command_waits_until_its_limits_are_set(tmp_path: Path) -> None:
+    await _limits_are_in_force_from_the_first_instruction(tmp_path)
+
+
+@pytest.mark.usefixtures("without_prlimit")
+async def test_without_prlimit_a_command_runs_out_of_files_at_nofile_and_the_fallback_is_logged_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    code = "import os; files = [open(os.devnull) for _ in range(64)]"
+    results = [await _run([PY, "-c", code], tmp_path, nofile=16) for _ in range(2)]
     assert all(result.exit_status != 0 and ran_out_of_files(result) for result in results)
     assert len([record for record in caplog.records if "prlimit" in record.getMessage()]) == 1
+
+
+@pytest.mark.usefixtures("without_prlimit")
+async def test_without_prlimit_the_command_gets_its_environment_and_stdin_unchanged(tmp_path: Path) -> None:
+    """The preexec is a Python program, and Python's start adds LC_CTYPE to its own environment under the C
+    locale: the command must see the environment it was given all the same, and /dev/null on stdin."""
+    env = {"PATH": "/usr/bin:/bin", "PLUGIN_ENV": "1"}
+    result = await run_command(["/usr/bin/env"], env=env, workdir=tmp_path, limits=CommandLimits(nofile=64),
+                               kill_grace_s=GRACE_S)
+    shown = dict(line.split("=", 1) for line in result.stdout.decode().splitlines())
+    assert shown.pop("TIDEPOOL_RUN") and shown == env
+    stdin = await _run(["/usr/bin/readlink", "/proc/self/fd/0"], tmp_path, nofile=64)
+    assert stdin.stdout == b"/dev/null\n"
+
+
+@pytest.mark.usefixtures("without_prlimit")
+def test_without_prlimit_under_uvloop(tmp_path: Path) -> None:
+    """uvloop's pipe to the waiting child is another class than asyncio's: the limits and environment get there."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(_limits_are_in_force_from_the_first_instruction(tmp_path))
+        runner.run(test_without_prlimit_the_command_gets_its_environment_and_stdin_unchanged(tmp_path))
+
+
+@pytest.mark.usefixtures("without_prlimit")
+async def test_without_prlimit_a_missing_program_is_still_a_spawn_failure(tmp_path: Path) -> None:
+    with pytest.raises(PluginError) as caught:
+        await _run([str(tmp_path / "no-such-program")], tmp_path, nofile=16)
+    assert caught.value.code == "spawn_failed"
 
 
 # --- uvloop ----------------------------------------------------------------------------------

@@ -20,8 +20,7 @@ import pytest
 from aiohttp import web
 
 from tidepool.errors import InvalidArgument, PluginError
-from tidepool.plugins import netprobe
-from tidepool.plugins.netprobe import http_probe, tcp_connect, validate_ports, validate_target
+from tidepool.plugins.netprobe import http_probe, tcp, tcp_connect, validate_ports, validate_target
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -272,7 +271,7 @@ async def test_tcp_connect_unresolvable_name_raises_resolve_failed(monkeypatch: 
 
 
 async def test_tcp_connect_bounds_connects_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_probe = netprobe._probe_port
+    real_probe = tcp._probe_port
     in_flight = peak = 0
 
     async def counting_probe(*args: Any) -> str:
@@ -285,7 +284,7 @@ async def test_tcp_connect_bounds_connects_in_flight(monkeypatch: pytest.MonkeyP
         finally:
             in_flight -= 1
 
-    monkeypatch.setattr(netprobe, "_probe_port", counting_probe)
+    monkeypatch.setattr(tcp, "_probe_port", counting_probe)
     ports = [_unused_port() for _ in range(10)]
     result = await tcp_connect(LOOPBACK, ports, concurrency=2)
     assert peak == 2

@@ -50,22 +50,11 @@ class Registry:
         self._allow, self._deny = tuple(allow), tuple(deny)
         self._allowed: dict[str, bool] = {}
 
-    @property
-    def allow(self) -> tuple[str, ...]:
-        return self._allow
-
-    @allow.setter
-    def allow(self, globs: tuple[str, ...]) -> None:
-        self._allow = tuple(globs)
-        self._allowed.clear()
-
-    @property
-    def deny(self) -> tuple[str, ...]:
-        return self._deny
-
-    @deny.setter
-    def deny(self, globs: tuple[str, ...]) -> None:
-        self._deny = tuple(globs)
+    def set_policy(self, *, allow: tuple[str, ...] | None = None, deny: tuple[str, ...] | None = None) -> None:
+        """New plugins.allow / plugins.deny globs (None keeps the current ones), in force from the next plugin
+        an attempt runs."""
+        self._allow = self._allow if allow is None else tuple(allow)
+        self._deny = self._deny if deny is None else tuple(deny)
         self._allowed.clear()
 
     @classmethod
@@ -88,7 +77,7 @@ class Registry:
 
     def allowed(self, plugin: str) -> bool:
         if plugin not in self._allowed:  # a registry lives as long as its config: cache the globs' verdict
-            self._allowed[plugin] = plugin_permitted(plugin, self.allow, self.deny)
+            self._allowed[plugin] = plugin_permitted(plugin, self._allow, self._deny)
         return self._allowed[plugin]
 
     def knows_type(self, type_name: str) -> bool:

@@ -94,7 +94,7 @@ def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float) -> Plugi
         result = await run_command(argv, env=scrubbed_env(spec.env), workdir=workdir, limits=limits,
                                    kill_grace_s=kill_grace_s, on_end=partial(_keep_on_attempt, ctx))
         # A failed run's output is kept to look at, but it is not the plugin's result: a task retried to
-        # success has one final result per plugin (SPEC §9), that of the attempt that succeeded.
+        # success has one final result per plugin, that of the attempt that succeeded.
         await ctx.emit(result.result_payload(), final=result.exit_status == 0)
         if limits.nofile is not None and ran_out_of_files(result):
             raise LimitExceeded("nofile", f"{name} ran out of file descriptors at {limits.nofile}: "
