@@ -26,6 +26,7 @@ from . import __version__, logs
 from . import settings as settings_mod
 from .api import serve_api
 from .api.app import load_token
+from .api.schemas import ScheduleOut
 from .engine import Engine, EngineConfig
 from .errors import ConfigError, Conflict, InvalidRequest, StoreUnavailable, TaskNotFound
 from .events import EventBus, first_id_of_this_run
@@ -396,8 +397,8 @@ class Daemon:
         state = None
         if schedule.last_task_id is not None:
             with contextlib.suppress(TaskNotFound):
-                state = (await self.store.get(schedule.last_task_id)).state.value
-        return schedule.to_json(last_task_state=state)
+                state = (await self.store.get(schedule.last_task_id)).state
+        return ScheduleOut.of(schedule, last_task_state=state).to_json()
 
     async def save_schedule(self, schedule: Schedule) -> Schedule:
         validate(schedule)
