@@ -184,11 +184,11 @@ class TaskOut(Shape):
     payload: dict[str, Any]
     priority: int
     state: State
-    phase: Phase | None
-    progress: dict[str, Any] | None
-    attempt: int
+    phase: Phase | None = Field(description="of its running attempt, written behind while it runs")
+    progress: dict[str, Any] | None = Field(description="the last progress its plugins reported")
+    attempt: int = Field(description="attempts started (interruptions by a shutdown do not use one)")
     max_attempts: int
-    timeout_s: float | None
+    timeout_s: float | None = Field(description="per attempt; null: its type's timeout_s, else execution.timeout_s")
     required_tags: list[str]
     idempotency_key: str | None
     node_id: str | None
@@ -262,10 +262,10 @@ class PoolOut(Shape):
     max_workers: int
     idle_timeout_s: float
     workers: int
-    busy: int
-    baseline: int
-    demand: int
-    claiming: bool
+    busy: int = Field(description="workers running a task")
+    baseline: int = Field(description="workers that never retire (min_workers of them)")
+    demand: int = Field(description="workers started for a busy pool, retired after idle_timeout_s")
+    claiming: bool = Field(description="false while draining or while a host guard is tripped")
     draining: bool
     queue: dict[str, int] = Field(description="tasks by unfinished state, in the whole store")
     guards: GuardsOut
