@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -63,12 +64,7 @@ def _refs(node: Any) -> set[str]:
     return set()
 
 
-@pytest.mark.e2e
-def test_the_document_is_valid_openapi_3_1_and_covers_every_route(
-        daemon: Daemon, unavailable: Callable[[str], NoReturn]) -> None:
-    r = daemon.get("/v1/openapi.json")
-    assert r.status == 200
-    doc = r.body
+def _valid_openapi_3_1(doc: dict[str, Any], unavailable: Callable[[str], NoReturn]) -> None:
     assert doc["openapi"] == "3.1.0" and doc["info"]["title"] == "tidepool"
     try:  # the official OpenAPI 3.1 schema, as schemathesis ships it, checked with its JSON Schema engine
         import jsonschema_rs
@@ -77,6 +73,15 @@ def test_the_document_is_valid_openapi_3_1_and_covers_every_route(
         unavailable(f"schemathesis is not installed (pip install -e '.[dev]'): {exc}")
     errors = [str(e) for e in jsonschema_rs.Draft202012Validator(OPENAPI_31).iter_errors(doc)]
     assert not errors, errors
+
+
+@pytest.mark.e2e
+def test_the_document_is_valid_openapi_3_1_and_covers_every_route(
+        daemon: Daemon, unavailable: Callable[[str], NoReturn]) -> None:
+    r = daemon.get("/v1/openapi.json")
+    assert r.status == 200
+    doc = r.body
+    _valid_openapi_3_1(doc, unavailable)
 
     documented = {(method, path) for path, ops in doc["paths"].items() for method in ops}
     assert not SPEC_ROUTES - documented, f"routes of SPEC §5 missing from the document: {SPEC_ROUTES - documented}"
@@ -101,8 +106,9 @@ def test_the_document_is_valid_openapi_3_1_and_covers_every_route(
 
 @pytest.mark.e2e
 def test_with_a_token_the_document_declares_the_bearer_scheme_on_every_route_but_the_probes(
-        token_daemon: Daemon) -> None:
+        token_daemon: Daemon, unavailable: Callable[[str], NoReturn]) -> None:
     doc = call(token_daemon, "GET", "/v1/openapi.json", headers=bearer(TOKEN)).body
+    _valid_openapi_3_1(doc, unavailable)
     assert doc["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
     assert doc["security"] == [{"bearer": []}]
     assert doc["paths"]["/healthz"]["get"]["security"] == [] and doc["paths"]["/readyz"]["get"]["security"] == []
@@ -146,8 +152,6 @@ def test_an_integral_number_is_an_integer_as_the_document_says(daemon: Daemon, r
 
 @pytest.mark.e2e
 def test_a_cursor_is_what_the_document_says(daemon: Daemon) -> None:
-    import re
-
     doc = daemon.get("/v1/openapi.json").body
     cursor = next(p for p in doc["paths"]["/v1/tasks"]["get"]["parameters"] if p["name"] == "cursor")
     daemon.submit("noop")
@@ -175,20 +179,12 @@ def _schemathesis(target: Daemon, tmp_path: Path, unavailable: Callable[[str], N
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("with_token", [False, True], ids=["loopback-without-token", "with-token"])
+@pytest.mark.parametrize("node", ["daemon", "token_daemon"], ids=["loopback-without-token", "with-token"])
 def test_schemathesis_with_every_check_finds_nothing(
-        with_token: bool, make_daemon: Callable[..., Daemon], tmp_path: Path,
-        unavailable: Callable[[str], NoReturn]) -> None:
-    config: dict[str, dict[str, Any]] = {"log": {"level": "warning"}, "pool": {"max_workers": 8}}
-    if with_token:
-        token_file = tmp_path / "api.token"
-        token_file.write_text(TOKEN)
-        config["api"] = {"token_file": str(token_file)}
-    target = make_daemon(config)
-    target.start()
-    headers = bearer(TOKEN) if with_token else {}
-    result = _schemathesis(target, tmp_path, unavailable,
-                           *(("--header", f"Authorization: Bearer {TOKEN}") if with_token else ()))
+        node: str, request: pytest.FixtureRequest, tmp_path: Path, unavailable: Callable[[str], NoReturn]) -> None:
+    target: Daemon = request.getfixturevalue(node)
+    headers = bearer(TOKEN) if node == "token_daemon" else {}
+    result = _schemathesis(target, tmp_path, unavailable, *(f"--header={k}: {v}" for k, v in headers.items()))
     summary = "\n".join(line[:300] for line in result.stdout.splitlines()[-80:])
     assert result.returncode == 0, f"schemathesis found problems:\n{summary}\n{result.stderr[-2000:]}"
 
