@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import fields
 from datetime import UTC, datetime
-from typing import Annotated, Any, Self
+from typing import TYPE_CHECKING, Annotated, Any, Self
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic.config import JsonDict
@@ -22,6 +22,9 @@ from ..resources import ResourceStats
 from ..schedules import MAX_NAME_LEN, NAME_PATTERN, CatchUp, Overlap, Schedule
 from ..settings import MAX_WORKERS, Tag
 from ..store import Node
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 MAX_LIST_LIMIT = 1000
 CURSOR_PATTERN = r"^([0-9a-f]{32})?$"  # a next_cursor is a task id (model.new_id); empty is the first page
@@ -134,12 +137,14 @@ class Shape(BaseModel):
         return self.model_dump(mode="json")
 
 
-def _attributes(data: object) -> dict[str, Any]:
+def _attributes(data: DataclassInstance) -> dict[str, Any]:
     """A dataclass's fields by name, for a shape that adds what the object does not hold itself."""
-    return {f.name: getattr(data, f.name) for f in fields(data)}  # type: ignore[arg-type]
+    return {f.name: getattr(data, f.name) for f in fields(data)}
 
 
 class ErrorBody(Shape):
+    """Why a request was refused: `code` for programs, `message` (naming the field) for people."""
+
     code: str
     message: str
 
@@ -149,6 +154,8 @@ class ErrorOut(Shape):
 
 
 class TaskErrorOut(Shape):
+    """How a task or one of its attempts failed."""
+
     code: str
     message: str
 
@@ -334,7 +341,7 @@ class NodesOut(Shape):
 
 class HealthOut(Shape):
     status: str = Field(description="ok (healthz); ready, or unavailable with a reason (readyz)")
-    reason: str | None = None
+    reason: str | None = Field(None, description="why the node is not ready")
 
 
 class EventOut(Shape):
