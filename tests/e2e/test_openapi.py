@@ -172,7 +172,7 @@ def _schemathesis(target: Daemon, tmp_path: Path, unavailable: Callable[[str], N
     env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
     return subprocess.run(
         [str(cli), "--no-color", "--config-file", str(config), "run", f"{target.url}/v1/openapi.json", *extra,
-         "--checks", "all", "--max-examples", str(SCHEMATHESIS_EXAMPLES), "--request-timeout", "5", "--no-shrink",
+         "--checks", "all", "--max-examples", str(SCHEMATHESIS_EXAMPLES), "--request-timeout", "10", "--no-shrink",
          "--seed", "20"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SCHEMATHESIS_DEADLINE_S,
         stdin=subprocess.DEVNULL)
