@@ -22,7 +22,11 @@ from __future__ import annotations
 
 
 class TidepoolError(Exception):
-    """Base of every error tidepool raises on purpose."""
+    """Base of every error tidepool raises on purpose. One the API answers on purpose carries its HTTP status
+    and the `code` of its JSON body; None: a request that meets it is a server error."""
+
+    http_status: int | None = None
+    code = "internal_error"
 
 
 class ConfigError(TidepoolError):
@@ -37,6 +41,8 @@ class InvalidTransition(TidepoolError):
 
 
 class InvalidRequest(TidepoolError):
+    http_status, code = 400, "invalid_request"
+
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
@@ -47,7 +53,7 @@ class StoreError(TidepoolError):
 
 
 class StoreUnavailable(StoreError):
-    pass
+    http_status, code = 503, "store_unavailable"
 
 
 class SchemaMismatch(StoreError):
@@ -55,23 +61,27 @@ class SchemaMismatch(StoreError):
 
 
 class TaskNotFound(StoreError):
+    http_status, code = 404, "not_found"
+
     def __init__(self, task_id: str) -> None:
         super().__init__(f"task {task_id} not found")
         self.task_id = task_id
 
 
 class ScheduleNotFound(StoreError):
+    http_status, code = 404, "not_found"
+
     def __init__(self, name: str) -> None:
         super().__init__(f"schedule {name!r} not found")
         self.name = name
 
 
 class Conflict(StoreError):
-    pass
+    http_status, code = 409, "conflict"
 
 
 class QueueFull(StoreError):
-    pass
+    http_status, code = 429, "queue_full"
 
 
 class LeaseLost(StoreError):

@@ -36,11 +36,6 @@ class GuardStats:
     free_memory_mb: int | None        # None until measured, or when the probe failed
     free_disk_mb: int | None
 
-    def to_json(self) -> dict[str, object]:
-        return {"tripped": list(self.tripped), "min_free_memory_mb": self.min_free_memory_mb,
-                "min_free_disk_mb": self.min_free_disk_mb, "free_memory_mb": self.free_memory_mb,
-                "free_disk_mb": self.free_disk_mb}
-
 
 def free_memory_bytes() -> int:
     return int(psutil.virtual_memory().available)

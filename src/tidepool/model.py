@@ -64,6 +64,8 @@ class TaskError:
     retryable: bool = True
 
     def to_json(self) -> dict[str, Any]:
+        """As the store keeps it and events carry it (the API's TaskErrorOut reads the same two fields):
+        `retryable` decided what happened next and is not shown."""
         return {"code": self.code, "message": self.message}
 
 

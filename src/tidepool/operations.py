@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 
+from .api.schemas import NodeOut, PoolOut, ScheduleOut
 from .errors import Conflict, InvalidRequest, StoreUnavailable, TaskNotFound
 from .events import EventBus
 from .guards import Guards
@@ -205,19 +206,15 @@ class NodeOperations:
     async def pool_view(self) -> dict[str, Any]:
         stats = self._parts.pool.statistics()
         counts = await self._store.counts()
-        return {
-            "node_id": self._node_id, "min_workers": stats.min_workers, "max_workers": stats.max_workers,
-            "idle_timeout_s": stats.idle_timeout_s, "workers": stats.workers, "busy": stats.busy,
-            "baseline": stats.baseline, "demand": stats.demand, "claiming": stats.claiming,
-            "draining": self._status.draining, "queue": {s: counts.get(State(s), 0) for s in QUEUE_STATES},
-            "guards": self._parts.guards.statistics().to_json(),
-            "resources": self._parts.resources.statistics().to_json(),
-            "pending_restart": self._status.pending_restart,
-        }
+        return PoolOut.of(stats, node_id=self._node_id, draining=self._status.draining,
+                          queue={s: counts.get(State(s), 0) for s in QUEUE_STATES},
+                          guards=self._parts.guards.statistics(),
+                          resources=self._parts.resources.statistics().resources,
+                          pending_restart=self._status.pending_restart).to_json()
 
     async def nodes_view(self) -> list[dict[str, Any]]:
         now = time.time()
-        return [node.to_json(now=now) for node in await self._store.list_nodes()]
+        return [NodeOut.of(node, now=now).to_json() for node in await self._store.list_nodes()]
 
     # schedules
 
@@ -229,8 +226,8 @@ class NodeOperations:
         state = None
         if schedule.last_task_id is not None:
             with contextlib.suppress(TaskNotFound):
-                state = (await self._store.get(schedule.last_task_id)).state.value
-        return schedule.to_json(last_task_state=state)
+                state = (await self._store.get(schedule.last_task_id)).state
+        return ScheduleOut.of(schedule, last_task_state=state).to_json()
 
     async def save_schedule(self, schedule: Schedule) -> Schedule:
         validate(schedule)

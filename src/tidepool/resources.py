@@ -65,10 +65,6 @@ class SlotPoolStats:
     resources: Mapping[str, ResourceStats]
     waiting: int  # tasks in their prepare phase waiting for a slot
 
-    def to_json(self) -> dict[str, dict[str, Any]]:
-        return {name: {"in_use": r.in_use, "count": r.count, "tags": list(r.tags)}
-                for name, r in self.resources.items()}
-
 
 @dataclass(eq=False)
 class _Waiter:

@@ -22,7 +22,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from croniter import croniter  # type: ignore[import-untyped]
 
 from .errors import InvalidRequest, QueueFull
-from .model import NewTask, rfc3339
+from .model import NewTask
 
 MIN_EVERY_S = 1.0         # shorter periods are not what a schedule is for (and overflow the tick arithmetic)
 MAX_CATCH_UP = 10          # catch_up = "all" fires at most this many missed ticks at once
@@ -56,14 +56,6 @@ class Schedule:
     def same_timing(self, other: Schedule) -> bool:
         return (self.cron, self.every_s, self.timezone, self.jitter_s) == \
             (other.cron, other.every_s, other.timezone, other.jitter_s)
-
-    def to_json(self, *, last_task_state: str | None = None) -> dict[str, Any]:
-        return {"name": self.name, "type": self.type, "payload": self.payload, "cron": self.cron,
-                "every_s": self.every_s, "timezone": self.timezone, "jitter_s": self.jitter_s,
-                "catch_up": self.catch_up, "overlap": self.overlap, "priority": self.priority,
-                "config_node": self.config_node, "paused": self.paused, "next_run_at": rfc3339(self.next_run_at),
-                "last_run_at": rfc3339(self.last_run_at), "last_task_id": self.last_task_id,
-                "last_task_state": last_task_state}
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,7 +53,7 @@ async def test_a_schedule_taken_out_of_the_config_is_removed_but_not_one_the_api
     path.write_text('[node]\nid = "a"\n[store]\nurl = "memory://"\n')  # the [[schedules]] block deleted
     await daemon.reload()
     assert sorted(s.name for s in await daemon.store.list_schedules()) == ["by-api", "by-b"]
-    listed = {s.name: s.to_json()["config_node"] for s in await daemon.store.list_schedules()}
+    listed = {s.name: s.config_node for s in await daemon.store.list_schedules()}
     assert listed == {"by-api": None, "by-b": "b"}
 
 

@@ -14,6 +14,7 @@ import asyncpg
 import pytest
 from anyio.abc import TaskStatus
 
+from tidepool.api.schemas import NodeOut
 from tidepool.errors import ConfigError
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, ClaimFilter, NewTask, Outcome, State, TaskError, Worker
@@ -57,7 +58,7 @@ async def test_alive_means_heard_from_within_three_heartbeats_and_not_stopped(st
     (n,) = await store.list_nodes()
     assert n.alive(T0 + 5.9) and not n.alive(T0 + 6.1)
     assert not dataclasses.replace(n, stopped_at=T0).alive(T0 + 1)
-    shown = n.to_json(now=T0 + 1)
+    shown = NodeOut.of(n, now=T0 + 1).to_json()
     assert shown["alive"] is True and shown["tags"] == [["win10"], ["linux", "nic"]]
     assert shown["heartbeat_at"].endswith("Z") and shown["stopped_at"] is None
 

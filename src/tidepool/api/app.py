@@ -15,14 +15,7 @@ from anyio.abc import TaskStatus
 from pydantic import BaseModel, ValidationError
 
 from ..client import API_HEADER
-from ..errors import (
-    Conflict,
-    InvalidRequest,
-    QueueFull,
-    ScheduleNotFound,
-    StoreUnavailable,
-    TaskNotFound,
-)
+from ..errors import InvalidRequest, TaskNotFound, TidepoolError
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..model import State
 from ..settings import api_address
@@ -67,16 +60,10 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         if "Allow" in exc.headers:  # a 405 must say which methods the route has (RFC 9110)
             response.headers["Allow"] = exc.headers["Allow"]
         return response
-    except InvalidRequest as exc:
-        return error(400, "invalid_request", str(exc))
-    except (TaskNotFound, ScheduleNotFound) as exc:
-        return error(404, "not_found", str(exc))
-    except Conflict as exc:
-        return error(409, "conflict", str(exc))
-    except QueueFull as exc:
-        return error(429, "queue_full", str(exc))
-    except StoreUnavailable as exc:
-        return error(503, "store_unavailable", str(exc))
+    except TidepoolError as exc:
+        if exc.http_status is None:  # not an answer: a server error
+            raise
+        return error(exc.http_status, exc.code, str(exc))
 
 
 @web.middleware
@@ -310,7 +297,10 @@ async def events(request: web.Request) -> web.StreamResponse:
 
 
 async def openapi_json(request: web.Request) -> web.Response:
-    return web.json_response(openapi.document(task_types=sorted(request.app[DAEMON].registry.types)))
+    routes = {(route.method.lower(), route.resource.canonical) for route in request.app.router.routes()
+              if route.resource is not None}
+    return web.json_response(openapi.document(routes, task_types=sorted(request.app[DAEMON].registry.types),
+                                              bearer=request.app[TOKEN] is not None))
 
 
 async def dashboard(request: web.Request) -> web.FileResponse:

@@ -1,15 +1,20 @@
-"""The OpenAPI 3.1 document of the API, generated from the pydantic models that validate it."""
+"""The OpenAPI 3.1 document of the API: the node's routes, each described by the pydantic models that validate
+its requests and shape its answers, and a bearer scheme only on a node that has a token."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from .. import __version__
+from ..model import State
 from .schemas import (
+    CURSOR_PATTERN,
+    MAX_LIST_LIMIT,
     ErrorOut,
     EventOut,
     HealthOut,
@@ -25,119 +30,163 @@ from .schemas import (
     StateOut,
     SubmitBatch,
     SubmitTask,
-    TaskOut,
+    TaskDetailOut,
 )
 
-MODELS: list[type[BaseModel]] = [SubmitTask, SubmitBatch, PoolPatch, TaskOut, PageOut, IdsOut, StateOut,
-                                 RetryOut, PoolOut, ErrorOut, HealthOut, EventOut, ScheduleIn, ScheduleOut,
-                                 SchedulesOut, NodesOut]
 ERRORS = {"400": "invalid input, naming the field", "401": "missing or wrong bearer token",
           "403": "a change asked from another origin, or (without a token) a Host that is not a loopback name",
-          "404": "no such task", "409": "conflicts with the task's state, an earlier submit or the node's (draining)",
+          "404": "no such task or schedule", "408": "the body did not arrive in time",
+          "409": "conflicts with the task's state, an earlier submit or the node's (draining)",
           "413": "body over api.max_body_kb", "415": "body is not application/json",
-          "429": "queue over pool.max_queued", "503": "store unavailable"}
+          "429": "queue over pool.max_queued", "503": "store unavailable, or too many event streams"}
+BODY_ERRORS = ("400", "408", "413", "415")
+# Routes the document leaves out: the dashboard, its files, the metrics text and the document itself.
+UNDOCUMENTED = frozenset({"/", "/static", "/metrics", "/v1/openapi.json"})
 
 
-def _ref(model: type[BaseModel]) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{model.__name__}"}
-
-
-def _json(model: type[BaseModel]) -> dict[str, Any]:
-    return {"content": {"application/json": {"schema": _ref(model)}}}
-
-
-def _op(summary: str, ok: dict[str, type[BaseModel]], *, body: type[BaseModel] | None = None,
-        errors: tuple[str, ...] = (), params: list[dict[str, Any]] | None = None,
-        auth: bool = True) -> dict[str, Any]:
-    responses: dict[str, Any] = {code: {"description": summary, **_json(model)} for code, model in ok.items()}
-    for code in (*errors, "403", *(("401",) if auth else ())):
-        responses[code] = {"description": ERRORS[code], **_json(ErrorOut)}
-    op: dict[str, Any] = {"summary": summary, "responses": responses}
-    if body is not None:
-        op["requestBody"] = {"required": True, **_json(body)}
-    if params:
-        op["parameters"] = params
-    if not auth:
-        op["security"] = []
-    return op
-
-
-def _param(name: str, where: str, schema: dict[str, Any], *, required: bool = False) -> dict[str, Any]:
-    return {"name": name, "in": where, "required": required, "schema": schema}
+def _param(name: str, where: str, schema: dict[str, Any], *, required: bool = False,
+           **more: Any) -> dict[str, Any]:
+    return {"name": name, "in": where, "required": required, "schema": schema, **more}
 
 
 TASK_ID = _param("id", "path", {"type": "string"}, required=True)
-EVENT_TYPES = {**_param("type", "query", {"type": "array", "items": {"type": "string"}}), "style": "form",
-               "explode": True, "description": "event names or globs, repeated or comma-separated"}
 NAME = _param("name", "path", {"type": "string"}, required=True)
+EVENT_ID = {"type": "string", "pattern": "^[0-9]{0,20}$"}
+LISTING = (_param("state", "query", {"type": "string", "enum": [s.value for s in State]}),
+           _param("type", "query", {"type": "string", "minLength": 1}),
+           _param("limit", "query", {"type": "integer", "minimum": 1, "maximum": MAX_LIST_LIMIT}),
+           _param("cursor", "query", {"type": "string", "pattern": CURSOR_PATTERN},
+                  description="the next_cursor of the page before"))
+EVENTS = (_param("task_id", "query", {"type": "string"}),
+          _param("type", "query", {"type": "array", "items": {"type": "string"}}, style="form", explode=True,
+                 description="event names or globs, repeated or comma-separated"),
+          _param("last_event_id", "query", EVENT_ID, description="as Last-Event-ID, for clients that cannot set it"),
+          _param("Last-Event-ID", "header", EVENT_ID))
 
 
-def document(*, task_types: Sequence[str] = ()) -> dict[str, Any]:
-    """The document; `task_types` (the node's known types, from its config) become the enum of a task's type."""
-    _, defs = models_json_schema([(m, "validation") for m in MODELS], ref_template="#/components/schemas/{model}")
+@dataclass(frozen=True)
+class Operation:
+    id: str                     # its operationId
+    summary: str
+    ok: Mapping[str, type[BaseModel] | None]  # status -> the answer's model (None: no body)
+    errors: tuple[str, ...] = ()
+    body: type[BaseModel] | None = None
+    params: Sequence[dict[str, Any]] = ()
+    open: bool = False          # answered without the token
+    route: str | None = None    # the router's path, when one route serves several documented paths
+    media: str = "application/json"
+    # a field of the answer -> the operations that take it as their parameter of that name
+    links: Mapping[str, Sequence[str]] = field(default_factory=dict)
+
+
+def _schedule_action(name: str, summary: str) -> Operation:
+    return Operation(name, summary, {"200": ScheduleOut}, ("404", "503"), params=[NAME],
+                     route="/v1/schedules/{name}/{action}")
+
+
+SUBMIT_ERRORS = (*BODY_ERRORS, "409", "429", "503")
+OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("post", "/v1/tasks"): Operation(
+        "submitTask", "submit a task (200: its idempotency_key found it submitted already)",
+        {"201": TaskDetailOut, "200": TaskDetailOut}, SUBMIT_ERRORS, body=SubmitTask,
+        links={"id": ("getTask", "cancelTask", "retryTask")}),
+    ("get", "/v1/tasks"): Operation(
+        "listTasks", "list tasks, newest first", {"200": PageOut}, ("400", "503"), params=LISTING),
+    ("post", "/v1/tasks/batch"): Operation(
+        "submitBatch", "submit tasks in one transaction (200: every one existed already)",
+        {"201": IdsOut, "200": IdsOut}, SUBMIT_ERRORS, body=SubmitBatch),
+    ("get", "/v1/tasks/{id}"): Operation(
+        "getTask", "a task with attempts and results", {"200": TaskDetailOut}, ("404", "503"), params=[TASK_ID]),
+    # no body; one asking for anything is refused (400, 413, 415)
+    ("post", "/v1/tasks/{id}/cancel"): Operation(
+        "cancelTask", "cancel a task", {"202": StateOut}, (*BODY_ERRORS, "404", "409", "503"), params=[TASK_ID]),
+    ("post", "/v1/tasks/{id}/retry"): Operation(
+        "retryTask", "retry a finished task", {"202": RetryOut}, (*BODY_ERRORS, "404", "409", "429", "503"),
+        params=[TASK_ID]),
+    ("get", "/v1/pool"): Operation("getPool", "pool and queue figures", {"200": PoolOut}, ("503",)),
+    ("patch", "/v1/pool"): Operation(
+        "resizePool", "change pool sizes live", {"200": PoolOut}, (*BODY_ERRORS, "409", "503"), body=PoolPatch),
+    ("get", "/v1/nodes"): Operation(
+        "listNodes", "nodes sharing the store, with liveness", {"200": NodesOut}, ("503",)),
+    ("get", "/v1/schedules"): Operation(
+        "listSchedules", "schedules with next/last run", {"200": SchedulesOut}, ("503",)),
+    ("post", "/v1/schedules"): Operation(
+        "saveSchedule", "create or update a schedule", {"201": ScheduleOut}, (*BODY_ERRORS, "503"), body=ScheduleIn,
+        links={"name": ("pauseSchedule", "resumeSchedule", "deleteSchedule")}),
+    ("delete", "/v1/schedules/{name}"): Operation(
+        "deleteSchedule", "delete a schedule", {"204": None}, ("404", "503"), params=[NAME]),
+    ("post", "/v1/schedules/{name}/pause"): _schedule_action("pauseSchedule", "pause a schedule"),
+    ("post", "/v1/schedules/{name}/resume"): _schedule_action("resumeSchedule", "resume a schedule at its next tick"),
+    ("get", "/v1/events"): Operation(
+        "streamEvents", "server-sent events; Last-Event-ID resumes", {"200": EventOut}, ("400", "404", "503"),
+        params=EVENTS, media="text/event-stream"),
+    ("get", "/healthz"): Operation("healthz", "the process answers", {"200": HealthOut}, open=True),
+    ("get", "/readyz"): Operation("readyz", "ready to work", {"200": HealthOut, "503": HealthOut}, open=True),
+}
+# Each model with the mode it is documented in: what a request may hold, or what an answer holds.
+ANSWERS: set[type[BaseModel]] = {ErrorOut, *(m for op in OPERATIONS.values() for m in op.ok.values() if m)}
+MODELS: list[tuple[type[BaseModel], JsonSchemaMode]] = [
+    *((m, "validation") for m in (SubmitTask, SubmitBatch, PoolPatch, ScheduleIn)),
+    *((m, "serialization") for m in sorted(ANSWERS, key=lambda m: m.__name__)),
+]
+
+
+def document(routes: Collection[tuple[str, str]], *, task_types: Sequence[str] = (),
+             bearer: bool = False) -> dict[str, Any]:
+    """The document of `routes` (method and path, as the router holds them); `task_types` (the node's known
+    types) become the enum of a task's type; `bearer`: the node has a token, which every route but the probes
+    needs. A route no operation describes is an error, so that a new route cannot go undocumented."""
+    _undocumented(routes)
+    _, defs = models_json_schema(MODELS, ref_template="#/components/schemas/{model}")
+    schemas = defs["$defs"]
     if task_types:
-        defs["$defs"]["SubmitTask"]["properties"]["type"]["enum"] = list(task_types)
-    listing = [_param("state", "query", {"type": "string", "enum": [
-                   "pending", "leased", "running", "retry_wait", "cancelling", "completed", "failed",
-                   "timed_out", "cancelled"]}),
-               _param("type", "query", {"type": "string"}),
-               _param("limit", "query", {"type": "integer", "minimum": 1, "maximum": 1000}),
-               _param("cursor", "query", {"type": "string"})]
-    paths = {
-        "/v1/tasks": {
-            "post": _op("submit a task", {"201": TaskOut, "200": TaskOut}, body=SubmitTask,
-                        errors=("400", "409", "413", "415", "429", "503")),
-            "get": _op("list tasks, newest first", {"200": PageOut}, errors=("400", "503"), params=listing),
-        },
-        "/v1/tasks/batch": {"post": _op("submit tasks in one transaction (200: every one existed already)",
-                                        {"201": IdsOut, "200": IdsOut}, body=SubmitBatch,
-                                        errors=("400", "409", "413", "415", "429", "503"))},
-        "/v1/tasks/{id}": {"get": _op("a task with attempts and results", {"200": TaskOut},
-                                      errors=("404", "503"), params=[TASK_ID])},
-        # no body; one asking for anything is refused (400, 413, 415)
-        "/v1/tasks/{id}/cancel": {"post": _op("cancel a task", {"202": StateOut},
-                                              errors=("400", "404", "409", "413", "415", "503"), params=[TASK_ID])},
-        "/v1/tasks/{id}/retry": {"post": _op("retry a finished task", {"202": RetryOut},
-                                             errors=("400", "404", "409", "413", "415", "429", "503"),
-                                             params=[TASK_ID])},
-        "/v1/pool": {
-            "get": _op("pool and queue figures", {"200": PoolOut}, errors=("503",)),
-            "patch": _op("change pool sizes live", {"200": PoolOut}, body=PoolPatch,
-                         errors=("400", "409", "413", "415", "503")),
-        },
-        "/v1/nodes": {"get": _op("nodes sharing the store, with liveness", {"200": NodesOut}, errors=("503",))},
-        "/v1/schedules": {
-            "get": _op("schedules with next/last run", {"200": SchedulesOut}, errors=("503",)),
-            "post": _op("create or update a schedule", {"201": ScheduleOut}, body=ScheduleIn,
-                        errors=("400", "413", "415", "503")),
-        },
-        "/v1/schedules/{name}": {"delete": {**_op("delete a schedule", {}, errors=("404", "503"), params=[NAME]),
-                                            "responses": {"204": {"description": "deleted"},
-                                                          "404": {"description": ERRORS["404"], **_json(ErrorOut)},
-                                                          "401": {"description": ERRORS["401"], **_json(ErrorOut)},
-                                                          "403": {"description": ERRORS["403"], **_json(ErrorOut)},
-                                                          "503": {"description": ERRORS["503"], **_json(ErrorOut)}}}},
-        "/v1/schedules/{name}/pause": {"post": _op("pause a schedule", {"200": ScheduleOut}, errors=("404", "503"),
-                                                   params=[NAME])},
-        "/v1/schedules/{name}/resume": {"post": _op("resume a schedule at its next tick", {"200": ScheduleOut},
-                                                    errors=("404", "503"), params=[NAME])},
-        "/v1/events": {"get": {"summary": "server-sent events; Last-Event-ID resumes",
-                               "parameters": [_param("task_id", "query", {"type": "string"}), EVENT_TYPES,
-                                              _param("Last-Event-ID", "header", {"type": "string",
-                                                                                 "pattern": "^[0-9]{0,20}$"})],
-                               "responses": {"200": {"description": "text/event-stream",
-                                                     "content": {"text/event-stream": {"schema": _ref(EventOut)}}},
-                                             **{code: {"description": ERRORS[code], **_json(ErrorOut)}
-                                                for code in ("400", "401", "403", "404", "503")}}}},
-        "/healthz": {"get": _op("the process answers", {"200": HealthOut}, auth=False)},
-        "/readyz": {"get": _op("ready to work", {"200": HealthOut, "503": HealthOut}, auth=False)},
-    }
-    return {
+        for submitted in ("SubmitTask", "ScheduleIn"):
+            schemas[submitted]["properties"]["type"]["enum"] = list(task_types)
+    paths: dict[str, dict[str, Any]] = {}
+    for (method, path), op in OPERATIONS.items():
+        if (method, op.route or path) in routes or ("*", op.route or path) in routes:
+            paths.setdefault(path, {})[method] = _operation(op, bearer=bearer)
+    doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "tidepool", "version": __version__,
-                 "description": "The HTTP API of a tidepool node: tasks, pool, events."},
-        "paths": paths,
-        "components": {"schemas": defs["$defs"],
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-        "security": [{"bearer": []}],
-    }
+                 "description": "The HTTP API of a tidepool node: tasks, pool, schedules, nodes, events."},
+        "paths": paths, "components": {"schemas": schemas}}
+    if bearer:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc
+
+
+def _undocumented(routes: Collection[tuple[str, str]]) -> None:
+    described = {(method, op.route or path) for (method, path), op in OPERATIONS.items()}
+    for method, path in routes:
+        if method in ("head", "options") or path in UNDOCUMENTED:
+            continue
+        if (method, path) not in described and not (method == "*" and any(p == path for _, p in described)):
+            raise ValueError(f"route {method.upper()} {path} has no operation in the OpenAPI document")
+
+
+def _operation(op: Operation, *, bearer: bool) -> dict[str, Any]:
+    responses = {status: _answer(op.summary, model, op.media) for status, model in op.ok.items()}
+    for answer in responses.values():
+        if op.links:
+            answer["links"] = {target: {"operationId": target, "parameters": {name: f"$response.body#/{name}"}}
+                               for name, targets in op.links.items() for target in targets}
+    for status in (*op.errors, "403", *(("401",) if bearer and not op.open else ())):
+        responses[status] = _answer(ERRORS[status], ErrorOut)
+    out: dict[str, Any] = {"operationId": op.id, "summary": op.summary, "responses": responses}
+    if op.body is not None:
+        out["requestBody"] = {"required": True, **_content(op.body)}
+    if op.params:
+        out["parameters"] = list(op.params)
+    if bearer and op.open:
+        out["security"] = []
+    return out
+
+
+def _answer(description: str, model: type[BaseModel] | None, media: str = "application/json") -> dict[str, Any]:
+    return {"description": description, **({} if model is None else _content(model, media))}
+
+
+def _content(model: type[BaseModel], media: str = "application/json") -> dict[str, Any]:
+    return {"content": {media: {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}

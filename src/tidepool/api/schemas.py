@@ -1,22 +1,49 @@
-"""Request and response shapes of the HTTP API, and the task JSON of SPEC §8."""
+"""The HTTP API's bodies: what a request may carry, and the one JSON shape of each resource it answers with.
+
+The response models are built from the domain objects (`TaskOut.of(task)`) and written with `to_json()`;
+the OpenAPI document is generated from these same models, so the two cannot drift.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import fields
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
 
-from ..model import Attempt, AttemptStatus, NewTask, ResultBatch, Task, rfc3339
-from ..schedules import MAX_NAME_LEN, NAME_PATTERN, Schedule
+from ..guards import GuardStats
+from ..model import AttemptStatus, NewTask, Phase, State, Task, rfc3339
+from ..pool import PoolStats
+from ..resources import ResourceStats
+from ..schedules import MAX_NAME_LEN, NAME_PATTERN, CatchUp, Overlap, Schedule
 from ..settings import MAX_WORKERS, Tag
+from ..store import Node
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 MAX_LIST_LIMIT = 1000
+CURSOR_PATTERN = r"^([0-9a-f]{32})?$"  # a next_cursor is a task id (model.new_id); empty is the first page
 # The instants the task JSON can show: model.rfc3339 writes years below 1000 with fewer than four digits, and
 # a float epoch within microseconds of year 10000 rounds up into it.
 EARLIEST = datetime(1000, 1, 1, tzinfo=UTC)
 LATEST = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC)
+
+
+def _integral(value: object) -> object:
+    """A JSON number with nothing after the point is an integer (JSON Schema says so, and so does the document):
+    -1784.0 is taken as -1784; 1.5 and true are still refused."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer as JSON Schema counts one. Strict validation alone would refuse 3.0, which the document allows.
+JsonInt = Annotated[int, BeforeValidator(_integral)]
 
 
 class NoFields(BaseModel):
@@ -32,8 +59,8 @@ class SubmitTask(BaseModel):
     # of a 2,000-task submit).
     type: str = Field(min_length=1, max_length=200)
     payload: dict[str, Any] = Field(default_factory=dict)
-    priority: int = Field(0, ge=-1_000_000, le=1_000_000)
-    max_attempts: int | None = Field(None, ge=1, le=1000)
+    priority: JsonInt = Field(0, ge=-1_000_000, le=1_000_000)
+    max_attempts: JsonInt | None = Field(None, ge=1, le=1000)
     timeout_s: float | None = Field(None, gt=0, le=7 * 86400)
     required_tags: list[Tag] = Field(default_factory=list, max_length=64)
     idempotency_key: str | None = Field(None, min_length=1, max_length=512, pattern=r"^[^\x00]*$")  # no NUL
@@ -67,13 +94,18 @@ class SubmitBatch(BaseModel):
 class PoolPatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    min_workers: int | None = Field(None, ge=1, le=MAX_WORKERS)  # as pool.min_workers
-    max_workers: int | None = Field(None, ge=1, le=MAX_WORKERS)
+    min_workers: JsonInt | None = Field(None, ge=1, le=MAX_WORKERS)  # as pool.min_workers
+    max_workers: JsonInt | None = Field(None, ge=1, le=MAX_WORKERS)
     idle_timeout_s: float | None = Field(None, gt=0)
 
 
+# A schedule runs by exactly one of its two timings; the other is left out or null.
+_ONE_TIMING: JsonDict = {"oneOf": [{"required": ["cron"], "properties": {"cron": {"type": "string"}}},
+                         {"required": ["every_s"], "properties": {"every_s": {"type": "number"}}}]}
+
+
 class ScheduleIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_ONE_TIMING)
 
     name: str = Field(min_length=1, max_length=MAX_NAME_LEN, pattern=NAME_PATTERN)
     type: str = Field(min_length=1, max_length=200)
@@ -82,64 +114,101 @@ class ScheduleIn(BaseModel):
     every_s: float | None = Field(None, ge=1.0, le=366 * 86400)  # sub-second periods overflow the tick arithmetic
     timezone: str = Field("UTC", max_length=100)
     jitter_s: float = Field(0.0, ge=0, le=86400)
-    catch_up: Literal["none", "last", "all"] = "last"
-    overlap: Literal["allow", "skip"] = "allow"
-    priority: int = Field(0, ge=-1_000_000, le=1_000_000)
+    catch_up: CatchUp = "last"
+    overlap: Overlap = "allow"
+    priority: JsonInt = Field(0, ge=-1_000_000, le=1_000_000)
 
     def to_schedule(self) -> Schedule:
         return Schedule(**self.model_dump())
 
 
-class ScheduleOut(BaseModel):
-    name: str
+# Responses: each resource's one JSON shape.
+
+# An instant: epoch seconds in the domain, RFC 3339 in UTC with microseconds on the wire.
+Instant = Annotated[str, BeforeValidator(rfc3339)]
+
+
+class Shape(BaseModel):
+    """A response body, read from a domain object's attributes."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _attributes(data: DataclassInstance) -> dict[str, Any]:
+    """A dataclass's fields by name, for a shape that adds what the object does not hold itself."""
+    return {f.name: getattr(data, f.name) for f in fields(data)}
+
+
+class ErrorBody(Shape):
+    """Why a request was refused: `code` for programs, `message` (naming the field) for people."""
+
+    code: str
+    message: str
+
+
+class ErrorOut(Shape):
+    error: ErrorBody
+
+
+class TaskErrorOut(Shape):
+    """How a task or one of its attempts failed."""
+
+    code: str
+    message: str
+
+
+class AttemptOut(Shape):
+    id: str
+    number: int
+    node_id: str
+    worker_id: str
+    status: AttemptStatus
+    started_at: Instant
+    finished_at: Instant | None
+    error: TaskErrorOut | None
+    exit_status: int | None
+    stderr_tail: str | None
+
+
+class ResultOut(Shape):
+    plugin: str
+    sequence: int
+    idempotency_key: str
+    sha256: str
+    final: bool = Field(description="false, whatever the plugin said, once its attempt ended without succeeding")
+    attempt_id: str
+    payload: Any
+
+
+class TaskOut(Shape):
+    """A task as listings show it: without its results."""
+
+    id: str
     type: str
     payload: dict[str, Any]
-    cron: str | None
-    every_s: float | None
-    timezone: str
-    jitter_s: float
-    catch_up: str
-    overlap: str
     priority: int
-    config_node: str | None = Field(description="the node whose config file defines it (removing it there "
-                                                "removes it); null: defined through the API")
-    paused: bool
-    next_run_at: str | None
-    last_run_at: str | None
-    last_task_id: str | None
-    last_task_state: str | None
+    state: State
+    phase: Phase | None = Field(description="of its running attempt, written behind while it runs")
+    progress: dict[str, Any] | None = Field(description="the last progress its plugins reported")
+    attempt: int = Field(description="attempts started (interruptions by a shutdown do not use one)")
+    max_attempts: int
+    timeout_s: float | None = Field(description="per attempt; null: its type's timeout_s, else execution.timeout_s")
+    required_tags: list[str]
+    idempotency_key: str | None
+    node_id: str | None
+    error: TaskErrorOut | None
+    created_at: Instant
+    updated_at: Instant
+    available_at: Instant
+    finished_at: Instant | None
+    attempts: list[AttemptOut]
 
-
-class SchedulesOut(BaseModel):
-    schedules: list[ScheduleOut]
-
-
-class NodeOut(BaseModel):
-    """A node of the fleet as the registry holds it; `alive`: heard from within three of its heartbeats."""
-
-    node_id: str
-    instance_id: str
-    hostname: str
-    pid: int
-    version: str
-    started_at: str
-    heartbeat_at: str
-    alive: bool
-    stopped_at: str | None
-    task_types: list[str]
-    tags: list[list[str]] = Field(description="the tag set of each of the node's resources")
-    max_workers: int
-
-
-class NodesOut(BaseModel):
-    nodes: list[NodeOut]
-
-
-def attempt_json(a: Attempt) -> dict[str, Any]:
-    return {"id": a.id, "number": a.number, "node_id": a.node_id, "worker_id": a.worker_id,
-            "status": a.status.value, "started_at": rfc3339(a.started_at), "finished_at": rfc3339(a.finished_at),
-            "error": None if a.error is None else a.error.to_json(), "exit_status": a.exit_status,
-            "stderr_tail": a.stderr_tail}
+    @classmethod
+    def of(cls, task: Task) -> Self:
+        return cls.model_validate(task)
 
 
 # An attempt that ended so did not produce the task's results, whatever its plugins marked final before it
@@ -148,135 +217,141 @@ _UNSUCCESSFUL = frozenset({AttemptStatus.FAILED, AttemptStatus.TIMED_OUT, Attemp
                            AttemptStatus.CANCELLED, AttemptStatus.INTERRUPTED})
 
 
-def result_json(r: ResultBatch, *, attempt_ended_unsuccessfully: bool = False) -> dict[str, Any]:
-    return {"plugin": r.plugin, "sequence": r.sequence, "idempotency_key": r.idempotency_key,
-            "sha256": r.sha256, "final": r.final and not attempt_ended_unsuccessfully, "attempt_id": r.attempt_id,
-            "payload": r.payload}
+class TaskDetailOut(TaskOut):
+    """A task with its results, as GET /v1/tasks/{id} and a submit answer it."""
+
+    results: list[ResultOut]
+
+    @classmethod
+    def of(cls, task: Task) -> Self:
+        shown = cls.model_validate(task)
+        unsuccessful = {a.id for a in task.attempts if a.status in _UNSUCCESSFUL}
+        for result in shown.results:
+            result.final = result.final and result.attempt_id not in unsuccessful
+        return shown
 
 
-def task_json(t: Task, *, results: bool = True) -> dict[str, Any]:
-    body = {
-        "id": t.id, "type": t.type, "payload": t.payload, "priority": t.priority, "state": t.state.value,
-        "phase": None if t.phase is None else t.phase.value, "progress": t.progress, "attempt": t.attempt,
-        "max_attempts": t.max_attempts, "timeout_s": t.timeout_s, "required_tags": list(t.required_tags),
-        "idempotency_key": t.idempotency_key, "node_id": t.node_id,
-        "error": None if t.error is None else t.error.to_json(), "created_at": rfc3339(t.created_at),
-        "updated_at": rfc3339(t.updated_at), "available_at": rfc3339(t.available_at),
-        "finished_at": rfc3339(t.finished_at), "attempts": [attempt_json(a) for a in t.attempts],
-    }
-    if results:
-        unsuccessful = {a.id for a in t.attempts if a.status in _UNSUCCESSFUL}
-        body["results"] = [result_json(r, attempt_ended_unsuccessfully=r.attempt_id in unsuccessful)
-                           for r in t.results]
-    return body
-
-
-# Response shapes: the OpenAPI document is generated from these and from the request models above.
-
-
-class ErrorBody(BaseModel):
-    code: str
-    message: str
-
-
-class ErrorOut(BaseModel):
-    error: ErrorBody
-
-
-class TaskErrorOut(BaseModel):
-    code: str
-    message: str
-
-
-class AttemptOut(BaseModel):
-    id: str
-    number: int
-    node_id: str
-    worker_id: str
-    status: str
-    started_at: str
-    finished_at: str | None
-    error: TaskErrorOut | None
-    exit_status: int | None
-    stderr_tail: str | None
-
-
-class ResultOut(BaseModel):
-    plugin: str
-    sequence: int
-    idempotency_key: str
-    sha256: str
-    final: bool  # false, whatever the plugin said, once its attempt ended without succeeding
-    attempt_id: str
-    payload: Any
-
-
-class TaskOut(BaseModel):
-    id: str
-    type: str
-    payload: dict[str, Any]
-    priority: int
-    state: str
-    phase: str | None
-    progress: dict[str, Any] | None
-    attempt: int
-    max_attempts: int
-    timeout_s: float | None
-    required_tags: list[str]
-    idempotency_key: str | None
-    node_id: str | None
-    error: TaskErrorOut | None
-    created_at: str
-    updated_at: str
-    available_at: str
-    finished_at: str | None
-    attempts: list[AttemptOut]
-    results: list[ResultOut] = []
-
-
-class PageOut(BaseModel):
+class PageOut(Shape):
     tasks: list[TaskOut]
     next_cursor: str | None
 
 
-class IdsOut(BaseModel):
+class IdsOut(Shape):
     ids: list[str]
 
 
-class StateOut(BaseModel):
-    state: str
+class StateOut(Shape):
+    state: State
 
 
-class RetryOut(BaseModel):
-    state: str
+class RetryOut(Shape):
+    state: State
     task: TaskOut
 
 
-class PoolOut(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class GuardsOut(Shape):
+    tripped: list[str] = Field(description="the guards below their floor: memory, disk")
+    min_free_memory_mb: int
+    min_free_disk_mb: int
+    free_memory_mb: int | None = Field(description="null until measured, or when the probe failed")
+    free_disk_mb: int | None
 
+
+class ResourceOut(Shape):
+    in_use: int
+    count: int
+    tags: list[str]
+
+
+class PoolOut(Shape):
     node_id: str
     min_workers: int
     max_workers: int
     idle_timeout_s: float
     workers: int
-    busy: int
-    baseline: int
-    demand: int
-    queue: dict[str, int]
-    guards: dict[str, Any]
-    pending_restart: list[str]
+    busy: int = Field(description="workers running a task")
+    baseline: int = Field(description="workers that never retire (min_workers of them)")
+    demand: int = Field(description="workers started for a busy pool, retired after idle_timeout_s")
+    claiming: bool = Field(description="false while draining or while a host guard is tripped")
+    draining: bool
+    queue: dict[str, int] = Field(description="tasks by unfinished state, in the whole store")
+    guards: GuardsOut
+    resources: dict[str, ResourceOut]
+    pending_restart: list[str] = Field(description="settings changed by a reload that apply at the next start")
+
+    @classmethod
+    def of(cls, stats: PoolStats, *, node_id: str, draining: bool, queue: Mapping[str, int], guards: GuardStats,
+           resources: Mapping[str, ResourceStats], pending_restart: list[str]) -> Self:
+        return cls.model_validate({**_attributes(stats), "node_id": node_id, "draining": draining, "queue": queue,
+                                   "guards": guards, "resources": resources, "pending_restart": pending_restart})
 
 
-class HealthOut(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ScheduleOut(Shape):
+    name: str
+    type: str
+    payload: dict[str, Any]
+    cron: str | None
+    every_s: float | None
+    timezone: str
+    jitter_s: float
+    catch_up: CatchUp
+    overlap: Overlap
+    priority: int
+    config_node: str | None = Field(description="the node whose config file defines it (removing it there "
+                                                "removes it); null: defined through the API")
+    paused: bool
+    next_run_at: Instant | None
+    last_run_at: Instant | None
+    last_task_id: str | None
+    last_task_state: State | None = Field(description="null when it made no task yet, or that task was pruned")
 
-    status: str
+    @classmethod
+    def of(cls, schedule: Schedule, *, last_task_state: State | None = None) -> Self:
+        return cls.model_validate({**_attributes(schedule), "last_task_state": last_task_state})
 
 
-class EventOut(BaseModel):
+class SchedulesOut(Shape):
+    schedules: list[ScheduleOut]
+
+
+class NodeOut(Shape):
+    """A node of the fleet as the registry holds it; `alive`: heard from within three of its heartbeats."""
+
+    node_id: str
+    instance_id: str
+    hostname: str
+    pid: int
+    version: str
+    started_at: Instant
+    heartbeat_at: Instant
+    alive: bool
+    stopped_at: Instant | None
+    task_types: list[str]
+    tags: list[list[str]] = Field(description="the tag set of each of the node's resources")
+    max_workers: int
+
+    @classmethod
+    def of(cls, node: Node, *, now: float) -> Self:
+        return cls.model_validate({**_attributes(node), "alive": node.alive(now)})
+
+
+class NodesOut(Shape):
+    nodes: list[NodeOut]
+
+
+class HealthOut(Shape):
+    status: str = Field(description="ok (healthz); ready, or unavailable with a reason (readyz)")
+    reason: str | None = Field(None, description="why the node is not ready")
+
+
+class EventOut(Shape):
     """One server-sent event of GET /v1/events; `data` is the event's JSON, `id` absent on stream.* notices."""
 
     event: str
     data: str
     id: str | None = None
+
+
+def task_json(t: Task, *, results: bool = True) -> dict[str, Any]:
+    """A task's JSON: with its results (a single task), or without (listings, a retry's answer)."""
+    return (TaskDetailOut if results else TaskOut).of(t).to_json()

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import anyio
 from anyio.abc import TaskStatus
 
 from ..errors import LeaseLost, TidepoolError
 from ..lifecycle import RetryPolicy
-from ..model import Claimed, ClaimFilter, Lease, NewTask, Outcome, Phase, ResultBatch, State, Task, Worker, rfc3339
+from ..model import Claimed, ClaimFilter, Lease, NewTask, Outcome, Phase, ResultBatch, State, Task, Worker
 from ..schedules import Fired, Schedule
 
 
@@ -90,14 +90,6 @@ class Node:
     def alive(self, now: float) -> bool:
         """Running and heard from within three heartbeats."""
         return self.stopped_at is None and now - self.heartbeat_at <= 3 * self.heartbeat_s
-
-    def to_json(self, *, now: float) -> dict[str, Any]:
-        return {"node_id": self.node_id, "instance_id": self.instance_id, "hostname": self.hostname,
-                "pid": self.pid, "version": self.version, "started_at": rfc3339(self.started_at),
-                "heartbeat_at": rfc3339(self.heartbeat_at), "alive": self.alive(now),
-                "stopped_at": None if self.stopped_at is None else rfc3339(self.stopped_at),
-                "task_types": list(self.task_types), "tags": [list(t) for t in self.tags],
-                "max_workers": self.max_workers}
 
 
 class WorkerPort(Protocol):
