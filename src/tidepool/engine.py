@@ -33,14 +33,15 @@ from .plugins import PluginDef, Registry, denied
 from .plugins.builtin import remove_workdir
 from .plugins.command import kill_leftover_runs
 from .resources import ResourcePool, Slot
-from .store import Store
+from .retry import Backoff
+from .store import WorkerPort
 
 if TYPE_CHECKING:
     from .settings import ExecutionSettings, RetrySettings
 
 log = logging.getLogger("tidepool.engine")
 MAX_RAN = 10_000  # plugins remembered between two supervisor ticks, for the held-up loop's warning
-RESULT_RETRY_S = 0.5  # between tries of a result write while the store does not answer
+RESULT_RETRY = Backoff(0.1, 1.0)  # between tries of a result write while the store does not answer
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, store: Store, registry: Registry, leases: LeaseKeeper, events: EventBus, *,
+    def __init__(self, store: WorkerPort, registry: Registry, leases: LeaseKeeper, events: EventBus, *,
                  config: EngineConfig, policy: RetryPolicy, work_root: Path,
                  resources: ResourcePool | None = None, clock: Callable[[], float] = time.time) -> None:
         self._store = store
@@ -318,14 +319,14 @@ class Engine:
         holds the lease: an outage costs the plugin a wait, never its attempt (the fence keeps a retry safe).
         Once the lease keeper gives the lease up it cancels the attempt, this wait included: its end is the
         lease's, not the plugin's (no StoreUnavailable for the plugin to take for its own failure)."""
-        while True:
+        for wait in RESULT_RETRY.delays():  # without end: the lease keeper ends the wait with the lease
             try:
                 ack = await self._store.record_result(held.lease, batch, now=self._clock())
                 break
             except StoreUnavailable:
                 if held.why is not None:
                     raise
-            await anyio.sleep(RESULT_RETRY_S)
+            await anyio.sleep(wait)
         self._events.publish("task.result", task_id=held.lease.task_id, worker_id=worker_id, plugin=ack.plugin,
                              sequence=ack.sequence, idempotency_key=ack.idempotency_key, final=ack.final)
         return ack

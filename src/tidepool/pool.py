@@ -27,7 +27,7 @@ from .events import EventBus
 from .leases import LeaseKeeper
 from .logs import Outage
 from .model import Claimed, ClaimFilter, Worker
-from .store import Store
+from .store import WorkerPort
 
 if TYPE_CHECKING:
     from .settings import PoolSettings
@@ -122,7 +122,7 @@ class _WorkerState:
 
 
 class Pool:
-    def __init__(self, store: Store, engine: Engine, leases: LeaseKeeper, events: EventBus, *,
+    def __init__(self, store: WorkerPort, engine: Engine, leases: LeaseKeeper, events: EventBus, *,
                  config: PoolConfig, node_id: str, instance_id: str, claim_filter: Callable[[], ClaimFilter],
                  promise_slots: Callable[[tuple[frozenset[str], ...]], AbstractContextManager[None]] = (
                      lambda _: contextlib.nullcontext()),
