@@ -75,7 +75,7 @@ class Daemon:
         self.events = EventBus(first_id=first_id_of_this_run())
         self.metrics = Metrics(node_id=self.node_id, version=__version__, pool=lambda: self.pool.statistics(),
                                counts=self._store_answers, guards=lambda: self.guards.statistics(),
-                               draining=lambda: self.draining)
+                               draining=lambda: self.draining, task_types=lambda: self.registry.types)
         self.events.listen(self.metrics.on_event)
         self.events.listen(logs.lifecycle)
         self.registry = _registry(settings)
