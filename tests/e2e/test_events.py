@@ -186,7 +186,7 @@ async def _resume_after_restart(session: aiohttp.ClientSession, daemon: Daemon, 
 @pytest.mark.e2e
 async def test_a_repeated_cancel_is_a_no_op_that_publishes_nothing(daemon: Daemon,
                                                                    session: aiohttp.ClientSession) -> None:
-    """SPEC rule 8: cancelling a cancelled task changes nothing, so no second task.finished either (it used
+    """Cancelling a cancelled task changes nothing, so no second task.finished either (it used
     to be published, and counted in the metrics, on every repeat)."""
     finishes = await EventStream.open(session, daemon, type="task.finished,task.cancel_requested")
     later = "2999-01-01T00:00:00Z"
