@@ -94,17 +94,10 @@ async def events(request: web.Request, daemon: Daemon, fanout: Fanout,
     idle stream would otherwise learn it only at its next write, up to a heartbeat later, holding one of
     the MAX_STREAMS places meanwhile."""
     # Refusals come first, as JSON errors: once the response is prepared only SSE frames can follow.
-    after = _last_event_id(request)
+    last_read = _last_event_id(request)
     where = await _filter(request, daemon)
     bus = daemon.events
-    if after == 0:  # everything: this run's events from its first
-        after = bus.first_id - 1
-    if after is not None and not bus.first_id - 1 <= after < bus.next_id:
-        # An id this run never gave: the client read an earlier run. It has seen none of this run's
-        # events, and those of the earlier run past its id are gone.
-        after, gap = bus.first_id - 1, True
-    else:
-        gap = after is not None and bus.oldest_id() > after + 1  # judged where the resume starts
+    after, gap = _resume_after(bus, last_read)
     # Where the stream starts is fixed now, so that nothing published while the response starts is missed.
     sub = bus.subscribe(where, after=after) if where is not None else None
     next_id = bus.next_id if after is None else max(after + 1, bus.oldest_id())
@@ -123,12 +116,7 @@ async def events(request: web.Request, daemon: Daemon, fanout: Fanout,
         with anyio.CancelScope() as scope:
             forget = when_lost(request.transport, scope.cancel) if when_lost is not None else None
             try:
-                final = b""
-                if sub is not None:
-                    final = await _follow_filtered(stream, sub, bus)
-                else:
-                    await fanout.follow(stream)
-                await _finish(stream, response, final)
+                await _serve(stream, response, sub, bus, fanout)
             finally:
                 if forget is not None:
                     forget()
@@ -138,6 +126,30 @@ async def events(request: web.Request, daemon: Daemon, fanout: Fanout,
         if sub is not None:
             bus.unsubscribe(sub)
     return response
+
+
+def _resume_after(bus: EventBus, last_read: int | None) -> tuple[int | None, bool]:
+    """The id after which the stream starts (None: with what is published from now on), and whether it
+    starts with a stream.gap notice: events the client has not read are gone from the ring."""
+    if last_read == 0:  # everything: this run's events from its first
+        last_read = bus.first_id - 1
+    if last_read is not None and not bus.first_id - 1 <= last_read < bus.next_id:
+        # An id this run never gave: the client read an earlier run. It has seen none of this run's
+        # events, and those of the earlier run past its id are gone.
+        return bus.first_id - 1, True
+    return last_read, last_read is not None and bus.oldest_id() > last_read + 1  # judged where the resume starts
+
+
+async def _serve(stream: Stream, response: web.StreamResponse, sub: Subscription | None, bus: EventBus,
+                 fanout: Fanout) -> None:
+    """Write the stream until it ends: its own subscription's events, or the fan-out's (which writes the
+    final frame itself)."""
+    final = b""
+    if sub is not None:
+        final = await _follow_filtered(stream, sub, bus)
+    else:
+        await fanout.follow(stream)
+    await _finish(stream, response, final)
 
 
 async def _follow_filtered(stream: Stream, sub: Subscription, bus: EventBus) -> bytes:

@@ -16,6 +16,8 @@ import anyio
 
 from .sse import chunk
 
+# A stream that sent nothing this long gets a comment line (proxies keep it open, and a reader that went
+# away is found out by the write); one whose client takes nothing of a full backlog this long is dropped.
 HEARTBEAT_S = 15.0
 # The kernel's send buffer is part of a subscriber's backlog: autotuned, it grows to megabytes and hides
 # a stalled reader from the bounded queue for tens of thousands of events. Fixed, it holds ~1k events.
