@@ -254,7 +254,7 @@ class Metrics:
 
     def collect(self) -> Iterator[Metric]:
         yield gauge("tidepool_info", "This node: its id and the tidepool version.", {"node_id": self._info[0],
-                                                                                   "version": self._info[1]}, 1)
+                                                                                  "version": self._info[1]}, 1)
         yield from self._pool_families()
         store_up = self._queue is not None
         yield gauge("tidepool_store_up", "1 if the store answered the last scrape's queue query.", {}, store_up)
@@ -270,8 +270,8 @@ class Metrics:
             yield series.family()
         if self.reconciler_last_pass is not None:
             yield gauge("tidepool_reconciler_last_pass_timestamp_seconds",
-                         "When the last reconciler pass ended (Unix time): an alert can tell a stalled one.", {},
-                         self.reconciler_last_pass)
+                        "When the last reconciler pass ended (Unix time): an alert can tell a stalled one.", {},
+                        self.reconciler_last_pass)
 
     def _know_task_types(self) -> None:
         """Each type this node defines (now: a reload may add some) gets its series before its first task."""

@@ -247,7 +247,7 @@ async def test_what_has_nothing_to_show_yet_says_so(make_daemon: Callable[..., D
     await page.clock.install()  # the page's own clock, moved on below instead of waiting a minute
     await open_with_token(page, daemon)
     collecting, chart = page.locator("#chart-collecting"), page.locator("#chart")
-    await expect(page.locator("#workers")).not_to_have_text("–", timeout=10_000)  # a poll has come
+    await expect(page.locator("#workers")).not_to_have_text("\u2013", timeout=10_000)  # a poll came (a dash before)
     await expect(collecting).to_be_visible()
     await expect(collecting).to_contain_text("collecting…")
     await expect(chart).to_be_hidden()
