@@ -292,7 +292,7 @@ def bench_sse(root: Path, subscribers: int, tasks: int, runs: int) -> list[Figur
                f"per 1,000 tasks, submit .. drained, {note}"),
         Figure(b, "sse: daemon CPU without subscribers", per_1000(r[2] for r in without), "s",
                f"per 1,000 tasks, submit .. drained, {note}"),
-        Figure(b, f"sse: daemon CPU {subscribers} subscribers add", median(extra_cpu), "s",
+        Figure(b, f"sse: daemon CPU {subscribers} subscribers add", round(median(extra_cpu), 3), "s",
                f"per 1,000 tasks; median of each round's own difference ({extra_cpu[0]:.3f}-{extra_cpu[-1]:.3f} s)"),
         Figure(b, "sse: the subscribers' own CPU while reading", median([r[3] for r in with_subs]), "s",
                "this process, submit .. all read; competes with the daemon for the same cores"),
@@ -318,8 +318,10 @@ def bench_against(root: Path, subscribers: int, tasks: int, runs: int, against: 
         figures += [
             Figure("api_load", f"sse {tree}: drain ratio with / without", median(ratios), "x",
                    f"median of {runs} rounds' own ratios ({ratios[0]:.2f}-{ratios[-1]:.2f})"),
-            Figure("api_load", f"sse {tree}: daemon CPU {subscribers} subscribers add", median(extra_cpu), "s",
-                   f"per 1,000 tasks; median of the rounds' own ({extra_cpu[0]:.3f}-{extra_cpu[-1]:.3f} s)"),
+            Figure("api_load", f"sse {tree}: daemon CPU without subscribers",
+                   median([d[2] for d in drains[tree, 0]]) * 1000 / tasks, "s", "per 1,000 tasks"),
+            Figure("api_load", f"sse {tree}: daemon CPU {subscribers} subscribers add", round(median(extra_cpu), 3),
+                   "s", f"per 1,000 tasks; median of the rounds' own ({extra_cpu[0]:.3f}-{extra_cpu[-1]:.3f} s)"),
             Figure("api_load", f"sse {tree}: bytes each subscriber read",
                    median([d[4] for d in drains[tree, subscribers]]) * 1000 / tasks, "bytes", "per 1,000 tasks"),
         ]
