@@ -4,14 +4,18 @@ submit  one daemon (default pool: 2..16 workers); --clients aiohttp clients, eac
         and connection, submit --tasks noop tasks in total with POST /v1/tasks, one at a time each.
         Every POST must answer 201 and every task must end completed (checked in the SQLite file).
         Latency is the client-side POST round trip; "accepted/s" is tasks / (first POST .. last 201).
+        --tasks 0 leaves this part out.
 sse     a fresh daemon per run; --subscribers raw HTTP/1.1 readers follow GET /v1/events (unfiltered), then
         --sse-tasks noop tasks go in as one batch. Each subscriber must receive every event of every
         task: a contiguous run of event ids (no gap, no repeat) and, per task, the nine events of a
         noop task in order. Drain throughput = tasks / (first attempt start .. last finish), both
         stamped by the daemon; each round runs with and without subscribers back to back, and the
         ratio is the median of the rounds' own ratios (--runs rounds). The subscribers run in this
-        process, on the same CPUs as the daemon. A third run of each round has --subscribers streams
-        filtered on other tasks' ids (waiting clients).
+        process, on the same CPUs as the daemon. The daemon's CPU (user + system, submit .. drained) is
+        given per 1,000 tasks, with and without subscribers, and what the subscribers add as the median
+        of the rounds' own differences. A third run of each round has --subscribers streams filtered on
+        other tasks' ids (waiting clients). --against SRC compares this tree's daemon with the one in
+        another checkout's src/ instead, their drains interleaved (see bench_against).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +34,8 @@ import psutil
 
 from _harness import Daemon, Figure, arguments, fsync_note, median, report, reproduce, temp_dir
 
-DEFAULTS: dict[str, Any] = {"clients": 200, "tasks": 10_000, "subscribers": 20, "sse_tasks": 1000, "runs": 7}
+DEFAULTS: dict[str, Any] = {"clients": 200, "tasks": 10_000, "subscribers": 20, "sse_tasks": 1000, "runs": 7,
+                            "against": ""}
 NOOP_EVENTS = ("task.created", "task.leased", "task.phase", "task.phase", "task.phase", "plugin.started",
                "plugin.finished", "task.phase", "task.finished")
 
@@ -121,7 +127,7 @@ class Subscriber:
         self.by_task: dict[str, list[str]] = {}
         self.finished = 0
         self.connected = asyncio.Event()
-        self._body: list[bytes] = []
+        self.body: list[bytes] = []
 
     async def follow(self, url: str, tasks: int) -> None:
         host, port = url.removeprefix("http://").rsplit(":", 1)
@@ -136,7 +142,7 @@ class Subscriber:
                 data = await reader.read(1 << 20)
                 if not data:
                     raise RuntimeError("the event stream ended early")
-                self._body.append(data)
+                self.body.append(data)
                 # Every chunk holds whole frames, so a marker is never split by chunk framing; only a
                 # read can split it, hence the carried tail.
                 complete, _, pending = (pending + data).rpartition(b"\n\n")
@@ -148,7 +154,7 @@ class Subscriber:
 
     def parse(self) -> None:
         """After the drain: read every frame's id, name and task."""
-        for frame in dechunk(b"".join(self._body)).split(b"\n\n"):
+        for frame in dechunk(b"".join(self.body)).split(b"\n\n"):
             self.take(frame)
 
     def take(self, frame: bytes) -> None:
@@ -171,9 +177,10 @@ class Subscriber:
         return found
 
 
-async def sse_run(daemon: Daemon, subscribers: int, tasks: int) -> tuple[int, float]:
+async def sse_run(daemon: Daemon, subscribers: int, tasks: int) -> tuple[int, float, int]:
     """Subscribers connect, the batch goes in, all must see everything: (the number of events each got,
-    this process's CPU seconds from the submit until every subscriber had read everything)."""
+    this process's CPU seconds from the submit until every subscriber had read everything, the bytes each
+    read)."""
     subs = [Subscriber() for _ in range(subscribers)]
     followers = [asyncio.create_task(s.follow(daemon.url, tasks)) for s in subs]
     await asyncio.wait_for(asyncio.gather(*(s.connected.wait() for s in subs)), 10)
@@ -189,7 +196,7 @@ async def sse_run(daemon: Daemon, subscribers: int, tasks: int) -> tuple[int, fl
     for i, sub in enumerate(subs):
         if problems := sub.problems(ids):
             raise RuntimeError(f"subscriber {i}: {'; '.join(problems)}")
-    return (len(subs[0].ids) if subs else 0), own
+    return (len(subs[0].ids) if subs else 0), own, (sum(map(len, subs[0].body)) if subs else 0)
 
 
 async def followers_run(daemon: Daemon, followers: int, tasks: int) -> list[str]:
@@ -214,19 +221,24 @@ async def followers_run(daemon: Daemon, followers: int, tasks: int) -> list[str]
     return waiting
 
 
-def drain_once(root: Path, subscribers: int, tasks: int, *, filtered: bool = False) -> tuple[float, int, float, float]:
+Drain = tuple[float, int, float, float, int]
+
+
+def drain_once(root: Path, subscribers: int, tasks: int, *, filtered: bool = False,
+               env: Mapping[str, str] | None = None) -> Drain:
     """(drain tasks/s from the daemon's own stamps, events each subscriber received, the daemon's CPU
-    seconds from the submit to the end of the drain, the subscribers' CPU seconds while they read)."""
-    daemon = Daemon(root)
+    seconds from the submit to the end of the drain, the subscribers' CPU seconds while they read, the
+    bytes each subscriber read)."""
+    daemon = Daemon(root, env=env)
     daemon.start()
     try:
         proc = psutil.Process(daemon.pid)
         cpu_before = sum(proc.cpu_times()[:2])
-        events, own, followed = 0, 0.0, []
+        events, own, received, followed = 0, 0.0, 0, []
         if subscribers and filtered:
             followed = asyncio.run(followers_run(daemon, subscribers, tasks))
         elif subscribers:
-            events, own = asyncio.run(sse_run(daemon, subscribers, tasks))
+            events, own, received = asyncio.run(sse_run(daemon, subscribers, tasks))
         else:
             daemon.submit_batch([{"type": "noop"}] * tasks)
             daemon.wait_drained(poll_s=0.05, timeout_s=300)
@@ -240,7 +252,15 @@ def drain_once(root: Path, subscribers: int, tasks: int, *, filtered: bool = Fal
                                   f"max(finished_at) FROM tasks WHERE id NOT IN ({others})", followed * 2)
     if completed != tasks:
         raise RuntimeError(f"sse: {completed} of {tasks} completed: {daemon.log_tail()}")
-    return tasks / (last - first), events, cpu, own
+    return tasks / (last - first), events, cpu, own, received
+
+
+def paired(with_subs: list[Drain], without: list[Drain], tasks: int) -> tuple[list[float], list[float]]:
+    """Each round's drain ratio with / without subscribers, and the daemon CPU they added per 1,000 tasks,
+    each sorted. Each round's runs are seconds apart while this machine's speed drifts over minutes: a
+    round's own figures compare like with like, and their median is the figure."""
+    pairs = list(zip(with_subs, without, strict=True))
+    return (sorted(w[0] / wo[0] for w, wo in pairs), sorted((w[2] - wo[2]) * 1000 / tasks for w, wo in pairs))
 
 
 def bench_sse(root: Path, subscribers: int, tasks: int, runs: int) -> list[Figure]:
@@ -253,21 +273,27 @@ def bench_sse(root: Path, subscribers: int, tasks: int, runs: int) -> list[Figur
     b = "api_load"
     note = f"median of {runs}, n={tasks}"
     rate_with, rate_without = median([r[0] for r in with_subs]), median([r[0] for r in without])
-    # Each round's runs are seconds apart while this machine's speed drifts over minutes: a round's own
-    # ratio compares like with like, and their median is the figure.
-    ratios = sorted(w[0] / wo[0] for w, wo in zip(with_subs, without, strict=True))
-    followed_ratios = sorted(f[0] / wo[0] for f, wo in zip(followed, without, strict=True))
+    ratios, extra_cpu = paired(with_subs, without, tasks)
+    followed_ratios, _ = paired(followed, without, tasks)
+
+    def per_1000(cpu_s: Iterable[float]) -> float:
+        return median([s * 1000 / tasks for s in cpu_s])
+
     return [
         Figure(b, f"sse: events each of {subscribers} subscribers got", events, "events",
                f"{tasks} tasks, all present, ids contiguous"),
+        Figure(b, "sse: bytes each subscriber read", median([r[4] for r in with_subs]) * 1000 / tasks, "bytes",
+               "per 1,000 tasks, HTTP chunks included"),
         Figure(b, f"sse: drain with {subscribers} subscribers", rate_with, "tasks/s", note),
         Figure(b, "sse: drain without subscribers", rate_without, "tasks/s", note),
         Figure(b, "sse: drain ratio with / without", median(ratios), "x",
                f"median of each round's ratio ({ratios[0]:.2f}-{ratios[-1]:.2f}); 1.0 = subscribers cost nothing"),
-        Figure(b, f"sse: daemon CPU with {subscribers} subscribers", median([r[2] for r in with_subs]), "s",
-               f"submit .. drained, {note}"),
-        Figure(b, "sse: daemon CPU without subscribers", median([r[2] for r in without]), "s",
-               f"submit .. drained, {note}"),
+        Figure(b, f"sse: daemon CPU with {subscribers} subscribers", per_1000(r[2] for r in with_subs), "s",
+               f"per 1,000 tasks, submit .. drained, {note}"),
+        Figure(b, "sse: daemon CPU without subscribers", per_1000(r[2] for r in without), "s",
+               f"per 1,000 tasks, submit .. drained, {note}"),
+        Figure(b, f"sse: daemon CPU {subscribers} subscribers add", round(median(extra_cpu), 3), "s",
+               f"per 1,000 tasks; median of each round's own difference ({extra_cpu[0]:.3f}-{extra_cpu[-1]:.3f} s)"),
         Figure(b, "sse: the subscribers' own CPU while reading", median([r[3] for r in with_subs]), "s",
                "this process, submit .. all read; competes with the daemon for the same cores"),
         Figure(b, f"sse: drain with {subscribers} task-filtered followers / without", median(followed_ratios), "x",
@@ -276,13 +302,42 @@ def bench_sse(root: Path, subscribers: int, tasks: int, runs: int) -> list[Figur
     ]
 
 
+def bench_against(root: Path, subscribers: int, tasks: int, runs: int, against: str) -> list[Figure]:
+    """--against SRC: the drain with and without subscribers, of this tree's daemon and of the one whose
+    package is in SRC (another checkout's src/, first on the daemon's PYTHONPATH); the four drains of a
+    round go in an order that rotates from round to round."""
+    plan = [(tree, subs) for tree in ("this", "against") for subs in (subscribers, 0)]
+    drains: dict[tuple[str, int], list[Drain]] = {key: [] for key in plan}
+    for run in range(runs):
+        for tree, subs in plan[run % 4:] + plan[:run % 4]:
+            env = {"PYTHONPATH": against} if tree == "against" else {}
+            drains[tree, subs].append(drain_once(root / f"{tree}-{subs}-{run}", subs, tasks, env=env))
+    figures = []
+    for tree in ("this", "against"):
+        ratios, extra_cpu = paired(drains[tree, subscribers], drains[tree, 0], tasks)
+        figures += [
+            Figure("api_load", f"sse {tree}: drain ratio with / without", median(ratios), "x",
+                   f"median of {runs} rounds' own ratios ({ratios[0]:.2f}-{ratios[-1]:.2f})"),
+            Figure("api_load", f"sse {tree}: daemon CPU without subscribers",
+                   median([d[2] for d in drains[tree, 0]]) * 1000 / tasks, "s", "per 1,000 tasks"),
+            Figure("api_load", f"sse {tree}: daemon CPU {subscribers} subscribers add", round(median(extra_cpu), 3),
+                   "s", f"per 1,000 tasks; median of the rounds' own ({extra_cpu[0]:.3f}-{extra_cpu[-1]:.3f} s)"),
+            Figure("api_load", f"sse {tree}: bytes each subscriber read",
+                   median([d[4] for d in drains[tree, subscribers]]) * 1000 / tasks, "bytes", "per 1,000 tasks"),
+        ]
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     args = arguments(__doc__.splitlines()[0], **DEFAULTS).parse_args(argv)
     with temp_dir("api-load") as tmp:
         started = time.monotonic()
-        figures = bench_submit(tmp, args.clients, args.tasks)
+        figures = bench_submit(tmp, args.clients, args.tasks) if args.tasks else []  # --tasks 0: SSE only
         submit_s = time.monotonic() - started
-        figures += bench_sse(tmp, args.subscribers, args.sse_tasks, args.runs)
+        if args.against:
+            figures += bench_against(tmp, args.subscribers, args.sse_tasks, args.runs, args.against)
+        else:
+            figures += bench_sse(tmp, args.subscribers, args.sse_tasks, args.runs)
     report(f"api_load: {args.clients} HTTP clients x {args.tasks} submits; {args.subscribers} SSE subscribers",
            figures, reproduce("api_load.py", args, DEFAULTS), args.summary,
            [f"durable figures: {fsync_note()}", f"submit part took {submit_s:.0f}s including start and drain",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -125,7 +125,8 @@ class Client:
 
     async def events(self, *, task_id: str | None = None, types: str | None = None,
                      last_event_id: int | None = None) -> AsyncIterator[dict[str, Any]]:
-        """Follow GET /v1/events: each event's JSON data with its SSE name under "event", as it happens.
+        """Follow GET /v1/events: each event's JSON data with its SSE name under "event" and its id under "id",
+        as it happens.
 
         The stream's own notices come as well: stream.connected (from here on nothing is missed),
         stream.gap (events were missed) and stream.closed (the daemon ended the stream: this one ends)."""
@@ -141,21 +142,11 @@ class Client:
                 if response.headers.get(API_HEADER[0]) != API_HEADER[1]:  # someone's stream: never read to its end
                     raise Unreachable(f"no tidepool daemon answered at {self.url}: the event stream there is "
                                       "not tidepool's")
-                name, data = "message", []
-                async for raw in response.content:
-                    line = raw.decode().rstrip("\r\n")
-                    if line == ": connected":  # from here on no event of ours can be missed
-                        yield {"event": "stream.connected"}
-                    elif line.startswith("event:"):  # the notices' data carries no name: this line does
-                        name = line[6:].strip()
-                    elif line.startswith("data:"):
-                        data.append(line[5:].removeprefix(" "))
-                    elif not line:
-                        if data:
-                            yield {**json.loads("\n".join(data)), "event": name}
-                            if name == "stream.closed":
-                                return
-                        name, data = "message", []
+                async with contextlib.aclosing(_parsed(response.content)) as parsed:
+                    async for event in parsed:
+                        yield event
+                        if event["event"] == "stream.closed":
+                            return
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
             raise Unreachable(f"event stream from {self.url} broke: {_reason(exc)}") from None
 
@@ -215,6 +206,28 @@ class Client:
             if event["event"] in ("task.finished", "stream.closed"):
                 return event
         return None
+
+
+async def _parsed(lines: AsyncIterable[bytes]) -> AsyncGenerator[dict[str, Any], None]:
+    """The events of an SSE body: each one's JSON data, with its name (the `event:` field) under "event"
+    and, for an event of the bus, its id (the `id:` field) under "id"; the `: connected` comment as the
+    notice stream.connected."""
+    event_id, name, data = None, "message", []
+    async for raw in lines:
+        line = raw.decode().rstrip("\r\n")
+        if line == ": connected":  # from here on no event of ours can be missed
+            yield {"event": "stream.connected"}
+        elif line.startswith("id:"):  # the stream's own notices have none
+            event_id = int(line[3:].strip())
+        elif line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+        elif not line:
+            if data:
+                fields = {"event": name} if event_id is None else {"id": event_id, "event": name}
+                yield {**json.loads("\n".join(data)), **fields}
+            event_id, name, data = None, "message", []
 
 
 def _reason(exc: BaseException) -> str:

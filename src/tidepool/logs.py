@@ -77,9 +77,9 @@ class TextFormatter(logging.Formatter):
         self.journal = journal
 
     def format(self, record: logging.LogRecord) -> str:
-        # One line per event (SPEC §6), its traceback included: what a message or an exception quotes (a
-        # command's stderr, a plugin's error) must not start lines of its own that pass for records, nor
-        # send a terminal its escape sequences.
+        # One line per record, its traceback included (the journal and log shippers take a line for a
+        # record): what a message or an exception quotes (a command's stderr, a plugin's error) must not
+        # start lines of its own that pass for records, nor send a terminal its escape sequences.
         text = super().format(record).translate(_VISIBLE)
         return _priority(record) + text if self.journal else text
 

@@ -1,28 +1,28 @@
 """Prometheus metrics of one node: counters and histograms fed by the event bus, gauges read at scrape time.
 
-The event listener runs for every step of every task (the pool passes thousands of tasks a
-second), always on the event loop's thread, so it keeps plain dicts and lists: no lock, no
-label lookup, one `bisect` per histogram observation. prometheus_client turns them into metric
-families when /metrics is scraped, from a registry of this node's own, so several daemons in one
-process (tests) do not clash. Durations are measured between event timestamps.
+Every series whose label values are known is exported from the start, at zero: the task types this node
+defines (read at each scrape, so a reload's new types appear too) by terminal state, the reconciler's
+actions, the workers' kinds and reasons, and so on. The families come from a registry of this node's
+own, so several daemons in one process (tests) do not clash. Durations are measured between event
+timestamps.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
-import math
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from itertools import product
 from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from .errors import StoreUnavailable
 from .events import Event
-from .model import State
+from .metric_series import Counter, Histogram, gauge
+from .model import TERMINAL, Phase, State
 
 if TYPE_CHECKING:
     from .guards import GuardStats
@@ -43,55 +43,12 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    300.0)
 KILL_REASONS = {"timeout": "timeout", "cancelled": "cancel"}  # error code -> plugin kill reason
 LIMITS = ("memory_mb", "cpu_s", "nofile", "max_output_kb")
-
-Labels = tuple[str, ...]
-
-
-class _Counter:
-    __slots__ = ("labels", "values")
-
-    def __init__(self, *labels: str) -> None:
-        self.labels = labels
-        self.values: dict[Labels, float] = {}
-
-    def inc(self, key: Labels, amount: float = 1) -> None:
-        self.values[key] = self.values.get(key, 0) + amount
-
-    def family(self, name: str, doc: str) -> CounterMetricFamily:
-        family = CounterMetricFamily(name, doc, labels=self.labels)
-        for key, value in self.values.items():
-            family.add_metric(list(key), value)
-        return family
-
-
-class _Histogram:
-    """One histogram with one label; observing is a dict lookup, a bisect and two list updates."""
-
-    __slots__ = ("bounds", "label", "series")
-
-    def __init__(self, bounds: Sequence[float], label: str) -> None:
-        self.bounds = tuple(bounds)
-        self.label = label
-        self.series: dict[str, list[float]] = {}  # per bucket (le), then +Inf, then the sum
-
-    def observe(self, label: str, value: float) -> None:
-        series = self.series.get(label)
-        if series is None:
-            series = self.series[label] = [0.0] * (len(self.bounds) + 2)
-        if value < 0.0:  # event clocks are wall clocks: a step back must not go negative
-            value = 0.0
-        series[bisect.bisect_left(self.bounds, value)] += 1
-        series[-1] += value
-
-    def family(self, name: str, doc: str) -> HistogramMetricFamily:
-        family = HistogramMetricFamily(name, doc, labels=[self.label])
-        for label, series in self.series.items():
-            cumulative, buckets = 0.0, []
-            for bound, count in zip((*self.bounds, math.inf), series, strict=False):
-                cumulative += count
-                buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), cumulative))
-            family.add_metric([label], buckets, sum_value=series[-1])
-        return family
+# The label values each series is exported with from the start (task types are read at each scrape).
+TERMINAL_STATES = tuple(sorted(state.value for state in TERMINAL))
+RECONCILER_ACTIONS = ("expired", "promoted", "cancelled", "pruned", "unserviceable")
+KILL_REASON_NAMES = (*KILL_REASONS.values(), *LIMITS, "limit", "lease_lost")
+WORKER_KINDS = ("baseline", "demand")
+WORKER_STOPS = ("idle", "retired", "shutdown")
 
 
 class Metrics:
@@ -100,33 +57,57 @@ class Metrics:
     def __init__(self, *, node_id: str, version: str, pool: Callable[[], PoolStats],
                  counts: Callable[[], Awaitable[dict[State, int]]],
                  guards: Callable[[], GuardStats | None] = lambda: None,
-                 draining: Callable[[], bool] = lambda: False) -> None:
+                 draining: Callable[[], bool] = lambda: False,
+                 task_types: Callable[[], Iterable[str]] = lambda: ()) -> None:
         self._info = (node_id, version)
+        self._task_types = task_types
         self._pool = pool
         self._counts = counts
         self._guards = guards
         self._draining = draining
         self._queue: dict[str, int] | None = None  # read by render() just before collecting
 
-        self.created = _Counter("type")
-        self.finished = _Counter("type", "state")
-        self.retries = _Counter("type")
-        self.task_duration = _Histogram(DURATION_BUCKETS, "type")
-        self.phase_duration = _Histogram(DURATION_BUCKETS, "phase")
-        self.plugin_duration = _Histogram(DURATION_BUCKETS, "plugin")
-        self.pickup_latency = _Histogram(LATENCY_BUCKETS, "type")
-        self.lease_renewals = _Counter()
-        self.lease_renewal_errors = _Counter()
-        self.lease_losses = _Counter()
-        self.reconciler_actions = _Counter("action")
-        self.reconciler_passes = _Counter()
+        self.created = Counter("tidepool_tasks_created", "Tasks created on this node (submitted to its API or "
+                                "fired by a schedule), by type.", "type")
+        self.finished = Counter("tidepool_tasks_finished", "Tasks that reached a terminal state on this node, by "
+                                 "type and state.", "type", "state")
+        self.retries = Counter("tidepool_task_retries", "Attempts that failed and left their task to retry.", "type")
+        self.task_duration = Histogram("tidepool_task_duration_seconds", "Attempt duration on this node, "
+                                        "initialize to recorded outcome, by type.", DURATION_BUCKETS, "type")
+        self.phase_duration = Histogram("tidepool_phase_duration_seconds", "Time spent in each phase of an "
+                                         "attempt.", DURATION_BUCKETS, "phase", known=[p.value for p in Phase])
+        self.plugin_duration = Histogram("tidepool_plugin_duration_seconds", "Runs of plugins that succeeded.",
+                                          DURATION_BUCKETS, "plugin")
+        self.pickup_latency = Histogram("tidepool_pickup_latency_seconds", "From a task becoming claimable "
+                                         "(created, retry due, released) to its lease.", LATENCY_BUCKETS, "type")
+        self.lease_renewals = Counter("tidepool_lease_renewals", "Leases renewed.")
+        self.lease_renewal_errors = Counter("tidepool_lease_renewal_errors", "Renewal writes that failed because "
+                                             "the store was unavailable.")
+        self.lease_losses = Counter("tidepool_lease_losses", "Attempts abandoned because their lease was lost.")
+        self.reconciler_actions = Counter("tidepool_reconciler_actions", "Reconciler repairs: leases expired, "
+                                           "retries promoted, cancels finished at their deadline, old tasks "
+                                           "pruned.", "action", known=[(a,) for a in RECONCILER_ACTIONS])
+        self.reconciler_passes = Counter("tidepool_reconciler_passes", "Reconciler passes done (one every "
+                                          "reconciler.interval_s while the store answers).")
         self.reconciler_last_pass: float | None = None
-        self.plugin_kills = _Counter("reason")
-        self.workers_started = _Counter("kind")
-        self.workers_stopped = _Counter("kind", "reason")
-        self.reloads = _Counter("result")
-        self.schedule_fired = _Counter("schedule")
-        self.schedule_skipped = _Counter("schedule", "reason")
+        self.plugin_kills = Counter("tidepool_plugin_kills", "Running plugins stopped by tidepool, by reason "
+                                     "(timeout, cancel, a limit, lease_lost).", "reason",
+                                     known=[(r,) for r in KILL_REASON_NAMES])
+        self.workers_started = Counter("tidepool_workers_started", "Worker coroutines started, by kind.", "kind",
+                                        known=[(k,) for k in WORKER_KINDS])
+        self.workers_stopped = Counter("tidepool_workers_stopped", "Worker coroutines stopped, by kind and reason.",
+                                        "kind", "reason", known=product(WORKER_KINDS, WORKER_STOPS))
+        self.reloads = Counter("tidepool_config_reloads", "SIGHUP reloads, applied or rejected.", "result",
+                                known=[("ok",), ("rejected",)])
+        self.schedule_fired = Counter("tidepool_schedule_fired", "Schedule ticks that created a task, by schedule.",
+                                       "schedule")
+        self.schedule_skipped = Counter("tidepool_schedule_skipped", "Schedule ticks skipped, by schedule and "
+                                         "reason (overlap, missed, queue_full).", "schedule", "reason")
+        self._series = (self.created, self.finished, self.retries, self.task_duration, self.phase_duration,
+                        self.plugin_duration, self.pickup_latency, self.lease_renewals, self.lease_renewal_errors,
+                        self.lease_losses, self.reconciler_actions, self.reconciler_passes, self.plugin_kills,
+                        self.workers_started, self.workers_stopped, self.reloads, self.schedule_fired,
+                        self.schedule_skipped)
         self._tripped = dict.fromkeys(GUARDS, 0)
         # task id -> [attempt start, current phase, phase start, stopped while a plugin ran]
         self._open: dict[str, list[Any]] = {}
@@ -237,7 +218,7 @@ class Metrics:
     def _reconciler_pass(self, d: dict[str, Any], ts: float) -> None:
         self.reconciler_passes.inc(())
         self.reconciler_last_pass = ts
-        for action in ("promoted", "cancelled", "pruned", "unserviceable"):  # "expired": per task.expired
+        for action in RECONCILER_ACTIONS[1:]:  # "expired" is counted per task.expired
             if d.get(action):
                 self.reconciler_actions.inc((action,), d[action])
 
@@ -272,11 +253,11 @@ class Metrics:
         return generate_latest(self.registry)
 
     def collect(self) -> Iterator[Metric]:
-        yield _gauge("tidepool_info", "This node: its id and the tidepool version.", {"node_id": self._info[0],
-                                                                                   "version": self._info[1]}, 1)
+        yield gauge("tidepool_info", "This node: its id and the tidepool version.", {"node_id": self._info[0],
+                                                                                  "version": self._info[1]}, 1)
         yield from self._pool_families()
         store_up = self._queue is not None
-        yield _gauge("tidepool_store_up", "1 if the store answered the last scrape's queue query.", {}, store_up)
+        yield gauge("tidepool_store_up", "1 if the store answered the last scrape's queue query.", {}, store_up)
         if self._queue is not None:
             queue = GaugeMetricFamily("tidepool_queue_depth", "Unfinished tasks in the store, by state.",
                                       labels=["state"])
@@ -284,40 +265,22 @@ class Metrics:
                 queue.add_metric([state], n)
             yield queue
         yield from self._guard_families()
-        yield self.created.family("tidepool_tasks_created",
-                                  "Tasks created on this node (submitted to its API or fired by a schedule), by type.")
-        yield self.finished.family("tidepool_tasks_finished",
-                                   "Tasks that reached a terminal state on this node, by type and state.")
-        yield self.retries.family("tidepool_task_retries", "Attempts that failed and left their task to retry.")
-        yield self.task_duration.family("tidepool_task_duration_seconds",
-                                        "Attempt duration on this node, initialize to recorded outcome, by type.")
-        yield self.phase_duration.family("tidepool_phase_duration_seconds", "Time spent in each phase of an attempt.")
-        yield self.plugin_duration.family("tidepool_plugin_duration_seconds", "Runs of plugins that succeeded.")
-        yield self.pickup_latency.family("tidepool_pickup_latency_seconds",
-                                         "From a task becoming claimable (created, retry due, released) to its lease.")
-        yield self.lease_renewals.family("tidepool_lease_renewals", "Leases renewed.")
-        yield self.lease_renewal_errors.family("tidepool_lease_renewal_errors",
-                                               "Renewal writes that failed because the store was unavailable.")
-        yield self.lease_losses.family("tidepool_lease_losses", "Attempts abandoned because their lease was lost.")
-        yield self.reconciler_actions.family("tidepool_reconciler_actions",
-                                             "Reconciler repairs: leases expired, retries promoted, cancels "
-                                             "finished at their deadline, old tasks pruned.")
-        yield self.reconciler_passes.family("tidepool_reconciler_passes", "Reconciler passes done (one every "
-                                            "reconciler.interval_s while the store answers).")
+        self._know_task_types()
+        for series in self._series:
+            yield series.family()
         if self.reconciler_last_pass is not None:
-            yield _gauge("tidepool_reconciler_last_pass_timestamp_seconds",
-                         "When the last reconciler pass ended (Unix time): an alert can tell a stalled one.", {},
-                         self.reconciler_last_pass)
-        yield self.plugin_kills.family("tidepool_plugin_kills",
-                                       "Running plugins stopped by tidepool, by reason (timeout, cancel, a limit, "
-                                       "lease_lost).")
-        yield self.workers_started.family("tidepool_workers_started", "Worker coroutines started, by kind.")
-        yield self.workers_stopped.family("tidepool_workers_stopped", "Worker coroutines stopped, by kind and reason.")
-        yield self.reloads.family("tidepool_config_reloads", "SIGHUP reloads, applied or rejected.")
-        yield self.schedule_fired.family("tidepool_schedule_fired", "Schedule ticks that created a task, by schedule.")
-        yield self.schedule_skipped.family("tidepool_schedule_skipped",
-                                           "Schedule ticks skipped, by schedule and reason "
-                                           "(overlap, missed, queue_full).")
+            yield gauge("tidepool_reconciler_last_pass_timestamp_seconds",
+                        "When the last reconciler pass ended (Unix time): an alert can tell a stalled one.", {},
+                        self.reconciler_last_pass)
+
+    def _know_task_types(self) -> None:
+        """Each type this node defines (now: a reload may add some) gets its series before its first task."""
+        types = list(self._task_types())
+        for counter in (self.created, self.retries):
+            counter.know((t,) for t in types)
+        self.finished.know(product(types, TERMINAL_STATES))
+        for histogram in (self.task_duration, self.pickup_latency):
+            histogram.know(types)
 
     def _pool_families(self) -> Iterator[Metric]:
         stats = self._pool()
@@ -325,11 +288,11 @@ class Metrics:
         workers.add_metric(["baseline"], stats.baseline)
         workers.add_metric(["demand"], stats.demand)
         yield workers
-        yield _gauge("tidepool_workers_busy", "Workers executing a task.", {}, stats.busy)
-        yield _gauge("tidepool_pool_min_workers", "pool.min_workers now in force.", {}, stats.min_workers)
-        yield _gauge("tidepool_pool_max_workers", "pool.max_workers now in force.", {}, stats.max_workers)
-        yield _gauge("tidepool_pool_claiming", "1 while the pool claims work.", {}, stats.claiming)
-        yield _gauge("tidepool_draining", "1 once shutdown began.", {}, self._draining())
+        yield gauge("tidepool_workers_busy", "Workers executing a task.", {}, stats.busy)
+        yield gauge("tidepool_pool_min_workers", "pool.min_workers now in force.", {}, stats.min_workers)
+        yield gauge("tidepool_pool_max_workers", "pool.max_workers now in force.", {}, stats.max_workers)
+        yield gauge("tidepool_pool_claiming", "1 while the pool claims work.", {}, stats.claiming)
+        yield gauge("tidepool_draining", "1 once shutdown began.", {}, self._draining())
 
     def _guard_families(self) -> Iterator[Metric]:
         stats = self._guards()
@@ -377,12 +340,6 @@ class _CountingRenewals:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
-
-
-def _gauge(name: str, doc: str, labels: dict[str, str], value: float) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, doc, labels=list(labels))
-    family.add_metric(list(labels.values()), float(value))
-    return family
 
 
 def _kill_reason(error: dict[str, Any] | None) -> str | None:

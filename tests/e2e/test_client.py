@@ -36,6 +36,8 @@ async def test_submit_get_wait_and_the_pool(daemon: Daemon) -> None:
         assert [s["id"] for s in seen[:2]] == [task["id"]] * 2 and "event" not in seen[1]
         events = seen[2:]
         assert {e.get("task_id") for e in events} == {task["id"]}
+        ids = [e["id"] for e in events]  # the SSE id field, as the events' data no longer repeats it
+        assert all(isinstance(i, int) for i in ids) and ids == sorted(set(ids)), ids
         names = [e["event"] for e in events]
         assert "task.progress" in names and names[-1] == "task.finished", names
         phases = [e["phase"] for e in events if e["event"] == "task.phase"]
@@ -74,6 +76,7 @@ async def test_events_name_the_streams_own_notices_and_end_at_stream_closed(daem
         rest = [event async for event in stream]
         assert rest[-1] == {"event": "stream.closed", "reason": "shutdown"}
         assert all(isinstance(e["event"], str) for e in rest) and "worker.started" in {e["event"] for e in rest}
+        assert all(isinstance(e["id"], int) for e in rest[:-1]), "events have ids; the notices have none"
 
 
 @pytest.mark.e2e

@@ -1,7 +1,7 @@
 """The dashboard at / in real headless Chromium (Debian's, driven by Playwright): it loads, shows the pool,
 follows the event stream, and a task submitted meanwhile reaches `completed` on screen; a failed poll is
-shown only while it lasts, the token stays in the tab's session, and a task's detail is fetched for its
-own events only."""
+shown only while it lasts, the token stays in the tab's session, a task's detail is fetched for its
+own events only, and what has nothing to show yet (the chart's first minute, no resources) says so."""
 
 from __future__ import annotations
 
@@ -230,4 +230,31 @@ async def test_the_detail_is_fetched_again_for_its_own_events_only(
     # an event about the task itself does fetch it again
     assert daemon.post(f"/v1/tasks/{chosen}/retry").status == 202
     await expect(page.locator("#detail-body")).to_contain_text('"state": "running"', timeout=10_000)
+    assert errors == [], errors
+
+
+@pytest.mark.e2e
+async def test_what_has_nothing_to_show_yet_says_so(make_daemon: Callable[..., Daemon], token_daemon: Daemon,
+                                                   browser_page: tuple[Any, list[str]], tmp_path: Path) -> None:
+    from playwright.async_api import expect
+
+    daemon, (page, errors) = token_daemon, browser_page
+    await page.clock.install()  # the page's own clock, moved on below instead of waiting a minute
+    await open_with_token(page, daemon)
+    collecting, chart = page.locator("#chart-collecting"), page.locator("#chart")
+    await expect(page.locator("#workers")).not_to_have_text("\u2013", timeout=10_000)  # a poll came (a dash before)
+    await expect(collecting).to_be_visible()
+    await expect(collecting).to_contain_text("collecting…")
+    await expect(chart).to_be_hidden()
+    await expect(page.locator("#resources")).to_have_text("none configured")
+
+    await page.clock.fast_forward(61_000)  # the next poll's point is a minute after the first one
+    await expect(chart).to_be_visible(timeout=10_000)
+    await expect(collecting).to_be_hidden()
+
+    (tmp_path / "slots").mkdir()
+    with_slots = make_daemon({"resources.vm": {"tags": ["win10"], "count": 2}}, root=tmp_path / "slots")
+    with_slots.start()
+    await page.goto(with_slots.url + "/")  # no token needed there
+    await expect(page.locator("#resources")).to_have_text("vm0/2", timeout=10_000)
     assert errors == [], errors

@@ -170,6 +170,33 @@ async def test_store_down_shows_as_store_up_0_and_no_queue() -> None:
     assert value(s, "tidepool_workers_busy") == 3
 
 
+async def test_a_fresh_node_exports_every_known_series_at_zero() -> None:
+    """Before anything happened: a series that appeared only with its first increment would hide that
+    increment from rate(). The task types are read at each scrape: a reload's new type is there too."""
+    types = ["noop", "scan"]
+    metrics, _, _ = make_metrics(task_types=lambda: types)
+    s = await scrape(metrics)
+    zeros = [("tidepool_tasks_created_total", {"type": t}) for t in types]
+    zeros += [("tidepool_tasks_finished_total", {"type": t, "state": state}) for t in types
+              for state in ("completed", "failed", "timed_out", "cancelled")]
+    zeros += [("tidepool_task_retries_total", {"type": t}) for t in types]
+    zeros += [("tidepool_task_duration_seconds_count", {"type": t}) for t in types]
+    zeros += [("tidepool_pickup_latency_seconds_bucket", {"type": t, "le": "+Inf"}) for t in types]
+    zeros += [("tidepool_phase_duration_seconds_count", {"phase": p}) for p in ("initialize", "prepare", "run", "stop")]
+    zeros += [("tidepool_reconciler_actions_total", {"action": a})
+              for a in ("expired", "promoted", "cancelled", "pruned", "unserviceable")]
+    zeros += [(name, {}) for name in ("tidepool_reconciler_passes_total", "tidepool_lease_renewals_total",
+                                      "tidepool_lease_renewal_errors_total", "tidepool_lease_losses_total")]
+    zeros += [("tidepool_plugin_kills_total", {"reason": r}) for r in ("timeout", "cancel", "memory_mb", "lease_lost")]
+    zeros += [("tidepool_workers_started_total", {"kind": k}) for k in ("baseline", "demand")]
+    zeros += [("tidepool_workers_stopped_total", {"kind": "demand", "reason": "idle"})]
+    zeros += [("tidepool_config_reloads_total", {"result": r}) for r in ("ok", "rejected")]
+    assert [(name, labels) for name, labels in zeros if value(s, name, **labels) != 0] == []
+
+    types.append("quick")  # a reload defined it
+    assert value(await scrape(metrics), "tidepool_tasks_finished_total", type="quick", state="failed") == 0
+
+
 async def test_reconciler_workers_guards_and_reloads() -> None:
     metrics, bus, _ = make_metrics()
     for _ in range(2):
@@ -187,7 +214,7 @@ async def test_reconciler_workers_guards_and_reloads() -> None:
     assert value(s, "tidepool_reconciler_actions_total", action="promoted") == 3
     assert value(s, "tidepool_reconciler_actions_total", action="pruned") == 7
     assert value(s, "tidepool_reconciler_actions_total", action="unserviceable") == 4
-    assert value(s, "tidepool_reconciler_actions_total", action="cancelled") is None
+    assert value(s, "tidepool_reconciler_actions_total", action="cancelled") == 0  # a pass's 0 adds nothing
     assert value(s, "tidepool_workers_started_total", kind="demand") == 1
     assert value(s, "tidepool_workers_stopped_total", kind="demand", reason="idle") == 1
     assert value(s, "tidepool_guard_tripped", guard="memory") == 1  # no guards object: from the events

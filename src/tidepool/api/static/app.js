@@ -5,6 +5,7 @@
 const $ = (id) => document.getElementById(id);
 const samples = [];          // [{t, workers, busy}] for the chart
 const HISTORY_S = 300;
+const CHART_FROM_S = 60;     // fewer seconds of points than this draw a line too short to read: say so instead
 const TERMINAL = new Set(["completed", "failed", "timed_out", "cancelled"]);
 const DETAIL_MIN_GAP_MS = 1000;   // a busy task's events fetch its detail (results can be megabytes) at most this often
 const DETAIL_PERIOD_MS = 10000;   // and an unfinished one is fetched this often anyway, in case an event was missed
@@ -99,7 +100,9 @@ async function refreshPool() {
     kvRows($("queue"), Object.entries(pool.queue));
     const tripped = (pool.guards && pool.guards.tripped) || [];
     setText("guards", tripped.length ? "tripped: " + tripped.join(", ") : "ok");
-    kvRows($("resources"), Object.entries(pool.resources || {}).map(([n, r]) => [n, `${r.in_use}/${r.count}`]));
+    const resources = Object.entries(pool.resources || {}).map(([n, r]) => [n, `${r.in_use}/${r.count}`]);
+    kvRows($("resources"), resources.length ? resources : [["none configured", ""]]);
+    $("resources").classList.toggle("muted", !resources.length);
     samples.push({ t: Date.now() / 1000, workers: pool.workers, busy: pool.busy });
     while (samples.length && samples[0].t < Date.now() / 1000 - HISTORY_S) samples.shift();
     drawChart();
@@ -111,8 +114,13 @@ async function refreshPool() {
 
 function drawChart() {
   const canvas = $("chart");
+  const now = Date.now() / 1000;
+  const collecting = !samples.length || now - samples[0].t < CHART_FROM_S;
+  $("chart-collecting").hidden = !collecting;
+  canvas.hidden = collecting;
+  if (collecting) return;
   const ctx = canvas.getContext("2d");
-  const w = canvas.width, h = canvas.height, now = Date.now() / 1000;
+  const w = canvas.width, h = canvas.height;
   ctx.clearRect(0, 0, w, h);
   const top = Math.max(1, ...samples.map((p) => p.workers));
   const x = (t) => w - ((now - t) / HISTORY_S) * w;
