@@ -179,15 +179,19 @@ class Worker:
 
 @dataclass(frozen=True, slots=True)
 class ClaimFilter:
-    """What this node can run: type globs and the tag sets of its free resource slots."""
+    """What this node can run: the names of the task types it claims (None: any type, as tools and tests
+    claim) and the tag sets of its free resource slots."""
 
-    type_globs: tuple[str, ...] = ("*",)
+    types: tuple[str, ...] | None = None
     tag_sets: tuple[frozenset[str], ...] = ()
 
     def accepts_type(self, task_type: str) -> bool:
-        from fnmatch import fnmatchcase
+        return self.types is None or task_type in self.types
 
-        return any(fnmatchcase(task_type, g) for g in self.type_globs)
+    @property
+    def type_globs(self) -> tuple[str, ...]:
+        """The types as the PostgreSQL store still reads them, as globs, until it claims by name too."""
+        return ("*",) if self.types is None else self.types
 
     def satisfies(self, required: tuple[str, ...]) -> bool:
         return not required or any(set(required) <= tags for tags in self.tag_sets)

@@ -22,10 +22,13 @@ from .errors import StoreUnavailable, TidepoolError
 from .leases import Held
 from .lifecycle import RetryPolicy
 from .model import AttemptStatus, Outcome, State, Task
+from .retry import Backoff
 from .store import Ending, WorkerPort
 
 log = logging.getLogger("tidepool.outcomes")
-RETRY_DELAYS_S = (0.2, 0.5, 1.0, 2.0)  # then one last try; the lease is renewed meanwhile (see Engine)
+# Four tries again, 3.75 s of waits in all, then the outcome is given up on; the lease is renewed meanwhile
+# (see Engine). The store does not retry a write itself: this is the one retry of an outcome.
+RETRY = Backoff(first_s=0.25, cap_s=2.0, tries=4)
 
 
 @dataclass(eq=False, slots=True)
@@ -44,11 +47,11 @@ class Posted:
 class OutcomeWriter:
     def __init__(self, store: WorkerPort, *, policy: Callable[[], RetryPolicy],
                  report: Callable[[Posted, State | TidepoolError], None],
-                 retry_delays_s: tuple[float, ...] = RETRY_DELAYS_S) -> None:
+                 retry: Backoff = RETRY) -> None:
         self._store = store
         self._policy = policy
         self._report = report
-        self._retry_delays_s = retry_delays_s
+        self._retry = retry
         self._queue: list[Posted] = []     # ready to be written
         self._waiting: list[Posted] = []   # to be tried again at their retry_at
         self._flying: list[Posted] = []  # being written now
@@ -111,8 +114,8 @@ class OutcomeWriter:
             answers = [unavailable] * len(batch)
         again = []
         for posted, answer in zip(batch, answers, strict=True):
-            if isinstance(answer, StoreUnavailable) and posted.tries < len(self._retry_delays_s):
-                delay_s = self._retry_delays_s[posted.tries]
+            delay_s = self._retry.delay(posted.tries) if isinstance(answer, StoreUnavailable) else None
+            if delay_s is not None:
                 posted.tries += 1
                 posted.retry_at = anyio.current_time() + delay_s
                 log.warning("task %s attempt %s: outcome not written yet, retrying in %.1fs: %s", posted.task.id,

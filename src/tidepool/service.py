@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import fcntl
 import gc
-import glob
 import logging
 import os
 import re
@@ -527,14 +526,13 @@ class Daemon:
     def _may_claim(self) -> bool:
         """Not while a host guard holds, nor on a node whose pool.task_types accepts none of its types (one
         that only takes submits for the fleet)."""
-        return self.guards.ok() and bool(self._claim_filter().type_globs)
+        return self.guards.ok() and bool(self._claim_filter().types)
 
     def _claim_filter(self) -> ClaimFilter:
-        """Types this node runs, tags its free slots carry (rule 2); asked before every claim, so cached.
-        Each type is a glob matching its name alone (glob.escape): the store API takes globs."""
+        """Types this node runs, tags its free slots carry (rule 2); asked before every claim, so cached."""
         version = self.resources.version
         if self._filter is None or self._filter[0] is not self.settings or self._filter[1] != version:
-            types = tuple(glob.escape(name) for name in self.settings.claimed_types())
+            types = tuple(self.settings.claimed_types())
             self._filter = (self.settings, version, ClaimFilter(types, self.resources.free_tag_sets()))
         return self._filter[2]
 

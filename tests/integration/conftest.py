@@ -90,7 +90,7 @@ async def running_node(store: Store, plugins: dict[str, Plugin], *, types: dict[
         slots = resources
 
         def claim_filter() -> ClaimFilter:
-            return ClaimFilter(("*",), slots.free_tag_sets())
+            return ClaimFilter(tag_sets=slots.free_tag_sets())
 
         extra["promise_slots"] = slots.claiming  # as the daemon wires it
     the_pool = Pool(store, engine, leases, events, config=pool or PoolConfig(poll_interval_s=0.5),

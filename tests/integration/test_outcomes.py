@@ -14,6 +14,7 @@ from tidepool.leases import Held
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, Outcome, State, TaskError, Worker
 from tidepool.outcomes import OutcomeWriter, Posted, UnwrittenInterruptions
+from tidepool.retry import Backoff
 from tidepool.store import Ending
 from tidepool.store.sqlite import SqliteStore
 
@@ -80,7 +81,7 @@ async def test_a_store_briefly_away_is_tried_again_and_flushed_means_written(sto
     flaky.away = 2
     answers: dict[str, State | TidepoolError] = {}
     writer = OutcomeWriter(flaky, policy=lambda: POLICY,  # type: ignore[arg-type]
-                           report=lambda p, a: answers.__setitem__(p.task.id, a), retry_delays_s=(0.01, 0.01, 0.01))
+                           report=lambda p, a: answers.__setitem__(p.task.id, a), retry=Backoff(0.01, 0.01, tries=3))
     tasks = await claimed(store, 3)
     async with anyio.create_task_group() as tg:
         await tg.start(writer.run)
@@ -100,7 +101,7 @@ async def test_a_store_away_longer_than_the_retries_reports_the_outcome_as_not_w
     flaky.away = 10
     answers: dict[str, State | TidepoolError] = {}
     writer = OutcomeWriter(flaky, policy=lambda: POLICY,  # type: ignore[arg-type]
-                           report=lambda p, a: answers.__setitem__(p.task.id, a), retry_delays_s=(0.01, 0.01))
+                           report=lambda p, a: answers.__setitem__(p.task.id, a), retry=Backoff(0.01, 0.01, tries=2))
     (task,) = await claimed(store, 1)
     async with anyio.create_task_group() as tg:
         await tg.start(writer.run)
@@ -143,7 +144,7 @@ async def test_interruptions_a_shutdown_could_not_write_are_written_by_the_next_
     flaky.away = 10**6
     # the store refuses at once, and the writer gives up after its retries (or is still trying)
     writer = OutcomeWriter(flaky, policy=lambda: POLICY, report=lambda p, a: None,  # type: ignore[arg-type]
-                           retry_delays_s=(0.01,))
+                           retry=Backoff(0.01, 0.01, tries=1))
     given_up, still_tried = await claimed(store, 2)
     interrupted = Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "interrupted by shutdown"))
     async with anyio.create_task_group() as tg:

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 import anyio
 import asyncpg
 import pytest
+from anyio.abc import TaskStatus
 
 from tidepool.errors import ConfigError
 from tidepool.lifecycle import RetryPolicy
@@ -69,9 +70,19 @@ async def test_prune_forgets_nodes_not_heard_from_since_before(store: Store) -> 
 
 
 async def test_watch_reports_started_and_stops_when_cancelled(store: Store) -> None:
-    async with anyio.create_task_group() as tg:
-        await tg.start(store.watch, lambda n: None)
-        tg.cancel_scope.cancel()
+    returned: list[bool] = []
+
+    async def watching(*, task_status: TaskStatus[None]) -> None:
+        await store.watch(lambda n: None, task_status=task_status)
+        returned.append(True)  # only a watch that ends by itself gets here
+
+    with anyio.fail_after(5):  # a watch that never reports started, or outlives its cancel, fails here
+        async with anyio.create_task_group() as tg:
+            await tg.start(watching)
+            await anyio.sleep(0.1)
+            assert returned == [], "watch returned by itself: it watches until cancelled"
+            tg.cancel_scope.cancel()
+    assert returned == [] and tg.cancel_scope.cancel_called
 
 
 # PostgreSQL: the node lock and the wake-ups between nodes
@@ -135,10 +146,15 @@ async def test_a_second_process_cannot_take_a_held_node_id_and_is_told_who_holds
 
 async def test_the_node_lock_belongs_to_the_schema(postgres_schema: tuple[str, str]) -> None:
     url, schema = postgres_schema
-    async with opened(url, schema) as a, opened(url, schema + "_other") as b:
+    async with opened(url, schema) as a, opened(url, schema) as same_fleet, \
+            opened(url, schema + "_other") as b, opened(url, schema + "_other") as b_fleet:
         try:
             await a.lock_node("host-a", "inst-1")
-            await b.lock_node("host-a", "inst-2")  # another fleet in the same database
+            with pytest.raises(ConfigError, match="host-a already runs"):
+                await same_fleet.lock_node("host-a", "inst-2")  # held in this schema
+            await b.lock_node("host-a", "inst-3")  # another fleet in the same database: free there
+            with pytest.raises(ConfigError, match="host-a already runs"):
+                await b_fleet.lock_node("host-a", "inst-4")  # and now held there too
         finally:
             conn = await asyncpg.connect(url)
             await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}_other" CASCADE')

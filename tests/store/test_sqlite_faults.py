@@ -13,13 +13,13 @@ import pytest
 
 from tidepool.errors import StoreUnavailable
 from tidepool.model import NewTask
-from tidepool.store import sqlite as sqlite_store
 from tidepool.store.sqlite import SqliteStore
+from tidepool.store.sqlite import database as sqlite_database
 
 
 async def test_a_full_disk_fails_writes_naming_the_file_and_is_said_a_while_after_its_last_failure(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sqlite_store, "WRITE_FAILURE_HOLD_S", 0.5)
+    monkeypatch.setattr(sqlite_database, "WRITE_FAILURE_HOLD_S", 0.5)
     store = SqliteStore(tmp_path / "tidepool.db")
     await store.open()
     try:

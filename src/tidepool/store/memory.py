@@ -33,7 +33,7 @@ from ..model import (
 )
 from ..schedules import Fired, Schedule
 from .port import CancelAnswer, Ended, Ending, Expired, Node, Page, PhaseNote
-from .rules import batch_answer, cancel_step, check_room, expiry_outcome, retry_step
+from .rules import batch_answer, cancel_step, check_room, expiry_outcome, finish_alone, retry_step
 
 
 @dataclasses.dataclass
@@ -180,10 +180,7 @@ class MemoryStore:
         return batch
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
-        result = (await self.finish_many([Ending(lease, outcome, now)], policy=policy))[0]
-        if isinstance(result, TidepoolError):
-            raise result
-        return result
+        return await finish_alone(self, lease, outcome, now=now, policy=policy)
 
     async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
         results: list[State | TidepoolError] = []

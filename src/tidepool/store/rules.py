@@ -7,10 +7,10 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..errors import Conflict, InvalidTransition, QueueFull
-from ..lifecycle import Event, step
-from ..model import ACTIVE, QUEUED, TERMINAL, AttemptStatus, NewTask, Outcome, State, TaskError
-from .port import Ending
+from ..errors import Conflict, InvalidTransition, QueueFull, TidepoolError
+from ..lifecycle import Event, RetryPolicy, step
+from ..model import ACTIVE, QUEUED, TERMINAL, AttemptStatus, Lease, NewTask, Outcome, State, TaskError
+from .port import Ending, WorkerPort
 
 
 def sql_states(states: Iterable[State]) -> str:
@@ -29,6 +29,15 @@ UNFINISHED_SQL = sql_states(set(State) - TERMINAL)
 def may_end(state: State, lease_expires_at: float, now: float) -> bool:
     """A worker may end its attempt while its lease is live, and always acknowledge a cancel."""
     return state is State.CANCELLING or (state.active and lease_expires_at > now)
+
+
+async def finish_alone(store: WorkerPort, lease: Lease, outcome: Outcome, *, now: float,
+                       policy: RetryPolicy) -> State:
+    """A store's finish(): finish_many of this one ending, its error raised."""
+    result = (await store.finish_many([Ending(lease, outcome, now)], policy=policy))[0]
+    if isinstance(result, TidepoolError):
+        raise result
+    return result
 
 
 LEASE_EXPIRED = TaskError("lease_expired", "the lease expired before the worker renewed it")
