@@ -63,7 +63,7 @@ from .fenced import FencedWrites, expiry, lease_arrays, lost, write_ends
 from .firing import fire
 from .migrations import migrate
 from .session import Session
-from .sql import SQL
+from .statements import SQL
 
 __all__ = ["CALL_TIMEOUT_S", "CONNECT_TIMEOUT_S", "DRIVER_ERRORS", "SCHEMA_VERSION", "PostgresStore", "channel_for"]
 SWEEP = 500  # rows per reconciler transaction: bounded locks and WAL per step

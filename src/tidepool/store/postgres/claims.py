@@ -9,7 +9,7 @@ from ...model import Claimed, ClaimFilter, Lease, Worker, new_id, new_token
 from ..rows import task_of
 from .connection import Connections
 from .group import Group
-from .sql import SQL
+from .statements import SQL
 
 MAX_CLAIM_GROUPS = 64  # claim filters remembered; tag sets change as resource slots come and go
 

@@ -23,7 +23,7 @@ from ..rows import error_text, result_of
 from ..rules import completable_at_once, may_end, progress_text
 from .connection import Conn, Connections, said
 from .group import Group
-from .sql import SQL
+from .statements import SQL
 
 Completion = tuple[Lease, float, dict[str, Any] | None]  # a bare success: its lease, its end time, its progress
 log = logging.getLogger("tidepool.store.postgres")

@@ -11,7 +11,7 @@ from ...schedules import Fired, Schedule
 from ..rows import schedule_of, schedule_values
 from .connection import Conn
 from .queue import insert_args, queued
-from .sql import SQL
+from .statements import SQL
 
 
 async def fire(conn: Conn, name: str, now: float, new_task: Callable[[Schedule, float], NewTask] | None,

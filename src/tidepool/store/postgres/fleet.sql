@@ -5,33 +5,30 @@
 SELECT pg_try_advisory_lock(hashtextextended($1, 0))
 
 -- name: save_node
-INSERT INTO nodes (node_id, instance_id, hostname, pid, version, started_at, heartbeat_at, heartbeat_s, stopped_at,
-                   task_types, tags, max_workers)
+INSERT INTO nodes ({node_columns})
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
 ON CONFLICT (node_id) DO UPDATE SET instance_id = $2, hostname = $3, pid = $4, version = $5, started_at = $6,
     heartbeat_at = $7, heartbeat_s = $8, stopped_at = $9, task_types = $10, tags = $11, max_workers = $12
 
 -- name: list_nodes
-SELECT node_id, instance_id, hostname, pid, version, started_at, heartbeat_at, heartbeat_s, stopped_at,
-    task_types, tags, max_workers
+SELECT {node_columns}
 FROM nodes ORDER BY node_id
 
 -- name: node
-SELECT node_id, instance_id, hostname, pid, version, started_at, heartbeat_at, heartbeat_s, stopped_at,
-    task_types, tags, max_workers
+SELECT {node_columns}
 FROM nodes WHERE node_id = $1
 
 -- name: save_schedule
-INSERT INTO schedules (name, spec, paused, next_tick_at, next_run_at, last_run_at, last_task_id)
+INSERT INTO schedules ({schedule_columns})
 VALUES ($1, $2, $3, $4, $5, $6, $7)
 ON CONFLICT (name) DO UPDATE SET spec = $2, paused = $3, next_tick_at = $4, next_run_at = $5,
     last_run_at = $6, last_task_id = $7
 
 -- name: list_schedules
-SELECT name, spec, paused, next_tick_at, next_run_at, last_run_at, last_task_id FROM schedules ORDER BY name
+SELECT {schedule_columns} FROM schedules ORDER BY name
 
 -- name: locked_schedule
-SELECT name, spec, paused, next_tick_at, next_run_at, last_run_at, last_task_id FROM schedules
+SELECT {schedule_columns} FROM schedules
 WHERE name = $1 FOR UPDATE
 
 -- name: delete_schedule
@@ -43,7 +40,7 @@ SELECT name, spec FROM schedules WHERE NOT paused AND next_run_at <= $1
 
 -- name: due_schedule
 -- Each due schedule is fired in a transaction of its own; a node skips the ones another is firing.
-SELECT name, spec, paused, next_tick_at, next_run_at, last_run_at, last_task_id FROM schedules
+SELECT {schedule_columns} FROM schedules
 WHERE name = $1 AND NOT paused AND next_run_at <= $2
 FOR UPDATE SKIP LOCKED
 
@@ -52,4 +49,4 @@ SELECT idempotency_key FROM tasks WHERE idempotency_key = ANY($1::text[])
 
 -- name: active
 -- Whether a schedule's last task has not ended yet.
-SELECT state IN ('completed', 'failed', 'timed_out', 'cancelled') IS FALSE FROM tasks WHERE id = $1
+SELECT state IN {terminal} IS FALSE FROM tasks WHERE id = $1

@@ -16,7 +16,7 @@ WITH l AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) AS l(id, att
 locked AS MATERIALIZED (
     SELECT t.id FROM tasks t
     JOIN l ON t.id = l.id AND t.lease_attempt_id = l.attempt_id AND t.lease_token = l.token
-    WHERE (t.state || '') IN ('leased', 'running') AND t.lease_expires_at > $4
+    WHERE (t.state || '') IN {working} AND t.lease_expires_at > $4
     ORDER BY t.id FOR NO KEY UPDATE OF t
 )
 UPDATE tasks t SET lease_expires_at = $5 FROM locked WHERE t.id = locked.id
@@ -29,7 +29,7 @@ WITH l AS (
 ), locked AS MATERIALIZED (
     SELECT t.id, l.phase, l.progress FROM tasks t
     JOIN l ON t.id = l.id AND t.lease_attempt_id = l.attempt_id AND t.lease_token = l.token
-    WHERE (t.state || '') IN ('leased', 'running') AND t.lease_expires_at > $6
+    WHERE (t.state || '') IN {working} AND t.lease_expires_at > $6
     ORDER BY t.id FOR NO KEY UPDATE OF t
 ), noted AS (
     UPDATE tasks t SET phase = locked.phase, progress = coalesce(locked.progress, t.progress),
@@ -49,7 +49,7 @@ WITH l AS (
 ), locked AS MATERIALIZED (
     SELECT t.id, l.now, l.progress FROM tasks t
     JOIN l ON t.id = l.id AND t.lease_attempt_id = l.attempt_id AND t.lease_token = l.token
-    WHERE (t.state || '') IN ('leased', 'running') AND t.lease_expires_at > l.now
+    WHERE (t.state || '') IN {working} AND t.lease_expires_at > l.now
     ORDER BY t.id FOR NO KEY UPDATE OF t
 ), done AS (
     UPDATE tasks t SET state = 'completed', phase = NULL, progress = coalesce(locked.progress, t.progress),
@@ -74,7 +74,7 @@ SELECT state FROM tasks WHERE id = $1 AND lease_attempt_id = $2 AND lease_token 
 -- FOR SHARE holds off an expiry or a cancel until the result is in, or sees theirs first.
 WITH fenced AS (
     SELECT id FROM tasks WHERE id = $1 AND lease_attempt_id = $2 AND lease_token = $3
-      AND state IN ('leased', 'running') AND lease_expires_at > $4
+      AND state IN {working} AND lease_expires_at > $4
     FOR SHARE
 ), stored AS (
     INSERT INTO results (idempotency_key, task_id, attempt_id, plugin, sequence, sha256, final, payload,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from ...errors import SchemaMismatch
-from .connection import Conn
-from .sql import migrations, text
+from importlib import resources
 
-MIGRATIONS = migrations()
-CLAIM_FUNCTION = text("claim.sql")
+from ...errors import SchemaMismatch
+from .. import sql
+from .connection import Conn
+
+MIGRATIONS = sql.migrations(__package__)
+CLAIM_FUNCTION = resources.files(__package__).joinpath("claim.sql").read_text(encoding="utf-8")
 MIGRATE_TIMEOUT_S = 60.0  # a migration may rewrite a big table: it runs once, at open, not as a store call
 MIGRATE_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))"
 
@@ -28,8 +30,8 @@ async def migrate(conn: Conn, schema: str, *, to: int, allowed: bool, where: str
             raise SchemaMismatch(f"store {where} has schema version {version}, needs {to}: run `tidepool migrate`")
         await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
         await conn.execute(f'SET LOCAL search_path TO "{schema}"')  # what the migrations create goes there
-        for v in range(version + 1, to + 1):
-            await conn.execute(MIGRATIONS[v], timeout=MIGRATE_TIMEOUT_S)
+        for v, script in (m for m in MIGRATIONS if version < m[0] <= to):
+            await conn.execute(script, timeout=MIGRATE_TIMEOUT_S)
             await conn.execute("INSERT INTO schema_version VALUES ($1, extract(epoch FROM clock_timestamp()))", v)
         await conn.execute(CLAIM_FUNCTION, timeout=MIGRATE_TIMEOUT_S)
     return version

@@ -11,7 +11,7 @@ from ...model import NewTask, Task, new_id
 from ..rows import task_of
 from ..rules import batch_answer, check_room
 from .connection import Conn
-from .sql import SQL
+from .statements import SQL
 
 
 async def add_many(conn: Conn, batch: Sequence[NewTask], keyed: dict[str, NewTask], now: float,

@@ -4,13 +4,13 @@
 
 -- name: expiring
 SELECT state, attempt, max_attempts, interruptions, id, lease_attempt_id, lease_token, type FROM tasks
-WHERE state IN ('leased', 'running', 'cancelling') AND lease_expires_at <= $1
+WHERE state IN {active} AND lease_expires_at <= $1
 LIMIT $2 FOR NO KEY UPDATE SKIP LOCKED
 
 -- name: expiring_of_node
 -- Every lease of a node's other processes (a restart of that node), expired or not.
 SELECT state, attempt, max_attempts, interruptions, id, lease_attempt_id, lease_token, type FROM tasks
-WHERE state IN ('leased', 'running', 'cancelling') AND node_id = $1 AND lease_instance IS DISTINCT FROM $2
+WHERE state IN {active} AND node_id = $1 AND lease_instance IS DISTINCT FROM $2
 LIMIT $3 FOR NO KEY UPDATE SKIP LOCKED
 
 -- name: promote
@@ -34,13 +34,13 @@ UPDATE tasks t SET state = $4, phase = NULL, error = $3, finished_at = $2, updat
 FROM due WHERE t.id = due.id RETURNING t.id, t.type
 
 -- name: queued_tag_sets
-SELECT DISTINCT required_tags FROM tasks WHERE state IN ('pending', 'retry_wait') AND cardinality(required_tags) > 0
+SELECT DISTINCT required_tags FROM tasks WHERE state IN {queued} AND cardinality(required_tags) > 0
 
 -- name: fail_unserviceable
 -- Equal as sets: each array contains the other. The row lock and the state test keep a task failed once.
 WITH due AS (
     SELECT id FROM tasks
-    WHERE state IN ('pending', 'retry_wait') AND required_tags @> $1::text[] AND required_tags <@ $1::text[]
+    WHERE state IN {queued} AND required_tags @> $1::text[] AND required_tags <@ $1::text[]
     LIMIT $5 FOR NO KEY UPDATE SKIP LOCKED
 )
 UPDATE tasks t SET state = $2, phase = NULL, error = $3, finished_at = $4, updated_at = $4
@@ -49,7 +49,7 @@ FROM due WHERE t.id = due.id RETURNING t.id, t.type
 -- name: prune
 WITH old AS (
     SELECT id FROM tasks
-    WHERE finished_at < $1 AND state IN ('completed', 'failed', 'timed_out', 'cancelled')
+    WHERE finished_at < $1 AND state IN {terminal}
     LIMIT $2 FOR UPDATE SKIP LOCKED
 ), r AS (
     DELETE FROM results WHERE task_id IN (SELECT id FROM old)

@@ -19,7 +19,7 @@ from ...errors import ConfigError, StoreUnavailable
 from ..port import Node
 from ..rows import node_of
 from .connection import DRIVER_ERRORS, Conn, Connections, said
-from .sql import SQL
+from .statements import SQL
 
 log = logging.getLogger("tidepool.store.postgres")
 SESSION_ERRORS: tuple[type[BaseException], ...] = (StoreUnavailable, *DRIVER_ERRORS)

@@ -4,30 +4,26 @@
 
 -- name: get
 -- One statement, one consistent snapshot: the task with its attempts and results.
-SELECT id, type, payload, priority, state, phase, progress, attempt, max_attempts, interruptions,
-    timeout_s, required_tags, idempotency_key, node_id, error, created_at, updated_at, available_at, finished_at,
+SELECT {task_columns},
     ARRAY(
-        SELECT ROW(a.id, a.task_id, a.number, a.node_id, a.worker_id, a.status, a.started_at, a.finished_at,
-                   a.error, a.exit_status, a.stderr_tail)
+        SELECT ROW({attempt_columns})
         FROM attempts a WHERE a.task_id = t.id ORDER BY a.number),
     ARRAY(
-        SELECT ROW(r.plugin, r.sequence, r.idempotency_key, r.sha256, r.final, r.payload, r.attempt_id)
+        SELECT ROW({result_columns})
         FROM results r WHERE r.task_id = t.id ORDER BY r.created_at, r.sequence)
 FROM tasks t WHERE id = $1
 
 -- name: list_tasks
 -- Newest first, with attempts and without results; {where} is a conjunction of the filters given.
-SELECT id, type, payload, priority, state, phase, progress, attempt, max_attempts, interruptions,
-    timeout_s, required_tags, idempotency_key, node_id, error, created_at, updated_at, available_at, finished_at,
+SELECT {task_columns},
     ARRAY(
-        SELECT ROW(a.id, a.task_id, a.number, a.node_id, a.worker_id, a.status, a.started_at, a.finished_at,
-                   a.error, a.exit_status, a.stderr_tail)
+        SELECT ROW({attempt_columns})
         FROM attempts a WHERE a.task_id = t.id ORDER BY a.number)
 FROM tasks t WHERE {where} ORDER BY id DESC LIMIT {limit}
 
 -- name: counts
 SELECT state, count(*) FROM tasks
-WHERE state IN ('pending', 'leased', 'running', 'retry_wait', 'cancelling') GROUP BY state
+WHERE state IN {unfinished} GROUP BY state
 
 -- name: insert_many
 INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags,
@@ -40,16 +36,14 @@ INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, 
                    idempotency_key, fingerprint, created_at, updated_at, available_at)
 VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10, $10, $11)
 ON CONFLICT (idempotency_key) DO NOTHING
-RETURNING id, type, payload, priority, state, phase, progress, attempt, max_attempts, interruptions,
-    timeout_s, required_tags, idempotency_key, node_id, error, created_at, updated_at, available_at, finished_at,
+RETURNING {task_columns},
     pg_notify(current_setting('tidepool.channel'), '1')
 
 -- name: notify
 SELECT pg_notify(current_setting('tidepool.channel'), $1)
 
 -- name: existing
-SELECT id, type, payload, priority, state, phase, progress, attempt, max_attempts, interruptions,
-    timeout_s, required_tags, idempotency_key, node_id, error, created_at, updated_at, available_at, finished_at,
+SELECT {task_columns},
     fingerprint
 FROM tasks WHERE idempotency_key = $1
 
@@ -63,7 +57,7 @@ SELECT pg_advisory_xact_lock(hashtextextended('tidepool.queued.' || current_sche
 
 -- name: queued
 -- The tasks queued, counted no further than $1.
-SELECT count(*) FROM (SELECT 1 FROM tasks WHERE state IN ('pending', 'retry_wait') LIMIT $1) AS q
+SELECT count(*) FROM (SELECT 1 FROM tasks WHERE state IN {queued} LIMIT $1) AS q
 
 -- name: lock_state
 SELECT state, type FROM tasks WHERE id = $1 FOR NO KEY UPDATE
@@ -79,10 +73,8 @@ UPDATE tasks SET state = $1, cancel_requested_at = $2, updated_at = $2 WHERE id 
 UPDATE tasks t SET state = $1, attempt = 0, interruptions = 0, available_at = $2, updated_at = $2,
     finished_at = NULL, error = NULL, progress = NULL
 WHERE id = $3
-RETURNING id, type, payload, priority, state, phase, progress, attempt, max_attempts, interruptions,
-    timeout_s, required_tags, idempotency_key, node_id, error, created_at, updated_at, available_at, finished_at,
+RETURNING {task_columns},
     ARRAY(
-        SELECT ROW(a.id, a.task_id, a.number, a.node_id, a.worker_id, a.status, a.started_at, a.finished_at,
-                   a.error, a.exit_status, a.stderr_tail)
+        SELECT ROW({attempt_columns})
         FROM attempts a WHERE a.task_id = t.id ORDER BY a.number),
     pg_notify(current_setting('tidepool.channel'), '1')
