@@ -46,7 +46,7 @@ class Claims:
     async def _group(self, where: ClaimFilter, calls: list[_ClaimCall]) -> list[list[Claimed]]:
         """Leases for every queued claim of one filter in one statement, split in queue order."""
         slots = [(call, new_id(call.now), new_token()) for call in calls for _ in range(call.limit)]
-        patterns = None if "*" in where.type_globs else [_glob_regex(g) for g in where.type_globs]
+        patterns = None if where.types is None else [_exactly(t) for t in where.types]
         tag_sets = json.dumps([sorted(s) for s in where.tag_sets]) if where.tag_sets else None
         async with self._db.conn() as conn:
             rows = await conn.fetch(
@@ -62,49 +62,8 @@ class Claims:
         return [claimed[id(c)] for c in calls]
 
 
-
-def _glob_regex(glob: str) -> str:
-    """An anchored PostgreSQL regex that matches what fnmatch.fnmatchcase(name, glob) matches."""
-    out, i, n = ["^"], 0, len(glob)
-    while i < n:
-        c, i = glob[i], i + 1
-        if c == "*":
-            out.append(".*")
-        elif c == "?":
-            out.append(".")
-        elif c == "[" and (j := _class_end(glob, i)) is not None:
-            out.append(_char_class(glob[i:j]))
-            i = j + 1
-        else:
-            out.append(_literal(c))
-    return "".join(out) + "$"
-
-
-def _class_end(glob: str, i: int) -> int | None:
-    """Where the class opened just before i closes, as fnmatch reads it; None: the `[` is literal."""
-    j = i + 1 if i < len(glob) and glob[i] == "!" else i
-    j = j + 1 if j < len(glob) and glob[j] == "]" else j
-    j = glob.find("]", j)
-    return None if j < 0 else j
-
-
-def _char_class(body: str) -> str:
-    negate = body.startswith("!")
-    body = body[1:] if negate else body
-    items, k = [], 0
-    while k < len(body):
-        if k + 2 < len(body) and body[k + 1] == "-":
-            if body[k] <= body[k + 2]:  # fnmatch drops reversed ranges
-                items.append(f"{_literal(body[k])}-{_literal(body[k + 2])}")
-            k += 3
-        else:
-            items.append(_literal(body[k]))
-            k += 1
-    if not items:  # fnmatch: an empty class matches nothing, a negated one any character
-        return "." if negate else "[^\\x00-\\U0010FFFF]"
-    return f"[{'^' if negate else ''}{''.join(items)}]"
-
-
-def _literal(c: str) -> str:
-    # In PostgreSQL's regexes a backslash makes any non-alphanumeric character literal.
-    return c if c.isalnum() or not c.isascii() else "\\" + c
+def _exactly(name: str) -> str:
+    """An anchored PostgreSQL regex that matches `name` and nothing else: the claim function of the schema
+    matches types by regex. A backslash makes an ASCII character other than a letter or digit literal; no
+    other character means anything but itself there."""
+    return "^" + "".join(c if c.isalnum() or not c.isascii() else "\\" + c for c in name) + "$"
