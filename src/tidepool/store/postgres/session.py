@@ -16,6 +16,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from ...errors import ConfigError, StoreUnavailable
+from ...retry import Backoff
 from ..port import Node
 from ..rows import node_of
 from .connection import DRIVER_ERRORS, Conn, Connections, said
@@ -24,7 +25,7 @@ from .statements import SQL
 log = logging.getLogger("tidepool.store.postgres")
 SESSION_ERRORS: tuple[type[BaseException], ...] = (StoreUnavailable, *DRIVER_ERRORS)
 PING_EVERY_S = 5.0  # the LISTEN connection proves itself this often: a silent network drop is noticed
-RECONNECT_MAX_S = 5.0  # backoff ceiling between attempts to re-establish the LISTEN connection
+RECONNECT = Backoff(first_s=0.1, cap_s=5.0)  # between attempts to re-establish the LISTEN connection
 MAX_WAKE = 1000  # a notification's count is a hint; no more wake-ups than this from one
 
 
@@ -76,7 +77,7 @@ class Session:
             wake(max(1, min(n, MAX_WAKE)))
 
         task_status.started()
-        backoff, dropped = 0.1, False
+        waits, dropped = RECONNECT.delays(), False
         while True:
             lost = anyio.Event()
             try:
@@ -86,14 +87,13 @@ class Session:
                     "store %s: cannot LISTEN (%s); retrying with backoff", self._db.where, exc
                 )
                 self._drop(self._conn)
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, RECONNECT_MAX_S)
+                await anyio.sleep(next(waits))
                 dropped = True
                 continue
             if dropped:
                 log.info("store %s: LISTEN connection re-established", self._db.where)
                 wake(MAX_WAKE)
-            backoff, dropped = 0.1, False
+            waits, dropped = RECONNECT.delays(), False
             await self._keep(conn, lost)
             log.warning("store %s: LISTEN connection lost; reconnecting", self._db.where)
             dropped = True
