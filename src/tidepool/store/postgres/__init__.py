@@ -56,12 +56,11 @@ from ..rows import (
     task_of,
 )
 from ..rules import cancel_step, expiry_outcome, progress_text, retry_step
-from . import queue
+from . import migrations, queue
 from .claims import Claims
 from .connection import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, DRIVER_ERRORS, Connections, channel_for, said
 from .fenced import FencedWrites, expiry, lease_arrays, lost, write_ends
 from .firing import fire
-from .migrations import migrate
 from .session import Session
 from .statements import SQL
 
@@ -89,7 +88,8 @@ class PostgresStore:
         pool = await self._db.open()
         try:
             async with pool.acquire() as conn:
-                found = await _migrate(conn, self._db, migrate)
+                found = await migrations.migrate(conn, self.schema, to=SCHEMA_VERSION, allowed=migrate,
+                                                 where=self._db.where)
         except DRIVER_ERRORS as exc:
             pool.terminate()
             raise StoreUnavailable(f"store {self._db.where}: {said(exc)}") from exc
@@ -109,7 +109,7 @@ class PostgresStore:
         """Asked of the server: a failover that left the URL on a standby, or a database set read-only,
         answers every read and refuses every write. A server that does not answer raises, as any read."""
         async with self._db.conn() as conn:
-            row = await conn.fetchrow("SELECT pg_is_in_recovery(), current_setting('transaction_read_only')")
+            row = await conn.fetchrow(SQL["takes_writes"])
         if row[0] or row[1] == "on":
             why = "is a standby in recovery" if row[0] else "runs its transactions read-only"
             return f"store {self._db.where}: the server {why}, so every write is refused"
@@ -353,10 +353,6 @@ class PostgresStore:
     async def watch(self, wake: Callable[[int], None], *,
                     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await self._session.watch(wake, task_status=task_status)
-
-
-async def _migrate(conn: Any, db: Connections, allowed: bool) -> int:
-    return await migrate(conn, db.schema, to=SCHEMA_VERSION, allowed=allowed, where=db.where)
 
 
 async def _lock_state(conn: Any, task_id: str) -> tuple[State, str]:

@@ -1,4 +1,9 @@
--- The fleet's statements: the node registry, the node lock, and schedules.
+-- The fleet's statements: the server's own state, the node registry, the node lock, and schedules.
+
+-- name: takes_writes
+-- A standby in recovery (a failover that left a node's URL on it), or a database set read-only, answers
+-- every read and refuses every write.
+SELECT pg_is_in_recovery(), current_setting('transaction_read_only')
 
 -- name: node_lock
 -- A session advisory lock: the process that holds it runs this node id.
