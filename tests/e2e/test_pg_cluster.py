@@ -353,6 +353,7 @@ class Proxy:
         self._thread = threading.Thread(target=self._loop.run_forever, name="pg-proxy", daemon=True)
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
+        self._serving: set[asyncio.Task[None]] = set()
         self.blackholed = False
 
     def __enter__(self) -> Proxy:
@@ -388,16 +389,31 @@ class Proxy:
         for writer in self._open:
             writer.transport.abort()
         self._open.clear()
+        if self._serving:  # each ends once its connections are gone
+            await asyncio.wait(self._serving, timeout=2)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._serving.add(task)
+        self._open.add(writer)
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
+            if self.blackholed:  # a new connection's handshake goes nowhere either
+                with contextlib.suppress(OSError):
+                    while await reader.read(65536):
+                        pass
+                return
+            try:
+                up_reader, up_writer = await asyncio.open_connection(*self.target)
+            except OSError:
+                return
+            self._open.add(up_writer)
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True)
+            self._open.discard(up_writer)
+        finally:
             writer.transport.abort()
-            return
-        self._open |= {writer, up_writer}
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True)
-        self._open -= {writer, up_writer}
+            self._open.discard(writer)
+            self._serving.discard(task)
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
