@@ -135,7 +135,7 @@ class OutcomeWriter:
 class UnwrittenInterruptions:
     """Attempts a shutdown interrupted but could not record so (the store was away), kept in a file of the
     node's state dir until its next start writes them: left to expire, each would be charged as a crash
-    and could fail a task that never failed (SPEC rule 6)."""
+    and could fail a task that never failed (an interruption is not charged to the task's attempts)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -1,4 +1,4 @@
-"""The store contract (SPEC §2, §8, §9): every adapter passes the same tests, time passed in as `now=`."""
+"""The store contract: every adapter passes the same tests, time passed in as `now=`."""
 
 from __future__ import annotations
 
@@ -283,7 +283,7 @@ async def test_add_many_that_would_exceed_max_queued_is_refused_whole(store: Sto
     assert len(await store.add_many([NewTask("noop")] * 2, now=T0, max_queued=4)) == 2
 
 
-# claiming (rule 2)
+# claiming: only what the node can run, each task by one worker
 
 
 async def test_claim_order_is_priority_then_oldest_first(store: Store) -> None:
@@ -360,7 +360,7 @@ async def test_claimed_task_reads_as_the_store_holds_it(store: Store) -> None:
         (1, "node-a", "worker-1", AttemptStatus.FAILED), (2, "node-b", "worker-9", AttemptStatus.LEASED)]
 
 
-# worker writes are fenced (rule 3)
+# worker writes are fenced by attempt id and lease token
 
 
 @pytest.mark.parametrize("wrong", ["token", "attempt_id"])
@@ -431,7 +431,7 @@ async def test_expired_lease_retries_with_backoff_then_fails_when_attempts_run_o
 async def test_restart_recovery_ends_the_interruptions_a_shutdown_could_not_write_as_interruptions(
         store: Store) -> None:
     """The shutdown stopped these attempts while the store was away: charged as crashes, a task with
-    max_attempts 1 would fail without ever having failed (rule 6)."""
+    max_attempts 1 would fail without ever having failed: an interruption is not charged."""
     old = Worker("node-a", "a-old", "worker-1")
     stopped = await running(store, worker=old, max_attempts=1)
     crashed = await running(store, worker=old, max_attempts=1)
@@ -606,7 +606,7 @@ async def test_promote_due_moves_only_due_retry_waits_to_pending(store: Store) -
     assert (await store.get(late.task.id)).state is State.PENDING
 
 
-# cancel (rule 8)
+# cancel: queued tasks end at once, held ones are asked to stop; a repeated cancel changes nothing
 
 
 @pytest.mark.parametrize("state", [State.PENDING, State.RETRY_WAIT])
@@ -680,7 +680,7 @@ async def test_finish_cancels_ends_only_cancels_past_the_deadline(store: Store) 
     assert await store.finish(young.lease, CANCELLED, now=T0 + 63, policy=POLICY) is State.CANCELLED
 
 
-# unserviceable tags (SPEC §9)
+# unserviceable tags: queued tasks no node of the fleet can serve fail
 
 
 X, XY, Y = frozenset({"x"}), frozenset({"x", "y"}), frozenset({"y"})
@@ -713,7 +713,7 @@ async def test_two_nodes_failing_the_same_tags_at_once_fail_each_task_once(store
     assert await store.queued_tag_sets() == []
 
 
-# results (rule 7)
+# results: each batch stored once, under its idempotency key
 
 
 async def test_result_batch_is_stored_once_per_key(store: Store) -> None:

@@ -33,7 +33,7 @@ from ..model import (
 )
 from ..schedules import Fired, Schedule
 from .port import CancelAnswer, Ended, Ending, Expired, Node, Page, PhaseNote
-from .rules import batch_answer, cancel_step, check_room, expiry_outcome, finish_alone, retry_step
+from .rules import batch_answer, cancel_step, check_room, expiry_outcome, finish_alone, may_end, retry_step
 
 
 @dataclasses.dataclass
@@ -359,13 +359,14 @@ class MemoryStore:
         return Claimed(row.task, lease)
 
     def _fenced(self, lease: Lease, now: float, *, ending: bool = False) -> _Row:
+        """The row a worker's write may change: its lease live (or, for an ending, a cancel to acknowledge)."""
         row = self._rows.get(lease.task_id)
-        if row is None or row.lease is None or row.lease.attempt_id != lease.attempt_id \
-                or row.lease.token != lease.token:
+        if row is None or row.lease is None or (row.lease.attempt_id, row.lease.token) != (lease.attempt_id,
+                                                                                             lease.token):
             raise LeaseLost(lease.task_id, lease.attempt_id)
+        if ending and may_end(row.task.state, row.lease.expires_at, now):
+            return row
         if row.task.state is State.CANCELLING:
-            if ending:
-                return row
             raise TaskCancelling(lease.task_id, lease.attempt_id)
         if not row.task.state.active or row.lease.expires_at <= now:
             raise LeaseLost(lease.task_id, lease.attempt_id)

@@ -111,7 +111,8 @@ class WorkerPort(Protocol):
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
         """Record phases and progress (leased -> running on the first); lost leases by attempt id."""
     async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
-        """Store a result batch once (rule 7); the acknowledged batch comes back."""
+        """Store a result batch once: sent again under its key, the stored one (Conflict if its sha256 differs).
+        The acknowledged batch comes back."""
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
         """End the attempt; the task's new state. finish_many of this one ending, its error raised."""
     async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
@@ -158,7 +159,7 @@ class QueuePort(Protocol):
         """How many tasks are in each non-terminal state."""
     async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
         """pending/retry_wait -> cancelled, leased/running -> cancelling; cancelling and cancelled stay
-        (a no-op, rule 8); any other terminal state -> Conflict."""
+        (a repeated cancel changes nothing); any other terminal state -> Conflict."""
     async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
         """failed/timed_out/cancelled -> pending with max_attempts more attempts; else Conflict. QueueFull
         when the queue holds max_queued tasks already: a retry queues a task as a submit does."""

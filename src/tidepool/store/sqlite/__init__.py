@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 import anyio.to_thread
@@ -29,7 +29,7 @@ from ..port import CancelAnswer, Ended, Ending, Expired, Node, Page, PhaseNote
 from ..rules import finish_alone
 from . import queue_ops, reads, work
 from .database import Database
-from .writer import Op, Writer
+from .writer import Batch, Writer
 
 T = TypeVar("T")
 
@@ -59,8 +59,9 @@ class SqliteStore:
     async def write_failure(self) -> str | None:
         return self._db.write_failure()
 
-    async def _write(self, op: Op) -> Any:
-        return await self._writer.write(op)
+    async def _write(self, op: Callable[[sqlite3.Connection, Batch], T]) -> T:
+        result: T = await self._writer.write(op)
+        return result
 
     async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         def run() -> T:
@@ -78,14 +79,11 @@ class SqliteStore:
     # producers
 
     async def add(self, new: NewTask, *, now: float, max_queued: int | None = None) -> tuple[Task, bool]:
-        added: tuple[Task, bool] = await self._write(partial(queue_ops.add, new=new, now=now, max_queued=max_queued))
-        return added
+        return await self._write(partial(queue_ops.add, new=new, now=now, max_queued=max_queued))
 
     async def add_many(self, batch: Sequence[NewTask], *, now: float,
                        max_queued: int | None = None) -> list[tuple[str, bool]]:
-        added: list[tuple[str, bool]] = await self._write(
-            partial(queue_ops.add_many, tasks=batch, now=now, max_queued=max_queued))
-        return added
+        return await self._write(partial(queue_ops.add_many, tasks=batch, now=now, max_queued=max_queued))
 
     async def get(self, task_id: str) -> Task:
         return await self._read(partial(reads.get, task_id=task_id))
@@ -98,31 +96,26 @@ class SqliteStore:
         return await self._read(reads.counts)
 
     async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
-        answer: CancelAnswer = await self._write(partial(queue_ops.request_cancel, task_id=task_id, now=now))
-        return answer
+        return await self._write(partial(queue_ops.request_cancel, task_id=task_id, now=now))
 
     async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
-        task: Task = await self._write(partial(queue_ops.retry, task_id=task_id, now=now, max_queued=max_queued))
-        return task
+        return await self._write(partial(queue_ops.retry, task_id=task_id, now=now, max_queued=max_queued))
 
     # workers
 
     async def claim(self, worker: Worker, where: ClaimFilter, *, limit: int, now: float,
                     lease_s: float) -> list[Claimed]:
-        claimed: list[Claimed] = await self._write(work.ClaimOp(worker, where, limit, now, lease_s))
+        claimed: list[Claimed] = await self._writer.write(work.ClaimOp(worker, where, limit, now, lease_s))
         return claimed
 
     async def renew(self, leases: Sequence[Lease], *, now: float, lease_s: float) -> dict[str, LeaseLost]:
-        lost: dict[str, LeaseLost] = await self._write(partial(work.renew, leases=leases, now=now, lease_s=lease_s))
-        return lost
+        return await self._write(partial(work.renew, leases=leases, now=now, lease_s=lease_s))
 
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
-        lost: dict[str, LeaseLost] = await self._write(partial(work.set_phase, notes=notes, now=now))
-        return lost
+        return await self._write(partial(work.set_phase, notes=notes, now=now))
 
     async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
-        ack: ResultBatch = await self._write(partial(work.record_result, lease=lease, result=batch, now=now))
-        return ack
+        return await self._write(partial(work.record_result, lease=lease, result=batch, now=now))
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
         return await finish_alone(self, lease, outcome, now=now, policy=policy)
@@ -131,7 +124,7 @@ class SqliteStore:
         if not endings:
             return []
         try:
-            results: list[State | TidepoolError] = await self._write(work.FinishOp(tuple(endings), policy))
+            results: list[State | TidepoolError] = await self._writer.write(work.FinishOp(tuple(endings), policy))
         except StoreUnavailable as exc:  # the transaction failed as a whole (or the store is closed): none written
             return [exc] * len(endings)
         return results
@@ -139,8 +132,7 @@ class SqliteStore:
     # schedules
 
     async def save_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
-        saved: Schedule = await self._write(partial(queue_ops.save_schedule, schedule=schedule, now=now))
-        return saved
+        return await self._write(partial(queue_ops.save_schedule, schedule=schedule, now=now))
 
     async def list_schedules(self) -> list[Schedule]:
         return await self._read(reads.schedules)
@@ -149,45 +141,38 @@ class SqliteStore:
         await self._write(partial(queue_ops.delete_schedule, name=name, config_node=config_node))
 
     async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule:
-        saved: Schedule = await self._write(partial(queue_ops.pause_schedule, name=name, paused=paused, now=now))
-        return saved
+        return await self._write(partial(queue_ops.pause_schedule, name=name, paused=paused, now=now))
 
     async def fire_schedules(self, *, now: float, new_task: Callable[[Schedule, float], NewTask] | None = None,
                              defines: Callable[[str], bool] = lambda type_name: True,
                              max_queued: int | None = None) -> list[Fired]:
-        fired: list[Fired] = await self._write(partial(queue_ops.fire_schedules, now=now, new_task=new_task,
+        return await self._write(partial(queue_ops.fire_schedules, now=now, new_task=new_task,
                                                        defines=defines, max_queued=max_queued))
-        return fired
 
     # the reconciler
 
     async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
                             keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
                             ) -> list[Expired]:
-        expired: list[Expired] = await self._write(partial(
+        return await self._write(partial(
             queue_ops.expire_leases, now=now, policy=policy, node_id=node_id, keep_instance=keep_instance,
             interrupted=interrupted))
-        return expired
 
     async def promote_due(self, *, now: float) -> int:
-        promoted: int = await self._write(partial(queue_ops.promote_due, now=now))
-        return promoted
+        return await self._write(partial(queue_ops.promote_due, now=now))
 
     async def finish_cancels(self, *, now: float, deadline_s: float) -> list[Ended]:
-        done: list[Ended] = await self._write(partial(queue_ops.finish_cancels, now=now, deadline_s=deadline_s))
-        return done
+        return await self._write(partial(queue_ops.finish_cancels, now=now, deadline_s=deadline_s))
 
     async def prune(self, *, before: float) -> int:
-        pruned: int = await self._write(partial(queue_ops.prune, before=before))
-        return pruned
+        return await self._write(partial(queue_ops.prune, before=before))
 
     async def queued_tag_sets(self) -> list[frozenset[str]]:
         return await self._read(reads.queued_tag_sets)
 
     async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[Ended]:
-        done: list[Ended] = await self._write(partial(queue_ops.fail_unserviceable, tags=tags, now=now,
+        return await self._write(partial(queue_ops.fail_unserviceable, tags=tags, now=now,
                                                       message=message))
-        return done
 
     # the fleet: one host, so the daemon's lock file keeps one process per node id, and nothing to hear
 
