@@ -1,9 +1,9 @@
-"""The SQLite and PostgreSQL stores build one schema: the same tables, columns and indexes, unless a
-difference is declared below with its reason. A table, column or index added to one adapter only fails
-here until the other has it too, or the difference says why.
+"""The SQLite and PostgreSQL stores build one schema: the same tables, columns (in the same order), keys
+and indexes, unless a difference is declared below with its reason. A table, column, key or index added
+to one adapter only fails here until the other has it too, or the difference says why.
 
-Constraint indexes (primary keys, UNIQUE columns) are left out: they come with the columns. An index is
-compared by its table and columns; its predicate is written in each dialect's words.
+Keys are primary keys and UNIQUE columns. An index is compared by its table and columns; its predicate
+is written in each dialect's words.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from tidepool.store.postgres import PostgresStore
 from tidepool.store.sqlite import SqliteStore
 from tidepool.store.sqlite.database import Q as SQLITE_QUERIES
 
-Schema = dict[str, str]  # "table t", "column t.c", "index i" -> what it is ("", or an index's table and columns)
+# "table t" -> its columns in order; "column t.c", "key t KIND (columns)" -> ""; "index i" -> its table and columns
+Schema = dict[str, str]
 
 # What one store has and the other has not, and why: (the store that has it, the item) -> the reason.
 DECLARED: dict[tuple[str, str], str] = {
@@ -44,7 +45,7 @@ DECLARED: dict[tuple[str, str], str] = {
 SQLITE_PASSES = ("expiring_of_node", "cancels_due", "promote_due")
 
 
-async def test_both_stores_have_the_same_tables_columns_and_indexes_or_say_why_not(
+async def test_both_stores_have_the_same_tables_columns_keys_and_indexes_or_say_why_not(
         tmp_path: Path, postgres_schema: tuple[str, str]) -> None:
     url, schema = postgres_schema
     found = {"sqlite": await sqlite_schema(tmp_path / "tidepool.db"), "postgres": await postgres_schema_of(url, schema)}
@@ -54,10 +55,15 @@ async def test_both_stores_have_the_same_tables_columns_and_indexes_or_say_why_n
     assert not undeclared, f"in one store only, and not declared in DECLARED with a reason: {undeclared}"
     stale = sorted(DECLARED.keys() - differences)
     assert not stale, f"declared as a difference, but both stores have it now (or neither): {stale}"
-    shared = found["sqlite"].keys() & found["postgres"].keys()
-    unlike = {item: (found["sqlite"][item], found["postgres"][item]) for item in sorted(shared)
-              if found["sqlite"][item] != found["postgres"][item]}
-    assert not unlike, f"the same index on other columns (sqlite, postgres): {unlike}"
+    unlike = {item: (lite, pg) for item in sorted(found["sqlite"].keys() & found["postgres"].keys())
+              for lite, pg in [alike(found["sqlite"][item], found["postgres"][item])] if lite != pg}
+    assert not unlike, f"a table's columns in another order, or an index on other columns (sqlite, postgres): {unlike}"
+
+
+def alike(lite: str, pg: str) -> tuple[list[str], list[str]]:
+    """Two descriptions of one item as lists to compare; of a table's columns, those both stores have."""
+    a, b = lite.split(", "), pg.split(", ")
+    return [x for x in a if x in b], [x for x in b if x in a]
 
 
 @pytest.mark.parametrize("name", SQLITE_PASSES)
@@ -72,9 +78,10 @@ async def test_sqlite_finds_the_rows_of_each_pass_by_an_index(tmp_path: Path, na
 
 
 def of_declared_table(store: str, item: str) -> bool:
-    """A column of a table that only `store` has: the table's declaration covers it."""
-    kind, _, name = item.partition(" ")
-    return kind == "column" and (store, f"table {name.split('.')[0]}") in DECLARED
+    """A column or key of a table that only `store` has: the table's declaration covers it."""
+    kind, _, rest = item.partition(" ")
+    table = rest.split(".")[0] if kind == "column" else rest.split(" ")[0]
+    return kind in ("column", "key") and (store, f"table {table}") in DECLARED
 
 
 async def sqlite_schema(path: Path) -> Schema:
@@ -84,12 +91,17 @@ async def sqlite_schema(path: Path) -> Schema:
     with sqlite3.connect(path) as conn:
         tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
                                              "AND name NOT LIKE 'sqlite_%'")]
-        found: Schema = {f"table {t}": "" for t in tables}
-        found |= {f"column {t}.{c[1]}": "" for t in tables for c in conn.execute(f"PRAGMA table_info({t})")}
-        indexes = conn.execute("SELECT name, tbl_name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")
-        for name, table in indexes.fetchall():
+        info = {t: conn.execute(f"PRAGMA table_info({t})").fetchall() for t in tables}
+        found: Schema = {f"table {t}": ", ".join(c[1] for c in rows) for t, rows in info.items()}
+        found |= {f"column {t}.{c[1]}": "" for t, rows in info.items() for c in rows}
+        found |= {f"key {t} PRIMARY KEY ({', '.join(c[1] for c in sorted(rows, key=lambda c: c[5]) if c[5])})": ""
+                  for t, rows in info.items()}
+        for name, table, sql in conn.execute("SELECT name, tbl_name, sql FROM sqlite_master WHERE type = 'index'"):
             columns = ", ".join(c[2] for c in conn.execute(f"PRAGMA index_info({name})"))
-            found[f"index {name}"] = f"{table} ({columns})"
+            if sql is not None:
+                found[f"index {name}"] = f"{table} ({columns})"
+            elif f"key {table} PRIMARY KEY ({columns})" not in found:  # SQLite's own index of a UNIQUE column
+                found[f"key {table} UNIQUE ({columns})"] = ""
     return found
 
 
@@ -102,15 +114,23 @@ async def postgres_schema_of(url: str, schema: str) -> Schema:
         tables = [r[0] for r in await conn.fetch(
             "SELECT table_name FROM information_schema.tables WHERE table_schema = $1 AND table_type = 'BASE TABLE'",
             schema)]
-        found: Schema = {f"table {t}": "" for t in tables}
-        found |= {f"column {r[0]}.{r[1]}": "" for r in await conn.fetch(
-            "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = $1", schema)}
+        columns = await conn.fetch("SELECT table_name, column_name FROM information_schema.columns "
+                                   "WHERE table_schema = $1 ORDER BY table_name, ordinal_position", schema)
+        found: Schema = {f"table {t}": ", ".join(c for table, c in columns if table == t) for t in tables}
+        found |= {f"column {t}.{c}": "" for t, c in columns}
+        found |= {f"key {r[0]} {r[1]} ({', '.join(r[2])})": "" for r in await conn.fetch(KEYS, schema)}
         found |= {f"index {r[0]}": f"{r[1]} ({', '.join(r[2])})" for r in await conn.fetch(INDEXES, schema)}
     finally:
         await conn.close()
     return found
 
 
+KEYS = """
+SELECT c.table_name, c.constraint_type, array_agg(k.column_name::text ORDER BY k.ordinal_position)
+FROM information_schema.table_constraints c
+JOIN information_schema.key_column_usage k USING (constraint_schema, constraint_name)
+WHERE c.table_schema = $1 AND c.constraint_type IN ('PRIMARY KEY', 'UNIQUE')
+GROUP BY c.table_name, c.constraint_name, c.constraint_type"""
 INDEXES = """
 SELECT i.relname, t.relname, ARRAY(
     SELECT a.attname FROM unnest(x.indkey) WITH ORDINALITY AS k(attnum, n)
@@ -119,5 +139,4 @@ FROM pg_index x
 JOIN pg_class i ON i.oid = x.indexrelid
 JOIN pg_class t ON t.oid = x.indrelid
 JOIN pg_namespace s ON s.oid = t.relnamespace
-WHERE s.nspname = $1 AND NOT x.indisprimary
-  AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = x.indexrelid)"""
+WHERE s.nspname = $1 AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = x.indexrelid)"""
