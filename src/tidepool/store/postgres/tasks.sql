@@ -14,7 +14,7 @@ SELECT {task_columns},
 FROM tasks t WHERE id = $1
 
 -- name: list_tasks
--- Newest first, with attempts and without results; {where} is a conjunction of the filters given.
+-- Newest first, with attempts and without results; `where` joins the filters given with AND.
 SELECT {task_columns},
     ARRAY(
         SELECT ROW({attempt_columns})
