@@ -343,6 +343,21 @@ async def test_every_call_on_a_server_that_stops_answering_is_store_unavailable_
             await store.close()
 
 
+async def test_a_big_batch_gets_time_by_its_rows_beyond_the_deadline_of_one_call(
+        postgres_schema: tuple[str, str]) -> None:
+    """Ten thousand tasks take a second or more to write: the deadline that makes a stuck server answer 503
+    in seconds must not refuse them."""
+    url, schema = postgres_schema
+    store = PostgresStore(url, schema=schema, call_timeout_s=0.1)
+    await store.open()
+    try:
+        added = await store.add_many([NewTask("noop", {"n": n}, idempotency_key=f"k{n}") for n in range(10_000)],
+                                     now=T0, max_queued=100_000)
+        assert len(added) == 10_000 and all(created for _, created in added)
+    finally:
+        await store.close()
+
+
 async def test_store_serves_again_after_the_server_drops_its_connections(postgres_schema: tuple[str, str]) -> None:
     url, schema = postgres_schema
     async with nodes(url, schema, 1) as (store,):

@@ -133,15 +133,16 @@ class PostgresStore:
         keyed = {n.idempotency_key: n for n in batch if n.idempotency_key}
         if len(keyed) != sum(1 for n in batch if n.idempotency_key):
             raise Conflict("idempotency_key repeats within the batch")
-        async with self._db.conn() as conn:
+        deadline_s = self._db.deadline_s(rows=len(batch))
+        async with self._db.conn(deadline_s=deadline_s) as conn:
             try:
                 async with conn.transaction():
-                    return await queue.add_many(conn, batch, keyed, now, max_queued)
+                    return await queue.add_many(conn, batch, keyed, now, max_queued, timeout_s=deadline_s)
             except asyncpg.UniqueViolationError:
                 pass  # a submit of one of the keys, in flight beside this one, committed first: now it is seen
             try:
                 async with conn.transaction():
-                    return await queue.add_many(conn, batch, keyed, now, max_queued)
+                    return await queue.add_many(conn, batch, keyed, now, max_queued, timeout_s=deadline_s)
             except asyncpg.UniqueViolationError:
                 raise Conflict("an idempotency_key of the batch is being used meanwhile; submit it again") from None
 
