@@ -87,9 +87,10 @@ class PostgresStore:
     async def open(self, *, migrate: bool = True) -> int:
         pool = await self._db.open()
         try:
-            async with pool.acquire() as conn:
-                found = await migrations.migrate(conn, self.schema, to=SCHEMA_VERSION, allowed=migrate,
-                                                 where=self._db.where)
+            with anyio.fail_after(migrations.MIGRATE_TIMEOUT_S):
+                async with pool.acquire() as conn:
+                    found = await migrations.migrate(conn, self.schema, to=SCHEMA_VERSION, allowed=migrate,
+                                                     where=self._db.where)
         except DRIVER_ERRORS as exc:
             pool.terminate()
             raise StoreUnavailable(f"store {self._db.where}: {said(exc)}") from exc
@@ -133,16 +134,15 @@ class PostgresStore:
         keyed = {n.idempotency_key: n for n in batch if n.idempotency_key}
         if len(keyed) != sum(1 for n in batch if n.idempotency_key):
             raise Conflict("idempotency_key repeats within the batch")
-        deadline_s = self._db.deadline_s(rows=len(batch))
-        async with self._db.conn(deadline_s=deadline_s) as conn:
+        async with self._db.conn(rows=len(batch)) as conn:
             try:
                 async with conn.transaction():
-                    return await queue.add_many(conn, batch, keyed, now, max_queued, timeout_s=deadline_s)
+                    return await queue.add_many(conn, batch, keyed, now, max_queued)
             except asyncpg.UniqueViolationError:
                 pass  # a submit of one of the keys, in flight beside this one, committed first: now it is seen
             try:
                 async with conn.transaction():
-                    return await queue.add_many(conn, batch, keyed, now, max_queued, timeout_s=deadline_s)
+                    return await queue.add_many(conn, batch, keyed, now, max_queued)
             except asyncpg.UniqueViolationError:
                 raise Conflict("an idempotency_key of the batch is being used meanwhile; submit it again") from None
 
@@ -201,7 +201,7 @@ class PostgresStore:
     async def renew(self, leases: Sequence[Lease], *, now: float, lease_s: float) -> dict[str, LeaseLost]:
         if not leases:
             return {}
-        async with self._db.conn() as conn:
+        async with self._db.conn(rows=len(leases)) as conn:
             renewed = await conn.fetch(SQL["renew"], *lease_arrays(leases), now, now + lease_s)
             return await lost(conn, leases, {r[0] for r in renewed})
 
@@ -212,7 +212,7 @@ class PostgresStore:
         leases = [n.lease for n in latest]
         phases = [n.phase.value for n in latest]
         progress = [progress_text(n.progress) for n in latest]
-        async with self._db.conn() as conn:
+        async with self._db.conn(rows=len(latest)) as conn:
             noted = await conn.fetch(SQL["set_phase"], *lease_arrays(leases), phases, progress, now)
             return await lost(conn, leases, {r[0] for r in noted})
 
@@ -283,7 +283,7 @@ class PostgresStore:
             sql, args = SQL["expiring_of_node"], [node_id, keep_instance, SWEEP]
         expired: list[Expired] = []
         while True:
-            async with self._db.conn() as conn, conn.transaction():
+            async with self._db.conn(rows=SWEEP) as conn, conn.transaction():
                 rows = await conn.fetch(sql, *args)
                 ends = [(Lease(r[4], r[5], r[6], now), o, expiry(r, o, policy, now))
                         for r in rows for o in (expiry_outcome(r[5], interrupted),)]
@@ -307,7 +307,7 @@ class PostgresStore:
     async def prune(self, *, before: float) -> int:
         pruned = 0
         while True:
-            async with self._db.conn() as conn:
+            async with self._db.conn(rows=SWEEP) as conn:
                 n = int(await conn.fetchval(SQL["prune"], before, SWEEP))
             pruned += n
             if n < SWEEP:
@@ -331,7 +331,7 @@ class PostgresStore:
         one short transaction each, never one long one holding every row's lock."""
         ended: list[Ended] = []
         while True:
-            async with self._db.conn() as conn:
+            async with self._db.conn(rows=SWEEP) as conn:
                 rows = await conn.fetch(sql, *args, SWEEP)
             ended.extend(Ended(r[0], r[1]) for r in rows)
             if len(rows) < SWEEP:

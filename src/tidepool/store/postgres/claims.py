@@ -48,7 +48,7 @@ class Claims:
         slots = [(call, new_id(call.now), new_token()) for call in calls for _ in range(call.limit)]
         patterns = None if where.types is None else [_exactly(t) for t in where.types]
         tag_sets = json.dumps([sorted(s) for s in where.tag_sets]) if where.tag_sets else None
-        async with self._db.conn() as conn:
+        async with self._db.conn(rows=len(slots)) as conn:
             rows = await conn.fetch(
                 SQL["claim"], min(c.now for c in calls), len(slots), [s[1] for s in slots], [s[2] for s in slots],
                 [s[0].worker.node_id for s in slots], [s[0].worker.instance_id for s in slots],

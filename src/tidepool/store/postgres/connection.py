@@ -34,7 +34,7 @@ DRIVER_ERRORS: tuple[type[BaseException], ...] = (
 SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 CONNECT_TIMEOUT_S = 3.0  # a new connection's handshake, and the longest wait for a pooled one
 CALL_TIMEOUT_S = 5.0  # one store call, from asking for a connection to its last statement's answer
-ROW_S = 0.001  # more for a call that writes many rows (a batch submit): 10 s more for 10,000
+ROW_S = 0.001  # more for a call over many rows (a batch submit, a grouped claim): 10 s more for 10,000
 log = logging.getLogger("tidepool.store.postgres")
 
 
@@ -70,7 +70,7 @@ class Connections:
                 min_size=0,  # no floor to restore: during an outage asyncpg would retry it every second
                 max_size=self.max_connections,
                 timeout=self.connect_timeout_s,
-                command_timeout=self.call_timeout_s,
+                command_timeout=None,  # every statement runs within its call's deadline instead (see conn)
                 server_settings=self.settings,
             )
         except DRIVER_ERRORS as exc:
@@ -96,17 +96,14 @@ class Connections:
         except DRIVER_ERRORS as exc:
             raise StoreUnavailable(f"store {self.where}: cannot connect: {said(exc)}") from exc
 
-    def deadline_s(self, *, rows: int = 0) -> float:
-        """How long a call may take that writes `rows` rows (0: a few, as most calls do)."""
-        return self.call_timeout_s + rows * ROW_S
-
     @asynccontextmanager
-    async def conn(self, *, deadline_s: float | None = None) -> AsyncIterator[Conn]:
-        """A pooled connection for one store call, which ends within `deadline_s` (call_timeout_s unless
-        said); driver errors and the deadline leave as StoreUnavailable with the original as cause."""
+    async def conn(self, *, rows: int = 0) -> AsyncIterator[Conn]:
+        """A pooled connection for one store call, which ends within call_timeout_s, and ROW_S more for each
+        of the `rows` it writes when they are many; driver errors and the deadline leave as StoreUnavailable
+        with the original as cause."""
         if self._pool is None:
             raise StoreUnavailable("the store is not open")
-        deadline_s = self.call_timeout_s if deadline_s is None else deadline_s
+        deadline_s = self.call_timeout_s + rows * ROW_S
         try:
             with anyio.fail_after(deadline_s):
                 async with self._pooled(self._pool) as conn:

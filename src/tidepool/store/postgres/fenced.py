@@ -135,7 +135,7 @@ class FencedWrites:
     async def _complete_group(self, calls: list[Completion]) -> list[bool]:
         """Bare successes of many workers, fenced and completed in one statement; False: the slow path."""
         leases = [lease for lease, _, _ in calls]
-        async with self._db.conn() as conn:
+        async with self._db.conn(rows=len(calls)) as conn:
             done = await conn.fetch(SQL["complete"], *lease_arrays(leases), [now for _, now, _ in calls],
                                     [progress_text(p) for _, _, p in calls])
         completed = {r[0] for r in done}

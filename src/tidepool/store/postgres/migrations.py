@@ -31,9 +31,9 @@ async def migrate(conn: Conn, schema: str, *, to: int, allowed: bool, where: str
         await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
         await conn.execute(f'SET LOCAL search_path TO "{schema}"')  # what the migrations create goes there
         for v, script in (m for m in MIGRATIONS if version < m[0] <= to):
-            await conn.execute(script, timeout=MIGRATE_TIMEOUT_S)
+            await conn.execute(script)
             await conn.execute("INSERT INTO schema_version VALUES ($1, extract(epoch FROM clock_timestamp()))", v)
-        await conn.execute(CLAIM_FUNCTION, timeout=MIGRATE_TIMEOUT_S)
+        await conn.execute(CLAIM_FUNCTION)
     return version
 
 

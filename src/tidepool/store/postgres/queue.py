@@ -15,9 +15,8 @@ from .statements import SQL
 
 
 async def add_many(conn: Conn, batch: Sequence[NewTask], keyed: dict[str, NewTask], now: float,
-                   max_queued: int | None, *, timeout_s: float) -> list[tuple[str, bool]]:
-    """add_many's transaction: the keyed tasks that exist already are those tasks (same body), the rest go in,
-    within timeout_s (a batch's rows take longer than the driver's timeout of one statement)."""
+                   max_queued: int | None) -> list[tuple[str, bool]]:
+    """add_many's transaction: the keyed tasks that exist already are those tasks (same body), the rest go in."""
     existing: dict[str | None, str] = {}
     if keyed:
         for r in await conn.fetch(SQL["keyed"], list(keyed)):
@@ -28,7 +27,7 @@ async def add_many(conn: Conn, batch: Sequence[NewTask], keyed: dict[str, NewTas
     if rows:
         if max_queued is not None:
             await check_queue_room(conn, len(rows), max_queued)
-        await conn.executemany(SQL["insert_many"], rows, timeout=timeout_s)
+        await conn.executemany(SQL["insert_many"], rows)
         await conn.execute(SQL["notify"], str(len(rows)))
     return batch_answer(batch, existing, (r[0] for r in rows))
 
