@@ -70,8 +70,8 @@ SWEEP = 500  # rows per reconciler transaction: bounded locks and WAL per step
 
 class PostgresStore:
     """The store of a fleet. `schema` (else the URL's `?schema=NAME`, else "tidepool") holds its tables,
-    so several fleets or test runs can share one database. Each call answers within call_timeout_s, or
-    raises StoreUnavailable."""
+    so several fleets or test runs can share one database. Each call answers within call_timeout_s (a call
+    over many rows, as a batch submit, a millisecond more for each), or raises StoreUnavailable."""
 
     def __init__(self, url: str, *, schema: str | None = None, max_connections: int = 10,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S, call_timeout_s: float = CALL_TIMEOUT_S) -> None:
