@@ -190,11 +190,6 @@ class ClaimFilter:
     def accepts_type(self, task_type: str) -> bool:
         return self.types is None or task_type in self.types
 
-    @property
-    def type_globs(self) -> tuple[str, ...]:
-        """The types as the PostgreSQL store still reads them, as globs, until it claims by name too."""
-        return ("*",) if self.types is None else self.types
-
     def satisfies(self, required: tuple[str, ...]) -> bool:
         return not required or any(set(required) <= tags for tags in self.tag_sets)
 

@@ -328,7 +328,8 @@ def test_sigstop_past_the_lease_then_sigcont_its_late_write_is_rejected_and_the_
 
 class Proxy:
     """A TCP proxy to the PostgreSQL server on a thread of its own: cut() drops every connection and refuses
-    new ones until restore(). The shared server itself is never touched."""
+    new ones until restore(); blackhole() keeps every connection, accepts new ones, and forwards nothing (a
+    firewall dropping packets). The shared server itself is never touched."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
@@ -337,6 +338,8 @@ class Proxy:
         self._thread = threading.Thread(target=self._loop.run_forever, name="pg-proxy", daemon=True)
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
+        self._serving: set[asyncio.Task[None]] = set()
+        self.blackholed = False
 
     def __enter__(self) -> Proxy:
         self._thread.start()
@@ -355,6 +358,9 @@ class Proxy:
     def restore(self) -> None:
         self._call(self._listen())
 
+    def blackhole(self) -> None:
+        self.blackholed = True
+
     def _call(self, coro: Any) -> None:
         asyncio.run_coroutine_threadsafe(coro, self._loop).result(5)
 
@@ -368,25 +374,40 @@ class Proxy:
         for writer in self._open:
             writer.transport.abort()
         self._open.clear()
+        if self._serving:  # each ends once its connections are gone
+            await asyncio.wait(self._serving, timeout=2)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._serving.add(task)
+        self._open.add(writer)
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
+            if self.blackholed:  # a new connection's handshake goes nowhere either
+                with contextlib.suppress(OSError):
+                    while await reader.read(65536):
+                        pass
+                return
+            try:
+                up_reader, up_writer = await asyncio.open_connection(*self.target)
+            except OSError:
+                return
+            self._open.add(up_writer)
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True)
+            self._open.discard(up_writer)
+        finally:
             writer.transport.abort()
-            return
-        self._open |= {writer, up_writer}
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer), return_exceptions=True)
-        self._open -= {writer, up_writer}
+            self._open.discard(writer)
+            self._serving.discard(task)
 
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    finally:
-        writer.transport.abort()
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                if not self.blackholed:
+                    writer.write(data)
+                    await writer.drain()
+        finally:
+            writer.transport.abort()
 
 
 def test_database_outage_longer_than_the_lease_loses_nothing_and_rejects_stale_writes(fleet: Fleet) -> None:
@@ -456,6 +477,27 @@ def test_a_blip_shorter_than_the_lease_delays_finishes_without_rerunning_anythin
     rows = fleet.q("SELECT status, count(*) FROM attempts GROUP BY status")
     assert rows == [("succeeded", 8)], "a finish was lost and its task ran again"
     assert sorted(fleet.lines(fleet.done_file)) == sorted(ids)
+
+
+def test_a_submit_to_a_blackholed_store_is_answered_503_naming_the_store_within_seconds(fleet: Fleet) -> None:
+    """Packets to the database dropped (a firewall, a dead switch): nothing fails, nothing answers. The API
+    must still say so in seconds, as it does when the server is down, not wait for minutes."""
+    from urllib.parse import urlsplit
+
+    server = urlsplit(POSTGRES_URL)
+    with Proxy((server.hostname or "127.0.0.1", server.port or 5432)) as proxy:
+        url = f"postgresql://{server.username or 'postgres'}@127.0.0.1:{proxy.port}{server.path}?schema={fleet.schema}"
+        a = fleet.add("a", url=url)
+        fleet.start(a)
+        assert a.post("/v1/tasks", {"type": "append", "payload": {"file": str(fleet.done_file)}}).status == 201
+        proxy.blackhole()
+        for _ in range(2):  # the pooled connections of before, then new ones, whose handshakes go unanswered
+            started = time.monotonic()
+            r = a.post("/v1/tasks", {"type": "append", "payload": {"file": str(fleet.done_file)}})
+            waited_s = time.monotonic() - started
+            assert r.status == 503 and r.body["error"]["code"] == "store_unavailable", r
+            assert f"store 127.0.0.1:{proxy.port}{server.path} schema {fleet.schema}" in r.body["error"]["message"], r
+            assert waited_s < 8.0, waited_s
 
 
 def test_a_second_daemon_with_the_same_node_id_on_the_same_database_exits_2(fleet: Fleet) -> None:
