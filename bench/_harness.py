@@ -1,6 +1,6 @@
 """What every benchmark shares: a real daemon subprocess in a temp dir, a tiny HTTP client, figures.
 
-Benchmarks print figures and never pass or fail on time (STYLE). Each one starts its own daemon(s)
+Benchmarks print figures and never pass or fail on time. Each one starts its own daemon(s)
 with log.level = "warning", in a temporary directory that is removed afterwards.
 """
 

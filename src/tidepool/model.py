@@ -156,7 +156,7 @@ class Task:
 
 @dataclass(slots=True)  # hot path: plain is 4x cheaper to build than frozen; treat as immutable
 class Lease:
-    """The right to execute one attempt; every worker write carries it (SPEC rule 3)."""
+    """The right to execute one attempt: every worker write is fenced by its attempt id and lease token."""
 
     task_id: str
     attempt_id: str

@@ -173,7 +173,7 @@ def jitter_of(schedule: Schedule, tick: float) -> float:
 
 
 def start(schedule: Schedule, now: float) -> Schedule:
-    """A new (or retimed) schedule's first tick: the first one after now (SPEC §9)."""
+    """A new (or retimed) schedule's first tick: the first one after now."""
     tick = next_tick(schedule, now)
     return replace(schedule, next_tick_at=tick, next_run_at=tick + jitter_of(schedule, tick))
 
@@ -231,19 +231,19 @@ def _count(schedule: Schedule, first: float, last: float) -> int:
     return 1 + sum(1 for _ in itertools.islice(later, MAX_COUNTED - 1))
 
 
-SPEC_FIELDS = ("type", "payload", "cron", "every_s", "timezone", "jitter_s", "catch_up", "overlap", "priority",
-               "config_node")
+DEFINING_FIELDS = ("type", "payload", "cron", "every_s", "timezone", "jitter_s", "catch_up", "overlap", "priority",
+                   "config_node")
 
 
 def spec_of(schedule: Schedule) -> dict[str, Any]:
     """What defines a schedule, as opposed to its running state (next/last run, paused)."""
-    return {f: getattr(schedule, f) for f in SPEC_FIELDS}
+    return {f: getattr(schedule, f) for f in DEFINING_FIELDS}
 
 
 def stored_spec(text: str) -> dict[str, Any]:
     """A stored spec_of() as Schedule's fields: what a newer version added is left out, not an error, so
     nodes of two versions can share a store while a fleet is upgraded."""
-    return {k: v for k, v in json.loads(text).items() if k in SPEC_FIELDS}
+    return {k: v for k, v in json.loads(text).items() if k in DEFINING_FIELDS}
 
 
 def merge(existing: Schedule | None, incoming: Schedule, now: float) -> Schedule:

@@ -127,7 +127,7 @@ def _parse(lines: list[str], comments: list[str]) -> Sse | None:
                int(fields["id"]) if "id" in fields else None)
 
 
-# The events of one noop task, in the order SPEC §5 and the engine promise them.
+# The events of one noop task, in the order the engine promises them.
 NOOP_EVENTS = ["task.created", "task.leased", "task.phase:initialize", "task.phase:prepare", "task.phase:run",
                "plugin.started", "plugin.finished", "task.phase:stop", "task.finished"]
 

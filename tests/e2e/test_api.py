@@ -1,4 +1,5 @@
-"""The HTTP API of a live daemon: cancel answers (SPEC rule 8, §9) and bad requests that change nothing."""
+"""The HTTP API of a live daemon: cancel answers (202 with the state, 409 once terminal) and bad requests
+that change nothing."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ def later(seconds: float) -> str:
     return (datetime.now(UTC) + timedelta(seconds=seconds)).isoformat()
 
 
-# every /v1 route of SPEC §5: (method, path, body)
+# every documented /v1 route: (method, path, body)
 ROUTES: list[tuple[str, str, object]] = [
     ("POST", "/v1/tasks", {"type": "noop"}),
     ("POST", "/v1/tasks/batch", {"tasks": [{"type": "noop"}]}),

@@ -1,4 +1,4 @@
-"""Bearer auth (SPEC §5): with api.token_file set, every /v1 route needs the token; health stays open."""
+"""Bearer auth: with api.token_file set, every /v1 route needs the token; health stays open."""
 
 from __future__ import annotations
 

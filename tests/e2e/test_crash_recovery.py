@@ -41,7 +41,7 @@ def test_sigkill_with_50_tasks_in_flight_recovers_on_restart_not_by_lease_time(
         return tasks if all(t["state"] == "completed" for t in tasks) else None
 
     tasks: list[dict[str, Any]] = daemon.wait_for("every task to complete", all_completed, timeout_s=20, poll_s=0.2)
-    # Well inside the 30 s lease: the new process expired its predecessor's leases when it started (rule 5).
+    # Well inside the 30 s lease: the new process expired its predecessor's leases when it started.
     assert time.monotonic() - restarted < 20
 
     for task in tasks:

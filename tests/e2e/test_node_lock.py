@@ -1,4 +1,4 @@
-"""One daemon per node id and state dir (SPEC §9): a second one refuses to start and names the first."""
+"""One daemon per node id and state dir: a second one refuses to start and names the first."""
 
 from __future__ import annotations
 

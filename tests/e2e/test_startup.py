@@ -1,5 +1,5 @@
-"""Start-up failures: a node that cannot start says why in one line, with the SPEC's exit code, and
-touches no task (SPEC §9 "Exit codes of run")."""
+"""Start-up failures: a node that cannot start says why in one line, with run's exit code (2 for a
+config or usage error, 1 for anything else), and touches no task."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A queued task whose tags this node's resources no longer have fails after prepare_timeout_s (SPEC §9)."""
+"""A queued task whose tags this node's resources no longer have fails after prepare_timeout_s."""
 
 import time
 from collections.abc import Callable

@@ -1,4 +1,4 @@
-"""The reconciler fails queued tasks whose tags the fleet has lacked for prepare_timeout_s (SPEC §9), and
+"""The reconciler fails queued tasks whose tags the fleet has lacked for prepare_timeout_s, and
 every task it ends is counted under its own type."""
 
 from __future__ import annotations
@@ -188,7 +188,8 @@ async def test_every_task_the_reconciler_ends_is_counted_under_its_type(setup: S
 
 
 async def test_every_pass_is_an_event_and_a_metric_even_when_it_found_nothing(setup: Setup) -> None:
-    """SPEC rule 9: an operator alerts on a stalled reconciler, so an idle node's passes show too."""
+    """Each reconciler pass emits an event and a metric: an operator alerts on a stalled reconciler, so an idle
+    node's passes show too."""
     for at in (0, 5, 10):
         await setup.pass_at(at)
     assert [e.name for e in setup.seen] == ["reconciler.pass"] * 3

@@ -209,7 +209,7 @@ async def test_two_tasks_needing_a_count_1_resource_never_overlap(sqlite_store: 
 
 async def test_a_freed_slot_is_claimed_once_not_by_every_idle_worker_at_the_same_moment(
         sqlite_store: SqliteStore, tmp_path: Path) -> None:
-    """Rule 2: a claim asks only for tags a free slot can serve. Two workers claiming together used to both
+    """A claim asks only for tags a free slot can serve. Two workers claiming together used to both
     take a task for the one slot that had just come free: the second waited in prepare, holding a worker,
     and failed prepare_timeout, an attempt spent for nothing."""
     async def busy(ctx: TaskContext) -> None:
