@@ -29,6 +29,7 @@ from .api.app import load_token
 from .engine import Engine, EngineConfig
 from .errors import ConfigError, Conflict, InvalidRequest, StoreUnavailable, TaskNotFound
 from .events import EventBus, first_id_of_this_run
+from .fleet import GoneNodes, fence_after_s
 from .guards import Guards
 from .leases import LeaseKeeper
 from .lifecycle import retry_policy
@@ -80,7 +81,7 @@ class Daemon:
         self.events.listen(logs.lifecycle)
         self.registry = _registry(settings)
         self.leases = LeaseKeeper(self.metrics.lease_store(self.store), lease_s=settings.lease.duration_s,
-                                  renew_every_s=settings.lease.renew_every_s)
+                                  renew_every_s=settings.lease.renew_every_s, fence_after_s=fence_after_s(HEARTBEAT_S))
         # A freed slot or cleared guard means claimable work may be waiting: wake a worker now.
         self.resources = ResourcePool.from_settings(settings.resources, on_free=lambda: self.pool.wake(1))
         self.guards = Guards(self.events, state_dir=settings.node.state_dir,
@@ -103,7 +104,9 @@ class Daemon:
                                    defines=lambda type_name: self.registry.knows_type(type_name),
                                    max_queued=lambda: self.settings.pool.max_queued)
         self.started_at = time.time()
-        self.heartbeat = Heartbeat(self.store, self._describe)
+        self.heartbeat = Heartbeat(self.store, self._describe, on_saved=self.leases.heard)
+        self.gone_nodes = GoneNodes(self.store, node_id=self.node_id, policy=lambda: self.engine.policy,
+                                    report=self.reconciler._report_expired)
         self._shutdown = anyio.Event()
         self._forced = False
         # Several nodes may share a state dir (one SQLite file, several node ids): each keeps its own.
@@ -157,6 +160,7 @@ class Daemon:
                     _quiet_gc()
                     await tg.start(self.pool.run)
                     await tg.start(self.reconciler.run)
+                    await tg.start(self.gone_nodes.run)
                     await tg.start(self.scheduler.run)
                     tg.start_soon(self._report_status)
                     tg.start_soon(self._watchdog)
@@ -386,7 +390,7 @@ class Daemon:
         s = self.settings
         tags = tuple(tuple(sorted(r.tags)) for r in self._boot_settings.resources.values())
         return Node(self.node_id, self.instance_id, socket.gethostname(), os.getpid(), __version__, self.started_at,
-                    now, HEARTBEAT_S, tuple(s.pool.task_types), tags, self.pool.config.max_workers)
+                    now, HEARTBEAT_S, tuple(s.claimed_types()), tags, self.pool.config.max_workers)
 
     async def schedules_view(self) -> list[dict[str, Any]]:
         return [await self.schedule_view(schedule) for schedule in await self.store.list_schedules()]
