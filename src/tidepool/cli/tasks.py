@@ -14,6 +14,7 @@ from rich.text import Text
 
 from ..client import Client
 from ..settings import Settings
+from .ids import resolve, short_forms
 from .output import (
     ERR,
     OK,
@@ -108,7 +109,7 @@ SHOWN = ("id", "type", "state", "phase", "progress", "attempt", "max_attempts", 
 
 def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
     async def body(client: Client) -> int:
-        task = await client.get(args.task_id)
+        task = await client.get(await resolve(client, args.task_id))
         if args.json:
             print_json(task)
             return OK
@@ -137,10 +138,11 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
             print_json(page)
             return OK
         # On a narrow terminal the id, type and state stay whole; the other columns give way.
-        rows = table(Column("id", no_wrap=True, min_width=32), Column("type", no_wrap=True),
+        rows = table(Column("id", no_wrap=True), Column("type", no_wrap=True),
                      Column("state", no_wrap=True), "phase", "progress", "attempt", "node", "created (UTC)")
+        short = short_forms([t["id"] for t in page["tasks"]])
         for t in page["tasks"]:
-            rows.add_row(text(t["id"]), text(t["type"]), text(t["state"], STYLE.get(t["state"], "")),
+            rows.add_row(text(short[t["id"]]), text(t["type"]), text(t["state"], STYLE.get(t["state"], "")),
                          *map(text, (t["phase"] or "", percent(t["progress"]), f"{t['attempt']}/{t['max_attempts']}",
                                      t["node_id"] or "", when(t["created_at"]))))
         stdout().print(rows)
@@ -154,7 +156,7 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     async def body(client: Client) -> int:
-        print(visible(await client.cancel(args.task_id)))
+        print(visible(await client.cancel(await resolve(client, args.task_id))))
         return OK
 
     return with_client(args, settings, body)
@@ -162,7 +164,7 @@ def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_retry(args: argparse.Namespace, settings: Settings) -> int:
     async def body(client: Client) -> int:
-        print(visible(await client.retry(args.task_id)))
+        print(visible(await client.retry(await resolve(client, args.task_id))))
         return OK
 
     return with_client(args, settings, body)
@@ -178,11 +180,11 @@ def add_commands(add: Any) -> None:
     p.add_argument("--tags", help="required resource tags, comma separated")
     p.add_argument("--wait", action="store_true", help="follow the task to its end; exit 1 unless completed")
     p = add("show", cmd_show, "show one task", json=True)
-    p.add_argument("task_id")
+    p.add_argument("task_id", help="its id, or enough of its first digits to name one task")
     p = add("list", cmd_list, "list tasks, newest first", json=True)
     p.add_argument("--state")
     p.add_argument("--type")
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--cursor", help="the next page: the cursor a page before ended with")
     for name, func, help_text in (("cancel", cmd_cancel, "cancel a task"), ("retry", cmd_retry, "retry a task")):
-        add(name, func, help_text).add_argument("task_id")
+        add(name, func, help_text).add_argument("task_id", help="its id, or enough of its first digits")
