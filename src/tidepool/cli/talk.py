@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..client import ApiError, Client, InvalidAddress, Unreachable
 from ..errors import ConfigError
-from ..settings import DEFAULT_PATHS, Settings, api_address, check_listen, find_config, read_token
+from ..settings import DEFAULT_PATHS, Settings, check_listen, find_config, local_url, read_token
 from .output import UNREACHABLE, USAGE, complain
 
 Body = Callable[[Client], Awaitable[int]]
@@ -94,8 +94,4 @@ def daemon_url(address: str) -> str:
         check_listen(address)
     except ValueError:
         raise InvalidAddress(f"{address!r} is not an address: use http://host:port, host:port or unix:/path") from None
-    bound = api_address(address)
-    assert not isinstance(bound, str)
-    host, port = bound
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return local_url(address)

@@ -32,6 +32,7 @@ from .sections import (
     ScheduleSettings,
     StoreSettings,
     TypeSettings,
+    local_url,
 )
 
 DEFAULT_PATHS = (Path("config/tidepool.toml"), Path("/etc/tidepool/tidepool.toml"))
@@ -98,6 +99,13 @@ class Settings(BaseSettings):
         """The task types this node claims: those it defines that pool.task_types accepts. A type this
         node does not define is another node's to run, however wide the globs (rule 2)."""
         return sorted(name for name in self.all_types if any(fnmatchcase(name, g) for g in self.pool.task_types))
+
+    def ready_summary(self) -> str:
+        """What a node's ready line tells a newcomer: where the dashboard is, and what the node will run."""
+        url = local_url(self.api.listen)
+        dashboard = f"{url}/" if url.startswith("http") else f"{url} (the API's socket; the dashboard is its /)"
+        schedules = ", ".join(s.name for s in self.schedules) or "none in the config"
+        return f"dashboard {dashboard}, types {', '.join(self.claimed_types()) or 'none'}, schedules {schedules}"
 
     def db_path(self) -> Path | None:
         """The SQLite file of store.url, or None for another backend."""

@@ -111,6 +111,17 @@ def api_address(listen: str) -> tuple[str, int] | str:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def local_url(listen: str) -> str:
+    """Where this host reaches a daemon that binds the checked `listen`: a wildcard address by its loopback,
+    a unix socket as unix:/path."""
+    address = api_address(listen)
+    if isinstance(address, str):
+        return listen
+    host, port = address
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def read_token(token_file: str) -> str | None:
     """The API's bearer token from api.token_file (None when none is configured), for the daemon and
     the CLI alike: a file that cannot be read, or holds no token, is a config error naming the key."""
