@@ -166,9 +166,10 @@ class Daemon:
                     tg.start_soon(self._watchdog)
                     self.ready = True  # /readyz answers 200 from here: before systemd hears READY=1
                     self.notifier.ready()
-                    log.info("node %s ready: tidepool %s on %s, store %s, api %s, workers %d..%d", self.node_id,
+                    log.info("node %s ready: tidepool %s on %s, store %s, api %s, workers %d..%d; %s", self.node_id,
                              __version__, _loop_name(), redacted(self.settings.store.url), self.settings.api.listen,
-                             self.pool.config.min_workers, self.pool.config.max_workers)
+                             self.pool.config.min_workers, self.pool.config.max_workers,
+                             self.settings.ready_summary())
                     task_status.started()
                     if self._reload_when_ready:
                         tg.start_soon(self.reload)
