@@ -143,3 +143,20 @@ def test_config_check_says_which_file_it_read(cli: Cli, tmp_path: Path) -> None:
     none = cli("config", "check")
     assert none.returncode == OK and "no config file found" in none.stderr, none.stderr
     assert "config/tidepool.toml" in none.stderr and "/etc/tidepool/tidepool.toml" in none.stderr
+
+
+def test_show_list_and_the_attempts_table_agree_on_the_attempt_after_a_retry(daemon: Daemon, cli: Cli) -> None:
+    """`attempt` counts the budget (a retry by request starts a new one); `#` numbers every row."""
+    failed = cli("submit", "sleep", "--payload", '{"seconds": "x"}', "--max-attempts", "2", "--wait", "--url",
+                 daemon.url)
+    task_id = failed.stdout.split()[0]
+    assert cli("retry", task_id, "--url", daemon.url).returncode == OK
+    daemon.wait_terminal(task_id)
+    shown = cli("show", task_id, "--url", daemon.url, env={"COLUMNS": "200"}).stdout
+    facts = dict(line.split(None, 1) for line in shown.splitlines() if line[:1].isalpha() and " " in line)
+    assert facts["attempt"].strip() == "1/2", shown
+    rows = [line.split("│")[1:3] for line in shown.splitlines() if line.count("│") > 3 and "failed" in line]
+    assert [[cell.strip() for cell in row] for row in rows] == [["1", "-"], ["2", "1/2"]], shown
+    listed = next(line.split() for line in cli("list", "--url", daemon.url).stdout.splitlines()
+                  if line.split()[:1] and task_id.startswith(line.split()[0]))
+    assert listed[3] == "1/2", listed

@@ -103,8 +103,20 @@ class Progress:
         return Text(line[:160], style=STYLE.get(self.state, ""))
 
 
-SHOWN = ("id", "type", "state", "phase", "progress", "attempt", "max_attempts", "priority", "node_id", "error",
-         "payload", "required_tags", "idempotency_key", "created_at", "available_at", "updated_at", "finished_at")
+SHOWN = ("id", "type", "state", "phase", "progress", "attempt", "priority", "node_id", "error", "payload",
+         "required_tags", "idempotency_key", "created_at", "available_at", "updated_at", "finished_at")
+
+
+def budget_marks(task: dict[str, Any]) -> list[str]:
+    """For each attempt row, its place in the attempt budget as `list` writes it ("2/3"), or "-" for a row the
+    budget does not count: an interruption by a shutdown, or a run before a retry by request began a new budget.
+    The budget's attempts are the latest rows that are not interruptions."""
+    left, marks = task["attempt"], []
+    for row in reversed(task["attempts"]):
+        counted = left > 0 and row["status"] != "interrupted"
+        marks.append(f"{left}/{task['max_attempts']}" if counted else "-")
+        left -= counted
+    return marks[::-1]
 
 
 def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
@@ -116,11 +128,12 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
         console = stdout()
         facts = Table.grid(padding=(0, 2))
         for key in SHOWN:
-            facts.add_row(key, text(fact(key, task[key])))
+            shown = f"{task['attempt']}/{task['max_attempts']}" if key == "attempt" else fact(key, task[key])
+            facts.add_row(key, text(shown))
         console.print(facts)
-        attempts = Table("#", "status", "worker", "started (UTC)", "took", "error", title="attempts")
-        for a in task["attempts"]:
-            attempts.add_row(*map(text, (str(a["number"]), a["status"], a["worker_id"], when(a["started_at"]),
+        attempts = Table("#", "budget", "status", "worker", "started (UTC)", "took", "error", title="attempts")
+        for a, mark in zip(task["attempts"], budget_marks(task), strict=True):
+            attempts.add_row(*map(text, (str(a["number"]), mark, a["status"], a["worker_id"], when(a["started_at"]),
                                          took(a["started_at"], a["finished_at"]), fact("error", a["error"]))))
         console.print(attempts)
         for r in task["results"]:
