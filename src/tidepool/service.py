@@ -46,6 +46,7 @@ from .schedules import Schedule, task_for, validate
 from .settings import BUILTIN_TYPES, Settings
 from .store import Node, Store, open_store, retry_step
 from .systemd import Notifier, StatusReporter, run_watchdog
+from .templates import check_payload
 
 log = logging.getLogger("tidepool.service")
 OUTCOME_FLUSH_S = 10.0  # at shutdown, after the drain and the stop phases, for outcomes a slow store still holds
@@ -288,6 +289,7 @@ class Daemon:
         `fleet_tags` are the resource tag sets of the live nodes sharing the store."""
         if not self.registry.knows_type(new.type):
             raise InvalidRequest("type", f"unknown task type {new.type!r}")
+        check_payload(self.settings, new.type, new.payload)
         type_tags = self.registry.required_tags(new.type)
         if not type_tags <= set(new.required_tags):
             new = dataclasses.replace(new, required_tags=tuple(sorted(type_tags.union(new.required_tags))))
@@ -410,7 +412,7 @@ class Daemon:
         try:
             self.check(probe, fleet_tags=await self._fleet_tags([probe]))
         except InvalidRequest as exc:
-            if exc.field == "type":
+            if exc.field != "required_tags":  # the type, or a payload its commands cannot take
                 raise
             raise InvalidRequest("type", f"type {schedule.type!r} needs tags no resource of this fleet has: "
                                  f"{sorted(self.registry.required_tags(schedule.type))}") from None
