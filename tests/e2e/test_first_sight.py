@@ -44,3 +44,11 @@ def test_a_payload_its_command_cannot_take_is_a_400_naming_the_field_and_nothing
     assert scheduled.status == 400 and field in scheduled.body["error"]["message"], scheduled.body
     assert daemon.get("/v1/tasks").body["tasks"] == [] and daemon.get("/v1/schedules").body["schedules"] == []
     assert daemon.post("/v1/tasks", {"type": "probe", "payload": {"target": "a", "port": 80}}).status == 201
+
+
+def test_an_unknown_field_in_a_body_is_named_before_the_field_it_misspells(daemon: Daemon) -> None:
+    refused = daemon.post("/v1/tasks", {"typ": "sleep"})
+    assert refused.status == 400, refused
+    assert refused.body["error"]["message"] == "typ: not a field of this request; type: Field required", refused.body
+    extra = daemon.post("/v1/schedules", {"name": "s", "type": "noop", "every_s": 60, "evry_s": 5})
+    assert extra.status == 400 and extra.body["error"]["message"].startswith("evry_s: not a field"), extra.body
