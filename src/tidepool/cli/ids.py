@@ -6,6 +6,7 @@ batch share all but their last digits, and a short form is only as short as the 
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from ..client import ApiError, Client
@@ -38,16 +39,27 @@ async def resolve(client: Client, given: str) -> str:
     return found
 
 
-def short_forms(ids: list[str]) -> dict[str, str]:
-    """Each id by its shortest prefix, of at least MIN_SHOWN digits, that no other of `ids` starts with.
-    Ids are compared with their neighbours in sort order: the longest prefix one shares is with one of them."""
+async def short_forms(client: Client, ids: list[str]) -> dict[str, str]:
+    """Each id by its shortest prefix, of at least MIN_SHOWN digits, that names it alone in the store: the
+    form `show`, `cancel` and `retry` take back. Ids are compared with their neighbours in the list first
+    (the longest prefix one shares is with one of them), then each is asked of the daemon as resolve() asks."""
     ordered = sorted(set(ids))
-    shown = {}
+    guesses = {}
     for i, task_id in enumerate(ordered):
-        shared = max((_common(task_id, other) for other in ordered[max(0, i - 1):i + 2] if other != task_id),
-                     default=0)
-        shown[task_id] = task_id[:max(MIN_SHOWN, shared + 1)]
-    return shown
+        near = [other for other in ordered[max(0, i - 1):i + 2] if other != task_id]
+        guesses[task_id] = task_id[:max([MIN_SHOWN, *(_common(task_id, other) + 1 for other in near)])]
+    found = await asyncio.gather(*(_unique(client, task_id, guess) for task_id, guess in guesses.items()))
+    return dict(zip(guesses, found, strict=True))
+
+
+async def _unique(client: Client, task_id: str, prefix: str) -> str:
+    while len(prefix) < ID_DIGITS:
+        page = await client.list(limit=2, cursor=prefix.ljust(ID_DIGITS, "f"))
+        others = [t["id"] for t in page["tasks"] if t["id"] != task_id and t["id"].startswith(prefix)]
+        if not others:
+            return prefix
+        prefix = task_id[:max(_common(task_id, other) for other in others) + 1]
+    return task_id
 
 
 def _common(a: str, b: str) -> int:

@@ -153,7 +153,7 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
         # On a narrow terminal the id, type and state stay whole; the other columns give way.
         rows = table(Column("id", no_wrap=True), Column("type", no_wrap=True),
                      Column("state", no_wrap=True), "phase", "progress", "attempt", "node", "created (UTC)")
-        short = short_forms([t["id"] for t in page["tasks"]])
+        short = await short_forms(client, [t["id"] for t in page["tasks"]])
         for t in page["tasks"]:
             rows.add_row(text(short[t["id"]]), text(t["type"]), text(t["state"], STYLE.get(t["state"], "")),
                          *map(text, (t["phase"] or "", percent(t["progress"]), f"{t['attempt']}/{t['max_attempts']}",
