@@ -5,7 +5,8 @@ of for longer than that (and not stopped cleanly) is gone: each surviving node's
 gone node's leases at once, as ended when the node was last heard of, so they run again elsewhere
 without waiting out the lease. The gone node cannot be working on them any more: its own lease
 keeper stops every attempt once its heartbeat has gone unsaved for two heartbeats, on its own
-monotonic clock, one heartbeat before anyone may call it gone (see leases.py).
+monotonic clock, one heartbeat before anyone may call it gone (see leases.py), if it last saw another
+live node: alone, it has nobody to make room for.
 
 A survivor that itself could not reach the store judges nobody: a store outage stales every row
 alike, and the others need a few heartbeats to be heard of again once it is over.
@@ -43,12 +44,14 @@ class GoneNodes:
     """Each second: find the nodes gone since the last look, expire their attempts, say so once per node."""
 
     def __init__(self, store: Store, *, node_id: str, policy: Callable[[], RetryPolicy],
-                 report: Callable[[list[Expired], str], None], check_every_s: float = CHECK_EVERY_S,
-                 clock: Callable[[], float] = time.time) -> None:
+                 report: Callable[[list[Expired], str], None],
+                 fleet_seen: Callable[[bool], None] = lambda others_alive: None,
+                 check_every_s: float = CHECK_EVERY_S, clock: Callable[[], float] = time.time) -> None:
         self._store = store
         self._node_id = node_id
         self._policy = policy
         self._report = report  # the reconciler's account of expired leases: log lines, events, wake-ups
+        self._fleet_seen = fleet_seen  # the lease keeper's fence: it need not stop attempts nobody could take
         self._check_every_s = check_every_s
         self._clock = clock
         self._steady_since: float | None = None  # since when our own heartbeats have gone through
@@ -71,6 +74,7 @@ class GoneNodes:
         """Expire the attempts of every node gone since the last look: {node: attempts expired}."""
         now = self._clock()
         nodes = await self._store.list_nodes()
+        self._fleet_seen(any(n.node_id != self._node_id and n.alive(now) for n in nodes))
         if not self._steady(nodes, now):
             return {}
         found: dict[str, int] = {}

@@ -12,7 +12,8 @@ lengthens the lease does not make the leases granted before it look overdue.
 
 A second clock fences the node as a whole: the fleet calls a node gone, and expires its attempts,
 three heartbeats after it was last heard of (fleet.py). Once `heard()` has told of a saved heartbeat,
-every attempt is stopped when none has been saved for `fence_after_s`, one heartbeat before that.
+every attempt is stopped when none has been saved for `fence_after_s`, one heartbeat before that;
+unless the last look at the fleet found no other live node, which alone could take the tasks over.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class LeaseKeeper:
         self._store = store
         self._fence_after_s = fence_after_s
         self._heard_at: float | None = None  # monotonic: when the last saved heartbeat started
+        self._others_alive = True  # until a look at the fleet says otherwise, someone may take over
         self.lease_s = lease_s
         self.renew_every_s = renew_every_s
         self._flush_every_s = flush_every_s
@@ -82,6 +84,10 @@ class LeaseKeeper:
     def heard(self, started: float) -> None:
         """A heartbeat that started at monotonic `started` was saved: the fleet knows this node is alive."""
         self._heard_at = started if self._heard_at is None else max(self._heard_at, started)
+
+    def fleet_seen(self, others_alive: bool) -> None:
+        """Whether the last look at the fleet found another live node: none, none can take a task over."""
+        self._others_alive = others_alive
 
     def hold(self, lease: Lease) -> Held:
         remaining = lease.expires_at - self._clock()
@@ -198,7 +204,7 @@ class LeaseKeeper:
 
     def _fenced(self) -> bool:
         """Stop every attempt if the fleet may be about to call this node gone; True if it did."""
-        if self._fence_after_s is None or self._heard_at is None:
+        if self._fence_after_s is None or self._heard_at is None or not self._others_alive:
             return False
         unheard_s = self._monotonic() - self._heard_at
         if unheard_s < self._fence_after_s:

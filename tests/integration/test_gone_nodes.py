@@ -36,8 +36,10 @@ class Watch:
     def __init__(self, store: SqliteStore) -> None:
         self.store, self.clock = store, Clock(T0)
         self.reported: list[tuple[list[Expired], str]] = []
+        self.others_alive: list[bool] = []
         self.gone = GoneNodes(store, node_id="a", policy=RetryPolicy,
-                              report=lambda expired, why: self.reported.append((expired, why)), clock=self.clock)
+                              report=lambda expired, why: self.reported.append((expired, why)),
+                              fleet_seen=self.others_alive.append, clock=self.clock)
 
     async def beat(self, *node_ids: str) -> None:
         for node_id in node_ids:
@@ -70,6 +72,7 @@ async def test_a_node_not_heard_of_for_three_heartbeats_has_its_attempts_expired
     with caplog.at_level(logging.WARNING, logger="tidepool.fleet"):
         assert await watch.gone.check_once() == {"b": 1}
         assert await watch.gone.check_once() == {}, "said once"
+    assert watch.others_alive[-2:] == [False, False], "b is not alive: a is alone"
     assert [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()] == [
         "node b is gone: not heard of for 6.5s (since 22:13:20); 1 of its attempts expired"]
     task = await watch.store.get(task_id)
@@ -116,7 +119,11 @@ async def test_a_node_whose_heartbeat_goes_unsaved_stops_its_attempts_a_heartbea
         monotonic.now += fence_after_s(HEARTBEAT_S) - 0.1
         await anyio.sleep(0.05)
         assert held.why is None, "heard of recently enough"
+        keeper.fleet_seen(False)
         monotonic.now += 0.2
+        await anyio.sleep(0.05)
+        assert held.why is None, "alone in the fleet: nobody could take the task over, so it runs on"
+        keeper.fleet_seen(True)
         await anyio.sleep(0.05)
         assert held.why == "lost" and held.scope.cancel_called
         assert fence_after_s(HEARTBEAT_S) + HEARTBEAT_S <= gone_after_s(HEARTBEAT_S)
