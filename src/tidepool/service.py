@@ -107,7 +107,7 @@ class Daemon:
         self.started_at = time.time()
         self.heartbeat = Heartbeat(self.store, self._describe, on_saved=self.leases.heard)
         self.gone_nodes = GoneNodes(self.store, node_id=self.node_id, policy=lambda: self.engine.policy,
-                                    report=self.reconciler._report_expired)
+                                    report=self.reconciler._report_expired, fleet_seen=self.leases.fleet_seen)
         self._shutdown = anyio.Event()
         self._forced = False
         # Several nodes may share a state dir (one SQLite file, several node ids): each keeps its own.
