@@ -1,6 +1,6 @@
 """This node's live leases: batched renewals, phase notes written behind, and lost leases noticed.
 
-Renewal runs here, off the tasks' own code path, so a busy plugin cannot starve it (PITFALLS). One
+Renewal runs here, off the tasks' own code path, so a busy plugin cannot starve it. One
 write renews every lease of the node. A lease that cannot be renewed in time is given up: the task's
 cancel scope fires rather than work on for someone else. "In time" is judged on this node's own
 monotonic clock by a watch of its own, which no write can hold up (a store that accepts connections

@@ -80,7 +80,7 @@ class Settings(BaseSettings):
     @model_validator(mode="before")
     @classmethod
     def _database_in_state_dir(cls, data: Any) -> Any:
-        """Without a store.url the SQLite file lives in node.state_dir (SPEC §5)."""
+        """Without a store.url the SQLite file lives in node.state_dir."""
         if isinstance(data, dict) and isinstance(data.get("store", {}), dict) and not data.get("store", {}).get("url"):
             node = data.get("node", {})
             state_dir = node.get("state_dir", "./var") if isinstance(node, dict) else node.state_dir
@@ -97,7 +97,7 @@ class Settings(BaseSettings):
 
     def claimed_types(self) -> list[str]:
         """The task types this node claims: those it defines that pool.task_types accepts. A type this
-        node does not define is another node's to run, however wide the globs (rule 2)."""
+        node does not define is another node's to run, however wide the globs."""
         return sorted(name for name in self.all_types if any(fnmatchcase(name, g) for g in self.pool.task_types))
 
     def ready_summary(self) -> str:
