@@ -19,6 +19,8 @@ from .talk import add_client_options, exit_code
 __all__ = ["EXIT_GRACE_S", "OK", "TASK_FAILED", "UNREACHABLE", "USAGE", "exit_code", "main"]
 
 Command = Callable[[argparse.Namespace, Settings], int]
+# A schema mismatch is exit 1, not 3: the store answered, and trying again will not help.
+FAILED_WITH = ((ConfigError, USAGE), (StoreUnavailable, UNREACHABLE), (SchemaMismatch, 1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,15 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_mod.load(args.config)
         command: Command = args.func
         return command(args, settings)
-    except ConfigError as exc:
+    except (ConfigError, StoreUnavailable, SchemaMismatch) as exc:
         fatal(f"tidepool: {exc}")
-        return USAGE
-    except StoreUnavailable as exc:
-        fatal(f"tidepool: {exc}")
-        return UNREACHABLE
-    except SchemaMismatch as exc:  # the store answered: not exit 3, and retrying will not help
-        fatal(f"tidepool: {exc}")
-        return 1
+        return next(code for kind, code in FAILED_WITH if isinstance(exc, kind))
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `tidepool list | head`: the reader has what it wanted

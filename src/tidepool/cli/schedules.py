@@ -13,26 +13,22 @@ from rich.table import Column
 
 from ..client import Client
 from ..settings import Settings
-from .output import OK, USAGE, print_json, stdout, table, text, visible, when
-from .talk import add_client_options, with_client
+from .output import OK, USAGE, stdout, table, text, visible, when
+from .talk import add_client_options, read_and_print, with_client
 
 
 def cmd_schedules(args: argparse.Namespace, settings: Settings) -> int:
-    async def body(client: Client) -> int:
-        data = await client.request("GET", "/v1/schedules")
-        if args.json:
-            print_json(data)
-            return OK
-        rows = table(Column("name", no_wrap=True), "type", "when", "next run (UTC)", "last run (UTC)", "last task")
-        for s in data["schedules"]:
-            every = s["cron"] or f"every {s['every_s']:g}s"
-            next_run = "paused" if s["paused"] else when(s["next_run_at"])
-            last = f"{s['last_task_id'] or '-'} {s['last_task_state'] or ''}".strip()
-            rows.add_row(*map(text, (s["name"], s["type"], every, next_run, when(s["last_run_at"]), last)))
-        stdout().print(rows)
-        return OK
+    return read_and_print(args, settings, lambda client: client.request("GET", "/v1/schedules"), _print_schedules)
 
-    return with_client(args, settings, body)
+
+def _print_schedules(data: dict[str, Any]) -> None:
+    rows = table(Column("name", no_wrap=True), "type", "when", "next run (UTC)", "last run (UTC)", "last task")
+    for s in data["schedules"]:
+        every = s["cron"] or f"every {s['every_s']:g}s"
+        next_run = "paused" if s["paused"] else when(s["next_run_at"])
+        last = f"{s['last_task_id'] or '-'} {s['last_task_state'] or ''}".strip()
+        rows.add_row(*map(text, (s["name"], s["type"], every, next_run, when(s["last_run_at"]), last)))
+    stdout().print(rows)
 
 
 def cmd_add(args: argparse.Namespace, settings: Settings) -> int:

@@ -6,11 +6,12 @@ import argparse
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from ..client import ApiError, Client, InvalidAddress, Unreachable
 from ..errors import ConfigError
 from ..settings import DEFAULT_PATHS, Settings, check_listen, find_config, local_url, read_token
-from .output import UNREACHABLE, USAGE, complain
+from .output import OK, UNREACHABLE, USAGE, complain, print_json
 
 Body = Callable[[Client], Awaitable[int]]
 
@@ -25,20 +26,11 @@ def add_client_options(parser: argparse.ArgumentParser, *, default: object = Non
 
 
 def with_client(args: argparse.Namespace, settings: Settings, body: Body) -> int:
-    try:
-        url = daemon_url(args.url) if args.url else daemon_url(settings.api.listen)
-    except InvalidAddress as exc:
-        complain(f"tidepool: {'--url' if args.url else 'api.listen'}: {exc}")
-        return USAGE
+    """Run `body` with a client of the daemon; what went wrong on the way is one line on stderr and an exit code."""
     token_file = str(args.token_file) if args.token_file else settings.api.token_file
     token = _read_token_option(args.token_file) if args.token_file else read_token(token_file)
-
-    async def go() -> int:
-        async with Client(url, token=token) as client:
-            return await body(client)
-
     try:
-        return asyncio.run(go())
+        return asyncio.run(_session(daemon_url(args.url or settings.api.listen), token, body))
     except InvalidAddress as exc:
         complain(f"tidepool: {'--url' if args.url else 'api.listen'}: {exc}")
         return USAGE
@@ -48,6 +40,25 @@ def with_client(args: argparse.Namespace, settings: Settings, body: Body) -> int
     except ApiError as exc:  # the daemon's message often quotes the request back: an id, a type name
         complain(f"tidepool: {exc.message} ({exc.status} {exc.code})" + _token_hint(exc, args, token_file))
         return exit_code(exc.status)
+
+
+async def _session(url: str, token: str | None, body: Body) -> int:
+    async with Client(url, token=token) as client:
+        return await body(client)
+
+
+def read_and_print(args: argparse.Namespace, settings: Settings, fetch: Callable[[Client], Awaitable[Any]],
+                   render: Callable[[Any], None]) -> int:
+    """A command that reads one thing from the daemon: printed as JSON with --json, else by `render`."""
+    async def body(client: Client) -> int:
+        data = await fetch(client)
+        if args.json:
+            print_json(data)
+        else:
+            render(data)
+        return OK
+
+    return with_client(args, settings, body)
 
 
 def _read_token_option(path: Path) -> str:

@@ -10,30 +10,26 @@ from rich.text import Text
 
 from ..client import Client
 from ..settings import Settings
-from .output import OK, print_json, stdout, table, text, visible, when
-from .talk import with_client
+from .output import stdout, table, text, visible, when
+from .talk import read_and_print
 
 
 def cmd_pool(args: argparse.Namespace, settings: Settings) -> int:
-    async def body(client: Client) -> int:
-        pool = await client.pool()
-        if args.json:
-            print_json(pool)
-            return OK
-        lines = [f"node     {pool['node_id']}{'  (draining)' if pool['draining'] else ''}",
-                 f"workers  {pool['workers']} (baseline {pool['baseline']}, demand {pool['demand']}), "
-                 f"busy {pool['busy']}, min {pool['min_workers']}, max {pool['max_workers']}",
-                 "queue    " + ", ".join(f"{k} {v}" for k, v in pool["queue"].items()),
-                 "guards   " + _guards_line(pool["guards"])]
-        for name, r in pool.get("resources", {}).items():
-            lines.append(f"resource {name}: {r['in_use']}/{r['count']} in use, tags {', '.join(r['tags']) or '-'}")
-        if pool["pending_restart"]:
-            lines.append(f"restart  needed for {', '.join(pool['pending_restart'])}")
-        for line in lines:
-            print(visible(line))
-        return OK
+    return read_and_print(args, settings, Client.pool, _print_pool)
 
-    return with_client(args, settings, body)
+
+def _print_pool(pool: dict[str, Any]) -> None:
+    lines = [f"node     {pool['node_id']}{'  (draining)' if pool['draining'] else ''}",
+             f"workers  {pool['workers']} (baseline {pool['baseline']}, demand {pool['demand']}), "
+             f"busy {pool['busy']}, min {pool['min_workers']}, max {pool['max_workers']}",
+             "queue    " + ", ".join(f"{k} {v}" for k, v in pool["queue"].items()),
+             "guards   " + _guards_line(pool["guards"])]
+    for name, r in pool.get("resources", {}).items():
+        lines.append(f"resource {name}: {r['in_use']}/{r['count']} in use, tags {', '.join(r['tags']) or '-'}")
+    if pool["pending_restart"]:
+        lines.append(f"restart  needed for {', '.join(pool['pending_restart'])}")
+    for line in lines:
+        print(visible(line))
 
 
 def _guards_line(guards: dict[str, Any]) -> str:
@@ -47,25 +43,19 @@ def _guards_line(guards: dict[str, Any]) -> str:
 
 
 def cmd_nodes(args: argparse.Namespace, settings: Settings) -> int:
-    async def body(client: Client) -> int:
-        data = await client.request("GET", "/v1/nodes")
-        if args.json:
-            print_json(data)
-            return OK
-        rows = table(Column("node", no_wrap=True), "alive", "host", "pid", "version", "started (UTC)",
-                     "heartbeat (UTC)", "types", "tags", "max")
-        for n in data["nodes"]:
-            alive = Text("yes", style="green") if n["alive"] else Text("stopped" if n["stopped_at"] else "no",
-                                                                      style="red")
-            tags = "; ".join(",".join(t) for t in n["tags"]) or "-"
-            rows.add_row(text(n["node_id"]), alive,
-                         *map(text, (n["hostname"], str(n["pid"]), n["version"], when(n["started_at"]),
-                                     when(n["heartbeat_at"]), ",".join(n["task_types"]), tags,
-                                     str(n["max_workers"]))))
-        stdout().print(rows)
-        return OK
+    return read_and_print(args, settings, lambda client: client.request("GET", "/v1/nodes"), _print_nodes)
 
-    return with_client(args, settings, body)
+
+def _print_nodes(data: dict[str, Any]) -> None:
+    rows = table(Column("node", no_wrap=True), "alive", "host", "pid", "version", "started (UTC)",
+                 "heartbeat (UTC)", "types", "tags", "max")
+    for n in data["nodes"]:
+        alive = Text("yes", style="green") if n["alive"] else Text("stopped" if n["stopped_at"] else "no", style="red")
+        tags = "; ".join(",".join(t) for t in n["tags"]) or "-"
+        rows.add_row(text(n["node_id"]), alive,
+                     *map(text, (n["hostname"], str(n["pid"]), n["version"], when(n["started_at"]),
+                                 when(n["heartbeat_at"]), ",".join(n["task_types"]), tags, str(n["max_workers"]))))
+    stdout().print(rows)
 
 
 def add_commands(add: Any) -> None:
