@@ -21,8 +21,8 @@ DEFAULTS = {"lease": {"duration_s": 30.0, "renew_every_s": 10.0}, "reconciler": 
 class LiveLeases:
     """Samples the attempts table behind the daemons' backs: the most live attempts one task ever had."""
 
-    def __init__(self, fleet: Fleet, task_id: str) -> None:
-        self._fleet, self._task_id = fleet, task_id
+    def __init__(self, of: Fleet, task_id: str) -> None:
+        self._fleet, self._task_id = of, task_id
         self.most = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
