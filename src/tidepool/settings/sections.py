@@ -32,6 +32,9 @@ class Section(BaseModel):
 class NodeSettings(Section):
     id: str = ""
     state_dir: Path = Path("./var")
+    # How often the node saves its row. Three missed, the fleet calls it gone and runs its tasks elsewhere;
+    # two, it stops its own attempts (fleet.py): longer rides out longer store outages, and recovers slower.
+    heartbeat_s: float = Field(2.0, ge=0.5, le=60.0)
 
     @property
     def node_id(self) -> str:
