@@ -35,7 +35,7 @@ from .leases import LeaseKeeper
 from .lifecycle import retry_policy
 from .metrics import Metrics
 from .model import CANCELLED_ON_REQUEST, QUEUED, AttemptStatus, ClaimFilter, NewTask, State, Task, new_id, rfc3339
-from .nodes import HEARTBEAT_S, Heartbeat
+from .nodes import Heartbeat
 from .outcomes import UnwrittenInterruptions
 from .plugins import Registry
 from .pool import Pool, PoolConfig
@@ -52,7 +52,8 @@ log = logging.getLogger("tidepool.service")
 OUTCOME_FLUSH_S = 10.0  # at shutdown, after the drain and the stop phases, for outcomes a slow store still holds
 READY_PROBE_S = 2.0  # /readyz: a store slower than this to count the queue is as good as away
 RELOAD_SYNC_S = 5.0  # a SIGHUP saves the config's schedules within this, or leaves them to the next one
-RESTART_KEYS = ("store.url", "api.listen", "node.id", "node.state_dir", "api.token_file", "api.max_body_kb")
+RESTART_KEYS = ("store.url", "api.listen", "node.id", "node.state_dir", "node.heartbeat_s", "api.token_file",
+                "api.max_body_kb")
 GC_YOUNG_THRESHOLD = 20_000
 QUEUE_STATES = ("pending", "leased", "running", "retry_wait", "cancelling")
 
@@ -82,7 +83,8 @@ class Daemon:
         self.events.listen(logs.lifecycle)
         self.registry = _registry(settings)
         self.leases = LeaseKeeper(self.metrics.lease_store(self.store), lease_s=settings.lease.duration_s,
-                                  renew_every_s=settings.lease.renew_every_s, fence_after_s=fence_after_s(HEARTBEAT_S))
+                                  renew_every_s=settings.lease.renew_every_s,
+                                  fence_after_s=fence_after_s(settings.node.heartbeat_s))
         # A freed slot or cleared guard means claimable work may be waiting: wake a worker now.
         self.resources = ResourcePool.from_settings(settings.resources, on_free=lambda: self.pool.wake(1))
         self.guards = Guards(self.events, state_dir=settings.node.state_dir,
@@ -105,7 +107,8 @@ class Daemon:
                                    defines=lambda type_name: self.registry.knows_type(type_name),
                                    max_queued=lambda: self.settings.pool.max_queued)
         self.started_at = time.time()
-        self.heartbeat = Heartbeat(self.store, self._describe, on_saved=self.leases.heard)
+        self.heartbeat = Heartbeat(self.store, self._describe, interval_s=settings.node.heartbeat_s,
+                                   on_saved=self.leases.heard)
         self.gone_nodes = GoneNodes(self.store, node_id=self.node_id, policy=lambda: self.engine.policy,
                                     report=self.reconciler._report_expired, fleet_seen=self.leases.fleet_seen)
         self._shutdown = anyio.Event()
@@ -393,7 +396,7 @@ class Daemon:
         s = self.settings
         tags = tuple(tuple(sorted(r.tags)) for r in self._boot_settings.resources.values())
         return Node(self.node_id, self.instance_id, socket.gethostname(), os.getpid(), __version__, self.started_at,
-                    now, HEARTBEAT_S, tuple(s.claimed_types()), tags, self.pool.config.max_workers)
+                    now, self.heartbeat.interval_s, tuple(s.claimed_types()), tags, self.pool.config.max_workers)
 
     async def schedules_view(self) -> list[dict[str, Any]]:
         return [await self.schedule_view(schedule) for schedule in await self.store.list_schedules()]
