@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any
@@ -231,9 +232,13 @@ async def _parsed(lines: AsyncIterable[bytes]) -> AsyncGenerator[dict[str, Any],
 
 
 def _reason(exc: BaseException) -> str:
-    """What went wrong, in words: a timeout's own text is empty."""
+    """What went wrong, in words: a timeout's own text is empty, and a refused connection's is aiohttp's
+    ("Cannot connect to host … ssl:default [Connect call failed …]"), which says the address twice."""
     if isinstance(exc, TimeoutError) and not str(exc):
         return "no answer in time (a daemon whose event loop is held up by blocking work answers nothing)"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        code, cause = exc.os_error.errno, exc.os_error  # a resolver's failure has its own negative codes
+        return f"cannot connect: {os.strerror(code) if code is not None and code > 0 else cause.strerror or cause}"
     return str(exc) or type(exc).__name__
 
 

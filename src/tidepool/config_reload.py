@@ -8,7 +8,8 @@ from typing import Any
 from .errors import ConfigError
 from .settings import Section, Settings
 
-RESTART_KEYS = ("store.url", "api.listen", "node.id", "node.state_dir", "api.token_file", "api.max_body_kb")
+RESTART_KEYS = ("store.url", "api.listen", "node.id", "node.state_dir", "node.heartbeat_s", "api.token_file",
+                "api.max_body_kb")
 POOL_SIZES = ("pool.min_workers", "pool.max_workers", "pool.idle_timeout_s")
 
 

@@ -9,6 +9,11 @@ would expire it: the plugin needs that time to stop (kill_grace_s for a command)
 may take the task. The margin never eats into the slack renewals need (at renew_every_s = half the
 lease there is none to spare), and it is fixed when the lease is granted or renewed: a reload that
 lengthens the lease does not make the leases granted before it look overdue.
+
+A second clock fences the node as a whole: the fleet calls a node gone, and expires its attempts,
+three heartbeats after it was last heard of (fleet.py). Once `heard()` has told of a saved heartbeat,
+every attempt is stopped when none has been saved for `fence_after_s`, one heartbeat before that;
+unless the last look at the fleet found no other live node, which alone could take the tasks over.
 """
 
 from __future__ import annotations
@@ -55,8 +60,12 @@ class Held:
 
 class LeaseKeeper:
     def __init__(self, store: WorkerPort, *, lease_s: float, renew_every_s: float, flush_every_s: float = 0.1,
-                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
+                 fence_after_s: float | None = None, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self._store = store
+        self._fence_after_s = fence_after_s
+        self._heard_at: float | None = None  # monotonic: when the last saved heartbeat started
+        self._others_alive = True  # until a look at the fleet says otherwise, someone may take over
         self.lease_s = lease_s
         self.renew_every_s = renew_every_s
         self._flush_every_s = flush_every_s
@@ -71,6 +80,14 @@ class LeaseKeeper:
 
     def configure(self, *, lease_s: float, renew_every_s: float) -> None:
         self.lease_s, self.renew_every_s = lease_s, renew_every_s
+
+    def heard(self, started: float) -> None:
+        """A heartbeat that started at monotonic `started` was saved: the fleet knows this node is alive."""
+        self._heard_at = started if self._heard_at is None else max(self._heard_at, started)
+
+    def fleet_seen(self, others_alive: bool) -> None:
+        """Whether the last look at the fleet found another live node: none, none can take a task over."""
+        self._others_alive = others_alive
 
     def hold(self, lease: Lease) -> Held:
         remaining = lease.expires_at - self._clock()
@@ -177,8 +194,25 @@ class LeaseKeeper:
         return lost
 
     def _give_up_overdue(self) -> None:
+        if self._fenced():
+            return
         for held in list(self._held.values()):
             if self.time_left(held) <= 0 and held.why is None:
                 log.warning("task %s attempt %s lease not renewed in time; stopping the attempt",
                             held.lease.task_id, held.lease.attempt_id)
                 held.stop("lost")
+
+    def _fenced(self) -> bool:
+        """Stop every attempt if the fleet may be about to call this node gone; True if it did."""
+        if self._fence_after_s is None or self._heard_at is None or not self._others_alive:
+            return False
+        unheard_s = self._monotonic() - self._heard_at
+        if unheard_s < self._fence_after_s:
+            return False
+        for held in self._held.values():
+            if held.why is None:
+                log.warning("task %s attempt %s stopped: no heartbeat of this node saved for %.1fs, so the "
+                            "fleet will soon call it gone and run the task elsewhere", held.lease.task_id,
+                            held.lease.attempt_id, unheard_s)
+                held.stop("lost")
+        return True

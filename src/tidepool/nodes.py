@@ -29,11 +29,14 @@ class Heartbeat:
     """Saves `describe(now)` every interval_s; describe() reads the live figures (max_workers changes live)."""
 
     def __init__(self, store: Store, describe: Callable[[float], Node], *, interval_s: float = HEARTBEAT_S,
-                 clock: Callable[[], float] = time.time) -> None:
+                 on_saved: Callable[[float], None] = lambda started: None,
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
         self._store = store
         self._describe = describe
+        self._on_saved = on_saved  # given the monotonic time the saved beat started: the lease keeper's fence
         self.interval_s = interval_s
         self._clock = clock
+        self._monotonic = monotonic
         self._outage = Outage(log)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -45,12 +48,14 @@ class Heartbeat:
 
     async def beat(self) -> bool:
         """Save this node's row; False (logged once per outage) when the store is unavailable."""
+        started = self._monotonic()
         node = self._describe(self._clock())
         try:
             await self._store.save_node(node)
         except StoreUnavailable as exc:
             self._outage.failing("node %s heartbeat not saved, will retry: %s", node.node_id, exc)
             return False
+        self._on_saved(started)
         self._outage.over("node %s heartbeat saved again", node.node_id)
         return True
 

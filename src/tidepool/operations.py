@@ -29,6 +29,7 @@ from .resources import ResourcePool
 from .schedules import Schedule, task_for, validate
 from .settings import Settings
 from .store import Page, Store, retry_step
+from .templates import check_payload
 
 log = logging.getLogger("tidepool.service")  # the node's own lines, under the name they always had
 READY_PROBE_S = 2.0  # /readyz: a store slower than this to count the queue is as good as away
@@ -112,6 +113,7 @@ class NodeOperations:
         `fleet_tags` are the resource tag sets of the live nodes sharing the store."""
         if not self.registry.knows_type(new.type):
             raise InvalidRequest("type", f"unknown task type {new.type!r}")
+        check_payload(self._settings, new.type, new.payload)
         type_tags = self.registry.required_tags(new.type)
         if not type_tags <= set(new.required_tags):
             new = dataclasses.replace(new, required_tags=tuple(sorted(type_tags.union(new.required_tags))))
@@ -235,7 +237,7 @@ class NodeOperations:
         try:
             self.check(probe, fleet_tags=await self._fleet_tags([probe]))
         except InvalidRequest as exc:
-            if exc.field == "type":
+            if exc.field != "required_tags":  # the type, or a payload its commands cannot take
                 raise
             raise InvalidRequest("type", f"type {schedule.type!r} needs tags no resource of this fleet has: "
                                  f"{sorted(self.registry.required_tags(schedule.type))}") from None

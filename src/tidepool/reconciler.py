@@ -77,7 +77,7 @@ class Reconciler:
         Those in `interrupted` its shutdown stopped, but could not write so: they end interrupted."""
         expired = await self._store.expire_leases(now=self._clock(), policy=self._policy(), node_id=node_id,
                                                   keep_instance=instance_id, interrupted=interrupted)
-        self._report_expired(expired, "left by an earlier process of this node", interrupted)
+        self.report_expired(expired, "left by an earlier process of this node", interrupted)
         if missed := interrupted - {e.attempt_id for e in expired}:
             log.warning("%d attempts the last shutdown interrupted were ended meanwhile by other nodes, their "
                         "leases having run out during the outage: each used an attempt", len(missed))
@@ -97,7 +97,7 @@ class Reconciler:
     async def pass_once(self) -> PassReport:
         now = self._clock()
         expired = await self._store.expire_leases(now=now, policy=self._policy())
-        self._report_expired(expired, "not renewed in time")
+        self.report_expired(expired, "not renewed in time")
         promoted = await self._store.promote_due(now=now)
         if promoted:
             self._wake(promoted)
@@ -150,7 +150,7 @@ class Reconciler:
                 failed += 1
         return failed
 
-    def _report_expired(self, expired: list[Expired], why: str, interrupted: frozenset[str] = frozenset()) -> None:
+    def report_expired(self, expired: list[Expired], why: str, interrupted: frozenset[str] = frozenset()) -> None:
         """Say how each lease ended: expired, or (named in `interrupted`) an earlier shutdown's interruption
         written only now, which is no expiry and says so."""
         for e in expired:

@@ -25,13 +25,14 @@ from .claims import NodeClaims
 from .engine import Engine, EngineConfig
 from .errors import ConfigError, StoreUnavailable
 from .events import EventBus, first_id_of_this_run
+from .fleet import GoneNodes, fence_after_s
 from .guards import Guards
 from .leases import LeaseKeeper
 from .lifecycle import retry_policy
 from .metrics import Metrics
 from .model import QUEUED, AttemptStatus, new_id
 from .nodelock import file_safe, node_lock
-from .nodes import HEARTBEAT_S, Heartbeat
+from .nodes import Heartbeat
 from .operations import NodeOperations, NodeParts, NodeStatus, store_answers
 from .outcomes import UnwrittenInterruptions
 from .plugins import Registry
@@ -69,7 +70,10 @@ class Daemon:
         # the example's) would not resolve.
         self.work_root = settings.node.state_dir.absolute() / "work" / file_safe(self.node_id)
         self._build(settings, _registry(settings))
-        self.heartbeat = Heartbeat(self.store, self._describe)
+        self.heartbeat = Heartbeat(self.store, self._describe, interval_s=settings.node.heartbeat_s,
+                                   on_saved=self.leases.heard)
+        self.gone_nodes = GoneNodes(self.store, node_id=self.node_id, policy=lambda: self.engine.policy,
+                                    report=self.reconciler.report_expired, fleet_seen=self.leases.fleet_seen)
         # Several nodes may share a state dir (one SQLite file, several node ids): each keeps its own.
         self._unwritten = UnwrittenInterruptions(
             settings.node.state_dir / f"unwritten-interruptions.{file_safe(self.node_id)}.json")
@@ -94,7 +98,8 @@ class Daemon:
         self.events.listen(self.metrics.on_event)
         self.events.listen(logs.lifecycle)
         self.leases = LeaseKeeper(self.metrics.lease_store(self.store), lease_s=settings.lease.duration_s,
-                                  renew_every_s=settings.lease.renew_every_s)
+                                  renew_every_s=settings.lease.renew_every_s,
+                                  fence_after_s=fence_after_s(settings.node.heartbeat_s))
         self.engine = Engine(self.store, registry, self.leases, self.events, config=EngineConfig.of(settings.execution),
                              policy=retry_policy(settings.retry), work_root=self.work_root, resources=self.resources)
         self.claims = NodeClaims(settings.claimed_types(), resources=self.resources, guards=self.guards)
@@ -161,14 +166,15 @@ class Daemon:
         _quiet_gc()
         await tg.start(self.pool.run)
         await tg.start(self.reconciler.run)
+        await tg.start(self.gone_nodes.run)
         await tg.start(self.scheduler.run)
         tg.start_soon(report_status, self.notifier, self._status_line)
         tg.start_soon(self._watchdog)
         self.status.ready = True  # /readyz answers 200 from here: before systemd hears READY=1
         self.notifier.ready()
-        log.info("node %s ready: tidepool %s on %s, store %s, api %s, workers %d..%d", self.node_id, __version__,
-                 _loop_name(), redacted(self.settings.store.url), self.settings.api.listen,
-                 self.pool.config.min_workers, self.pool.config.max_workers)
+        log.info("node %s ready: tidepool %s on %s, store %s, api %s, workers %d..%d; %s", self.node_id,
+                 __version__, _loop_name(), redacted(self.settings.store.url), self.settings.api.listen,
+                 self.pool.config.min_workers, self.pool.config.max_workers, self.settings.ready_summary())
 
     def shutdown(self) -> None:
         self._shutdown.set()
@@ -258,7 +264,7 @@ class Daemon:
         s = self.settings
         tags = tuple(tuple(sorted(r.tags)) for r in self._boot_settings.resources.values())
         return Node(self.node_id, self.instance_id, socket.gethostname(), os.getpid(), __version__, self.started_at,
-                    now, HEARTBEAT_S, tuple(s.pool.task_types), tags, self.pool.config.max_workers)
+                    now, self.heartbeat.interval_s, tuple(s.claimed_types()), tags, self.pool.config.max_workers)
 
     # reload
 

@@ -80,7 +80,8 @@ def test_list_says_when_there_are_more_tasks_and_the_cursor_pages_through_them(d
     for _ in range(3):
         page = cli("list", "--limit", "2", *cursor, "--url", daemon.url)
         assert page.returncode == OK, page.stderr
-        seen += [words[0] for line in page.stdout.splitlines() if (words := line.split()) and words[0] in ids]
+        seen += [full for line in page.stdout.splitlines() if (words := line.split()) and len(words[0]) >= 12
+                 for full in ids if full.startswith(words[0])]  # each id by a prefix that names it
         if "--cursor" not in page.stderr:
             break
         cursor = ["--cursor", page.stderr.split("--cursor ")[1].split()[0].strip("`")]
@@ -94,9 +95,9 @@ def test_list_and_schedules_print_whole_rows_with_times_to_the_second(daemon: Da
     task_id = cli("submit", "noop", "--wait", "--url", daemon.url).stdout.split()[0]
     daemon.post("/v1/schedules", {"name": "hourly", "type": "noop", "every_s": 3600})
     wide = {"COLUMNS": "60"}
-    row = next(line for line in cli("list", "--url", daemon.url, env=wide).stdout.splitlines() if task_id in line)
+    row = next(line for line in cli("list", "--url", daemon.url, env=wide).stdout.splitlines() if task_id[:12] in line)
     created = daemon.task(task_id)["created_at"]  # RFC 3339 with microseconds in the JSON
-    assert row.split() == [task_id, "noop", "completed", "1/3", daemon.task(task_id)["node_id"],
+    assert row.split() == [task_id[:12], "noop", "completed", "1/3", daemon.task(task_id)["node_id"],
                            created[:10], created[11:19]], row
     schedules = cli("schedules", "--url", daemon.url, env=wide).stdout
     (hourly,) = [line.split() for line in schedules.splitlines() if line.split()[:1] == ["hourly"]]
@@ -417,8 +418,8 @@ def test_list_pool_nodes_and_schedules_print_names_with_markup_and_escapes_liter
     for command, result in outputs.items():
         assert result.returncode == OK, (command, result.stderr)
         assert_no_raw_control(result.stdout)
-    row = next(line.split() for line in outputs["list"].stdout.splitlines() if task_id in line)
-    assert row[:5] == [task_id, LOUD_TYPE_SHOWN, "completed", "1/3", LOUD_NODE_SHOWN], row
+    row = next(line.split() for line in outputs["list"].stdout.splitlines() if task_id[:12] in line)
+    assert row[:5] == [task_id[:12], LOUD_TYPE_SHOWN, "completed", "1/3", LOUD_NODE_SHOWN], row
     assert outputs["pool"].stdout.splitlines()[0] == f"node     {LOUD_NODE_SHOWN}"
     assert any(line.split()[:2] == [LOUD_NODE_SHOWN, "yes"] for line in outputs["nodes"].stdout.splitlines()), \
         outputs["nodes"].stdout

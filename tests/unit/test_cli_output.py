@@ -8,6 +8,8 @@ import pytest
 from rich.console import Console
 
 from tidepool import cli
+from tidepool.cli.output import visible
+from tidepool.cli.tasks import Progress
 
 
 @pytest.mark.parametrize(("data", "shown"), [
@@ -20,17 +22,17 @@ from tidepool import cli
     ("\xa0é→ü", "\xa0é→ü"),                      # printable text beyond ASCII is left alone
 ])
 def test_visible_spells_out_every_control_character_and_nothing_else(data: str, shown: str) -> None:
-    assert cli._visible(data) == shown
+    assert visible(data) == shown
 
 
 def test_visible_covers_exactly_c0_del_and_c1() -> None:
     control = [*range(0x20), *range(0x7F, 0xA0)]
-    assert [c for c in range(0x300) if cli._visible(chr(c)) != chr(c)] == control
-    assert all(cli._visible(chr(c)) == f"\\u{c:04x}" for c in control)
+    assert [c for c in range(0x300) if visible(chr(c)) != chr(c)] == control
+    assert all(visible(chr(c)) == f"\\u{c:04x}" for c in control)
 
 
 def test_the_submit_wait_live_line_shows_a_plugin_name_and_progress_message_literally() -> None:
-    progress = cli._Progress("01TASK")
+    progress = Progress("01TASK")
     progress.see({"event": "plugin.started", "plugin": "shout\x1b[31m"})
     line = progress.see({"event": "task.progress", "fraction": 0.5,
                          "message": "[bold red]MARKUP[/bold red] \x1b]0;PWNED\x07 \x1b[2J\r:smile:"})
@@ -43,7 +45,7 @@ def test_the_submit_wait_live_line_shows_a_plugin_name_and_progress_message_lite
 def test_the_live_line_of_a_stream_opened_mid_attempt_says_running_from_the_first_progress_report() -> None:
     """The task read when the stream opens shows it leased (phases are written behind); its phase events
     went by before the stream opened: the progress reports still say it runs, and which plugin."""
-    progress = cli._Progress("01TASK")
+    progress = Progress("01TASK")
     progress.see({"state": "leased", "phase": None, "progress": None})
     assert progress.see({"event": "task.progress", "plugin": "sleep", "fraction": 0.25,
                          "message": ""}).plain.split() == ["01TASK", "running", "run", "sleep", "25.0%"]

@@ -21,6 +21,7 @@ from ..model import State
 from ..settings import api_address
 from . import openapi, stream
 from .auth import TOKEN, require_token
+from .body_errors import body_error
 from .browsers import browser_guard, no_framing
 from .guard import KEEPALIVE_TIMEOUT_S, ConnectionGuard, GuardedSite
 from .ops import Operations
@@ -108,10 +109,7 @@ def _validated(raw: bytes, model: type[M]) -> M:
         # Strict: JSON true is not the integer 1 and "5" is not 5; RFC 3339 strings still make datetimes.
         return model.model_validate_json(raw or b"null", strict=True)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "body"
-        code = "invalid_json" if first["type"] == "json_invalid" else "invalid_request"  # e.g. nested too deeply
-        raise _http(400, code, f"{field}: {first['msg']}") from None
+        raise _http(400, *body_error(exc)) from None
 
 
 def _no_constant(name: str) -> None:

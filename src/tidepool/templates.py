@@ -1,0 +1,31 @@
+"""A submitted payload checked against the command templates its task type will fill in, before it is queued.
+
+The same rendering runs again when the attempt starts (a command plugin's own check); doing it at submit
+makes a payload that no attempt could run a 400 naming the field, instead of a task that fails later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import InvalidArgument, InvalidRequest
+from .plugins.command import render_argv
+from .settings import Settings
+
+# What the node fills in for every attempt: their values are the node's, never the payload's to get wrong.
+STAND_INS = {"task_id": "0" * 32, "attempt": 1, "workdir": "/work"}
+
+
+def check_payload(settings: Settings, task_type: str, payload: Mapping[str, Any]) -> None:
+    """InvalidRequest naming the payload field a command plugin of `task_type` could not put in its arguments:
+    a placeholder with no value, a value starting with "-", one that is not a string or number."""
+    task_settings = settings.all_types.get(task_type)
+    for plugin in () if task_settings is None else task_settings.plugins:
+        spec = settings.plugins.defs.get(plugin)
+        if spec is None or spec.command is None:
+            continue
+        try:
+            render_argv(spec.command, {**payload, **STAND_INS})
+        except InvalidArgument as exc:
+            raise InvalidRequest(exc.field, f"{str(exc).split(': ', 1)[1]} (plugin {plugin}'s command)") from None

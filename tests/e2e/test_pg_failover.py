@@ -1,0 +1,82 @@
+"""A node killed mid-task on PostgreSQL, with the default lease, reconciler and retry settings: its task
+runs again on the survivor within the 10 s the README promises, never with two live leases."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from .test_pg_cluster import Fleet, fleet  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.e2e
+
+RECOVERY_BOUND_S = 10.0  # the README's fleet section states it
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "lease": {"duration_s": 30.0, "renew_every_s": 10.0}, "reconciler": {"interval_s": 5.0},
+    "retry": {"backoff_base_s": 2.0, "backoff_max_s": 300.0, "max_attempts": 3},
+    "pool": {"min_workers": 2, "max_workers": 4, "poll_interval_s": 2.0, "drain_timeout_s": 1.0}}
+
+
+class LiveLeases:
+    """Samples the attempts table behind the daemons' backs: the most live attempts one task ever had."""
+
+    def __init__(self, of: Fleet, task_id: str) -> None:
+        self._fleet, self._task_id = of, task_id
+        self.most = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            (live,), = self._fleet.q("SELECT count(*) FROM attempts WHERE task_id = $1 AND status IN "
+                                     "('leased', 'running')", self._task_id)
+            self.most = max(self.most, live)
+            time.sleep(0.05)
+
+    def __enter__(self) -> LiveLeases:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def test_kill_9_of_a_node_mid_task_its_task_runs_again_on_the_other_within_ten_seconds(fleet: Fleet) -> None:  # noqa: F811
+    assert _killed_mid_task(fleet, DEFAULTS) < RECOVERY_BOUND_S
+
+
+def test_a_shorter_node_heartbeat_recovers_sooner(fleet: Fleet) -> None:  # noqa: F811
+    """node.heartbeat_s = 0.5: gone after 1.5 s, looked for every second; 10 s would be the default's bound."""
+    assert _killed_mid_task(fleet, {**DEFAULTS, "node": {"heartbeat_s": 0.5}}) < 5.0
+
+
+def _killed_mid_task(fleet: Fleet, settings: dict[str, dict[str, Any]]) -> float:  # noqa: F811
+    """Kill -9 the node running a task mid-way; check how it ran again; the seconds from the kill to its rerun."""
+    a, b = fleet.add("a", **settings), fleet.add("b", **settings)  # type: ignore[arg-type]
+    fleet.start(a, b)
+    (task_id,) = fleet.submit("append", 1, via=[a], seconds=12.0)
+    (_, first), = fleet.wait("the task running", lambda: fleet.live_attempts("a") or fleet.live_attempts("b"))
+    (victim_id,), = fleet.q("SELECT node_id FROM attempts WHERE id = $1", first)
+    victim, survivor = (a, b) if victim_id == "a" else (b, a)
+    survivor_id = "b" if victim_id == "a" else "a"
+    time.sleep(2.0)  # mid-task
+    with LiveLeases(fleet, task_id) as leases:
+        killed_at = time.time()
+        victim.kill()
+        fleet.wait("the task running again on the survivor", lambda: fleet.live_attempts(survivor_id), timeout_s=30)
+        fleet.wait("the task completed", lambda: fleet.completed([task_id]), timeout_s=30)
+    rows = fleet.q("SELECT id, node_id, status, number, started_at, finished_at FROM attempts WHERE task_id = $1 "
+                   "ORDER BY number", task_id)
+    assert [(r[1], r[2], r[3]) for r in rows] == [(victim_id, "expired", 1), (survivor_id, "succeeded", 2)], rows
+    (_, _, _, _, started, ended), (_, _, _, _, again, _) = rows
+    # ended when the node was last heard of (a heartbeat before the kill), not when the survivor noticed
+    assert started < ended <= killed_at + 0.5, (started, ended, killed_at)
+    assert leases.most == 1, "two live leases on one task"
+    fleet.assert_no_overlapping_attempts()
+    gone = [line for line in survivor.log(200).splitlines() if f"node {victim_id} is gone" in line]
+    assert len(gone) == 1 and "1 of its attempts expired" in gone[0], gone
+    return float(again - killed_at)
