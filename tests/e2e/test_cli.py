@@ -1,4 +1,4 @@
-"""The `tidepool` command's exit codes against a live daemon, a dead address and bad configs (SPEC §5, §9)."""
+"""The `tidepool` command's exit codes against a live daemon, a dead address and bad configs (0 done, 1 a task that ended unsuccessfully, 2 refused, 3 no daemon or it cannot take the request now)."""
 
 from __future__ import annotations
 
