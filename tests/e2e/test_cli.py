@@ -1,4 +1,5 @@
-"""The `tidepool` command's exit codes against a live daemon, a dead address and bad configs (0 done, 1 a task that ended unsuccessfully, 2 refused, 3 no daemon or it cannot take the request now)."""
+"""The `tidepool` command's exit codes against a live daemon, a dead address and bad configs: 0 done, 1 a
+task that ended unsuccessfully, 2 refused, 3 no daemon answered or it cannot take the request now."""
 
 from __future__ import annotations
 
