@@ -148,6 +148,8 @@ class Client:
                         yield event
                         if event["event"] == "stream.closed":
                             return
+        except aiohttp.ClientConnectorError as exc:  # no connection at all: nobody is there
+            raise Unreachable(f"no tidepool daemon answered at {self.url}: {_reason(exc)}") from None
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
             raise Unreachable(f"event stream from {self.url} broke: {_reason(exc)}") from None
 
