@@ -23,7 +23,9 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from aiohttp.web_protocol import RequestHandler
 
+from ..client import API_HEADER
 from ..logs import Outage
 from ..settings import api_address
 
@@ -45,8 +47,8 @@ class ConnectionGuard:
         self.full = Outage(log)  # said once when the cap starts refusing, once when it admits again
         self._connections: dict[object, _Guarded] = {}  # by transport, for the middleware
 
-    def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
-        return lambda: _Guarded(factory(), self)
+    def wrap(self, factory: Callable[[], RequestHandler]) -> Callable[[], asyncio.Protocol]:
+        return lambda: _Guarded(_answering_as_tidepool(factory()), self)
 
     def when_lost(self, transport: asyncio.BaseTransport, callback: Callable[[], None]) -> Callable[[], None]:
         """Call `callback` once the connection of `transport` is gone (at once if it is already); the answer
@@ -70,6 +72,28 @@ class ConnectionGuard:
         finally:
             if connection is not None:
                 connection.expect_request()
+
+
+class _AnswersAsTidepool(RequestHandler):
+    """aiohttp answers a request it cannot parse (a header line too long, a malformed one) itself, before
+    any middleware: that answer is ours too, in JSON with the API header, so a client can tell a refusal
+    by the daemon from something else answering at its address."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        plain = super().handle_error(request, status, exc, message)  # logs it, as aiohttp does
+        code = "invalid_request" if status < 500 else "internal_error"
+        answer = web.json_response({"error": {"code": code, "message": message or plain.reason}}, status=status,
+                                   headers=dict([API_HEADER]))
+        answer.force_close()
+        return answer
+
+
+def _answering_as_tidepool(handler: RequestHandler) -> RequestHandler:
+    handler.__class__ = _AnswersAsTidepool  # same layout (no slots of its own): only handle_error differs
+    return handler
 
 
 class _Guarded(asyncio.Protocol):
