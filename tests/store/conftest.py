@@ -7,9 +7,18 @@ from pathlib import Path
 
 import pytest
 
+from tidepool.lifecycle import RetryPolicy
+from tidepool.model import AttemptStatus, ClaimFilter, Outcome
 from tidepool.store import Store
 from tidepool.store.memory import MemoryStore
 from tidepool.store.sqlite import SqliteStore
+
+# What the store tests share: a fixed clock origin, the lease, a retry policy, a claim of any type, a success.
+T0 = 1_700_000_000.0
+LEASE_S = 30.0
+POLICY = RetryPolicy(base_s=2.0, max_s=300.0, jitter=0.1, max_interruptions=2)
+ANY = ClaimFilter()
+SUCCEEDED = Outcome(AttemptStatus.SUCCEEDED)
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgres"])

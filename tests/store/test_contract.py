@@ -25,7 +25,7 @@ from tidepool.errors import (
     TaskCancelling,
     TaskNotFound,
 )
-from tidepool.lifecycle import RetryPolicy, backoff_s
+from tidepool.lifecycle import backoff_s
 from tidepool.model import (
     CANCELLED_ON_REQUEST,
     AttemptStatus,
@@ -46,13 +46,10 @@ from tidepool.model import (
 from tidepool.store import CancelAnswer, Ended, Ending, PhaseNote, Store
 from tidepool.store.sqlite import SqliteStore
 
-T0 = 1_700_000_000.0
-LEASE_S = 30.0
-POLICY = RetryPolicy(base_s=2.0, max_s=300.0, jitter=0.1, max_interruptions=2)
-ANY = ClaimFilter()
+from .conftest import ANY, LEASE_S, POLICY, SUCCEEDED, T0
+
 NODE_A = Worker("node-a", "a-1", "worker-1")
 
-SUCCEEDED = Outcome(AttemptStatus.SUCCEEDED)
 FAILED_RETRYABLE = Outcome(AttemptStatus.FAILED, TaskError("boom", "the plugin broke", True), 1, "boom\n")
 FAILED_FOR_GOOD = Outcome(AttemptStatus.FAILED, TaskError("invalid_argument", "target: refused", False))
 TIMED_OUT = Outcome(AttemptStatus.TIMED_OUT, TaskError("timeout", "run phase timed out after 5.0s", False))

@@ -17,14 +17,14 @@ from anyio.abc import TaskStatus
 from tidepool.api.schemas import NodeOut
 from tidepool.errors import ConfigError
 from tidepool.lifecycle import RetryPolicy
-from tidepool.model import AttemptStatus, ClaimFilter, NewTask, Outcome, State, TaskError, Worker
+from tidepool.model import AttemptStatus, NewTask, Outcome, State, TaskError, Worker
 from tidepool.schedules import Schedule
 from tidepool.store import Node, Store
 from tidepool.store.postgres import PostgresStore, channel_for
 
-T0 = 1_700_000_000.0
+from .conftest import ANY, T0
+
 POLICY = RetryPolicy(base_s=0.0, max_s=0.0, jitter=0.0, max_interruptions=10)
-ANY = ClaimFilter()
 
 
 def node(node_id: str = "host-a", **changes: object) -> Node:

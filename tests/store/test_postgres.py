@@ -20,17 +20,12 @@ import asyncpg
 import pytest
 
 from tidepool.errors import ConfigError, LeaseLost, SchemaMismatch, StoreUnavailable
-from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, Outcome, Phase, State, Worker
 from tidepool.schedules import Schedule
 from tidepool.store import Ended, Ending, PhaseNote, postgres
 from tidepool.store.postgres import SCHEMA_VERSION, PostgresStore
 
-T0 = 1_700_000_000.0
-LEASE_S = 30.0
-POLICY = RetryPolicy(base_s=2.0, max_s=300.0, jitter=0.1, max_interruptions=2)
-ANY = ClaimFilter()
-SUCCEEDED = Outcome(AttemptStatus.SUCCEEDED)
+from .conftest import ANY, LEASE_S, POLICY, SUCCEEDED, T0
 
 
 @contextlib.asynccontextmanager

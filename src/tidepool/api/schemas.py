@@ -17,7 +17,6 @@ from pydantic_core import PydanticCustomError
 
 from ..guards import GuardStats
 from ..model import AttemptStatus, NewTask, Phase, State, Task, rfc3339
-from ..pool import PoolStats
 from ..resources import ResourceStats
 from ..schedules import MAX_NAME_LEN, NAME_PATTERN, CatchUp, Overlap, Schedule
 from ..settings import MAX_WORKERS, Tag
@@ -25,6 +24,8 @@ from ..store import Node
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
+
+    from ..pool import PoolStats
 
 MAX_LIST_LIMIT = 1000
 CURSOR_PATTERN = r"^([0-9a-f]{32})?$"  # a next_cursor is a task id (model.new_id); empty is the first page
