@@ -1,7 +1,9 @@
 """What every benchmark shares: a real daemon subprocess in a temp dir, a tiny HTTP client, figures.
 
-Benchmarks print figures and never pass or fail on time. Each one starts its own daemon(s)
-with log.level = "warning", in a temporary directory that is removed afterwards.
+Benchmarks print figures and never pass or fail on time. Each one starts its own daemon(s) in a
+temporary directory that is removed afterwards, with the configuration a user gets: every key at its
+shipped default (log level info, claim_batch 1, the guards' floors...) except the node's id, its state
+directory, store file and API port, and what the benchmark itself names (pool sizes, a task type).
 """
 
 from __future__ import annotations
@@ -149,8 +151,6 @@ class Daemon:
             "node": {"id": "bench", "state_dir": str(state_dir)},
             "store": {"url": f"sqlite:///{state_dir / 'tidepool.db'}"},
             "api": {"listen": f"127.0.0.1:{self.port}"},
-            "log": {"level": "warning"},
-            "guards": {"min_free_memory_mb": 0, "min_free_disk_mb": 0},
         }
         for section, keys in (overrides or {}).items():
             config.setdefault(section, {}).update(keys)
