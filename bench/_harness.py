@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import signal
@@ -58,7 +59,10 @@ class Figure:
     note: str = ""
 
     def line(self) -> str:
-        shown = f"{self.value:,.1f}" if abs(self.value) >= 100 else f"{self.value:,.3g}"
+        if math.isnan(self.value):  # not measured: the note says why
+            shown = "-"
+        else:
+            shown = f"{self.value:,.1f}" if abs(self.value) >= 100 else f"{self.value:,.3g}"
         return f"  {self.name:<44} {shown:>12} {self.unit:<8} {self.note}".rstrip()
 
 

@@ -45,7 +45,8 @@ def main() -> int:
     print(f"  {'bench':<11} {'figure':<46} {'value':>12} unit")
     for f in figures:
         value = f["value"]
-        shown = f"{value:,.1f}" if abs(value) >= 100 else f"{value:,.3g}"
+        # NaN (never equal to itself): not measured, the benchmark's own output says why
+        shown = "-" if value != value else f"{value:,.1f}" if abs(value) >= 100 else f"{value:,.3g}"
         print(f"  {f['bench']:<11} {f['name']:<46} {shown:>12} {f['unit']}")
     sys.path.insert(0, str(HERE))
     from _harness import fsync_note
