@@ -6,17 +6,44 @@ ideal = tasks * seconds / workers. Median of --runs runs on one daemon (the queu
 CPU per task of the event loop's thread and of all other threads (the SQLite writer and readers), from
 /proc: the wall's margin over the ideal grows with the loop's CPU per task (tasks that end together
 queue behind one another's bookkeeping), and CPU time is far steadier on this machine than the wall.
+The daemon runs at the shipped defaults (log level info, claim_batch 1) but for the pool's size.
+
+Then the same tasks on pgqueuer and dramatiq, each with an idle worker at concurrency --workers
+(see peers.py), median of --runs each; the overhead rows compare (wall - ideal) with the peers'
+(the goal: tidepool's at most 0.8 x dramatiq's). --peers= leaves them out.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Any
 
+import peers
 from _harness import Figure, arguments, median, report, reproduce, running, temp_dir, thread_cpu_s
 
-DEFAULTS: dict[str, Any] = {"tasks": 2000, "seconds": 0.05, "workers": 50, "runs": 3}
+DEFAULTS: dict[str, Any] = {"tasks": 2000, "seconds": 0.05, "workers": 50, "runs": 3,
+                            "peers": ",".join(peers.PEERS)}
+
+
+def peer_figures(args: Any, ideal: float, wall: float) -> list[Figure]:
+    """Each peer's wall / ideal on the same tasks, and tidepool's overhead over the ideal against its."""
+    b, figures, ratios = "w2", [], []
+    for peer in filter(None, args.peers.split(",")):
+        walls, reason = [], ""
+        for _ in range(args.runs):
+            got = peers.w2(peer, args.tasks, args.seconds, args.workers)
+            if isinstance(got, peers.Skipped):
+                reason = got.reason
+                break
+            walls.append(got)
+        peer_wall = median(walls) if walls else math.nan
+        figures.append(Figure(b, f"{peer} {peers.version(peer)}, wall / ideal", peer_wall / ideal, "x",
+                              reason or f"median of {args.runs}; first enqueue .. queue seen empty"))
+        ratios.append(Figure(b, f"tidepool / {peer}, overhead over the ideal", (wall - ideal) / (peer_wall - ideal),
+                             "x", reason or ("the goal: at most 0.8" if peer == "dramatiq" else "")))
+    return figures + ratios
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,12 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     figures = [
         Figure(b, "wall, first submit .. all completed", wall, "s", f"median of {args.runs}"),
         Figure(b, "ideal (tasks * seconds / workers)", ideal, "s"),
-        Figure(b, "wall / ideal", wall / ideal, "x"),
+        Figure(b, "wall / ideal", wall / ideal, "x", "tidepool at the shipped defaults"),
         Figure(b, "stored span, created_at .. last finished_at", median(spans), "s", f"median of {args.runs}"),
         Figure(b, "tasks completed per second", args.tasks / wall, "tasks/s"),
         Figure(b, "CPU per task, event loop thread", median(loop_us), "µs", f"median of {args.runs}; from /proc"),
         Figure(b, "CPU per task, other threads", median(others_us), "µs",
                f"median of {args.runs}; the SQLite writer and readers"),
+        *peer_figures(args, ideal, wall),
     ]
     report(f"w2: {args.tasks} x {args.seconds * 1000:.0f} ms sleeps at {args.workers} workers", figures,
            reproduce("w2.py", args, DEFAULTS), args.summary)
