@@ -29,7 +29,7 @@ from .resources import ResourcePool
 from .schedules import Schedule, task_for, validate
 from .settings import Settings
 from .store import Page, Store, retry_step
-from .templates import check_payload
+from .templates import PayloadCheck
 
 log = logging.getLogger("tidepool.service")  # the node's own lines, under the name they always had
 READY_PROBE_S = 2.0  # /readyz: a store slower than this to count the queue is as good as away
@@ -78,11 +78,13 @@ class NodeOperations:
         self._status = status
         self.registry = registry
         self._settings = settings
+        self._check_payload = PayloadCheck(settings)
         self._shared_store = settings.db_path() is None  # SQLite: this node is the whole fleet
 
     def configure(self, settings: Settings, registry: Registry) -> None:
         """A reload's settings and task types: every submit, retry and schedule from now on is checked by them."""
         self._settings, self.registry = settings, registry
+        self._check_payload = PayloadCheck(settings)
 
     @property
     def max_body_kb(self) -> int:
@@ -113,7 +115,7 @@ class NodeOperations:
         `fleet_tags` are the resource tag sets of the live nodes sharing the store."""
         if not self.registry.knows_type(new.type):
             raise InvalidRequest("type", f"unknown task type {new.type!r}")
-        check_payload(self._settings, new.type, new.payload)
+        self._check_payload(new.type, new.payload)
         type_tags = self.registry.required_tags(new.type)
         if not type_tags <= set(new.required_tags):
             new = dataclasses.replace(new, required_tags=tuple(sorted(type_tags.union(new.required_tags))))

@@ -17,15 +17,23 @@ from .settings import Settings
 STAND_INS = {"task_id": "0" * 32, "attempt": 1, "workdir": "/work"}
 
 
-def check_payload(settings: Settings, task_type: str, payload: Mapping[str, Any]) -> None:
-    """InvalidRequest naming the payload field a command plugin of `task_type` could not put in its arguments:
-    a placeholder with no value, a value starting with "-", one that is not a string or number."""
-    task_settings = settings.all_types.get(task_type)
-    for plugin in () if task_settings is None else task_settings.plugins:
-        spec = settings.plugins.defs.get(plugin)
-        if spec is None or spec.command is None:
-            continue
-        try:
-            render_argv(spec.command, {**payload, **STAND_INS})
-        except InvalidArgument as exc:
-            raise InvalidRequest(exc.field, f"{str(exc).split(': ', 1)[1]} (plugin {plugin}'s command)") from None
+class PayloadCheck:
+    """The command templates of each task type, gathered once per config: a submit of a type without
+    commands (most of them) costs one dict look-up."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._commands: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
+        for task_type, task_settings in settings.all_types.items():
+            specs = [(plugin, settings.plugins.defs.get(plugin)) for plugin in task_settings.plugins]
+            commands = [(plugin, spec.command) for plugin, spec in specs if spec and spec.command is not None]
+            if commands:
+                self._commands[task_type] = commands
+
+    def __call__(self, task_type: str, payload: Mapping[str, Any]) -> None:
+        """InvalidRequest naming the payload field a command plugin of `task_type` could not put in its
+        arguments: a placeholder with no value, a value starting with "-", one that is not a string or number."""
+        for plugin, command in self._commands.get(task_type, ()):
+            try:
+                render_argv(command, {**payload, **STAND_INS})
+            except InvalidArgument as exc:
+                raise InvalidRequest(exc.field, f"{str(exc).split(': ', 1)[1]} (plugin {plugin}'s command)") from None
