@@ -60,10 +60,11 @@ class Held:
 
 class LeaseKeeper:
     def __init__(self, store: WorkerPort, *, lease_s: float, renew_every_s: float, flush_every_s: float = 0.1,
-                 fence_after_s: float | None = None, clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 fence_after_s: float | None = None, on_fence: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
         self._store = store
         self._fence_after_s = fence_after_s
+        self._on_fence = on_fence  # told before the fence stops the attempts: their commands must die quickly
         self._heard_at: float | None = None  # monotonic: when the last saved heartbeat started
         self._others_alive = True  # until a look at the fleet says otherwise, someone may take over
         self.lease_s = lease_s
@@ -202,13 +203,21 @@ class LeaseKeeper:
                             held.lease.task_id, held.lease.attempt_id)
                 held.stop("lost")
 
-    def _fenced(self) -> bool:
-        """Stop every attempt if the fleet may be about to call this node gone; True if it did."""
+    def fencing(self) -> bool:
+        """Whether the fleet may be about to call this node gone: no claim then, for its attempt would be
+        stopped at once and its task left leased to a live node until the lease ran out."""
         if self._fence_after_s is None or self._heard_at is None or not self._others_alive:
             return False
-        unheard_s = self._monotonic() - self._heard_at
-        if unheard_s < self._fence_after_s:
+        return self._monotonic() - self._heard_at >= self._fence_after_s
+
+    def _fenced(self) -> bool:
+        """Stop every attempt if the fleet may be about to call this node gone; True if it did."""
+        if not self.fencing():
             return False
+        assert self._heard_at is not None
+        unheard_s = self._monotonic() - self._heard_at
+        if any(held.why is None for held in self._held.values()):
+            self._on_fence()
         for held in self._held.values():
             if held.why is None:
                 log.warning("task %s attempt %s stopped: no heartbeat of this node saved for %.1fs, so the "

@@ -35,7 +35,7 @@ from .nodelock import file_safe, node_lock
 from .nodes import Heartbeat
 from .operations import NodeOperations, NodeParts, NodeStatus, store_answers
 from .outcomes import UnwrittenInterruptions
-from .plugins import Registry
+from .plugins import Registry, command
 from .pool import Pool, PoolConfig, Waker
 from .reconciler import Reconciler, ReconcilerConfig
 from .resources import ResourcePool
@@ -99,13 +99,14 @@ class Daemon:
         self.events.listen(logs.lifecycle)
         self.leases = LeaseKeeper(self.metrics.lease_store(self.store), lease_s=settings.lease.duration_s,
                                   renew_every_s=settings.lease.renew_every_s,
-                                  fence_after_s=fence_after_s(settings.node.heartbeat_s))
+                                  fence_after_s=fence_after_s(settings.node.heartbeat_s),
+                                  on_fence=partial(_hurry_commands, settings.node.heartbeat_s))
         self.engine = Engine(self.store, registry, self.leases, self.events, config=EngineConfig.of(settings.execution),
                              policy=retry_policy(settings.retry), work_root=self.work_root, resources=self.resources)
         self.claims = NodeClaims(settings.claimed_types(), resources=self.resources, guards=self.guards)
         self.pool = Pool(self.store, self.engine, self.leases, self.events, config=PoolConfig.of(settings.pool),
                          node_id=self.node_id, instance_id=self.instance_id, claim_filter=self.claims.filter,
-                         promise_slots=self.resources.claiming, may_claim=self.claims.allowed, waker=self.waker)
+                         promise_slots=self.resources.claiming, may_claim=self._may_claim, waker=self.waker)
         self.ops = NodeOperations(settings, registry, NodeParts(
             self.store, self.events, self.waker, self.pool, self.leases, self.guards, self.resources, self.metrics),
             node_id=self.node_id, status=self.status)
@@ -259,6 +260,9 @@ class Daemon:
         allowed_lag = max(5.0, self.pool.config.poll_interval_s * 3)
         await run_watchdog(self.notifier, is_alive=lambda: time.monotonic() - self.pool.last_tick < allowed_lag)
 
+    def _may_claim(self) -> bool:
+        return self.claims.allowed() and not self.leases.fencing()
+
     def _describe(self, now: float) -> Node:
         """This node as the registry records it, with the figures that change live."""
         s = self.settings
@@ -348,6 +352,12 @@ def check_state_dir(state_dir: Path) -> None:
     a file there would fail every command plugin's attempt, one retry after another."""
     if state_dir.exists() and not state_dir.is_dir():
         raise ConfigError(f"config: node.state_dir: {state_dir} is not a directory")
+
+
+def _hurry_commands(heartbeat_s: float) -> None:
+    """A fencing node's commands get SIGKILL within half a heartbeat, whatever their kill_grace_s: the
+    fleet may call the node gone one heartbeat after the fence, and run its tasks elsewhere."""
+    command.hurry(time.monotonic() + heartbeat_s / 2)
 
 
 def _registry(settings: Settings) -> Registry:

@@ -108,8 +108,10 @@ async def test_after_its_own_outage_a_node_judges_nobody_until_the_others_could_
 async def test_a_node_whose_heartbeat_goes_unsaved_stops_its_attempts_a_heartbeat_before_it_is_called_gone(
         store: SqliteStore) -> None:
     monotonic = Clock(100.0)
+    fences: list[float] = []
     keeper = LeaseKeeper(store, lease_s=30.0, renew_every_s=10.0, flush_every_s=0.01,
-                         fence_after_s=fence_after_s(HEARTBEAT_S), clock=Clock(T0), monotonic=monotonic)
+                         fence_after_s=fence_after_s(HEARTBEAT_S), on_fence=lambda: fences.append(monotonic.now),
+                         clock=Clock(T0), monotonic=monotonic)
     await store.add(NewTask("noop"), now=T0)
     (lease,) = await store.claim(Worker("a", "a-1", "a/w1"), ClaimFilter(), limit=1, now=T0, lease_s=30.0)
     held = keeper.hold(lease.lease)
@@ -118,7 +120,7 @@ async def test_a_node_whose_heartbeat_goes_unsaved_stops_its_attempts_a_heartbea
         keeper.heard(monotonic.now)
         monotonic.now += fence_after_s(HEARTBEAT_S) - 0.1
         await anyio.sleep(0.05)
-        assert held.why is None, "heard of recently enough"
+        assert held.why is None and not keeper.fencing(), "heard of recently enough"
         keeper.fleet_seen(False)
         monotonic.now += 0.2
         await anyio.sleep(0.05)
@@ -126,5 +128,9 @@ async def test_a_node_whose_heartbeat_goes_unsaved_stops_its_attempts_a_heartbea
         keeper.fleet_seen(True)
         await anyio.sleep(0.05)
         assert held.why == "lost" and held.scope.cancel_called
+        assert len(fences) == 1, "told once, before the stop, so the commands are killed without their grace"
+        assert keeper.fencing(), "and no claim until a heartbeat is saved again"
+        keeper.heard(monotonic.now)
+        assert not keeper.fencing()
         assert fence_after_s(HEARTBEAT_S) + HEARTBEAT_S <= gone_after_s(HEARTBEAT_S)
         tg.cancel_scope.cancel()

@@ -11,7 +11,9 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Coroutine, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from tidepool.errors import InvalidArgument, LimitExceeded, PluginError
 from tidepool.plugins.command import (
     CommandLimits,
     CommandResult,
+    hurry,
     ran_out_of_files,
     render_argv,
     run_command,
@@ -361,6 +364,29 @@ async def test_a_child_ignoring_sigterm_is_sigkilled_after_the_grace(tmp_path: P
         tg.cancel_scope.cancel()
     assert anyio.current_time() - cancelled_at >= GRACE_S * 0.9  # it did get its grace
     await _assert_gone_by(pids, cancelled_at + GRACE_S + 1)
+
+
+async def test_a_fencing_node_cuts_the_grace_short_and_later_kills_have_it_whole(tmp_path: Path) -> None:
+    """A node about to be called gone must be rid of its commands before another node runs their tasks,
+    whatever kill_grace_s says; once that moment has passed, a kill gets its whole grace again."""
+    long_grace = 8.0
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(run_command, _script(tmp_path, IGNORE_TERM), env=scrubbed_env({}), workdir=tmp_path,
+                              limits=CommandLimits(), kill_grace_s=long_grace, poll_interval_s=POLL_S))
+        pids = await _wait_for_pids(tmp_path, 1)
+        fenced_at = anyio.current_time()
+        hurry(time.monotonic() + 0.3)
+        tg.cancel_scope.cancel()
+    await _assert_gone_by(pids, fenced_at + 2)
+    assert anyio.current_time() - fenced_at < long_grace / 2
+
+    (tmp_path / "pids").unlink(missing_ok=True)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_run, _script(tmp_path, IGNORE_TERM), tmp_path)
+        pids = await _wait_for_pids(tmp_path, 1)
+        cancelled_at = anyio.current_time()
+        tg.cancel_scope.cancel()
+    assert anyio.current_time() - cancelled_at >= GRACE_S * 0.9  # the fence is over: the grace is whole
 
 
 async def test_asyncio_native_timeout_kills_the_child(tmp_path: Path) -> None:

@@ -10,13 +10,14 @@ from .processes import WatchStatistics, statistics
 from .runner import CommandLimits, ran_out_of_files, run_command
 from .spawn import scrubbed_env
 from .template import check_template, render_argv
-from .tree import kill_leftover_runs
+from .tree import hurry, kill_leftover_runs
 
 __all__ = [
     "CommandLimits",
     "CommandResult",
     "WatchStatistics",
     "check_template",
+    "hurry",
     "kill_leftover_runs",
     "ran_out_of_files",
     "render_argv",

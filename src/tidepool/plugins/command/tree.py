@@ -23,6 +23,15 @@ import psutil  # type: ignore[import-untyped]
 from .processes import PROCESSES, Seen, Snapshot, live_process, running, send, stat
 
 _GONE_POLL_S = 0.02  # how often a dying tree is looked at
+_hurry_by = float("-inf")  # monotonic: a kill under way then has its grace cut short there (see hurry)
+
+
+def hurry(by: float) -> None:
+    """Every kill that is under way, or starts, before monotonic `by` gets its SIGKILL by then whatever its
+    grace: the node is fencing itself, and another node may take its tasks soon after. Kills that start
+    later have their whole grace again."""
+    global _hurry_by
+    _hurry_by = by
 _MAX_FREEZE_ROUNDS = 50
 
 
@@ -80,10 +89,10 @@ class ProcessTree:
         try:
             self._discover(await PROCESSES.taken_since(time.monotonic()))  # killing needs the table as it is now
             self._signal_all(signal.SIGTERM)
-            with anyio.move_on_after(grace_s):
-                # Descendants are not our children: no event tells us when they exit, so look.
-                while self._alive():  # noqa: ASYNC110
-                    await anyio.sleep(_GONE_POLL_S)
+            started = time.monotonic()
+            # Descendants are not our children: no event tells us when they exit, so look.
+            while self._alive() and not _grace_over(started, grace_s):  # noqa: ASYNC110
+                await anyio.sleep(_GONE_POLL_S)
             while True:
                 await self._freeze()
                 alive = self._alive()
@@ -161,3 +170,9 @@ def kill_leftover_runs(work_root: Path) -> int:
 def node_mark(work_root: Path) -> str:
     """What a run's cookie starts with: the same for every run of a node, whatever its daemon process."""
     return hashlib.sha256(os.fsencode(os.path.abspath(work_root))).hexdigest()[:16]
+
+
+def _grace_over(started: float, grace_s: float) -> bool:
+    now = time.monotonic()
+    return now >= started + grace_s or started <= _hurry_by <= now
+
