@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tidepool.engine")
 MAX_RAN = 10_000  # plugins remembered between two supervisor ticks, for the held-up loop's warning
 RESULT_RETRY = Backoff(0.1, 1.0)  # between tries of a result write while the store does not answer
+FENCED = TaskError("interrupted", "stopped by its node's fence: no heartbeat saved, the fleet would run it elsewhere")
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ class Engine:
             return
         if held.why == "cancel":
             self._conclude(item[0].task, held, Outcome(AttemptStatus.CANCELLED, CANCELLED_ON_REQUEST), item[2])
-        elif held.why == "interrupt":
+        elif held.why in ("interrupt", "fenced"):
             self._give_back(*item)
         else:  # its lease is gone: nothing of it may be written
             self._conclude(item[0].task, held, None, item[2])
@@ -213,6 +214,8 @@ class Engine:
             return Outcome(AttemptStatus.CANCELLED, CANCELLED_ON_REQUEST)
         if held.why == "interrupt":
             return Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "interrupted by shutdown"))
+        if held.why == "fenced":  # written if the lease is still ours when the store answers: back at once
+            return Outcome(AttemptStatus.INTERRUPTED, FENCED)
         if held.why is None and held.scope.cancelled_caught:  # the run phase's deadline passed
             return self._timed_out(ctx.task, f"run phase timed out after {self._run_timeout_s(ctx.task)}s")
         return None

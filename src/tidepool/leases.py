@@ -43,7 +43,7 @@ class Held:
     scope: anyio.CancelScope
     deadline: float                       # monotonic: when the store would expire the lease, unless renewed
     margin_s: float = 0.0                 # given up this long before the deadline (see the module docstring)
-    why: str | None = None                # "cancel", "lost", "interrupt"
+    why: str | None = None                # "cancel", "lost", "interrupt", "fenced"
     phase: Phase | None = None            # the latest phase and progress, written behind
     progress: dict[str, object] | None = None
     # Called when stopped before its attempt started (a batch-claimed task waiting its turn): no scope is
@@ -223,5 +223,5 @@ class LeaseKeeper:
                 log.warning("task %s attempt %s stopped: no heartbeat of this node saved for %.1fs, so the "
                             "fleet will soon call it gone and run the task elsewhere", held.lease.task_id,
                             held.lease.attempt_id, unheard_s)
-                held.stop("lost")
+                held.stop("fenced")
         return True

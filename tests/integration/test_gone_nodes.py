@@ -4,15 +4,22 @@ and only while their own heartbeats go through; the node itself stops its attemp
 from __future__ import annotations
 
 import logging
+import time
+from pathlib import Path
 
 import anyio
 import pytest
 
+from tidepool.context import TaskContext
+from tidepool.engine import Engine, EngineConfig
+from tidepool.events import EventBus
 from tidepool.fleet import GoneNodes, fence_after_s, gone_after_s
 from tidepool.leases import LeaseKeeper
 from tidepool.lifecycle import RetryPolicy
-from tidepool.model import ClaimFilter, NewTask, State, Worker
+from tidepool.model import AttemptStatus, ClaimFilter, NewTask, State, Worker
 from tidepool.nodes import HEARTBEAT_S
+from tidepool.plugins import PluginDef, Registry
+from tidepool.settings import TypeSettings
 from tidepool.store import Expired, Node
 from tidepool.store.sqlite import SqliteStore
 
@@ -127,10 +134,44 @@ async def test_a_node_whose_heartbeat_goes_unsaved_stops_its_attempts_a_heartbea
         assert held.why is None, "alone in the fleet: nobody could take the task over, so it runs on"
         keeper.fleet_seen(True)
         await anyio.sleep(0.05)
-        assert held.why == "lost" and held.scope.cancel_called
+        assert held.why == "fenced" and held.scope.cancel_called
         assert len(fences) == 1, "told once, before the stop, so the commands are killed without their grace"
         assert keeper.fencing(), "and no claim until a heartbeat is saved again"
         keeper.heard(monotonic.now)
         assert not keeper.fencing()
         assert fence_after_s(HEARTBEAT_S) + HEARTBEAT_S <= gone_after_s(HEARTBEAT_S)
         tg.cancel_scope.cancel()
+
+
+async def test_an_attempt_its_fence_stopped_goes_back_to_the_queue_without_using_an_attempt(
+        store: SqliteStore, tmp_path: Path) -> None:
+    """A node cut off from the fleet only briefly still holds its leases when the store answers again:
+    the fenced attempt is written interrupted, and its task runs again at once, its attempt not counted."""
+    monotonic = Clock(100.0)
+    keeper = LeaseKeeper(store, lease_s=30.0, renew_every_s=10.0, flush_every_s=0.01,
+                         fence_after_s=fence_after_s(HEARTBEAT_S), monotonic=monotonic)
+    started = anyio.Event()
+
+    async def sleepy(ctx: TaskContext) -> None:
+        started.set()
+        await anyio.sleep(30)
+
+    registry = Registry({"sleepy": PluginDef("sleepy", sleepy)}, {"sleepy": TypeSettings(plugins=("sleepy",))})
+    engine = Engine(store, registry, keeper, EventBus(), config=EngineConfig(stop_timeout_s=1.0),
+                    policy=RetryPolicy(base_s=0.0, jitter=0.0), work_root=tmp_path)
+    task, _ = await store.add(NewTask("sleepy", max_attempts=1), now=time.time())
+    (claimed,) = await store.claim(Worker("a", "a-1", "a/w1"), ClaimFilter(), limit=1, now=time.time(), lease_s=30.0)
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        await tg.start(engine.outcomes.run)
+        keeper.heard(monotonic.now)
+        tg.start_soon(engine.run, claimed, "a/w1")
+        await started.wait()
+        monotonic.now += fence_after_s(HEARTBEAT_S)
+        with anyio.fail_after(10):
+            while (ended := await store.get(task.id)).state is not State.PENDING:
+                await anyio.sleep(0.02)
+        tg.cancel_scope.cancel()
+    (attempt,) = ended.attempts
+    assert attempt.status is AttemptStatus.INTERRUPTED
+    assert (ended.attempt, ended.interruptions) == (0, 1), "its one attempt is still to be had"
