@@ -58,6 +58,7 @@ def test_show_prints_a_finished_task_as_a_person_reads_it(daemon: Daemon, cli: C
     assert shown.returncode == OK, shown.stderr
     facts = dict(line.split(None, 1) for line in shown.stdout.splitlines() if line[:1].isalpha() and " " in line)
     assert (facts["state"].strip(), facts["error"].strip(), facts["phase"].strip()) == ("completed", "-", "-")
+    assert task_id.startswith(facts["short_id"].strip()) and len(facts["short_id"].strip()) < len(task_id)
     assert facts["progress"].strip() == "100% slept 0.20s of 0.2s"  # the last report, not an earlier flush
     assert facts["required_tags"].strip() == facts["idempotency_key"].strip() == "-"
     task = daemon.task(task_id)

@@ -130,6 +130,8 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
         for key in SHOWN:
             shown = f"{task['attempt']}/{task['max_attempts']}" if key == "attempt" else fact(key, task[key])
             facts.add_row(key, text(shown))
+            if key == "id":  # the form list shows, which every command takes back
+                facts.add_row("short_id", text((await short_forms(client, [task["id"]]))[task["id"]]))
         console.print(facts)
         attempts = Table("#", "budget", "status", "worker", "started (UTC)", "took", "error", title="attempts")
         for a, mark in zip(task["attempts"], budget_marks(task), strict=True):
