@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tidepool.api.schemas import task_json
+from tidepool.api.schemas import TaskDetailOut
 from tidepool.context import TaskContext
 from tidepool.errors import PluginError, StoreUnavailable
 from tidepool.leases import Held
@@ -113,7 +113,7 @@ async def test_a_task_retried_to_success_shows_one_final_result_per_plugin_that_
         task = await node.finished(await node.submit("scan", max_attempts=2))
     assert task.state is State.COMPLETED
     failed, succeeded = (a.id for a in task.attempts)
-    shown = task_json(task)["results"]
+    shown = TaskDetailOut.of(task).to_json()["results"]
     assert [(r["plugin"], r["attempt_id"], r["final"]) for r in shown] == [
         ("scan", failed, False), ("scan", succeeded, True), ("report", succeeded, True)]
 

@@ -25,7 +25,7 @@ from .body_errors import body_error
 from .browsers import browser_guard, no_framing
 from .guard import KEEPALIVE_TIMEOUT_S, ConnectionGuard, GuardedSite
 from .ops import Operations
-from .schemas import MAX_LIST_LIMIT, NoFields, PoolPatch, ScheduleIn, SubmitBatch, SubmitTask, task_json
+from .schemas import MAX_LIST_LIMIT, NoFields, PoolPatch, ScheduleIn, SubmitBatch, SubmitTask, TaskDetailOut, TaskOut
 
 M = TypeVar("M", bound=BaseModel)
 DAEMON: web.AppKey[Operations] = web.AppKey("daemon")  # the node the API serves, as its operations
@@ -140,7 +140,7 @@ async def submit(request: web.Request) -> web.Response:
     daemon = request.app[DAEMON]
     body = await parse(request, SubmitTask)
     task, created = await daemon.submit(body.to_new(default_max_attempts=daemon.max_attempts_for(body.type)))
-    return web.json_response(task_json(task), status=201 if created else 200)
+    return web.json_response(TaskDetailOut.of(task).to_json(), status=201 if created else 200)
 
 
 async def submit_batch(request: web.Request) -> web.Response:
@@ -164,7 +164,7 @@ async def batch_only(request: web.Request) -> web.Response:
 
 async def get_task(request: web.Request) -> web.Response:
     task = await request.app[DAEMON].get(request.match_info["id"])
-    return web.json_response(task_json(task))
+    return web.json_response(TaskDetailOut.of(task).to_json())
 
 
 LIST_PARAMETERS = ("state", "type", "limit", "cursor")
@@ -189,7 +189,7 @@ async def list_tasks(request: web.Request) -> web.Response:
     if cursor is not None and not CURSOR.fullmatch(cursor):
         raise _http(400, "invalid_request", "cursor: pass back a next_cursor of an earlier page")
     page = await request.app[DAEMON].list_tasks(state=state, type=q.get("type"), limit=int(limit), cursor=cursor)
-    return web.json_response({"tasks": [task_json(t, results=False) for t in page.tasks],
+    return web.json_response({"tasks": [TaskOut.of(t).to_json() for t in page.tasks],
                               "next_cursor": page.next_cursor})
 
 
@@ -222,7 +222,7 @@ async def cancel(request: web.Request) -> web.Response:
 async def retry(request: web.Request) -> web.Response:
     await no_body(request)
     task = await request.app[DAEMON].retry(request.match_info["id"])
-    return web.json_response({"state": task.state.value, "task": task_json(task, results=False)}, status=202)
+    return web.json_response({"state": task.state.value, "task": TaskOut.of(task).to_json()}, status=202)
 
 
 async def get_pool(request: web.Request) -> web.Response:

@@ -351,8 +351,3 @@ class EventOut(Shape):
     event: str
     data: str
     id: str | None = None
-
-
-def task_json(t: Task, *, results: bool = True) -> dict[str, Any]:
-    """A task's JSON: with its results (a single task), or without (listings, a retry's answer)."""
-    return (TaskDetailOut if results else TaskOut).of(t).to_json()
