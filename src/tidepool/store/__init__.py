@@ -10,24 +10,11 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .port import CancelAnswer, Ended, Ending, Expired, Node, Page, PhaseNote, QueuePort, Store, WorkerPort
 from .rows import SCHEMA_VERSION
-from .rules import (
-    EXPIRED,
-    INTERRUPTED_UNWRITTEN,
-    LEASE_EXPIRED,
-    UNWRITTEN_INTERRUPTION,
-    batch_answer,
-    cancel_step,
-    check_room,
-    completable_at_once,
-    expiry_outcome,
-    progress_text,
-    retry_step,
-)
+from .rules import LEASE_EXPIRED, UNWRITTEN_INTERRUPTION, retry_step
 
 __all__ = [
-    "EXPIRED", "INTERRUPTED_UNWRITTEN", "LEASE_EXPIRED", "SCHEMA_VERSION", "UNWRITTEN_INTERRUPTION", "CancelAnswer",
-    "Ended", "Ending", "Expired", "Node", "Page", "PhaseNote", "QueuePort", "Store", "WorkerPort", "batch_answer",
-    "cancel_step", "check_room", "completable_at_once", "expiry_outcome", "open_store", "progress_text", "retry_step",
+    "LEASE_EXPIRED", "SCHEMA_VERSION", "UNWRITTEN_INTERRUPTION", "CancelAnswer", "Ended", "Ending", "Expired", "Node",
+    "Page", "PhaseNote", "QueuePort", "Store", "WorkerPort", "open_store", "retry_step",
 ]
 
 
