@@ -206,22 +206,26 @@ class LeaseKeeper:
     def fencing(self) -> bool:
         """Whether the fleet may be about to call this node gone: no claim then, for its attempt would be
         stopped at once and its task left leased to a live node until the lease ran out."""
+        return self._unheard_s() is not None
+
+    def _unheard_s(self) -> float | None:
+        """How long no heartbeat of this node was saved, once that is long enough to fence it; else None."""
         if self._fence_after_s is None or self._heard_at is None or not self._others_alive:
-            return False
-        return self._monotonic() - self._heard_at >= self._fence_after_s
+            return None
+        unheard_s = self._monotonic() - self._heard_at
+        return unheard_s if unheard_s >= self._fence_after_s else None
 
     def _fenced(self) -> bool:
         """Stop every attempt if the fleet may be about to call this node gone; True if it did."""
-        if not self.fencing():
+        unheard_s = self._unheard_s()
+        if unheard_s is None:
             return False
-        assert self._heard_at is not None
-        unheard_s = self._monotonic() - self._heard_at
-        if any(held.why is None for held in self._held.values()):
-            self._on_fence()
-        for held in self._held.values():
-            if held.why is None:
-                log.warning("task %s attempt %s stopped: no heartbeat of this node saved for %.1fs, so the "
-                            "fleet will soon call it gone and run the task elsewhere", held.lease.task_id,
-                            held.lease.attempt_id, unheard_s)
-                held.stop("fenced")
+        running = [held for held in self._held.values() if held.why is None]
+        if running:
+            self._on_fence()  # first: the kills the stops start must already be hurried
+        for held in running:
+            log.warning("task %s attempt %s stopped: no heartbeat of this node saved for %.1fs, so the fleet "
+                        "will soon call it gone and run the task elsewhere", held.lease.task_id,
+                        held.lease.attempt_id, unheard_s)
+            held.stop("fenced")
         return True
