@@ -7,6 +7,7 @@ batch share all but their last digits, and a short form is only as short as the 
 from __future__ import annotations
 
 import asyncio
+import os.path
 import re
 
 from ..client import ApiError, Client
@@ -63,7 +64,4 @@ async def _unique(client: Client, task_id: str, prefix: str) -> str:
 
 
 def _common(a: str, b: str) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    return len(os.path.commonprefix([a, b]))  # noqa: RUF071  # ids, not paths: by character is meant
