@@ -36,8 +36,12 @@ def queries(package: str, file: str) -> dict[str, str]:
 
 def migrations(package: str) -> list[tuple[int, str]]:
     """The migration scripts of `package` as (the version each brings the schema to, its text), in order."""
-    found = {int(m.group(1)): entry.read_text(encoding="utf-8")
-             for entry in resources.files(package).iterdir() if (m := MIGRATION.match(entry.name))}
+    found: dict[int, str] = {}
+    for entry in resources.files(package).iterdir():
+        if m := MIGRATION.match(entry.name):
+            if int(m.group(1)) in found:
+                raise RuntimeError(f"{package}: two migrations are numbered {m.group(1)}")
+            found[int(m.group(1))] = entry.read_text(encoding="utf-8")
     versions = sorted(found)
     if versions != list(range(1, len(versions) + 1)):
         raise RuntimeError(f"{package}: migrations must be numbered 001, 002, ... without a gap: found {versions}")
