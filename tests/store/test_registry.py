@@ -4,7 +4,9 @@ globs, organizations, revoke and the organizations a change takes away; every ad
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +26,7 @@ from tidepool.model import (
     WorkerState,
 )
 from tidepool.store import Acquired, Enroll, Node, PhaseNote, Revoked, Store
+from tidepool.store.sqlite.database import MIGRATIONS
 
 from .conftest import ANY, LEASE_S, POLICY, SUCCEEDED, T0
 
@@ -384,3 +387,28 @@ async def test_two_gateways_on_one_database_never_exceed_the_cap_nor_lease_a_tas
         assert all(tasks[c.task.id].node_id == identity for identity, c in leased)
     finally:
         await other.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+async def test_a_sqlite_file_of_the_release_before_the_registry_is_upgraded_in_place(
+        adapter: Store, tmp_path: Path) -> None:
+    """The file as the previous release left it: its tasks come back of the default organization."""
+    path = tmp_path / "tidepool.db"
+    before = [(v, text) for v, text in MIGRATIONS if v < registry_version()]
+    with sqlite3.connect(path) as conn:
+        conn.executescript(" ".join(text for _, text in before) + f"; PRAGMA user_version={before[-1][0]};")
+        conn.execute("INSERT INTO tasks (id, type, payload, priority, state, max_attempts, required_tags, fingerprint, "
+                     "created_at, updated_at, available_at) VALUES ('t-old', 'noop', '{}', 0, 'pending', 3, '[]', '', "
+                     "?, ?, ?)", (T0, T0, T0))
+    await adapter.open()
+    try:
+        assert (await adapter.get("t-old")).organization == "default"
+        await meet(adapter)
+        assert await acquired_ids(adapter) == ["t-old"]
+    finally:
+        await adapter.close()
+
+
+def registry_version() -> int:
+    """The schema version that brings the registry: the migration that creates the workers table."""
+    return next(v for v, text in MIGRATIONS if "CREATE TABLE workers" in text)
