@@ -11,6 +11,7 @@
     │   ├── SchemaMismatch       the store's schema is newer than this tidepool, or older and not migrated (exit 1)
     │   ├── TaskNotFound         no task with this id (HTTP 404)
     │   ├── ScheduleNotFound     no schedule with this name (HTTP 404)
+    │   ├── WorkerNotFound       no remote worker with this identity in the registry (HTTP 404)
     │   ├── Conflict             a write contradicts an earlier one (HTTP 409)
     │   ├── QueueFull            pending + retry_wait is at pool.max_queued (HTTP 429)
     │   └── LeaseLost            the attempt's lease is stale, expired or taken over
@@ -98,6 +99,14 @@ class ScheduleNotFound(StoreError):
     def __init__(self, name: str) -> None:
         super().__init__(f"schedule {name!r} not found")
         self.name = name
+
+
+class WorkerNotFound(StoreError):
+    http_status, code = 404, "worker_not_found"
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(f"worker {worker_id!r} not found")
+        self.worker_id = worker_id
 
 
 class Conflict(StoreError):
