@@ -3,6 +3,7 @@ TLS) with certificates made by `tidepool pki` for the test, and remote workers' 
 
 from __future__ import annotations
 
+import io
 import json
 import ssl
 from collections.abc import AsyncIterator, Callable
@@ -51,7 +52,7 @@ class Remote:
 
     async def post(self, path: str, body: Any = None, *, data: bytes | None = None,
                    content_type: str = "application/json") -> Answer:
-        raw = json.dumps(body).encode() if data is None else data
+        raw = io.BytesIO(json.dumps(body).encode() if data is None else data)  # aiohttp warns of large bytes
         async with self.session.post(self.url + path, data=raw, headers={"Content-Type": content_type}) as r:
             return Answer(r.status, await r.json(content_type=None))
 
@@ -137,9 +138,10 @@ def make_node(tmp_path: Path, lab: pki.Lab) -> Callable[..., Any]:
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
-    async def running(settings: Settings | None = None, **sections: dict[str, Any]) -> AsyncIterator[Node]:
+    async def running(settings: Settings | None = None, *, config_path: Path | None = None,
+                      **sections: dict[str, Any]) -> AsyncIterator[Node]:
         settings = settings or gateway_settings(tmp_path, lab, **sections)
-        daemon = Daemon(settings)
+        daemon = Daemon(settings, config_path=config_path)
         node = Node(daemon, lab, f"http://{settings.api.listen}", f"https://{settings.gateway.listen}")
         async with anyio.create_task_group() as tg:
             await tg.start(daemon.run)
@@ -153,3 +155,28 @@ def make_node(tmp_path: Path, lab: pki.Lab) -> Callable[..., Any]:
 
 AUTO = {"enroll": "auto"}  # [gateway] of a node that enables its workers at first contact
 MakeNode = Callable[..., Any]
+
+
+class ControlReader:
+    """A worker's open control stream, read event by event."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self.response = response
+
+    async def next(self, *, timeout_s: float = 5.0) -> tuple[str, dict[str, Any]] | None:
+        """The next event (keep-alive comments skipped); None once the stream ended."""
+        name = None
+        with anyio.fail_after(timeout_s):
+            async for raw in self.response.content:
+                line = raw.decode().rstrip("\n")
+                if line.startswith("event: "):
+                    name = line.removeprefix("event: ")
+                elif line.startswith("data: ") and name is not None:
+                    return name, json.loads(line.removeprefix("data: "))
+        return None
+
+
+async def open_control(remote: Remote) -> ControlReader:
+    response = await remote.session.get(remote.url + "/w1/control")
+    assert response.status == 200, await response.text()
+    return ControlReader(response)
