@@ -38,7 +38,8 @@ async def test_a_reload_serves_new_certificates_and_keeps_the_open_connections(
         config.write_text("".join(f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
                                   for name, keys in sections.items()))
 
-    base = {name: getattr(settings, name).model_dump(mode="json") for name in ("node", "store", "api", "pool", "guards")}
+    base = {name: getattr(settings, name).model_dump(mode="json")
+            for name in ("node", "store", "api", "pool", "guards")}
     write({**base, "gateway": settings.gateway.model_dump(mode="json")})
     async with make_node(load(config), config_path=config) as node:
         await node.submit()
