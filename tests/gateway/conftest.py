@@ -116,11 +116,28 @@ def lab(tmp_path: Path) -> pki.Lab:
     return pki.make_lab(tmp_path / "pki", workers=WORKERS)
 
 
-def gateway_settings(tmp_path: Path, lab: pki.Lab, **sections: dict[str, Any]) -> Settings:
+@pytest.fixture
+def store_kind() -> str:
+    """The gateway's store; a module of tests that depend on it runs them on each (parametrize store_kind)."""
+    return "sqlite"
+
+
+@pytest.fixture
+def store_url(store_kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    if store_kind == "memory":
+        return "memory://"
+    if store_kind == "sqlite":
+        return f"sqlite:///{tmp_path}/gateway.db"
+    url, schema = request.getfixturevalue("postgres_schema")
+    return f"{url}?schema={schema}"
+
+
+def gateway_settings(tmp_path: Path, lab: pki.Lab, *, store_url: str = "memory://",
+                     **sections: dict[str, Any]) -> Settings:
     """A gateway whose own pool takes none of the tasks (its types match nothing it defines)."""
     config: dict[str, Any] = {
         "node": {"id": "gw", "state_dir": str(tmp_path / "var")},
-        "store": {"url": "memory://"},
+        "store": {"url": store_url},
         "api": {"listen": f"127.0.0.1:{free_port()}"},
         "pool": {"min_workers": 1, "max_workers": 1, "task_types": ["local-only"], "drain_timeout_s": 0.5},
         "guards": {"min_free_memory_mb": 0, "min_free_disk_mb": 0},
@@ -133,14 +150,14 @@ def gateway_settings(tmp_path: Path, lab: pki.Lab, **sections: dict[str, Any]) -
 
 
 @pytest.fixture
-def make_node(tmp_path: Path, lab: pki.Lab) -> Callable[..., Any]:
+def make_node(tmp_path: Path, lab: pki.Lab, store_url: str) -> Callable[..., Any]:
     """An async context: a gateway node running in this process until the block ends."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def running(settings: Settings | None = None, *, config_path: Path | None = None,
                       **sections: dict[str, Any]) -> AsyncIterator[Node]:
-        settings = settings or gateway_settings(tmp_path, lab, **sections)
+        settings = settings or gateway_settings(tmp_path, lab, store_url=store_url, **sections)
         daemon = Daemon(settings, config_path=config_path)
         node = Node(daemon, lab, f"http://{settings.api.listen}", f"https://{settings.gateway.listen}")
         async with anyio.create_task_group() as tg:

@@ -8,8 +8,11 @@ import json
 from typing import Any
 
 import anyio
+import pytest
 
 from .conftest import AUTO, MakeNode
+
+pytestmark = pytest.mark.parametrize("store_kind", ["sqlite", "postgres"])
 
 
 def sha256(payload: Any) -> str:

@@ -9,6 +9,8 @@ import pytest
 from .conftest import AUTO, MakeNode, open_control
 from .test_protocol import lease_of
 
+pytestmark = pytest.mark.parametrize("store_kind", ["sqlite", "postgres"])
+
 
 async def test_an_unknown_worker_waits_pending_until_an_operator_enables_it(make_node: MakeNode) -> None:
     async with make_node() as node:
