@@ -92,6 +92,10 @@ class NodeOperations:
     def max_body_kb(self) -> int:
         return self._settings.api.max_body_kb
 
+    @property
+    def serves_workers(self) -> bool:
+        return bool(self._settings.gateway.listen)
+
     def max_attempts_for(self, task_type: str) -> int:
         """The attempt budget of a new task of `task_type` that names none: its type's, else retry's."""
         settings = self.registry.types.get(task_type)
