@@ -170,8 +170,9 @@ W1_OPERATIONS: dict[tuple[str, str], Operation] = {
 # Each model with the mode it is documented in: what a request may hold, or what an answer holds.
 ANSWERS: set[type[BaseModel]] = {ErrorOut, *(m for ops in (OPERATIONS, W1_OPERATIONS) for op in ops.values()
                                               for m in op.ok.values() if m)}
+REQUESTS: tuple[type[BaseModel], ...] = (SubmitTask, SubmitBatch, PoolPatch, ScheduleIn, WorkerPatch, *w1.REQUESTS)
 MODELS: list[tuple[type[BaseModel], JsonSchemaMode]] = [
-    *((m, "validation") for m in (SubmitTask, SubmitBatch, PoolPatch, ScheduleIn, WorkerPatch, *w1.REQUESTS)),
+    *((m, "validation") for m in REQUESTS),
     *((m, "serialization") for m in sorted(ANSWERS, key=lambda m: m.__name__)),
 ]
 
