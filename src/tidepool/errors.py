@@ -4,6 +4,8 @@
     ├── ConfigError              a setting is missing, unknown or inconsistent (exit 2)
     ├── InvalidTransition        the lifecycle table forbids this move (nothing changed)
     ├── InvalidRequest           a submission names an unknown type or unserviceable tags (HTTP 400)
+    ├── WorkerRefused            the registry refuses a remote worker's call (HTTP 403: worker_pending, worker_revoked)
+    ├── LeaseGone                a remote worker's write behind a lease it no longer holds (HTTP 410 lease_lost)
     ├── StoreError
     │   ├── StoreUnavailable     the store cannot be reached; retry later (HTTP 503, exit 3)
     │   ├── SchemaMismatch       the store's schema is newer than this tidepool, or older and not migrated (exit 1)
@@ -47,6 +49,28 @@ class InvalidRequest(TidepoolError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class WorkerRefused(TidepoolError):
+    """The gateway's registry does not serve this identity; `code` says why."""
+
+    http_status = 403
+
+    def __init__(self, identity: str, code: str, message: str) -> None:
+        super().__init__(f"worker {identity}: {message}")
+        self.identity = identity
+        self.code = code
+
+
+class LeaseGone(TidepoolError):
+    """A remote worker wrote behind a lease it does not hold; `reason`: expired, cancelled, revoked or
+    superseded."""
+
+    http_status, code = 410, "lease_lost"
+
+    def __init__(self, subject: str, reason: str) -> None:
+        super().__init__(f"{subject}: lease lost ({reason})")
+        self.reason = reason
 
 
 class StoreError(TidepoolError):
