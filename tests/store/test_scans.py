@@ -250,6 +250,17 @@ async def test_a_cancel_the_reconciler_finishes_ends_the_scan_by_its_next_pass(s
     assert scan.state is ScanState.CANCELLED and states(scan) == ["cancelled", "skipped", "skipped"]
 
 
+async def test_a_step_failed_as_unserviceable_fails_the_scan_by_the_next_pass(store: Store) -> None:
+    scan, _ = await store.add_scan(WEB, now=T0)
+    scan = await end_step(store, scan, 0, learned())
+    ended = await store.fail_unserviceable(frozenset({"net"}), now=T0 + 100, message="no resource has tags ['net']")
+    assert [e.task_id for e in ended] == [scan.jobs[1].task_id]
+    await store.advance_scans(now=T0 + 100)
+    scan = await store.get_scan(scan.id)
+    assert scan.state is ScanState.FAILED and states(scan) == ["success", "failed", "skipped"]
+    assert scan.jobs[1].error is not None and scan.jobs[1].error.code == "unserviceable"
+
+
 async def test_a_steps_task_cancelled_on_its_own_cancels_the_scan(store: Store) -> None:
     scan, _ = await store.add_scan(WEB, now=T0)
     await store.request_cancel(scan.jobs[0].task_id or "", now=T0 + 1)

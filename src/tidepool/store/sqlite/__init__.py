@@ -208,7 +208,10 @@ class SqliteStore:
                                          max_queued=max_queued))
 
     async def advance_scans(self, *, now: float) -> list[ScanMove]:
-        return await self._write(partial(scan_ops.advance_scans, now=now))
+        stalled = await self._read(scan_ops.stalled)
+        if not stalled:
+            return []
+        return await self._write(partial(scan_ops.advance_scans, scan_ids=stalled, now=now))
 
     def on_scan_moves(self, listener: ScanListener | None) -> None:
         self._writer.on_moves = listener

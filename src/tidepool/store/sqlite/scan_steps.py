@@ -56,6 +56,8 @@ def advance(conn: sqlite3.Connection, batch: Batch, scan: Stored, now: float) ->
         apply(conn, batch, scan, writes(scan, now=now), now)
         return
     job = scan.jobs[index]
+    if job[7] is not None and not State(job[7]).terminal:
+        return  # its task is live (retried meanwhile, or read before it was made): its own end moves the scan
     ended = JobState.FAILED if job[7] is None else job_state_of(State(job[7]))  # gone: pruned under it
     apply(conn, batch, scan, writes(scan, now=now, ended=(index, ended)), now)
 
