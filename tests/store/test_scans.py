@@ -21,7 +21,8 @@ from .conftest import LEASE_S, POLICY, T0
 NODE = Worker("node-a", "a-1", "worker-1")
 WEB = NewScan("web", (StepSpec("tcp_connect", max_attempts=2), StepSpec("http_probe", timeout_s=9.0,
                                                                            required_tags=("net",)),
-                      StepSpec("report")), payload={"target": "10.0.0.1", "ports": [80, 8080]}, priority=5)
+                      StepSpec("report")), payload={"target": "10.0.0.1", "ports": [80, 8080]}, priority=5,
+              organization="acme")
 FAILED_FOR_GOOD = Outcome(AttemptStatus.FAILED, TaskError("invalid_argument", "target: refused", False))
 TIMED_OUT = Outcome(AttemptStatus.TIMED_OUT, TaskError("timeout", "run phase timed out after 5.0s", False))
 NET = ClaimFilter(tag_sets=(frozenset({"net"}),))
@@ -80,14 +81,14 @@ async def end_behind_the_store(store: Store, task_id: str, state: State, *, now:
 
 async def test_a_scan_is_created_with_its_first_jobs_task_which_has_the_steps_defaults(store: Store) -> None:
     scan, created = await store.add_scan(WEB, now=T0)
-    assert created and scan.state is ScanState.PENDING and scan.profile == "web" and scan.organization == "default"
+    assert created and scan.state is ScanState.PENDING and scan.profile == "web" and scan.organization == "acme"
     assert scan.payload == WEB.payload and scan.scope == {} and scan.created_at == T0 and scan.finished_at is None
     assert states(scan) == ["queued", "waiting", "waiting"]
     assert [j.step for j in scan.jobs] == ["tcp_connect", "http_probe", "report"]
     assert scan.jobs[0].task_id is not None and [j.task_id for j in scan.jobs[1:]] == [None, None]
     task = await store.get(scan.jobs[0].task_id)
-    assert (task.type, task.payload, task.priority, task.max_attempts, task.state) == (
-        "tcp_connect", WEB.payload, 5, 2, State.PENDING)
+    assert (task.type, task.payload, task.priority, task.max_attempts, task.state, task.organization) == (
+        "tcp_connect", WEB.payload, 5, 2, State.PENDING, "acme")
     assert await store.get_scan(scan.id) == scan
 
 
@@ -129,7 +130,7 @@ async def test_a_steps_success_merges_its_scope_and_creates_the_next_task_with_i
     assert states(scan) == ["success", "queued", "waiting"]
     step = await store.get(scan.jobs[1].task_id or "")
     assert step.type == "http_probe" and step.priority == 5 and step.timeout_s == 9.0
-    assert step.required_tags == ("net",) and step.max_attempts == 3
+    assert step.required_tags == ("net",) and step.max_attempts == 3 and step.organization == "acme"
     assert step.payload == {"target": "10.0.0.1", "ports": [80, 8080], "open_ports": [80, 8080]}
     assert told == [ScanMove(scan.id, "web", 0, JobState.SUCCESS, step.id, "http_probe", 1)]
 

@@ -30,28 +30,34 @@ from ...errors import Conflict, LeaseLost, ScheduleNotFound, StoreUnavailable, T
 from ...lifecycle import Event, RetryPolicy, step
 from ...model import (
     CANCELLED_ON_REQUEST,
+    CertSeen,
     Claimed,
     ClaimFilter,
     Lease,
     NewTask,
     Outcome,
+    RemoteWorker,
     ResultBatch,
     State,
     Task,
     TaskError,
     Worker,
+    WorkerChange,
     cancel_deadline_error,
 )
 from ...scans import NewScan, Scan, ScanState
 from ...schedules import Fired, Schedule
 from ..port import (
+    Acquired,
     CancelAnswer,
     Ended,
     Ending,
+    Enroll,
     Expired,
     Node,
     Page,
     PhaseNote,
+    Revoked,
     ScanCancel,
     ScanListener,
     ScanMove,
@@ -74,6 +80,7 @@ from .claims import Claims
 from .connection import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, DRIVER_ERRORS, Connections, channel_for, said
 from .fenced import FencedWrites, expiry, lease_arrays, lost, write_ends
 from .firing import fire
+from .registry import Registry
 from .session import Session
 from .statements import SQL
 
@@ -95,6 +102,7 @@ class PostgresStore:
         self._fenced = FencedWrites(self._db)
         self._session = Session(self._db)
         self._told = self._fenced.told  # the listener of the scans' moves, however they were made
+        self._registry = Registry(self._db)
 
     # lifecycle of the adapter
 
@@ -165,12 +173,13 @@ class PostgresStore:
             row = await conn.fetchrow(SQL["get"], task_id)
         if row is None:
             raise TaskNotFound(task_id)
-        return replace(_task(row), results=tuple(result_of(r) for r in row[20]))
+        return replace(_task(row), results=tuple(result_of(r) for r in row[21]))
 
     async def list_tasks(self, *, state: State | None = None, type: str | None = None, limit: int = 50,
-                         cursor: str | None = None) -> Page:
+                         cursor: str | None = None, organization: str | None = None) -> Page:
         where, args = ["true"], []
-        for condition, value in (("state = ", state), ("type = ", type), ("id < ", cursor)):
+        for condition, value in (("state = ", state), ("type = ", type), ("organization = ", organization),
+                                 ("id < ", cursor)):
             if value is not None:
                 args.append(str(value))
                 where.append(f"{condition}${len(args)}")
@@ -184,6 +193,11 @@ class PostgresStore:
         async with self._db.conn() as conn:
             rows = await conn.fetch(SQL["counts"])
         return {State(r[0]): r[1] for r in rows}
+
+    async def organization_counts(self) -> dict[str, int]:
+        async with self._db.conn() as conn:
+            rows = await conn.fetch(SQL["organization_counts"])
+        return {r[0]: r[1] for r in rows}
 
     async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
         moves: scans.Moves = []
@@ -439,6 +453,34 @@ class PostgresStore:
                     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await self._session.watch(wake, task_status=task_status)
 
+    # the worker registry (registry.py)
+
+    async def meet_worker(self, identity: str, *, cert: CertSeen, address: str | None, now: float,
+                          enroll: Enroll, max_concurrent_tasks: int) -> RemoteWorker:
+        return await self._registry.meet(identity, cert=cert, address=address, now=now, enroll=enroll,
+                                         max_concurrent_tasks=max_concurrent_tasks)
+
+    async def list_workers(self) -> list[RemoteWorker]:
+        return await self._registry.all()
+
+    async def get_worker(self, worker_id: str) -> RemoteWorker:
+        return await self._registry.get(worker_id)
+
+    async def change_worker(self, worker_id: str, change: WorkerChange, *,
+                            now: float) -> tuple[RemoteWorker, list[Revoked]]:
+        return await self._registry.change(worker_id, change, now=now)
+
+    async def revoke_worker(self, worker_id: str, *, now: float) -> tuple[RemoteWorker, list[Revoked]]:
+        return await self._registry.revoke(worker_id, now=now)
+
+    async def acquire(self, identity: str, where: ClaimFilter, *, limit: int, now: float, lease_s: float,
+                      worker_id: str, slots: Sequence[Sequence[str]], version: str | None) -> Acquired:
+        return await self._registry.acquire(identity, where, limit=limit, now=now, lease_s=lease_s,
+                                            worker_id=worker_id, slots=slots, version=version)
+
+    async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
+        return await self._registry.attempt_owners(attempt_ids)
+
 
 async def _locked_row(conn: Any, task_id: str) -> Any:
     """A task's (state, type, scan_id, scan_index), its row locked until the transaction ends."""
@@ -455,4 +497,4 @@ async def _locked_schedule(conn: Any, name: str) -> Schedule | None:
 
 def _task(row: Any) -> Task:
     """A task from a row of its columns followed by its attempts."""
-    return task_of(row, required_tags=row[11], attempts=tuple(attempt_of(a) for a in row[19]))
+    return task_of(row, required_tags=row[11], attempts=tuple(attempt_of(a) for a in row[20]))

@@ -85,7 +85,8 @@ async def apply(conn: Conn, moves: Moves, scan: Stored, w: Writes, now: float) -
         index, task, scope_before, retry = w.start
         task_id = new_id(now)
         await conn.execute(SQL["insert_step"], task_id, task.type, json.dumps(task.payload), task.priority,
-                           task.max_attempts, task.timeout_s, sorted(task.required_tags), now, scan.id, index, retry)
+                           task.max_attempts, task.timeout_s, sorted(task.required_tags), now, task.organization,
+                           scan.id, index, retry)
         await conn.execute(SQL["start_job"], task_id, scope_before, scan.id, index)
         if move is not None:
             move = replace(move, task_id=task_id)

@@ -71,7 +71,7 @@ def apply(conn: sqlite3.Connection, batch: Batch, scan: Stored, w: Writes, now: 
         task_id = new_id(now)
         conn.execute(QS["insert_step"], (
             task_id, task.type, json.dumps(task.payload), task.priority, task.max_attempts, task.timeout_s,
-            json.dumps(sorted(task.required_tags)), now, now, now, scan.id, index, retry))
+            json.dumps(sorted(task.required_tags)), now, now, now, task.organization, scan.id, index, retry))
         conn.execute(QS["start_job"], (task_id, scope_before, scan.id, index))
         if batch.queued is not None:
             batch.queued += 1
