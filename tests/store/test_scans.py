@@ -13,7 +13,7 @@ from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, Outcome
 from tidepool.scans import SCOPE_MAX_BYTES, JobState, NewScan, Scan, ScanState, StepSpec
 from tidepool.store import Store
 from tidepool.store.memory import MemoryStore
-from tidepool.store.port import ScanMove
+from tidepool.store.port import Ending, ScanMove
 from tidepool.store.sqlite import SqliteStore
 
 from .conftest import LEASE_S, POLICY, T0
@@ -140,6 +140,20 @@ async def test_a_steps_success_merges_its_scope_and_creates_the_next_task_with_i
     assert scan.state is ScanState.SUCCEEDED and scan.finished_at == T0 + 21
     assert states(scan) == ["success"] * 3 and [j.attempts for j in scan.jobs] == [1, 1, 1]
     assert told[-1].finished is ScanState.SUCCEEDED and told[-1].index == 2
+
+
+async def test_a_steps_success_among_other_tasks_successes_in_one_call_moves_its_scan(store: Store) -> None:
+    """The successes of tasks outside scans share the grouped completion; a step's goes its own way beside
+    them, in the same call."""
+    plain = [(await store.add(NewTask("noop"), now=T0))[0] for _ in range(2)]
+    scan, _ = await store.add_scan(WEB, now=T0)
+    claimed = {c.task.id: c for c in await store.claim(NODE, NET, limit=10, now=T0, lease_s=LEASE_S)}
+    order = [plain[0].id, scan.jobs[0].task_id or "", plain[1].id]
+    ends = [Ending(claimed[i].lease, learned(seen=i), T0 + 1) for i in order]
+    assert await store.finish_many(ends, policy=POLICY) == [State.COMPLETED] * 3
+    scan = await store.get_scan(scan.id)
+    assert states(scan) == ["success", "queued", "waiting"] and scan.scope == {"seen": order[1]}
+    assert [(await store.get(t.id)).state for t in plain] == [State.COMPLETED] * 2
 
 
 async def test_a_retried_attempt_of_a_step_is_the_same_job_and_task(store: Store) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ...errors import Conflict, InvalidRequest, ScanNotFound, StoreUnavailable
+from ...errors import Conflict, InvalidRequest, ScanNotFound, StoreUnavailable, TaskNotFound
 from ...model import AttemptStatus, Outcome, State, new_id
 from ...scans import JobState, NewScan, Scan, ScanState, ScopeRefused, job_state_of, merge_scope, retry_from
 from ..port import CancelAnswer, ScanCancel, ScanMove, ScanPage
@@ -173,6 +173,14 @@ async def cancel(conn: Conn, scan_id: str, now: float, moves: Moves, *,
 def _live_task(scan: Stored) -> str | None:
     index = scan.started()
     return None if index is None else str(scan.jobs[index][4])
+
+
+async def locked_task(conn: Conn, task_id: str) -> Any:
+    """A task's (state, type, scan_id, scan_index), its row locked until the transaction ends."""
+    row = await conn.fetchrow(SQL["lock_state"], task_id)
+    if row is None:
+        raise TaskNotFound(task_id)
+    return row
 
 
 async def stalled(conn: Conn, limit: int) -> list[str]:
