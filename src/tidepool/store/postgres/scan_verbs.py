@@ -13,6 +13,7 @@ from ..port import CancelAnswer, ScanCancel, ScanListener, ScanMove, ScanPage
 from . import queue, scans
 from .connection import Connections
 
+ONE_SNAPSHOT: dict[str, Any] = {"isolation": "repeatable_read", "readonly": True}  # scans and jobs as of one time
 SWEEP = 500  # scans moved on per reconciler transaction: bounded locks per step
 
 
@@ -30,12 +31,12 @@ class ScanVerbs:
             return await scans.add_scan(conn, new, now, max_queued)
 
     async def get_scan(self, scan_id: str) -> Scan:
-        async with self._db.conn() as conn, conn.transaction(readonly=True):  # the scan and its jobs as of one time
+        async with self._db.conn() as conn, conn.transaction(**ONE_SNAPSHOT):
             return await scans.read(conn, scan_id)
 
     async def list_scans(self, *, state: ScanState | None = None, profile: str | None = None, limit: int = 50,
                          cursor: str | None = None) -> ScanPage:
-        async with self._db.conn() as conn, conn.transaction(readonly=True):
+        async with self._db.conn() as conn, conn.transaction(**ONE_SNAPSHOT):
             return await scans.list_scans(conn, state=state, profile=profile, limit=limit, cursor=cursor)
 
     async def cancel_scan(self, scan_id: str, *, now: float) -> ScanCancel:
