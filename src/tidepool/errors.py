@@ -11,6 +11,7 @@
     │   ├── SchemaMismatch       the store's schema is newer than this tidepool, or older and not migrated (exit 1)
     │   ├── TaskNotFound         no task with this id (HTTP 404)
     │   ├── ScheduleNotFound     no schedule with this name (HTTP 404)
+    │   ├── ScanNotFound         no scan with this id (HTTP 404)
     │   ├── WorkerNotFound       no remote worker with this identity in the registry (HTTP 404)
     │   ├── Conflict             a write contradicts an earlier one (HTTP 409)
     │   ├── QueueFull            pending + retry_wait is at pool.max_queued (HTTP 429)
@@ -99,6 +100,14 @@ class ScheduleNotFound(StoreError):
     def __init__(self, name: str) -> None:
         super().__init__(f"schedule {name!r} not found")
         self.name = name
+
+
+class ScanNotFound(StoreError):
+    http_status, code = 404, "scan_not_found"
+
+    def __init__(self, scan_id: str) -> None:
+        super().__init__(f"scan {scan_id} not found")
+        self.scan_id = scan_id
 
 
 class WorkerNotFound(StoreError):

@@ -28,8 +28,8 @@ from ..schedules import Schedule
 from .port import Node
 
 # The schema both adapters build, step by step: 1 tasks, attempts and results; 2 schedules; 3 nodes; 4 remote
-# workers and the tasks' organizations.
-SCHEMA_VERSION = 4
+# workers and the tasks' organizations; 5 scans.
+SCHEMA_VERSION = 5
 
 TASK_COLUMNS = ("id, type, payload, priority, state, phase, progress, attempt, max_attempts, interruptions, "
                 "timeout_s, required_tags, idempotency_key, node_id, error, created_at, updated_at, "

@@ -58,13 +58,15 @@ from ..rows import (
     schedule_values,
     task_of,
 )
-from ..rules import cancel_step, expiry_outcome, progress_text, retry_step
-from . import migrations, queue
+from ..rules import cancel_step, expiry_outcome, progress_text, retry_step, step_retry_refused
+from . import migrations, queue, scans
 from .claims import Claims
 from .connection import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, DRIVER_ERRORS, Connections, channel_for, said
 from .fenced import FencedWrites, expiry, lease_arrays, lost, write_ends
 from .firing import fire
 from .registry import Registry
+from .scan_verbs import ScanVerbs
+from .scans import locked_task
 from .session import Session
 from .statements import SQL
 
@@ -72,7 +74,7 @@ __all__ = ["CALL_TIMEOUT_S", "CONNECT_TIMEOUT_S", "DRIVER_ERRORS", "SCHEMA_VERSI
 SWEEP = 500  # rows per reconciler transaction: bounded locks and WAL per step
 
 
-class PostgresStore:
+class PostgresStore(ScanVerbs):
     """The store of a fleet. `schema` (else the URL's `?schema=NAME`, else "tidepool") holds its tables,
     so several fleets or test runs can share one database. Each call answers within call_timeout_s (a call
     over many rows, as a batch submit, a millisecond more for each), or raises StoreUnavailable."""
@@ -85,6 +87,7 @@ class PostgresStore:
         self._claims = Claims(self._db)
         self._fenced = FencedWrites(self._db)
         self._session = Session(self._db)
+        self._told = self._fenced.told  # the listener of the scans' moves, however they were made
         self._registry = Registry(self._db)
 
     # lifecycle of the adapter
@@ -183,21 +186,33 @@ class PostgresStore:
         return {r[0]: r[1] for r in rows}
 
     async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
+        moves: scans.Moves = []
         async with self._db.conn() as conn, conn.transaction():
-            current, type_ = await _lock_state(conn, task_id)
-            target = cancel_step(current)
-            if target is current:
-                return CancelAnswer(target, False, type_)
-            if target is State.CANCELLED:
-                await conn.execute(SQL["cancel_queued"], target.value, now, task_id, error_text(CANCELLED_ON_REQUEST))
-            else:
-                await conn.execute(SQL["cancel_leased"], target.value, now, task_id)
-            return CancelAnswer(target, True, type_)
+            answer = await self._cancel_locked(conn, await locked_task(conn, task_id), task_id, now, moves)
+        self._told(moves)
+        return answer
+
+    async def _cancel_locked(self, conn: Any, row: Any, task_id: str, now: float, moves: scans.Moves) -> CancelAnswer:
+        """request_cancel of a task whose row (state, type, scan_id, scan_index) the transaction holds."""
+        current, type_ = State(row[0]), row[1]
+        target = cancel_step(current)
+        if target is current:
+            return CancelAnswer(target, False, type_)
+        if target is State.CANCELLED:
+            await conn.execute(SQL["cancel_queued"], target.value, now, task_id, error_text(CANCELLED_ON_REQUEST))
+            if row[2] is not None:  # a scan's step: its scan moves on
+                await scans.step_ended(conn, moves, scan_id=row[2], index=row[3], task_id=task_id, state=target,
+                                       learned=None, now=now)
+        else:
+            await conn.execute(SQL["cancel_leased"], target.value, now, task_id)
+        return CancelAnswer(target, True, type_)
 
     async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
         async with self._db.conn() as conn, conn.transaction():
-            current, _ = await _lock_state(conn, task_id)
-            target = retry_step(current)
+            row = await locked_task(conn, task_id)
+            target = retry_step(State(row[0]))
+            if row[2] is not None:
+                raise Conflict(step_retry_refused(task_id, row[2], row[3]))
             if max_queued is not None:
                 await queue.check_queue_room(conn, 1, max_queued)
             row = await conn.fetchrow(SQL["retry"], target.value, now, task_id)
@@ -294,12 +309,18 @@ class PostgresStore:
             sql, args = SQL["expiring_of_node"], [node_id, keep_instance, SWEEP]
         expired: list[Expired] = []
         while True:
+            moves: scans.Moves = []
             async with self._db.conn(rows=SWEEP) as conn, conn.transaction():
                 rows = await conn.fetch(sql, *args)
                 ends = [(Lease(r[4], r[5], r[6], now), o, expiry(r, o, policy, now))
                         for r in rows for o in (expiry_outcome(r[5], interrupted),)]
                 if ends:
                     await write_ends(conn, ends, now)
+                for r, (lease, _, end) in zip(rows, ends, strict=True):
+                    if r[8] is not None and end.state.terminal:  # a scan's step: its scan moves on
+                        await scans.step_ended(conn, moves, scan_id=r[8], index=r[9], task_id=lease.task_id,
+                                               state=end.state, learned=None, now=now)
+            self._told(moves)
             expired.extend(Expired(lease.task_id, lease.attempt_id, end.state, r[7])
                            for (lease, _, end), r in zip(ends, rows, strict=True))
             if len(rows) < SWEEP:
@@ -325,6 +346,10 @@ class PostgresStore:
                 break
         async with self._db.conn() as conn:
             await conn.execute(SQL["prune_nodes"], before)
+        while True:  # the scans ended before `before`, with their jobs (their tasks went above)
+            async with self._db.conn(rows=SWEEP) as conn:
+                if int(await conn.fetchval(SQL["prune_scans"], before, SWEEP)) < SWEEP:
+                    break
         return pruned
 
     async def queued_tag_sets(self) -> list[frozenset[str]]:
@@ -393,13 +418,6 @@ class PostgresStore:
 
     async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
         return await self._registry.attempt_owners(attempt_ids)
-
-
-async def _lock_state(conn: Any, task_id: str) -> tuple[State, str]:
-    row = await conn.fetchrow(SQL["lock_state"], task_id)
-    if row is None:
-        raise TaskNotFound(task_id)
-    return State(row[0]), row[1]
 
 
 async def _locked_schedule(conn: Any, name: str) -> Schedule | None:
