@@ -237,7 +237,7 @@ class Engine:
             held.scope.deadline = anyio.current_time() + self._run_timeout_s(task)
             for plugin in plugins:
                 await self._run_plugin(ctx, held, plugin, worker_id)
-            return Outcome(AttemptStatus.SUCCEEDED)
+            return Outcome(AttemptStatus.SUCCEEDED, scope=ctx.scope)
         except _PluginTimedOut as exc:
             return self._timed_out(task, str(exc))
         except PluginError as exc:  # the traceback only of what escaped: a PluginError says all it means to

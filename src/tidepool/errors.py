@@ -9,6 +9,7 @@
     │   ├── SchemaMismatch       the store's schema is newer than this tidepool, or older and not migrated (exit 1)
     │   ├── TaskNotFound         no task with this id (HTTP 404)
     │   ├── ScheduleNotFound     no schedule with this name (HTTP 404)
+    │   ├── ScanNotFound         no scan with this id (HTTP 404)
     │   ├── Conflict             a write contradicts an earlier one (HTTP 409)
     │   ├── QueueFull            pending + retry_wait is at pool.max_queued (HTTP 429)
     │   └── LeaseLost            the attempt's lease is stale, expired or taken over
@@ -74,6 +75,14 @@ class ScheduleNotFound(StoreError):
     def __init__(self, name: str) -> None:
         super().__init__(f"schedule {name!r} not found")
         self.name = name
+
+
+class ScanNotFound(StoreError):
+    http_status, code = 404, "scan_not_found"
+
+    def __init__(self, scan_id: str) -> None:
+        super().__init__(f"scan {scan_id} not found")
+        self.scan_id = scan_id
 
 
 class Conflict(StoreError):

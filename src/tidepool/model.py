@@ -205,6 +205,9 @@ class Outcome:
     # The attempt's last progress report, written with its end: the lease keeper writes notes behind, so
     # the last one may not be in the store yet. None keeps what the store has.
     progress: dict[str, Any] | None = None
+    # What the attempt's plugins put in ctx.scope, given with a success: a scan step's store merges it into
+    # its scan's scope. Any other task's store ignores it.
+    scope: dict[str, Any] | None = None
 
 
 def canonical_json(value: Any) -> str:

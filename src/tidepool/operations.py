@@ -26,6 +26,7 @@ from .model import CANCELLED_ON_REQUEST, NewTask, State, Task, rfc3339
 from .plugins import Registry
 from .pool import Pool, Waker
 from .resources import ResourcePool
+from .scan_operations import ScanOperations, ScanParts
 from .schedules import Schedule, task_for, validate
 from .settings import Settings
 from .store import Page, Store, retry_step
@@ -80,11 +81,14 @@ class NodeOperations:
         self._settings = settings
         self._check_payload = PayloadCheck(settings)
         self._shared_store = settings.db_path() is None  # SQLite: this node is the whole fleet
+        self.scans = ScanOperations(settings, registry, ScanParts(
+            parts.store, parts.events, parts.waker, parts.leases, parts.resources, self.fleet_tag_sets))
 
     def configure(self, settings: Settings, registry: Registry) -> None:
         """A reload's settings and task types: every submit, retry and schedule from now on is checked by them."""
         self._settings, self.registry = settings, registry
         self._check_payload = PayloadCheck(settings)
+        self.scans.configure(settings, registry)
 
     @property
     def max_body_kb(self) -> int:

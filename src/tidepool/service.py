@@ -94,7 +94,8 @@ class Daemon:
         # counts its renewals through these metrics.
         self.metrics = Metrics(node_id=self.node_id, version=__version__, pool=lambda: self.pool.statistics(),
                                counts=partial(store_answers, self.store), guards=self.guards.statistics,
-                               draining=lambda: self.status.draining, task_types=lambda: self.ops.registry.types)
+                               draining=lambda: self.status.draining, task_types=lambda: self.ops.registry.types,
+                               profiles=lambda: self.ops.scans.profiles)
         self.events.listen(self.metrics.on_event)
         self.events.listen(logs.lifecycle)
         self.leases = LeaseKeeper(self.metrics.lease_store(self.store), lease_s=settings.lease.duration_s,
@@ -110,6 +111,7 @@ class Daemon:
         self.ops = NodeOperations(settings, registry, NodeParts(
             self.store, self.events, self.waker, self.pool, self.leases, self.guards, self.resources, self.metrics),
             node_id=self.node_id, status=self.status)
+        self.store.on_scan_moves(self.ops.scans.moved)  # however a scan moved (a finish, the reconciler): said
         self.reconciler = Reconciler(self.store, self.events,
                                      config=ReconcilerConfig.of(settings.reconciler, settings.execution),
                                      policy=lambda: self.engine.policy, wake=self.waker.wake,

@@ -13,8 +13,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ..events import EventBus
     from ..model import NewTask, State, Task
+    from ..scan_operations import ScanRequest
+    from ..scans import Scan, ScanState
     from ..schedules import Schedule
     from ..store import Page
+    from ..store.port import ScanPage
 
 
 class TaskTypes(Protocol):
@@ -22,6 +25,28 @@ class TaskTypes(Protocol):
 
     @property
     def types(self) -> Mapping[str, object]: ...
+
+
+class ScanOps(Protocol):
+    """The node's scans as its API sees them (the node's are tidepool.scan_operations.ScanOperations)."""
+
+    @property
+    def profiles(self) -> Mapping[str, object]:
+        """The scan profiles the node defines, by name (the OpenAPI document lists them)."""
+        ...
+
+    async def submit(self, request: ScanRequest) -> tuple[Scan, bool]:
+        """The scan, and whether it was created (False: found by its idempotency_key)."""
+        ...
+
+    async def get(self, scan_id: str) -> Scan: ...
+
+    async def list(self, *, state: ScanState | None, profile: str | None, limit: int,
+                   cursor: str | None) -> ScanPage: ...
+
+    async def cancel(self, scan_id: str) -> ScanState: ...
+
+    async def retry(self, scan_id: str, index: int) -> Scan: ...
 
 
 class Operations(Protocol):
@@ -36,6 +61,9 @@ class Operations(Protocol):
 
     @property
     def max_body_kb(self) -> int: ...
+
+    @property
+    def scans(self) -> ScanOps: ...
 
     def max_attempts_for(self, task_type: str) -> int:
         """The attempt budget of a new task of `task_type` that names none."""

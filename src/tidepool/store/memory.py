@@ -31,7 +31,10 @@ from ..model import (
     new_id,
     new_token,
 )
+from ..scans import ScopeRefused, job_state_of
 from ..schedules import Fired, Schedule
+from . import rules
+from .memory_scans import MemoryScans, ScanVerbs
 from .port import CancelAnswer, Ended, Ending, Expired, Node, Page, PhaseNote
 from .rules import batch_answer, cancel_step, check_room, expiry_outcome, finish_alone, may_end, retry_step
 
@@ -45,6 +48,7 @@ class _Row:
     cancel_requested_at: float | None = None
     attempts: list[Attempt] = dataclasses.field(default_factory=list)
     results: list[ResultBatch] = dataclasses.field(default_factory=list)
+    scan: tuple[str, int, int] | None = None  # a scan step's task: (scan id, job index, retry number)
 
     def update(self, **changes: Any) -> None:
         self.task = dataclasses.replace(self.task, **changes)
@@ -54,12 +58,13 @@ class _Row:
                          for a in self.attempts]
 
 
-class MemoryStore:
+class MemoryStore(ScanVerbs):
     def __init__(self) -> None:
         self._rows: dict[str, _Row] = {}
         self._keys: dict[str, str] = {}
         self._schedules: dict[str, Schedule] = {}
         self._nodes: dict[str, Node] = {}
+        self._scans = MemoryScans(self, new_id)
 
     async def open(self, *, migrate: bool = True) -> int:
         return 0  # nothing persists: every open starts empty
@@ -111,12 +116,18 @@ class MemoryStore:
         return counts
 
     async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
+        answer = self.cancel_row(task_id, now)
+        self._scans.flush()
+        return answer
+
+    def cancel_row(self, task_id: str, now: float) -> CancelAnswer:
         row = self._row(task_id)
         state = cancel_step(row.task.state)
         if state is row.task.state:
             return CancelAnswer(state, False, row.task.type)
         if state is State.CANCELLED:
             row.update(state=state, finished_at=now, updated_at=now, phase=None, error=CANCELLED_ON_REQUEST)
+            self._step_ended(row, now)
         else:
             row.update(state=state, updated_at=now)
             row.cancel_requested_at = now
@@ -125,6 +136,8 @@ class MemoryStore:
     async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
         row = self._row(task_id)
         state = retry_step(row.task.state)
+        if row.scan is not None:
+            raise Conflict(rules.step_retry_refused(task_id, row.scan[0], row.scan[1]))
         self._check_room(1, max_queued)
         # A new budget: attempt counts from zero again; attempts[].number keeps counting every row.
         row.update(state=state, attempt=0, interruptions=0, available_at=now, updated_at=now,
@@ -192,6 +205,7 @@ class MemoryStore:
                 results.append(exc)
                 continue
             results.append(row.task.state)
+        self._scans.flush()
         return results
 
     # schedules
@@ -253,6 +267,7 @@ class MemoryStore:
             if mine or (node_id is None and lease.expires_at <= now):
                 self._end(row, expiry_outcome(lease.attempt_id, interrupted), now, policy)
                 expired.append(Expired(row.task.id, lease.attempt_id, row.task.state, row.task.type))
+        self._scans.flush()
         return expired
 
     async def promote_due(self, *, now: float) -> int:
@@ -273,6 +288,8 @@ class MemoryStore:
                            phase=None, error=error)
                 row.lease = None
                 done.append(Ended(row.task.id, row.task.type))
+                self._step_ended(row, now)
+        self._scans.flush()
         return done
 
     async def prune(self, *, before: float) -> int:
@@ -283,6 +300,7 @@ class MemoryStore:
             if row.task.idempotency_key:
                 self._keys.pop(row.task.idempotency_key, None)
         self._nodes = {k: n for k, n in self._nodes.items() if n.heartbeat_at >= before}
+        self._scans.prune(before)
         return len(old)
 
     async def queued_tag_sets(self) -> list[frozenset[str]]:
@@ -297,6 +315,8 @@ class MemoryStore:
                 row.update(state=step(row.task.state, Event.UNSERVICEABLE), error=error, finished_at=now,
                            updated_at=now, phase=None)
                 failed.append(Ended(row.task.id, row.task.type))
+                self._step_ended(row, now)
+        self._scans.flush()
         return failed
 
     # the fleet: one process, nothing to lock and nothing to hear
@@ -330,6 +350,23 @@ class MemoryStore:
         if row.fingerprint != new.fingerprint():
             raise Conflict(f"idempotency_key {new.idempotency_key!r} was used with another body")
         return row.task
+
+    def task_or_none(self, task_id: str | None) -> Task | None:
+        row = None if task_id is None else self._rows.get(task_id)
+        return None if row is None else row.task
+
+    def insert_step(self, new: NewTask, now: float, step: tuple[str, int, int]) -> Task:
+        task = self._insert(new, now)
+        self._rows[task.id].scan = step
+        return task
+
+    def _step_ended(self, row: _Row, now: float, learned: dict[str, Any] | None = None) -> None:
+        """A scan step's task that ended for good moves its scan on."""
+        if row.scan is not None and row.task.state.terminal:
+            self._scans.job_ended(row.scan[0], row.scan[1], row.task.id, job_state_of(row.task.state), learned, now)
+
+    def check_room(self, n: int, max_queued: int | None) -> None:
+        self._check_room(n, max_queued)
 
     def _check_room(self, n: int, max_queued: int | None) -> None:
         if max_queued is None:
@@ -374,6 +411,11 @@ class MemoryStore:
 
     def _end(self, row: _Row, outcome: Outcome, now: float, policy: RetryPolicy) -> None:
         assert row.lease is not None
+        if row.scan is not None and outcome.status is AttemptStatus.SUCCEEDED:
+            try:  # what the step learned must fit in its scan, or the step fails saying so
+                self._scans.scope_after(row.scan[0], outcome.scope)
+            except ScopeRefused as exc:
+                outcome = dataclasses.replace(outcome, status=AttemptStatus.FAILED, error=exc.error)
         t = row.task
         end = decide_end(t.state, outcome, attempt=t.attempt, max_attempts=t.max_attempts,
                          interruptions=t.interruptions, policy=policy, now=now)
@@ -389,4 +431,5 @@ class MemoryStore:
             finished_at=None if queued else now,
         )
         row.lease = None
+        self._step_ended(row, now, outcome.scope)
 

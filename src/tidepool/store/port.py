@@ -18,6 +18,7 @@ from anyio.abc import TaskStatus
 from ..errors import LeaseLost, TidepoolError
 from ..lifecycle import RetryPolicy
 from ..model import Claimed, ClaimFilter, Lease, NewTask, Outcome, Phase, ResultBatch, State, Task, Worker
+from ..scans import JobState, NewScan, Scan, ScanState
 from ..schedules import Fired, Schedule
 
 
@@ -90,6 +91,41 @@ class Node:
     def alive(self, now: float) -> bool:
         """Running and heard from within three heartbeats."""
         return self.stopped_at is None and now - self.heartbeat_at <= 3 * self.heartbeat_s
+
+
+@dataclass(frozen=True, slots=True)
+class ScanPage:
+    scans: list[Scan]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ScanCancel:
+    """Where a scan cancel left the scan, and its live task's cancel (None: it had none live)."""
+
+    state: ScanState   # RUNNING while its task is being cancelled, CANCELLED once it has ended
+    moved: bool        # False for a repeated cancel, which changed nothing
+    task_id: str | None = None
+    task: CancelAnswer | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScanMove:
+    """What one transaction did to one scan beside a task's end: a job's end applied (`index`, `job`), the
+    next job's task created (`task_id`, `type`: a task to wake a worker for and announce), the scan ended
+    (`finished`)."""
+
+    scan_id: str
+    profile: str
+    index: int | None = None
+    job: JobState | None = None
+    task_id: str | None = None
+    type: str | None = None
+    started: int | None = None  # the index of the job `task_id` is for
+    finished: ScanState | None = None
+
+
+ScanListener = Callable[[Sequence[ScanMove]], None]
 
 
 class WorkerPort(Protocol):
@@ -191,6 +227,43 @@ class QueuePort(Protocol):
 
         Safe to run on several nodes at once: each task moved is returned by one call only.
         """
+
+    # scans: a scan's jobs and their tasks move in the transactions that end those tasks. A worker's success
+    # of a step task, the merge of what it learned into the scan's scope and the next step's task are one
+    # transaction; a step that ends failed, timed_out or cancelled (however it ended: an expiry, a cancel,
+    # the reconciler) ends the scan or lets it go on as the scan says. A job has at most one live task; a
+    # job's tasks are unique by (scan, index, retry number). A step task that is retried on its own (the task
+    # retry, not the job's) is refused: it would run outside its scan's order.
+    async def add_scan(self, new: NewScan, *, now: float, max_queued: int | None = None) -> tuple[Scan, bool]:
+        """Insert a scan and its first job's task in one transaction. With a known idempotency_key (keys of
+        scans are their own, not tasks'): (existing, False), or Conflict when it was used with another body.
+        QueueFull when the queue holds max_queued tasks already."""
+    async def get_scan(self, scan_id: str) -> Scan:
+        """The scan with its jobs; ScanNotFound if unknown."""
+    async def list_scans(self, *, state: ScanState | None = None, profile: str | None = None, limit: int = 50,
+                         cursor: str | None = None) -> ScanPage:
+        """Newest first; next_cursor is the id to pass for the next page (None: this was the last)."""
+    async def cancel_scan(self, scan_id: str, *, now: float) -> ScanCancel:
+        """Cancel a running scan: its live task as request_cancel does (a queued one ends at once, a leased or
+        running one becomes cancelling), its waiting jobs skipped; the scan ends cancelled once that task has
+        ended (at once if it had none live). A cancelled scan stays so (moved False); a succeeded or failed
+        one -> Conflict. ScanNotFound if unknown."""
+    async def retry_job(self, scan_id: str, index: int, *, now: float, max_queued: int | None = None) -> Scan:
+        """Retry a failed, timed-out or cancelled job of an ended scan: the scan runs again from that job on
+        (the jobs after it wait for their turn again), with a new task for it whose payload has the scope as
+        it was before that job, and the scan's scope set back to it. Conflict for any other job or a scan
+        not ended, InvalidRequest (field `index`) for an index the scan has not, ScanNotFound, QueueFull."""
+    async def advance_scans(self, *, now: float) -> list[ScanMove]:
+        """The reconciler's pass: apply the end of every job whose task ended without it (a crash between two
+        writes, a path that ends tasks in bulk), start the next job of a running scan with no live task, end
+        a scan with nothing left to run. Safe on several nodes at once. The moves made, told to the listener
+        as well."""
+    def on_scan_moves(self, listener: ScanListener | None) -> None:
+        """Call `listener` on the event loop, once they are committed, with the moves of scans made by any call
+        but add_scan and retry_job (whose answer says what they did): the endings of finish_many,
+        expire_leases, finish_cancels, request_cancel, fail_unserviceable, and cancel_scan's and
+        advance_scans' own. To announce them, and to wake a worker for the tasks they created (PostgreSQL
+        notifies the other nodes as for any submit)."""
 
     # the fleet: one process per node id, the registry
     async def lock_node(self, node_id: str, instance_id: str) -> None:

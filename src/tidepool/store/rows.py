@@ -16,8 +16,8 @@ from ..model import Attempt, AttemptStatus, Phase, ResultBatch, State, Task, Tas
 from ..schedules import Schedule
 from .port import Node
 
-# The schema both adapters build, step by step: 1 tasks, attempts and results; 2 schedules; 3 nodes.
-SCHEMA_VERSION = 3
+# The schema both adapters build, step by step: 1 tasks, attempts and results; 2 schedules; 3 nodes; 4 scans.
+SCHEMA_VERSION = 4
 
 TASK_COLUMNS = ("id, type, payload, priority, state, phase, progress, attempt, max_attempts, interruptions, "
                 "timeout_s, required_tags, idempotency_key, node_id, error, created_at, updated_at, "

@@ -101,3 +101,9 @@ def retry_step(state: State) -> State:
     except InvalidTransition:
         raise Conflict(f"task is {state.value}; only failed, timed_out or cancelled tasks can be retried") \
             from None
+
+
+def step_retry_refused(task_id: str, scan_id: str, index: int) -> str:
+    """Why a scan step's task is not retried on its own: out of its scan's order, its scope would be wrong."""
+    return (f"task {task_id} is job {index} of scan {scan_id}; retry the job instead "
+            f"(POST /v1/scans/{scan_id}/jobs/{index}/retry), so the steps after it run again")

@@ -24,10 +24,23 @@ from anyio.abc import TaskStatus
 from ...errors import ConfigError, LeaseLost, StoreUnavailable, TidepoolError
 from ...lifecycle import RetryPolicy
 from ...model import Claimed, ClaimFilter, Lease, NewTask, Outcome, ResultBatch, State, Task, Worker
+from ...scans import NewScan, Scan, ScanState
 from ...schedules import Fired, Schedule
-from ..port import CancelAnswer, Ended, Ending, Expired, Node, Page, PhaseNote
+from ..port import (
+    CancelAnswer,
+    Ended,
+    Ending,
+    Expired,
+    Node,
+    Page,
+    PhaseNote,
+    ScanCancel,
+    ScanListener,
+    ScanMove,
+    ScanPage,
+)
 from ..rules import finish_alone
-from . import queue_ops, reads, work
+from . import queue_ops, reads, scan_ops, work
 from .database import Database
 from .writer import Batch, Writer
 
@@ -173,6 +186,32 @@ class SqliteStore:
     async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[Ended]:
         return await self._write(partial(queue_ops.fail_unserviceable, tags=tags, now=now,
                                                       message=message))
+
+    # scans (scan_ops.py; their moves inside a task's end: scan_steps.py)
+
+    async def add_scan(self, new: NewScan, *, now: float, max_queued: int | None = None) -> tuple[Scan, bool]:
+        return await self._write(partial(scan_ops.add_scan, new=new, now=now, max_queued=max_queued))
+
+    async def get_scan(self, scan_id: str) -> Scan:
+        return await self._read(partial(scan_ops.read, scan_id=scan_id))
+
+    async def list_scans(self, *, state: ScanState | None = None, profile: str | None = None, limit: int = 50,
+                         cursor: str | None = None) -> ScanPage:
+        return await self._read(partial(scan_ops.list_scans, state=state, profile=profile, limit=limit,
+                                        cursor=cursor))
+
+    async def cancel_scan(self, scan_id: str, *, now: float) -> ScanCancel:
+        return await self._write(partial(scan_ops.cancel_scan, scan_id=scan_id, now=now))
+
+    async def retry_job(self, scan_id: str, index: int, *, now: float, max_queued: int | None = None) -> Scan:
+        return await self._write(partial(scan_ops.retry_job, scan_id=scan_id, index=index, now=now,
+                                         max_queued=max_queued))
+
+    async def advance_scans(self, *, now: float) -> list[ScanMove]:
+        return await self._write(partial(scan_ops.advance_scans, now=now))
+
+    def on_scan_moves(self, listener: ScanListener | None) -> None:
+        self._writer.on_moves = listener
 
     # the fleet: one host, so the daemon's lock file keeps one process per node id, and nothing to hear
 

@@ -22,7 +22,7 @@ INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, 
 VALUES (?, ?, ?, ?, 'pending', ?, ?, ?, ?, ?, ?, ?, ?)
 
 -- name: task_state
-SELECT state, type FROM tasks WHERE id = ?
+SELECT state, type, scan_id, scan_index FROM tasks WHERE id = ?
 
 -- name: cancel_queued
 UPDATE tasks SET state = ?, phase = NULL, error = ?, finished_at = ?, updated_at = ? WHERE id = ?
@@ -123,6 +123,7 @@ UPDATE tasks SET state = 'completed', phase = NULL, progress = coalesce(v.column
 FROM (VALUES {rows}) AS v
 WHERE tasks.id = v.column1 AND tasks.lease_attempt_id = v.column2 AND tasks.lease_token = v.column3
   AND +tasks.state IN {working} AND tasks.lease_expires_at > v.column4
+  AND tasks.scan_id IS NULL  -- a scan step's success moves its scan too: the one-by-one path
 
 -- name: complete_row
 (?, ?, ?, ?, ?)
@@ -141,7 +142,7 @@ WHERE attempts.id = v.column1
 (?, ?)
 
 -- name: ending
-SELECT state, attempt, max_attempts, interruptions, lease_expires_at FROM tasks
+SELECT state, attempt, max_attempts, interruptions, lease_expires_at, scan_id, scan_index FROM tasks
 WHERE id = ? AND lease_attempt_id = ? AND lease_token = ?
 
 -- name: end_attempt
@@ -174,19 +175,21 @@ DELETE FROM schedules WHERE name = ? AND (? IS NULL OR json_extract(spec, '$.con
 -- the reconciler
 
 -- name: expiring
-SELECT state, attempt, max_attempts, interruptions, lease_expires_at, id, lease_attempt_id, lease_token, type
+SELECT state, attempt, max_attempts, interruptions, lease_expires_at, id, lease_attempt_id, lease_token, type,
+       scan_id, scan_index
 FROM tasks WHERE state IN {active} AND lease_expires_at <= ?
 
 -- name: expiring_of_node
 -- Every lease of a node's other processes: the ones that ran before this one.
-SELECT state, attempt, max_attempts, interruptions, lease_expires_at, id, lease_attempt_id, lease_token, type
+SELECT state, attempt, max_attempts, interruptions, lease_expires_at, id, lease_attempt_id, lease_token, type,
+       scan_id, scan_index
 FROM tasks WHERE state IN {active} AND node_id = ? AND lease_instance IS NOT ?
 
 -- name: promote_due
 UPDATE tasks SET state = 'pending', updated_at = ? WHERE state = 'retry_wait' AND available_at <= ?
 
 -- name: cancels_due
-SELECT id, lease_attempt_id, type FROM tasks WHERE state = 'cancelling' AND cancel_requested_at <= ?
+SELECT id, lease_attempt_id, type, scan_id, scan_index FROM tasks WHERE state = 'cancelling' AND cancel_requested_at <= ?
 
 -- name: cancel_attempt
 UPDATE attempts SET status = 'cancelled', finished_at = ?, error = ? WHERE id = ?
@@ -213,7 +216,7 @@ SELECT DISTINCT required_tags FROM tasks WHERE state IN {queued} AND required_ta
 -- name: fail_unserviceable
 -- required_tags is stored as a sorted JSON list, so equal sets are equal texts.
 UPDATE tasks SET state = ?, phase = NULL, error = ?, finished_at = ?, updated_at = ?
-WHERE state IN {queued} AND required_tags = ? RETURNING id, type
+WHERE state IN {queued} AND required_tags = ? RETURNING id, type, scan_id, scan_index
 
 -- the fleet
 

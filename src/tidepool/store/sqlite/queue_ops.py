@@ -19,7 +19,8 @@ from ...model import CANCELLED_ON_REQUEST, Lease, NewTask, State, Task, TaskErro
 from ...schedules import Fired, Schedule
 from ..port import CancelAnswer, Ended, Expired, Node
 from ..rows import error_text, node_values, schedule_of, schedule_values
-from ..rules import batch_answer, cancel_step, check_room, expiry_outcome, retry_step
+from ..rules import batch_answer, cancel_step, check_room, expiry_outcome, retry_step, step_retry_refused
+from . import scan_steps
 from .database import Q
 from .reads import task_of, task_row, task_with_attempts
 from .work import chunks, end, marks
@@ -61,6 +62,7 @@ def request_cancel(conn: sqlite3.Connection, batch: Batch, *, task_id: str, now:
     if target is State.CANCELLED:
         conn.execute(Q["cancel_queued"], (target, error_text(CANCELLED_ON_REQUEST), now, now, task_id))
         batch.queued = None  # the queue shrank: recount before the next max_queued check
+        _step_ended(conn, batch, row[2:4], task_id, target, now)
     else:
         conn.execute(Q["cancel_held"], (target, now, now, task_id))
     return CancelAnswer(target, True, row[1])
@@ -68,6 +70,9 @@ def request_cancel(conn: sqlite3.Connection, batch: Batch, *, task_id: str, now:
 
 def retry(conn: sqlite3.Connection, batch: Batch, *, task_id: str, now: float, max_queued: int | None) -> Task:
     target = retry_step(State(task_row(conn, task_id)[4]))
+    scan_id, index = conn.execute(Q["task_state"], (task_id,)).fetchone()[2:4]
+    if scan_id is not None:
+        raise Conflict(step_retry_refused(task_id, scan_id, index))
     _check_room(conn, batch, 1, max_queued)
     conn.execute(Q["retry"], (target, now, now, task_id))
     return task_with_attempts(conn, task_id)
@@ -182,7 +187,8 @@ def expire_leases(conn: sqlite3.Connection, batch: Batch, *, now: float, policy:
     expired = []
     for row in rows:
         lease = Lease(row[5], row[6], row[7], row[4])
-        state = end(conn, lease, expiry_outcome(lease.attempt_id, interrupted), row, now, policy, batch)
+        state = end(conn, lease, expiry_outcome(lease.attempt_id, interrupted), row, now, policy, batch,
+                    step=row[9:11])
         expired.append(Expired(lease.task_id, lease.attempt_id, state, row[8]))
     return expired
 
@@ -194,9 +200,10 @@ def promote_due(conn: sqlite3.Connection, batch: Batch, *, now: float) -> int:
 def finish_cancels(conn: sqlite3.Connection, batch: Batch, *, now: float, deadline_s: float) -> list[Ended]:
     rows = conn.execute(Q["cancels_due"], (now - deadline_s,)).fetchall()
     error = error_text(cancel_deadline_error(deadline_s))
-    for task_id, attempt_id, _ in rows:
+    for task_id, attempt_id, _, *scan in rows:
         conn.execute(Q["cancel_attempt"], (now, error, attempt_id))
         conn.execute(Q["cancel_task"], (step(State.CANCELLING, Event.CANCEL_ACK), error, now, now, task_id))
+        _step_ended(conn, batch, scan, task_id, State.CANCELLED, now)
     return [Ended(r[0], r[2]) for r in rows]
 
 
@@ -204,6 +211,8 @@ def prune(conn: sqlite3.Connection, batch: Batch, *, before: float) -> int:
     conn.execute(Q["prune_results"], (before,))
     conn.execute(Q["prune_attempts"], (before,))
     conn.execute(Q["prune_nodes"], (before,))
+    conn.execute(scan_steps.QS["prune_jobs"], (before,))
+    conn.execute(scan_steps.QS["prune_scans"], (before,))
     return int(conn.execute(Q["prune_tasks"], (before,)).rowcount)
 
 
@@ -214,7 +223,18 @@ def fail_unserviceable(conn: sqlite3.Connection, batch: Batch, *, tags: frozense
     rows = conn.execute(Q["fail_unserviceable"], (target, error, now, now, json.dumps(sorted(tags)))).fetchall()
     if batch.queued is not None:
         batch.queued -= len(rows)
+    for r in rows:
+        _step_ended(conn, batch, r[2:4], r[0], target, now)
     return [Ended(r[0], r[1]) for r in rows]
+
+
+def _step_ended(conn: sqlite3.Connection, batch: Batch, step: Sequence[Any], task_id: str, state: State,
+                now: float) -> None:
+    """A task these passes ended for good: if it is a scan's step (`step`: its scan_id, scan_index), its scan
+    moves on."""
+    if step[0] is not None:
+        scan_steps.step_ended(conn, batch, scan_id=step[0], index=step[1], task_id=task_id, state=state,
+                              learned=None, now=now)
 
 
 # the fleet

@@ -15,10 +15,11 @@ from typing import Any
 
 from ...errors import Conflict, LeaseLost, TaskCancelling, TidepoolError
 from ...lifecycle import RetryPolicy, decide_end
-from ...model import Claimed, ClaimFilter, Lease, Outcome, ResultBatch, State, Worker, new_id, new_token
+from ...model import AttemptStatus, Claimed, ClaimFilter, Lease, Outcome, ResultBatch, State, Worker, new_id, new_token
 from ..port import Ending, PhaseNote
 from ..rows import error_text, result_of
 from ..rules import completable_at_once, may_end, progress_text
+from . import scan_steps
 from .database import Q
 from .reads import task_of
 from .writer import Batch, Grouped, run_alone
@@ -217,12 +218,16 @@ def finish_one(conn: sqlite3.Connection, batch: Batch, *, ending: Ending, policy
     row = conn.execute(Q["ending"], fence(lease)).fetchone()
     if row is None or not may_end(State(row[0]), row[4], now):
         raise why_lost(conn, lease)
-    return end(conn, lease, ending.outcome, row, now, policy, batch)
+    return end(conn, lease, ending.outcome, row, now, policy, batch, step=row[5:7])
 
 
 def end(conn: sqlite3.Connection, lease: Lease, outcome: Outcome, row: Any, now: float,
-        policy: RetryPolicy, batch: Batch) -> State:
-    """Write how an attempt ended; `row` is (state, attempt, max_attempts, interruptions, ...)."""
+        policy: RetryPolicy, batch: Batch, *, step: Sequence[Any] = (None, None)) -> State:
+    """Write how an attempt ended; `row` is (state, attempt, max_attempts, interruptions, ...). `step`: the
+    task's (scan_id, scan_index), a scan step's scan moving on in this transaction when it ended for good."""
+    scan_id = step[0]
+    if scan_id is not None and outcome.status is AttemptStatus.SUCCEEDED:
+        outcome = scan_steps.checked(conn, scan_id, outcome)
     state, attempt, max_attempts, interruptions = State(row[0]), row[1], row[2], row[3]
     ended = decide_end(state, outcome, attempt=attempt, max_attempts=max_attempts, interruptions=interruptions,
                        policy=policy, now=now)
@@ -235,4 +240,8 @@ def end(conn: sqlite3.Connection, lease: Lease, outcome: Outcome, row: Any, now:
                                  ended.available_at, None if queued else now, lease.task_id))
     if queued and batch.queued is not None:
         batch.queued += 1
+    if scan_id is not None and ended.state.terminal:
+        learned = outcome.scope if ended.state is State.COMPLETED else None
+        scan_steps.step_ended(conn, batch, scan_id=scan_id, index=step[1], task_id=lease.task_id, state=ended.state,
+                              learned=learned, now=now)
     return ended.state

@@ -18,7 +18,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import anyio.to_thread
@@ -39,6 +39,7 @@ class Batch:
     """Facts shared by the ops of one transaction."""
 
     queued: int | None = None
+    moves: list[Any] = field(default_factory=list)  # the scans' moves (ScanMove) its ops made, told after commit
 
     def queued_count(self, conn: sqlite3.Connection) -> int:
         if self.queued is None:
@@ -73,6 +74,7 @@ class Writer:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self.on_moves: Callable[[list[Any]], None] | None = None  # told the scans' moves of each commit
 
     def start(self, conn: sqlite3.Connection) -> None:
         self._loop = asyncio.get_running_loop()
@@ -147,6 +149,8 @@ class Writer:
             conn.execute("COMMIT")
         except Exception as exc:  # the whole transaction is gone: tell every op
             return [(future, None, self._failed(conn, exc)) for _, future in ops]
+        if batch.moves and self.on_moves is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_moves, batch.moves)
         return outcomes
 
     def _failed(self, conn: sqlite3.Connection, exc: Exception) -> StoreUnavailable:
@@ -166,6 +170,7 @@ class Writer:
 def run_alone(conn: sqlite3.Connection, batch: Batch, op: Any) -> tuple[Any, TidepoolError | None]:
     """One plain op inside a savepoint: whatever it raises fails this op only, not the transaction."""
     conn.execute("SAVEPOINT op")
+    moves = len(batch.moves)
     try:
         result = op(conn, batch)
     except Exception as exc:
@@ -173,6 +178,7 @@ def run_alone(conn: sqlite3.Connection, batch: Batch, op: Any) -> tuple[Any, Tid
             raise
         conn.execute("ROLLBACK TO op")
         conn.execute("RELEASE op")
+        del batch.moves[moves:]  # what it did to scans is rolled back with it
         batch.queued = None  # the op may have counted itself in before failing: recount
         if isinstance(exc, TidepoolError):  # Conflict, LeaseLost, InvalidTransition, ...
             return None, exc

@@ -1,0 +1,68 @@
+-- The SQLite store's statements of scans, by name (loaded once by store/sql.py). A scan's rows move in
+-- the transaction that ends its step's task (scan_steps.py) or in a call of its own (scan_ops.py).
+
+-- name: scan
+SELECT {scan_columns} FROM scans WHERE id = ?
+
+-- name: jobs
+-- A scan's jobs with their latest tasks' state, attempt and error (NULL once the task is pruned).
+SELECT j.scan_id, j.idx, j.step, j.state, j.task_id, j.tasks, j.scope_before, t.state, t.attempt, t.error
+FROM scan_jobs j LEFT JOIN tasks t ON t.id = j.task_id WHERE j.scan_id IN ({marks}) ORDER BY j.scan_id, j.idx
+
+-- name: scan_scope
+SELECT scope FROM scans WHERE id = ?
+
+-- name: scan_by_key
+SELECT id, fingerprint FROM scans WHERE idempotency_key = ?
+
+-- name: insert_scan
+INSERT INTO scans ({scan_columns}, fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+
+-- name: insert_job
+INSERT INTO scan_jobs (scan_id, idx, step, state) VALUES (?, ?, ?, 'waiting')
+
+-- name: insert_step
+INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags, idempotency_key,
+                   fingerprint, created_at, updated_at, available_at, scan_id, scan_index, scan_retry)
+VALUES (?, ?, ?, ?, 'pending', ?, ?, ?, NULL, '', ?, ?, ?, ?, ?, ?)
+
+-- name: start_job
+UPDATE scan_jobs SET state = 'started', task_id = ?, tasks = tasks + 1, scope_before = ? WHERE scan_id = ? AND idx = ?
+
+-- name: set_job
+UPDATE scan_jobs SET state = ? WHERE scan_id = ? AND idx = ?
+
+-- name: move_scan
+UPDATE scans SET state = ?, scope = ?, updated_at = ?, finished_at = ? WHERE id = ?
+
+-- name: cancel_scan
+UPDATE scans SET cancel_requested_at = ?, updated_at = ? WHERE id = ?
+
+-- name: retry_scan
+UPDATE scans SET state = 'running', scope = ?, updated_at = ?, finished_at = NULL, cancel_requested_at = NULL
+WHERE id = ?
+
+-- name: step_of_task
+SELECT scan_id, scan_index FROM tasks WHERE id = ?
+
+-- name: list_scans
+-- `{where}`: the filters given, joined by AND.
+SELECT {scan_columns} FROM scans s WHERE {where} ORDER BY id DESC LIMIT ?
+
+-- name: first_job_queued
+-- A running scan nothing of which has run: its first job's first task is queued (only one job is started).
+EXISTS (SELECT 1 FROM scan_jobs j JOIN tasks t ON t.id = j.task_id
+        WHERE j.scan_id = s.id AND j.idx = 0 AND j.state = 'started' AND j.tasks = 1 AND t.state IN {queued})
+
+-- name: stalled_scans
+-- Running scans without a live task: a job whose task ended without its end applied, or none started.
+SELECT s.id FROM scans s INDEXED BY scans_state
+WHERE s.state = 'running' AND NOT EXISTS (
+    SELECT 1 FROM scan_jobs j JOIN tasks t ON t.id = j.task_id
+    WHERE j.scan_id = s.id AND j.state = 'started' AND t.state NOT IN {terminal})
+
+-- name: prune_jobs
+DELETE FROM scan_jobs WHERE scan_id IN (SELECT id FROM scans WHERE finished_at < ?)
+
+-- name: prune_scans
+DELETE FROM scans WHERE finished_at < ?
