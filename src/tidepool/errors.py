@@ -4,12 +4,15 @@
     ├── ConfigError              a setting is missing, unknown or inconsistent (exit 2)
     ├── InvalidTransition        the lifecycle table forbids this move (nothing changed)
     ├── InvalidRequest           a submission names an unknown type or unserviceable tags (HTTP 400)
+    ├── WorkerRefused            the registry refuses a remote worker's call (HTTP 403: worker_pending, worker_revoked)
+    ├── LeaseGone                a remote worker's write behind a lease it no longer holds (HTTP 410 lease_lost)
     ├── StoreError
     │   ├── StoreUnavailable     the store cannot be reached; retry later (HTTP 503, exit 3)
     │   ├── SchemaMismatch       the store's schema is newer than this tidepool, or older and not migrated (exit 1)
     │   ├── TaskNotFound         no task with this id (HTTP 404)
     │   ├── ScheduleNotFound     no schedule with this name (HTTP 404)
     │   ├── ScanNotFound         no scan with this id (HTTP 404)
+    │   ├── WorkerNotFound       no remote worker with this identity in the registry (HTTP 404)
     │   ├── Conflict             a write contradicts an earlier one (HTTP 409)
     │   ├── QueueFull            pending + retry_wait is at pool.max_queued (HTTP 429)
     │   └── LeaseLost            the attempt's lease is stale, expired or taken over
@@ -49,6 +52,28 @@ class InvalidRequest(TidepoolError):
         self.field = field
 
 
+class WorkerRefused(TidepoolError):
+    """The gateway's registry does not serve this identity; `code` says why."""
+
+    http_status = 403
+
+    def __init__(self, identity: str, code: str, message: str) -> None:
+        super().__init__(f"worker {identity}: {message}")
+        self.identity = identity
+        self.code = code
+
+
+class LeaseGone(TidepoolError):
+    """A remote worker wrote behind a lease it does not hold; `reason`: expired, cancelled, revoked or
+    superseded."""
+
+    http_status, code = 410, "lease_lost"
+
+    def __init__(self, subject: str, reason: str) -> None:
+        super().__init__(f"{subject}: lease lost ({reason})")
+        self.reason = reason
+
+
 class StoreError(TidepoolError):
     """Base of the errors a store adapter raises."""
 
@@ -83,6 +108,14 @@ class ScanNotFound(StoreError):
     def __init__(self, scan_id: str) -> None:
         super().__init__(f"scan {scan_id} not found")
         self.scan_id = scan_id
+
+
+class WorkerNotFound(StoreError):
+    http_status, code = 404, "worker_not_found"
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(f"worker {worker_id!r} not found")
+        self.worker_id = worker_id
 
 
 class Conflict(StoreError):
