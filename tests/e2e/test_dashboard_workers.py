@@ -104,3 +104,29 @@ async def test_a_node_whose_registry_is_empty_says_so(make_token_daemon: Callabl
                                                              timeout=10_000)
     await expect(page.locator("#remote-workers")).to_be_hidden()
     assert errors == [], errors
+
+
+@pytest.mark.e2e
+async def test_a_registry_out_of_reach_hides_the_panel_without_calling_the_connection_down(
+        gateway: Gateway, browser_page: tuple[Any, list[str]]) -> None:
+    """A reverse proxy that serves the dashboard to a team may keep the registry's routes to itself (404)."""
+    from playwright.async_api import Route, expect
+
+    daemon, (page, errors) = gateway.daemon, browser_page
+    gateway.worker("scanner-a").acquire()
+    asked: list[str] = []
+
+    async def not_here(route: Route) -> None:
+        asked.append(route.request.url)
+        await route.fulfill(status=404, content_type="application/json",
+                            body='{"error": {"code": "not_found", "message": "not served here"}}')
+
+    await page.route("**/v1/workers", not_here)
+    await open_with_token(page, daemon)
+    await expect(page.locator("#conn")).to_have_text("live", timeout=10_000)
+    await expect(page.locator("#remote")).to_be_hidden()
+    seen = len(asked)
+    daemon.post("/v1/workers/scanner-a/revoke")  # its event would refresh a panel that is shown
+    await asyncio.sleep(1.0)
+    assert len(asked) == seen, asked  # hidden: not asked again until the token changes
+    assert errors == [], errors
