@@ -27,6 +27,7 @@ EVENT_NAMES = frozenset({
     "task.result", "task.retry_scheduled", "task.expired", "task.cancel_requested", "task.finished",
     "task.lease_lost", "worker.started", "worker.stopped", "pool.resized", "guard.tripped", "guard.cleared",
     "schedule.fired", "schedule.skipped", "reconciler.pass", "scan.created", "scan.step", "scan.finished",
+    "worker.enrolled", "worker.state",
 })
 T = TypeVar("T")
 

@@ -26,7 +26,11 @@ from .engine import Engine, EngineConfig
 from .errors import ConfigError, StoreUnavailable
 from .events import EventBus, first_id_of_this_run
 from .fleet import GoneNodes, fence_after_s
-from .gateway import Credentials, Gateway, WakerWithGateway, Watch, serve_gateway
+from .gateway.listener import serve_gateway
+from .gateway.parking import WakerWithGateway
+from .gateway.protocol import Gateway
+from .gateway.tls import Credentials
+from .gateway.watch import Watch
 from .guards import Guards
 from .leases import LeaseKeeper
 from .lifecycle import retry_policy
