@@ -68,7 +68,6 @@ def gateway(make_token_daemon: Callable[..., Daemon], tmp_path: Path) -> Gateway
     lab = pki.make_lab(tmp_path / "pki", workers=WORKERS)
     w1_port = free_port()
     daemon = make_token_daemon({
-        "store": {"url": "memory://"},
         "pool": {"task_types": ["local-only"]},
         "gateway": {"listen": f"127.0.0.1:{w1_port}", "cert_file": str(lab.gateway.cert),
                     "key_file": str(lab.gateway.key), "client_ca_file": str(lab.ca_file)},

@@ -141,7 +141,7 @@ def test_a_bad_value_is_refused_naming_the_field_and_changes_nothing(gateway: Ga
 
 @pytest.mark.e2e
 def test_a_node_with_no_worker_lists_an_empty_table(make_daemon: Callable[..., Daemon], cli: Cli) -> None:
-    daemon = make_daemon({"store": {"url": "memory://"}})
+    daemon = make_daemon({})
     daemon.start()
     result = cli("workers", "--url", daemon.url)
     assert result.returncode == OK, result.stderr

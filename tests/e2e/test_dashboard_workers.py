@@ -98,7 +98,7 @@ async def test_a_node_whose_registry_is_empty_says_so(make_token_daemon: Callabl
                                                     browser_page: tuple[Any, list[str]]) -> None:
     from playwright.async_api import expect
 
-    daemon, (page, errors) = make_token_daemon({"store": {"url": "memory://"}}), browser_page
+    daemon, (page, errors) = make_token_daemon({}), browser_page
     await open_with_token(page, daemon)
     await expect(page.locator("#remote-empty")).to_have_text("no remote worker has contacted this gateway yet",
                                                              timeout=10_000)
