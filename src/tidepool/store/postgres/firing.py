@@ -7,6 +7,7 @@ from collections.abc import Callable
 from ... import schedules
 from ...errors import QueueFull, StoreUnavailable
 from ...model import NewTask, new_id
+from ...scans import NewScan
 from ...schedules import Fired, Schedule
 from ..rows import schedule_of, schedule_values
 from .connection import Conn
@@ -14,7 +15,7 @@ from .queue import insert_args, queued
 from .statements import SQL
 
 
-async def fire(conn: Conn, name: str, now: float, new_task: Callable[[Schedule, float], NewTask] | None,
+async def fire(conn: Conn, name: str, now: float, new_task: Callable[[Schedule, float], NewTask | NewScan] | None,
                max_queued: int | None) -> list[Fired]:
     """Fire one due schedule; nothing when another node holds or has just fired it."""
     row = await conn.fetchrow(SQL["due_schedule"], name, now)
@@ -29,8 +30,10 @@ async def fire(conn: Conn, name: str, now: float, new_task: Callable[[Schedule, 
     created: dict[str, NewTask] = {}
     room = None if max_queued is None or not ticks else max_queued - await queued(conn, max_queued)
 
-    def add(new: NewTask) -> str | None:
+    def add(new: NewTask | NewScan) -> str | None:
         nonlocal room
+        if isinstance(new, NewScan):
+            raise StoreUnavailable(f"schedule {name!r}: this store does not start scans from schedules yet")
         if new.idempotency_key in taken:
             return None
         if room is not None:
