@@ -118,7 +118,7 @@ class Daemon:
                                      fleet_tags=self.ops.fleet_tag_sets)
         self.scheduler = Scheduler(self.store, self.events, node_id=self.node_id, new_task=self.ops.scheduled_task,
                                    wake=self.waker.wake, defines=self.ops.defines,
-                                   max_queued=settings.pool.max_queued)
+                                   max_queued=settings.pool.max_queued, scan_started=self.ops.scans.announce)
 
     # running
 
