@@ -293,7 +293,7 @@ class PostgresStore:
                 continue  # a node that defines the type fires it
             async with self._db.conn() as conn, conn.transaction():  # each a call of its own, within the deadline
                 these = await fire(conn, name, now, new_task, max_queued)
-                if created := sum(1 for f in these if f.task_id is not None):
+                if created := sum(1 for f in these if f.task_id is not None or f.scan_id is not None):
                     await conn.execute(SQL["notify"], str(created))
             fired.extend(these)
         return fired
