@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 
+from .api.ops import ScanRequest
 from .api.schemas import NodeOut, PoolOut, ScheduleOut
 from .errors import Conflict, InvalidRequest, ScanNotFound, StoreUnavailable, TaskNotFound
 from .events import EventBus
@@ -26,7 +27,7 @@ from .model import CANCELLED_ON_REQUEST, NewTask, State, Task, rfc3339
 from .plugins import Registry
 from .pool import Pool, Waker
 from .resources import ResourcePool
-from .scan_operations import ScanOperations, ScanParts, ScanRequest
+from .scan_operations import ScanOperations, ScanParts
 from .scans import NewScan
 from .schedules import Schedule, task_for, validate
 from .settings import Settings

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .api.ops import ScanRequest
 from .errors import InvalidRequest
 from .events import EventBus
 from .leases import LeaseKeeper
@@ -31,17 +32,6 @@ from .templates import PayloadCheck
 log = logging.getLogger("tidepool.scans")
 # A scan's payload travels in every step's task beside the scope: bounded as the scope is.
 PAYLOAD_MAX_BYTES = SCOPE_MAX_BYTES
-
-
-@dataclass(frozen=True, slots=True)
-class ScanRequest:
-    """A scan submit as the API parsed it, before the node resolves its profile."""
-
-    profile: str
-    payload: dict[str, Any]
-    priority: int = 0
-    organization: str = "default"
-    idempotency_key: str | None = None
 
 
 @dataclass(frozen=True)
