@@ -86,6 +86,8 @@ class Daemon:
         """The parts, each after what it needs. One waker first: a freed slot, a cleared guard, a submit, a
         promoted retry, a schedule's tick and another node's submit all mean claimable work may be waiting."""
         self.waker = Waker()
+        # A scan step's next task is made by whichever call ended the step before it, not by a submit.
+        self.store.on_scan_moves(lambda moves: self.waker.wake(sum(1 for m in moves if m.task_id is not None)))
         self.guards = Guards(self.events, state_dir=settings.node.state_dir,
                              min_free_memory_mb=settings.guards.min_free_memory_mb,
                              min_free_disk_mb=settings.guards.min_free_disk_mb, on_clear=self.waker.wake_max)

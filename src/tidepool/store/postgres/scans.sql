@@ -52,13 +52,16 @@ UPDATE scans SET state = 'running', scope = $1, updated_at = $2, finished_at = N
 WHERE id = $3
 
 -- name: list_scans
--- `{where}` joins the filters given with AND; `{limit}` is the parameter of the page's size.
+-- The filters given (`where`) joined by AND; first_job_queued, a condition without comments (it is
+-- inlined), is a running scan nothing of which has run: its first job's first task is queued and has used
+-- no attempt (one job is started at a time, so every later one is waiting).
+-- The page's size is the `limit` parameter.
 SELECT {scan_columns} FROM scans s WHERE {where} ORDER BY id DESC LIMIT {limit}
 
 -- name: first_job_queued
--- A running scan nothing of which has run: its first job's first task is queued (only one job is started).
 EXISTS (SELECT 1 FROM scan_jobs j JOIN tasks t ON t.id = j.task_id
-        WHERE j.scan_id = s.id AND j.idx = 0 AND j.state = 'started' AND j.tasks = 1 AND t.state IN {queued})
+        WHERE j.scan_id = s.id AND j.idx = 0 AND j.state = 'started' AND j.tasks = 1 AND t.attempt = 0
+          AND t.state IN {queued})
 
 -- name: stalled_scans
 -- Running scans without a live task: a job whose task ended without its end applied, or none started.
