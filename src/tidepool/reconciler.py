@@ -50,6 +50,7 @@ class PassReport:
     cancelled: int = 0
     pruned: int = 0
     unserviceable: int = 0
+    scans: int = 0  # scans moved on that were left between steps
 
 
 class Reconciler:
@@ -109,14 +110,22 @@ class Reconciler:
                                  error=cancel_deadline_error(self.config.cancel_deadline_s).to_json(),
                                  type=ended.type)
         unserviceable = await self._fail_unserviceable(now)
+        # After the passes that end tasks in bulk, whose scans move on here, and any scan a crash left between
+        # two steps: the store tells its listener of every move made.
+        moved = await self._store.advance_scans(now=now)
+        for move in moved:
+            log.info("scan %s moved on by the reconciler: job %s %s%s%s", move.scan_id, move.index,
+                     move.job.value if move.job else "-", f", job {move.started} started" if move.task_id else "",
+                     f", scan {move.finished.value}" if move.finished else "")
         pruned = 0
         if self.config.retention_days > 0:  # 0: keep every task for good
             pruned = await self._store.prune(before=now - self.config.retention_days * 86400)
-        report = PassReport(len(expired), promoted, len(cancelled), pruned, unserviceable)
+        report = PassReport(len(expired), promoted, len(cancelled), pruned, unserviceable,
+                            len({m.scan_id for m in moved}))
         self._events.publish("reconciler.pass", **report.__dict__)  # every pass, idle too: a stalled one shows
         if report != PassReport():
-            log.info("reconciler: %d expired, %d promoted, %d cancel deadlines, %d pruned, %d unserviceable",
-                     *report.__dict__.values())
+            log.info("reconciler: %d expired, %d promoted, %d cancel deadlines, %d pruned, %d unserviceable, "
+                     "%d scans moved on", *report.__dict__.values())
         return report
 
     async def _fail_unserviceable(self, now: float) -> int:

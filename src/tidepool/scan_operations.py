@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .api.ops import ScanRequest
 from .errors import InvalidRequest
 from .events import EventBus
 from .leases import LeaseKeeper
@@ -21,6 +22,7 @@ from .plugins import Registry
 from .pool import Waker
 from .resources import ResourcePool
 from .scans import SCOPE_MAX_BYTES, JobState, NewScan, Scan, ScanState, StepSpec
+from .schedules import Schedule, tick_key
 from .settings import Settings
 from .settings.profiles import ProfileSettings
 from .store import Store
@@ -30,17 +32,6 @@ from .templates import PayloadCheck
 log = logging.getLogger("tidepool.scans")
 # A scan's payload travels in every step's task beside the scope: bounded as the scope is.
 PAYLOAD_MAX_BYTES = SCOPE_MAX_BYTES
-
-
-@dataclass(frozen=True, slots=True)
-class ScanRequest:
-    """A scan submit as the API parsed it, before the node resolves its profile."""
-
-    profile: str
-    payload: dict[str, Any]
-    priority: int = 0
-    organization: str = "default"
-    idempotency_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +79,12 @@ class ScanOperations:
     async def resolve(self, request: ScanRequest) -> NewScan:
         """The submit with its profile's steps and each step's task defaults (its type's attempt budget, timeout
         and tags), checked as a submit of each step's type would be; InvalidRequest naming the field."""
+        new = self.new_scan(request)
+        await self._check_tags(request.profile, new.steps)
+        return new
+
+    def new_scan(self, request: ScanRequest) -> NewScan:
+        """The scan of a request, checked but for the fleet's resources (resolve checks those too)."""
         profile = self._profiles.get(request.profile)
         if profile is None:
             known = ", ".join(sorted(self._profiles)) or "none"
@@ -95,9 +92,18 @@ class ScanOperations:
         _check_size(request.payload)
         steps = tuple(self._step(step) for step in profile.steps)
         self._check_payload(steps[0].type, request.payload)  # later steps' payloads hold what the earlier learn
-        await self._check_tags(request.profile, steps)
         return NewScan(request.profile, steps, dict(request.payload), request.priority, request.organization,
                        profile.continue_on_failure, request.idempotency_key)
+
+    def scheduled(self, schedule: Schedule, tick: float) -> NewScan:
+        """A profile schedule's scan for a tick, as a submit of its profile makes one; one per tick."""
+        assert schedule.profile is not None
+        return self.new_scan(ScanRequest(schedule.profile, dict(schedule.payload), schedule.priority,
+                                         idempotency_key=tick_key(schedule, tick)))
+
+    async def announce(self, scan_id: str) -> None:
+        """A scan another part created (a schedule's): told as a submitted one is."""
+        self.created(await self._store.get_scan(scan_id))
 
     def _step(self, step: str) -> StepSpec:
         own = self._registry.types.get(step)

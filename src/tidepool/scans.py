@@ -24,7 +24,7 @@ SCOPE_MAX_BYTES = 64 * 1024
 
 class ScanState(enum.StrEnum):
     """A scan's state. The stores keep RUNNING and the ends; PENDING is how a running scan reads while
-    nothing of it has run yet (its first job's first task is queued)."""
+    nothing of it has run yet (its first job's first task is queued and has used no attempt)."""
 
     PENDING = "pending"
     RUNNING = "running"
@@ -270,7 +270,7 @@ def shown(stored: JobState, task_state: State | None) -> JobState:
 def shown_scan(stored: ScanState, jobs: Sequence[Job]) -> ScanState:
     """What a scan reads as, from its stored state and its jobs as shown."""
     first = jobs[0]
-    if stored is ScanState.RUNNING and first.state is JobState.QUEUED and first.tasks == 1:
+    if stored is ScanState.RUNNING and first.state is JobState.QUEUED and first.tasks == 1 and not first.attempts:
         return ScanState.PENDING  # only one job is started at a time: every later one is waiting
     return stored
 

@@ -96,6 +96,8 @@ class Daemon:
                                policy=lambda: self.engine.policy, max_body_kb=settings.api.max_body_kb)
         self.gateway_watch = Watch(self.gateway)
         self.events.listen(self.gateway_watch.on_event)
+        # A scan step's next task is made by whichever call ended the step before it, not by a submit.
+        self.store.on_scan_moves(lambda moves: self.waker.wake(sum(1 for m in moves if m.task_id is not None)))
         self.guards = Guards(self.events, state_dir=settings.node.state_dir,
                              min_free_memory_mb=settings.guards.min_free_memory_mb,
                              min_free_disk_mb=settings.guards.min_free_disk_mb, on_clear=self.waker.wake_max)
@@ -130,7 +132,7 @@ class Daemon:
                                      fleet_tags=self.ops.fleet_tag_sets)
         self.scheduler = Scheduler(self.store, self.events, node_id=self.node_id, new_task=self.ops.scheduled_task,
                                    wake=self.waker.wake, defines=self.ops.defines,
-                                   max_queued=settings.pool.max_queued)
+                                   max_queued=settings.pool.max_queued, scan_started=self.ops.scans.announce)
 
     # running
 

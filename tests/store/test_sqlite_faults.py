@@ -53,8 +53,10 @@ async def test_a_corrupt_file_stops_writes_for_good_and_says_what_to_do(tmp_path
     with contextlib.closing(sqlite3.connect(path)) as conn:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        schema_pages = conn.execute("SELECT max(rootpage) FROM sqlite_master").fetchone()[0]  # made first, empty
     data = bytearray(path.read_bytes())
-    data[8 * page_size:] = b"\xa5" * (len(data) - 8 * page_size)  # every page past the schema's is garbage
+    end = schema_pages * page_size
+    data[end:] = b"\xa5" * (len(data) - end)  # every page past the schema's is garbage
     path.write_bytes(bytes(data))
 
     store = SqliteStore(path)

@@ -8,12 +8,12 @@ object that has these members.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..events import EventBus
     from ..model import NewTask, RemoteWorker, State, Task, WorkerChange
-    from ..scan_operations import ScanRequest
     from ..scans import Scan, ScanState
     from ..schedules import Schedule
     from ..store import Page
@@ -25,6 +25,17 @@ class TaskTypes(Protocol):
 
     @property
     def types(self) -> Mapping[str, object]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ScanRequest:
+    """A scan submit as the API parsed it, before the node resolves its profile's steps."""
+
+    profile: str
+    payload: dict[str, Any]
+    priority: int = 0
+    organization: str = "default"
+    idempotency_key: str | None = None
 
 
 class ScanOps(Protocol):

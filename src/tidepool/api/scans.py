@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..scan_operations import ScanRequest
 from ..scans import ScanState
 from . import app as api
+from .ops import ScanRequest
 from .scan_schemas import ScanOut, ScanPageOut, ScanStateOut, SubmitScan
 from .schemas import MAX_LIST_LIMIT
 

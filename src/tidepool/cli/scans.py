@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from rich.console import Group
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Column
 from rich.text import Text
@@ -40,7 +40,9 @@ def cmd_scan(args: argparse.Namespace, settings: Settings) -> int:
         print(visible(scan["id"]))
         if not args.wait:
             return OK
-        with Live(steps_view(scan), console=ERR, refresh_per_second=8) as live:
+        # On a terminal the lines change in place; piped, the last of them is written once, whole.
+        console = ERR if sys.stderr.isatty() else Console(stderr=True, width=10_000)
+        with Live(steps_view(scan), console=console, refresh_per_second=8) as live:
             final = await follow(client, scan["id"], on_change=lambda seen: live.update(steps_view(seen)))
         return OK if final["state"] == "succeeded" else TASK_FAILED
 
@@ -96,7 +98,7 @@ def steps_view(scan: dict[str, Any]) -> Group:
         error = f"  {job['error']['code']}: {job['error']['message']}" if job.get("error") else ""
         line = f"  {job['index']:>2} {visible(job['step']):<16} {job['state']:<10} attempts {job['attempts']:<3} " \
                f"task {job['task_id'] or '-'}{visible(error)}"
-        lines.append(Text(line[:200], style=SCAN_STYLE.get(job["state"], "")))
+        lines.append(Text(line[:200], style=SCAN_STYLE.get(job["state"], ""), no_wrap=True, overflow="ellipsis"))
     return Group(*lines)
 
 

@@ -166,8 +166,13 @@ def parse(data: dict[str, Any]) -> Settings:
 def _check_references(settings: Settings) -> None:
     check_profiles(settings.profiles, settings.types, settings.plugins)
     for sched in settings.schedules:
-        if sched.type not in settings.all_types:
+        if (sched.type is None) == (sched.profile is None):
+            raise ConfigError(f"config: schedules.{sched.name}: set exactly one of type (a task to submit) or "
+                              "profile (a scan to start)")
+        if sched.type is not None and sched.type not in settings.all_types:
             raise ConfigError(f"config: schedules.{sched.name}.type: unknown task type {sched.type!r}")
+        if sched.profile is not None and sched.profile not in settings.all_profiles:
+            raise ConfigError(f"config: schedules.{sched.name}.profile: unknown profile {sched.profile!r}")
         if (sched.cron is None) == (sched.every_s is None):
             raise ConfigError(f"config: schedules.{sched.name}: set exactly one of cron or every_s")
         try:

@@ -45,8 +45,24 @@ from ...model import (
     WorkerChange,
     cancel_deadline_error,
 )
+from ...scans import NewScan, Scan, ScanState
 from ...schedules import Fired, Schedule
-from ..port import Acquired, CancelAnswer, Ended, Ending, Enroll, Expired, Node, Page, PhaseNote, Revoked
+from ..port import (
+    Acquired,
+    CancelAnswer,
+    Ended,
+    Ending,
+    Enroll,
+    Expired,
+    Node,
+    Page,
+    PhaseNote,
+    Revoked,
+    ScanCancel,
+    ScanListener,
+    ScanMove,
+    ScanPage,
+)
 from ..rows import (
     SCHEMA_VERSION,
     attempt_of,
@@ -58,8 +74,8 @@ from ..rows import (
     schedule_values,
     task_of,
 )
-from ..rules import cancel_step, expiry_outcome, progress_text, retry_step
-from . import migrations, queue
+from ..rules import cancel_step, expiry_outcome, progress_text, retry_step, step_retry_refused
+from . import migrations, queue, scans
 from .claims import Claims
 from .connection import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, DRIVER_ERRORS, Connections, channel_for, said
 from .fenced import FencedWrites, expiry, lease_arrays, lost, write_ends
@@ -86,6 +102,7 @@ class PostgresStore:
         self._fenced = FencedWrites(self._db)
         self._session = Session(self._db)
         self._registry = Registry(self._db)
+        self._told = self._fenced.told  # the listener of the scans' moves, however they were made
 
     # lifecycle of the adapter
 
@@ -178,21 +195,33 @@ class PostgresStore:
         return {State(r[0]): r[1] for r in rows}
 
     async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
+        moves: scans.Moves = []
         async with self._db.conn() as conn, conn.transaction():
-            current, type_ = await _lock_state(conn, task_id)
-            target = cancel_step(current)
-            if target is current:
-                return CancelAnswer(target, False, type_)
-            if target is State.CANCELLED:
-                await conn.execute(SQL["cancel_queued"], target.value, now, task_id, error_text(CANCELLED_ON_REQUEST))
-            else:
-                await conn.execute(SQL["cancel_leased"], target.value, now, task_id)
-            return CancelAnswer(target, True, type_)
+            answer = await self._cancel_locked(conn, await _locked_row(conn, task_id), task_id, now, moves)
+        self._told(moves)
+        return answer
+
+    async def _cancel_locked(self, conn: Any, row: Any, task_id: str, now: float, moves: scans.Moves) -> CancelAnswer:
+        """request_cancel of a task whose row (state, type, scan_id, scan_index) the transaction holds."""
+        current, type_ = State(row[0]), row[1]
+        target = cancel_step(current)
+        if target is current:
+            return CancelAnswer(target, False, type_)
+        if target is State.CANCELLED:
+            await conn.execute(SQL["cancel_queued"], target.value, now, task_id, error_text(CANCELLED_ON_REQUEST))
+            if row[2] is not None:  # a scan's step: its scan moves on
+                await scans.step_ended(conn, moves, scan_id=row[2], index=row[3], task_id=task_id, state=target,
+                                       learned=None, now=now)
+        else:
+            await conn.execute(SQL["cancel_leased"], target.value, now, task_id)
+        return CancelAnswer(target, True, type_)
 
     async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
         async with self._db.conn() as conn, conn.transaction():
-            current, _ = await _lock_state(conn, task_id)
-            target = retry_step(current)
+            row = await _locked_row(conn, task_id)
+            target = retry_step(State(row[0]))
+            if row[2] is not None:
+                raise Conflict(step_retry_refused(task_id, row[2], row[3]))
             if max_queued is not None:
                 await queue.check_queue_room(conn, 1, max_queued)
             row = await conn.fetchrow(SQL["retry"], target.value, now, task_id)
@@ -261,18 +290,19 @@ class PostgresStore:
             await conn.execute(SQL["save_schedule"], *schedule_values(saved))
         return saved
 
-    async def fire_schedules(self, *, now: float, new_task: Callable[[Schedule, float], NewTask] | None = None,
-                             defines: Callable[[str], bool] = lambda type_name: True,
+    async def fire_schedules(self, *, now: float,
+                             new_task: Callable[[Schedule, float], NewTask | NewScan] | None = None,
+                             defines: Callable[[Schedule], bool] = lambda schedule: True,
                              max_queued: int | None = None) -> list[Fired]:
         async with self._db.conn() as conn:
             due = await conn.fetch(SQL["due_schedules"], now)
         fired: list[Fired] = []
         for name, spec in due:
-            if not defines(schedules.stored_spec(spec)["type"]):
+            if not defines(Schedule(name, **schedules.stored_spec(spec))):
                 continue  # a node that defines the type fires it
             async with self._db.conn() as conn, conn.transaction():  # each a call of its own, within the deadline
                 these = await fire(conn, name, now, new_task, max_queued)
-                if created := sum(1 for f in these if f.task_id is not None):
+                if created := sum(1 for f in these if f.task_id is not None or f.scan_id is not None):
                     await conn.execute(SQL["notify"], str(created))
             fired.extend(these)
         return fired
@@ -289,12 +319,18 @@ class PostgresStore:
             sql, args = SQL["expiring_of_node"], [node_id, keep_instance, SWEEP]
         expired: list[Expired] = []
         while True:
+            moves: scans.Moves = []
             async with self._db.conn(rows=SWEEP) as conn, conn.transaction():
                 rows = await conn.fetch(sql, *args)
                 ends = [(Lease(r[4], r[5], r[6], now), o, expiry(r, o, policy, now))
                         for r in rows for o in (expiry_outcome(r[5], interrupted),)]
                 if ends:
                     await write_ends(conn, ends, now)
+                for r, (lease, _, end) in zip(rows, ends, strict=True):
+                    if r[8] is not None and end.state.terminal:  # a scan's step: its scan moves on
+                        await scans.step_ended(conn, moves, scan_id=r[8], index=r[9], task_id=lease.task_id,
+                                               state=end.state, learned=None, now=now)
+            self._told(moves)
             expired.extend(Expired(lease.task_id, lease.attempt_id, end.state, r[7])
                            for (lease, _, end), r in zip(ends, rows, strict=True))
             if len(rows) < SWEEP:
@@ -320,6 +356,10 @@ class PostgresStore:
                 break
         async with self._db.conn() as conn:
             await conn.execute(SQL["prune_nodes"], before)
+        while True:  # the scans ended before `before`, with their jobs (their tasks went above)
+            async with self._db.conn(rows=SWEEP) as conn:
+                if int(await conn.fetchval(SQL["prune_scans"], before, SWEEP)) < SWEEP:
+                    break
         return pruned
 
     async def queued_tag_sets(self) -> list[frozenset[str]]:
@@ -342,6 +382,54 @@ class PostgresStore:
             ended.extend(Ended(r[0], r[1]) for r in rows)
             if len(rows) < SWEEP:
                 return ended
+
+    # scans (scans.py); finish_cancels and fail_unserviceable leave their steps' scans to advance_scans,
+    # which the reconciler runs right after them
+
+    async def add_scan(self, new: NewScan, *, now: float, max_queued: int | None = None) -> tuple[Scan, bool]:
+        async with self._db.conn() as conn, conn.transaction():
+            return await scans.add_scan(conn, new, now, max_queued)
+
+    async def get_scan(self, scan_id: str) -> Scan:
+        async with self._db.conn() as conn, conn.transaction(readonly=True):  # the scan and its jobs as of one time
+            return await scans.read(conn, scan_id)
+
+    async def list_scans(self, *, state: ScanState | None = None, profile: str | None = None, limit: int = 50,
+                         cursor: str | None = None) -> ScanPage:
+        async with self._db.conn() as conn, conn.transaction(readonly=True):
+            return await scans.list_scans(conn, state=state, profile=profile, limit=limit, cursor=cursor)
+
+    async def cancel_scan(self, scan_id: str, *, now: float) -> ScanCancel:
+        moves: scans.Moves = []
+        async with self._db.conn() as conn, conn.transaction():
+            answer = await scans.cancel(conn, scan_id, now, moves, lock_task=_locked_row,
+                                        cancel_task=self._cancel_locked)
+        self._told(moves)
+        return answer
+
+    async def retry_job(self, scan_id: str, index: int, *, now: float, max_queued: int | None = None) -> Scan:
+        async with self._db.conn() as conn, conn.transaction():
+            if max_queued is not None:
+                await queue.check_queue_room(conn, 1, max_queued)
+            return await scans.retry_job(conn, scan_id, index, now)
+
+    async def advance_scans(self, *, now: float) -> list[ScanMove]:
+        told: list[ScanMove] = []
+        while True:
+            moves: scans.Moves = []
+            async with self._db.conn(rows=SWEEP) as conn, conn.transaction():
+                found = await scans.stalled(conn, SWEEP)
+                for scan_id in found:
+                    scan = await scans.stored(conn, scan_id)
+                    if scan is not None:
+                        await scans.advance(conn, moves, scan, now)
+            self._told(moves)
+            told.extend(moves)
+            if len(found) < SWEEP:
+                return told
+
+    def on_scan_moves(self, listener: ScanListener | None) -> None:
+        self._told.listener = listener
 
     # the fleet
 
@@ -390,11 +478,12 @@ class PostgresStore:
         return await self._registry.attempt_owners(attempt_ids)
 
 
-async def _lock_state(conn: Any, task_id: str) -> tuple[State, str]:
+async def _locked_row(conn: Any, task_id: str) -> Any:
+    """A task's (state, type, scan_id, scan_index), its row locked until the transaction ends."""
     row = await conn.fetchrow(SQL["lock_state"], task_id)
     if row is None:
         raise TaskNotFound(task_id)
-    return State(row[0]), row[1]
+    return row
 
 
 async def _locked_schedule(conn: Any, name: str) -> Schedule | None:

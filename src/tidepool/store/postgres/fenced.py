@@ -17,10 +17,11 @@ import anyio
 
 from ...errors import Conflict, LeaseLost, StoreUnavailable, TaskCancelling, TidepoolError
 from ...lifecycle import Decision, RetryPolicy, decide_end
-from ...model import Lease, Outcome, ResultBatch, State
+from ...model import AttemptStatus, Lease, Outcome, ResultBatch, State
 from ..port import Ending
 from ..rows import error_text, result_of
 from ..rules import completable_at_once, may_end, progress_text
+from . import scans
 from .connection import Conn, Connections, said
 from .group import Group
 from .statements import SQL
@@ -33,6 +34,7 @@ class FencedWrites:
     def __init__(self, db: Connections) -> None:
         self._db = db
         self._completions: Group[Completion, bool] = Group(self._complete_group)
+        self.told = scans.Told()  # the listener of the scans' moves these endings make
 
     async def drain(self) -> None:
         await self._completions.drain()
@@ -121,15 +123,23 @@ class FencedWrites:
         lease, outcome, now = ending.lease, ending.outcome, ending.now
         if completable_at_once([ending])[0] and await self._completions((lease, now, outcome.progress)):
             return State.COMPLETED
+        moves: scans.Moves = []
         async with self._db.conn() as conn, conn.transaction():
             row = await conn.fetchrow(SQL["ending_row"], lease.task_id, lease.attempt_id, lease.token)
             if row is None or not may_end(State(row[0]), row[4], now):
                 raise await why_lost(conn, lease)
+            if row[5] is not None and outcome.status is AttemptStatus.SUCCEEDED:  # a scan step's success
+                outcome = await scans.checked(conn, row[5], outcome)
             end = decide_end(State(row[0]), outcome, attempt=row[1], max_attempts=row[2], interruptions=row[3],
                              policy=policy, now=now)
             await write_ends(conn, [(lease, outcome, end)], now)
             if end.state in (State.PENDING, State.RETRY_WAIT) and (end.available_at or now) <= now:
                 await conn.execute(SQL["notify"], "1")  # back in the queue at once (interrupted): others may take it
+            if row[5] is not None and end.state.terminal:
+                await scans.step_ended(conn, moves, scan_id=row[5], index=row[6], task_id=lease.task_id,
+                                       state=end.state, learned=outcome.scope if end.state is State.COMPLETED else None,
+                                       now=now)
+        self.told(moves)
         return end.state
 
     async def _complete_group(self, calls: list[Completion]) -> list[bool]:

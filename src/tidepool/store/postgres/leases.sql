@@ -50,6 +50,7 @@ WITH l AS (
     SELECT t.id, l.now, l.progress FROM tasks t
     JOIN l ON t.id = l.id AND t.lease_attempt_id = l.attempt_id AND t.lease_token = l.token
     WHERE (t.state || '') IN {working} AND t.lease_expires_at > l.now
+      AND t.scan_id IS NULL  -- a scan step's success moves its scan too: the one-by-one path
     ORDER BY t.id FOR NO KEY UPDATE OF t
 ), done AS (
     UPDATE tasks t SET state = 'completed', phase = NULL, progress = coalesce(locked.progress, t.progress),
@@ -88,7 +89,7 @@ SELECT (SELECT count(*) FROM fenced), (SELECT count(*) FROM stored)
 SELECT plugin, sequence, idempotency_key, sha256, final, payload, attempt_id FROM results WHERE idempotency_key = $1
 
 -- name: ending_row
-SELECT state, attempt, max_attempts, interruptions, lease_expires_at FROM tasks
+SELECT state, attempt, max_attempts, interruptions, lease_expires_at, scan_id, scan_index FROM tasks
 WHERE id = $1 AND lease_attempt_id = $2 AND lease_token = $3 FOR NO KEY UPDATE
 
 -- name: ended_at

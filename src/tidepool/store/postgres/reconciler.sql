@@ -3,14 +3,14 @@
 -- WAL per step.
 
 -- name: expiring
-SELECT state, attempt, max_attempts, interruptions, id, lease_attempt_id, lease_token, type FROM tasks
-WHERE state IN {active} AND lease_expires_at <= $1
+SELECT state, attempt, max_attempts, interruptions, id, lease_attempt_id, lease_token, type, scan_id, scan_index
+FROM tasks WHERE state IN {active} AND lease_expires_at <= $1
 LIMIT $2 FOR NO KEY UPDATE SKIP LOCKED
 
 -- name: expiring_of_node
 -- Every lease of a node's other processes (a restart of that node), expired or not.
-SELECT state, attempt, max_attempts, interruptions, id, lease_attempt_id, lease_token, type FROM tasks
-WHERE state IN {active} AND node_id = $1 AND lease_instance IS DISTINCT FROM $2
+SELECT state, attempt, max_attempts, interruptions, id, lease_attempt_id, lease_token, type, scan_id, scan_index
+FROM tasks WHERE state IN {active} AND node_id = $1 AND lease_instance IS DISTINCT FROM $2
 LIMIT $3 FOR NO KEY UPDATE SKIP LOCKED
 
 -- name: promote

@@ -60,7 +60,7 @@ SELECT pg_advisory_xact_lock(hashtextextended('tidepool.queued.' || current_sche
 SELECT count(*) FROM (SELECT 1 FROM tasks WHERE state IN {queued} LIMIT $1) AS q
 
 -- name: lock_state
-SELECT state, type FROM tasks WHERE id = $1 FOR NO KEY UPDATE
+SELECT state, type, scan_id, scan_index FROM tasks WHERE id = $1 FOR NO KEY UPDATE
 
 -- name: cancel_queued
 UPDATE tasks SET state = $1, phase = NULL, error = $4, finished_at = $2, updated_at = $2 WHERE id = $3

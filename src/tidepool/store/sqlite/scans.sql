@@ -46,13 +46,15 @@ WHERE id = ?
 SELECT scan_id, scan_index FROM tasks WHERE id = ?
 
 -- name: list_scans
--- `{where}`: the filters given, joined by AND.
+-- The filters given (`where`) joined by AND; first_job_queued, a condition without comments (it is
+-- inlined), is a running scan nothing of which has run: its first job's first task is queued and has used
+-- no attempt (one job is started at a time, so every later one is waiting).
 SELECT {scan_columns} FROM scans s WHERE {where} ORDER BY id DESC LIMIT ?
 
 -- name: first_job_queued
--- A running scan nothing of which has run: its first job's first task is queued (only one job is started).
 EXISTS (SELECT 1 FROM scan_jobs j JOIN tasks t ON t.id = j.task_id
-        WHERE j.scan_id = s.id AND j.idx = 0 AND j.state = 'started' AND j.tasks = 1 AND t.state IN {queued})
+        WHERE j.scan_id = s.id AND j.idx = 0 AND j.state = 'started' AND j.tasks = 1 AND t.attempt = 0
+          AND t.state IN {queued})
 
 -- name: stalled_scans
 -- Running scans without a live task: a job whose task ended without its end applied, or none started.

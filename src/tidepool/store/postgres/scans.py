@@ -1,0 +1,213 @@
+"""The PostgreSQL store's scans: their verbs, and their moves inside the transactions that end their steps' tasks.
+
+Every transaction that moves a scan holds its row (FOR UPDATE), taken after the row of the task it moves
+with, so a step's end, a cancel and the reconciler of several nodes queue behind each other. A step's next
+task is inserted and notified in the transaction that ended the step before it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from ...errors import Conflict, InvalidRequest, ScanNotFound, StoreUnavailable
+from ...model import AttemptStatus, Outcome, State, new_id
+from ...scans import JobState, NewScan, Scan, ScanState, ScopeRefused, job_state_of, merge_scope, retry_from
+from ..port import CancelAnswer, ScanCancel, ScanMove, ScanPage
+from ..rows import loads
+from ..scan_rows import Stored, Writes, job_values, scan_of, scan_values, writes
+from . import queue
+from .connection import Conn
+from .statements import SQL
+
+Moves = list[ScanMove]
+
+
+class Told:
+    """The listener of the scans' moves, told once each transaction that made them has committed."""
+
+    def __init__(self) -> None:
+        self.listener: Callable[[Sequence[ScanMove]], None] | None = None
+
+    def __call__(self, moves: Moves) -> None:
+        if moves and self.listener is not None:
+            self.listener(list(moves))
+
+
+async def checked(conn: Conn, scan_id: str, outcome: Outcome) -> Outcome:
+    """A step's success, or the failure it becomes when what it learned would not fit its scan's scope."""
+    scope = await conn.fetchval(SQL["scan_scope"], scan_id)
+    try:
+        merge_scope(loads(scope) if scope is not None else {}, outcome.scope)
+    except ScopeRefused as exc:
+        return replace(outcome, status=AttemptStatus.FAILED, error=exc.error)
+    return outcome
+
+
+async def stored(conn: Conn, scan_id: str, *, lock: bool = True) -> Stored | None:
+    row = await conn.fetchrow(SQL["lock_scan" if lock else "scan"], scan_id)
+    if row is None:
+        return None
+    return Stored(row, await conn.fetch(SQL["jobs"], [scan_id]))
+
+
+async def step_ended(conn: Conn, moves: Moves, *, scan_id: str, index: int, task_id: str, state: State,
+                     learned: dict[str, Any] | None, now: float) -> None:
+    """Job `index`'s task ended as `state` (its row locked by the caller): move its scan on, unless that
+    task is not the job's live one any more."""
+    scan = await stored(conn, scan_id)
+    if scan is None or not scan.is_current(index, task_id):
+        return
+    await apply(conn, moves, scan, writes(scan, now=now, ended=(index, job_state_of(state)), learned=learned), now)
+
+
+async def advance(conn: Conn, moves: Moves, scan: Stored, now: float) -> None:
+    """A running scan with no live task (its row locked): apply its started job's end (what that task
+    learned is not known), start its next job, or end it."""
+    index = scan.started()
+    if index is None:
+        await apply(conn, moves, scan, writes(scan, now=now), now)
+        return
+    job = scan.jobs[index]
+    ended = JobState.FAILED if job[7] is None else job_state_of(State(job[7]))  # gone: pruned under it
+    await apply(conn, moves, scan, writes(scan, now=now, ended=(index, ended)), now)
+
+
+async def apply(conn: Conn, moves: Moves, scan: Stored, w: Writes, now: float) -> None:
+    for index, state in w.jobs:
+        await conn.execute(SQL["set_job"], state.value, scan.id, index)
+    move = w.move
+    if w.start is not None:
+        index, task, scope_before, retry = w.start
+        task_id = new_id(now)
+        await conn.execute(SQL["insert_step"], task_id, task.type, json.dumps(task.payload), task.priority,
+                           task.max_attempts, task.timeout_s, sorted(task.required_tags), now, scan.id, index, retry)
+        await conn.execute(SQL["start_job"], task_id, scope_before, scan.id, index)
+        if move is not None:
+            move = replace(move, task_id=task_id)
+    await conn.execute(SQL["move_scan"], w.state.value, w.scope, now, w.finished_at, scan.id)
+    if move is not None:
+        moves.append(move)
+
+
+# the verbs, each in the caller's transaction
+
+
+async def add_scan(conn: Conn, new: NewScan, now: float, max_queued: int | None) -> tuple[Scan, bool]:
+    """The scan and its first job's task; (existing, False) for a key used with the same body."""
+    if new.idempotency_key:
+        found = await conn.fetchrow(SQL["scan_by_key"], new.idempotency_key)
+        if found is not None:
+            if found[1] != new.fingerprint():
+                raise Conflict(f"idempotency_key {new.idempotency_key!r} was used with another scan body")
+            return await read(conn, found[0]), False
+    if max_queued is not None:
+        await queue.check_queue_room(conn, 1, max_queued)
+    scan_id = new_id(now)
+    if await conn.fetchval(SQL["insert_scan"], *scan_values(scan_id, new, now)) is None:
+        raise Conflict(f"idempotency_key {new.idempotency_key!r} is being used meanwhile; submit it again")
+    await conn.execute(SQL["insert_jobs"], scan_id, [j[2] for j in job_values(scan_id, new)])
+    await _start(conn, scan_id, now)
+    return await read(conn, scan_id), True
+
+
+async def retry_job(conn: Conn, scan_id: str, index: int, now: float) -> Scan:
+    scan = await _stored(conn, scan_id)
+    try:
+        states = retry_from(scan_of(scan.row, scan.jobs), index)
+    except IndexError:
+        raise InvalidRequest("index", f"scan {scan_id} has jobs 0 to {len(scan.jobs) - 1}") from None
+    except ValueError as exc:
+        raise Conflict(str(exc)) from None
+    for i, state in enumerate(states):
+        await conn.execute(SQL["set_job"], JobState.WAITING.value if i >= index else state.value, scan_id, i)
+    await conn.execute(SQL["retry_scan"], scan.jobs[index][6], now, scan_id)
+    await _start(conn, scan_id, now)
+    return await read(conn, scan_id)
+
+
+async def _start(conn: Conn, scan_id: str, now: float) -> None:
+    """Start the first waiting job of a running scan none of whose jobs is started; the caller answers with
+    the scan, so its move is not told."""
+    scan = await _stored(conn, scan_id)
+    await apply(conn, [], scan, writes(scan, now=now), now)
+
+
+async def cancel(conn: Conn, scan_id: str, now: float, moves: Moves, *,
+                 lock_task: Callable[[Conn, str], Awaitable[Any]],
+                 cancel_task: Callable[[Conn, Any, str, float, Moves], Awaitable[CancelAnswer]]) -> ScanCancel:
+    """cancel_scan's transaction. The started job's task is locked before the scan's row, as its end does."""
+    unlocked = await stored(conn, scan_id, lock=False)
+    if unlocked is None:
+        raise ScanNotFound(scan_id)
+    task_id = _live_task(unlocked)
+    task = None if task_id is None else await lock_task(conn, task_id)
+    scan = await _stored(conn, scan_id)
+    state = ScanState(scan.row[2])
+    if state is ScanState.CANCELLED or (state is ScanState.RUNNING and scan.row[12] is not None):
+        return ScanCancel(state, False)
+    if state.ended:
+        raise Conflict(f"scan {scan_id} is {state.value}; only a running scan can be cancelled")
+    if _live_task(scan) != task_id:
+        raise StoreUnavailable(f"scan {scan_id} moved on while it was being cancelled; cancel it again")
+    await conn.execute(SQL["cancel_scan"], now, scan_id)
+    answer = None
+    if task_id is not None and task is not None and not State(task[0]).terminal:
+        answer = await cancel_task(conn, task, task_id, now, moves)  # a queued task ends now, the scan with it
+    scan = await _stored(conn, scan_id)
+    if scan.running:
+        if answer is None or answer.state.terminal:  # no live task: nothing to wait for
+            await advance(conn, moves, scan, now)
+        else:  # its task is stopping: the scan ends when it has, and nothing waits behind it any more
+            for i, job in enumerate(scan.jobs):
+                if job[3] == JobState.WAITING:
+                    await conn.execute(SQL["set_job"], JobState.SKIPPED.value, scan.id, i)
+    return ScanCancel(ScanState((await conn.fetchrow(SQL["scan"], scan_id))[2]), True, task_id, answer)
+
+
+def _live_task(scan: Stored) -> str | None:
+    index = scan.started()
+    return None if index is None else str(scan.jobs[index][4])
+
+
+async def stalled(conn: Conn, limit: int) -> list[str]:
+    return [r[0] for r in await conn.fetch(SQL["stalled_scans"], limit)]
+
+
+async def read(conn: Conn, scan_id: str) -> Scan:
+    scan = await stored(conn, scan_id, lock=False)
+    if scan is None:
+        raise ScanNotFound(scan_id)
+    return scan_of(scan.row, scan.jobs)
+
+
+async def _stored(conn: Conn, scan_id: str) -> Stored:
+    scan = await stored(conn, scan_id)
+    if scan is None:
+        raise ScanNotFound(scan_id)
+    return scan
+
+
+async def list_scans(conn: Conn, *, state: ScanState | None, profile: str | None, limit: int,
+                     cursor: str | None) -> ScanPage:
+    where, args = ["true"], []
+    if state is ScanState.PENDING:
+        where.append(f"s.state = 'running' AND {SQL['first_job_queued']}")
+    elif state is ScanState.RUNNING:
+        where.append(f"s.state = 'running' AND NOT {SQL['first_job_queued']}")
+    elif state is not None:
+        args.append(state.value)
+        where.append(f"s.state = ${len(args)}")
+    for condition, value in (("s.profile = ", profile), ("s.id < ", cursor)):
+        if value is not None:
+            args.append(value)
+            where.append(f"{condition}${len(args)}")
+    sql = SQL["list_scans"].format(where=" AND ".join(where), limit=f"${len(args) + 1}")
+    rows = await conn.fetch(sql, *args, limit + 1)
+    jobs: dict[str, list[Any]] = {}
+    for job in await conn.fetch(SQL["jobs"], [r[0] for r in rows[:limit]]):
+        jobs.setdefault(job[0], []).append(job)
+    scans = [scan_of(r, jobs.get(r[0], [])) for r in rows[:limit]]
+    return ScanPage(scans, scans[-1].id if len(rows) > limit else None)

@@ -1,0 +1,79 @@
+"""Scans on a running node: each step's plugins run in a task of their own, handed what the steps before learned."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from tidepool.context import TaskContext
+from tidepool.errors import PluginError
+from tidepool.scans import NewScan, Scan, ScanState, StepSpec
+from tidepool.store.sqlite import SqliteStore
+
+from .conftest import Node, running_node
+
+
+async def scan_ended(node: Node, scan_id: str, *, timeout_s: float = 10.0) -> Scan:
+    with anyio.fail_after(timeout_s):
+        while not (scan := await node.store.get_scan(scan_id)).state.ended:
+            await anyio.sleep(0.01)
+    return scan
+
+
+async def started(node: Node, new: NewScan) -> str:
+    node.store.on_scan_moves(lambda moves: node.pool.wake(len(moves)))  # as the daemon wires it
+    scan, _ = await node.store.add_scan(new, now=time.time())
+    node.pool.wake(1)
+    return scan.id
+
+
+async def find(ctx: TaskContext) -> None:
+    ctx.scope["open_ports"] = [p for p in ctx.payload["ports"] if p != 22]
+    ctx.scope["host"] = ctx.payload["target"]
+
+
+async def test_a_second_steps_plugin_reads_what_the_first_steps_plugin_put_in_its_scope(
+        sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def probe(ctx: TaskContext) -> None:
+        seen.append(dict(ctx.payload))
+        ctx.scope["web"] = {str(p): "http" for p in ctx.payload["open_ports"]}
+        await ctx.emit({"probed": ctx.payload["open_ports"]}, final=True)
+
+    steps = (StepSpec("find"), StepSpec("probe"))
+    async with running_node(sqlite_store, {"find": find, "probe": probe}, work_root=tmp_path) as node:
+        scan_id = await started(node, NewScan("web", steps, payload={"target": "10.0.0.7", "ports": [22, 8080]}))
+        scan = await scan_ended(node, scan_id)
+        probe_task = await node.store.get(scan.jobs[1].task_id or "")
+    assert scan.state is ScanState.SUCCEEDED
+    assert seen == [{"target": "10.0.0.7", "ports": [22, 8080], "open_ports": [8080], "host": "10.0.0.7"}]
+    assert scan.scope == {"open_ports": [8080], "host": "10.0.0.7", "web": {"8080": "http"}}
+    assert [r.payload for r in probe_task.results] == [{"probed": [8080]}]
+
+
+async def test_a_retried_step_starts_from_the_scope_before_it(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    runs: list[dict[str, Any]] = []
+
+    async def flaky(ctx: TaskContext) -> None:
+        runs.append(dict(ctx.payload))
+        ctx.scope["half_done"] = True  # learned by a step that then fails: not kept
+        ctx.scope["open_ports"] = []
+        if len(runs) == 1:
+            raise PluginError("the probe broke", code="probe_broke", retryable=False)
+
+    steps = (StepSpec("find"), StepSpec("flaky"))
+    async with running_node(sqlite_store, {"find": find, "flaky": flaky}, work_root=tmp_path) as node:
+        scan_id = await started(node, NewScan("web", steps, payload={"target": "h", "ports": [443]}))
+        failed = await scan_ended(node, scan_id)
+        assert failed.state is ScanState.FAILED and failed.jobs[1].error is not None
+        assert failed.jobs[1].error.code == "probe_broke"
+        await node.store.retry_job(scan_id, 1, now=time.time())
+        node.pool.wake(1)
+        scan = await scan_ended(node, scan_id)
+    assert scan.state is ScanState.SUCCEEDED
+    assert runs == [{"target": "h", "ports": [443], "open_ports": [443], "host": "h"}] * 2
+    assert scan.scope == {"open_ports": [], "host": "h", "half_done": True}

@@ -1,0 +1,406 @@
+"""The scans' contract on every store: a scan's jobs move in the transactions that end their tasks."""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+import asyncpg
+import pytest
+
+from tidepool.errors import Conflict, InvalidRequest, QueueFull, ScanNotFound
+from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, Outcome, State, TaskError, Worker
+from tidepool.scans import SCOPE_MAX_BYTES, JobState, NewScan, Scan, ScanState, StepSpec
+from tidepool.store import Store
+from tidepool.store.memory import MemoryStore
+from tidepool.store.port import ScanMove
+from tidepool.store.sqlite import SqliteStore
+
+from .conftest import LEASE_S, POLICY, T0
+
+NODE = Worker("node-a", "a-1", "worker-1")
+WEB = NewScan("web", (StepSpec("tcp_connect", max_attempts=2), StepSpec("http_probe", timeout_s=9.0,
+                                                                           required_tags=("net",)),
+                      StepSpec("report")), payload={"target": "10.0.0.1", "ports": [80, 8080]}, priority=5)
+FAILED_FOR_GOOD = Outcome(AttemptStatus.FAILED, TaskError("invalid_argument", "target: refused", False))
+TIMED_OUT = Outcome(AttemptStatus.TIMED_OUT, TaskError("timeout", "run phase timed out after 5.0s", False))
+NET = ClaimFilter(tag_sets=(frozenset({"net"}),))
+
+
+def learned(**scope: Any) -> Outcome:
+    return Outcome(AttemptStatus.SUCCEEDED, scope=scope)
+
+
+async def claim_step(store: Store, scan: Scan, index: int, *, now: float = T0) -> Claimed:
+    """Claim the job's task (and only it): its id is the job's."""
+    task_id = (await store.get_scan(scan.id)).jobs[index].task_id
+    claimed = await store.claim(NODE, NET, limit=100, now=now, lease_s=LEASE_S)
+    mine = [c for c in claimed if c.task.id == task_id]
+    for other in claimed:
+        if other.task.id != task_id:
+            await store.finish(other.lease, Outcome(AttemptStatus.INTERRUPTED), now=now, policy=POLICY)
+    assert mine, f"job {index}'s task {task_id} was not claimable"
+    return mine[0]
+
+
+async def end_step(store: Store, scan: Scan, index: int, outcome: Outcome, *, now: float | None = None) -> Scan:
+    """Claim job `index`'s task at `now` (else when the scan last moved, when that task was made) and end it a
+    second later."""
+    now = (await store.get_scan(scan.id)).updated_at if now is None else now
+    claimed = await claim_step(store, scan, index, now=now)
+    await store.finish(claimed.lease, outcome, now=now + 1, policy=POLICY)
+    return await store.get_scan(scan.id)
+
+
+def states(scan: Scan) -> list[str]:
+    return [j.state.value for j in scan.jobs]
+
+
+async def end_behind_the_store(store: Store, task_id: str, state: State, *, now: float) -> None:
+    """End a task as a crash between two writes would leave it: its row ended, its scan not moved."""
+    if isinstance(store, MemoryStore):
+        row = store._rows[task_id]
+        row.update(state=state, finished_at=now, updated_at=now)
+        row.lease = None
+    elif isinstance(store, SqliteStore):
+        with sqlite3.connect(store.path) as conn:
+            conn.execute("UPDATE tasks SET state = ?, finished_at = ?, lease_token = NULL WHERE id = ?",
+                         (state.value, now, task_id))
+    else:
+        conn = await asyncpg.connect(store.url)  # type: ignore[attr-defined]
+        try:
+            await conn.execute(f'UPDATE "{store.schema}".tasks SET state = $1, finished_at = $2, '  # type: ignore[attr-defined]
+                               "lease_token = NULL WHERE id = $3", state.value, now, task_id)
+        finally:
+            await conn.close()
+
+
+# a scan and its first task
+
+
+async def test_a_scan_is_created_with_its_first_jobs_task_which_has_the_steps_defaults(store: Store) -> None:
+    scan, created = await store.add_scan(WEB, now=T0)
+    assert created and scan.state is ScanState.PENDING and scan.profile == "web" and scan.organization == "default"
+    assert scan.payload == WEB.payload and scan.scope == {} and scan.created_at == T0 and scan.finished_at is None
+    assert states(scan) == ["queued", "waiting", "waiting"]
+    assert [j.step for j in scan.jobs] == ["tcp_connect", "http_probe", "report"]
+    assert scan.jobs[0].task_id is not None and [j.task_id for j in scan.jobs[1:]] == [None, None]
+    task = await store.get(scan.jobs[0].task_id)
+    assert (task.type, task.payload, task.priority, task.max_attempts, task.state) == (
+        "tcp_connect", WEB.payload, 5, 2, State.PENDING)
+    assert await store.get_scan(scan.id) == scan
+
+
+async def test_same_key_and_body_is_the_scan_itself_another_body_a_conflict_creating_nothing(store: Store) -> None:
+    keyed = NewScan("web", WEB.steps, payload={"target": "a"}, idempotency_key="k1")
+    first, _ = await store.add_scan(keyed, now=T0)
+    again, created = await store.add_scan(keyed, now=T0 + 5)
+    assert not created and again.id == first.id
+    with pytest.raises(Conflict, match="k1"):
+        await store.add_scan(NewScan("web", WEB.steps, payload={"target": "b"}, idempotency_key="k1"), now=T0)
+    assert [s.id for s in (await store.list_scans()).scans] == [first.id]
+    assert len((await store.list_tasks()).tasks) == 1
+
+
+async def test_a_scan_over_max_queued_is_refused_and_creates_nothing(store: Store) -> None:
+    await store.add(NewTask("noop"), now=T0)
+    with pytest.raises(QueueFull):
+        await store.add_scan(WEB, now=T0, max_queued=1)
+    assert (await store.list_scans()).scans == []
+    assert len((await store.list_tasks()).tasks) == 1
+
+
+async def test_an_unknown_scan_is_scan_not_found(store: Store) -> None:
+    for call in (store.get_scan("nope"), store.cancel_scan("nope", now=T0), store.retry_job("nope", 0, now=T0)):
+        with pytest.raises(ScanNotFound) as caught:
+            await call
+        assert caught.value.code == "scan_not_found" and caught.value.http_status == 404
+
+
+# a step's end, its scope and the next step's task, in one call
+
+
+async def test_a_steps_success_merges_its_scope_and_creates_the_next_task_with_it(store: Store) -> None:
+    told: list[ScanMove] = []
+    store.on_scan_moves(told.extend)
+    scan, _ = await store.add_scan(WEB, now=T0)
+    scan = await end_step(store, scan, 0, learned(open_ports=[80, 8080], target="10.0.0.1"))
+    assert scan.state is ScanState.RUNNING and scan.scope == {"open_ports": [80, 8080], "target": "10.0.0.1"}
+    assert states(scan) == ["success", "queued", "waiting"]
+    step = await store.get(scan.jobs[1].task_id or "")
+    assert step.type == "http_probe" and step.priority == 5 and step.timeout_s == 9.0
+    assert step.required_tags == ("net",) and step.max_attempts == 3
+    assert step.payload == {"target": "10.0.0.1", "ports": [80, 8080], "open_ports": [80, 8080]}
+    assert told == [ScanMove(scan.id, "web", 0, JobState.SUCCESS, step.id, "http_probe", 1)]
+
+    scan = await end_step(store, scan, 1, learned(open_ports=[8080], http={"8080": "http"}), now=T0 + 10)
+    assert scan.scope == {"open_ports": [8080], "target": "10.0.0.1", "http": {"8080": "http"}}  # newer key wins
+    scan = await end_step(store, scan, 2, learned(), now=T0 + 20)
+    assert scan.state is ScanState.SUCCEEDED and scan.finished_at == T0 + 21
+    assert states(scan) == ["success"] * 3 and [j.attempts for j in scan.jobs] == [1, 1, 1]
+    assert told[-1].finished is ScanState.SUCCEEDED and told[-1].index == 2
+
+
+async def test_a_retried_attempt_of_a_step_is_the_same_job_and_task(store: Store) -> None:
+    scan, _ = await store.add_scan(WEB, now=T0)
+    retryable = Outcome(AttemptStatus.FAILED, TaskError("boom", "the plugin broke", True))
+    scan = await end_step(store, scan, 0, retryable)
+    assert states(scan) == ["queued", "waiting", "waiting"] and scan.state is ScanState.RUNNING
+    claimed = await store.claim(NODE, NET, limit=5, now=T0 + 1000, lease_s=LEASE_S)
+    assert [c.task.id for c in claimed] == [scan.jobs[0].task_id]
+    assert states(await store.get_scan(scan.id)) == ["running", "waiting", "waiting"]
+    await store.finish(claimed[0].lease, learned(n=1), now=T0 + 1001, policy=POLICY)
+    scan = await store.get_scan(scan.id)
+    assert states(scan) == ["success", "queued", "waiting"] and scan.jobs[0].attempts == 2
+
+
+@pytest.mark.parametrize("outcome, shown", [(FAILED_FOR_GOOD, "failed"), (TIMED_OUT, "timeout")])
+async def test_a_step_failed_or_timed_out_fails_the_scan_and_skips_the_rest(
+        store: Store, outcome: Outcome, shown: str) -> None:
+    scan, _ = await store.add_scan(WEB, now=T0)
+    scan = await end_step(store, scan, 0, learned(a=1))
+    scan = await end_step(store, scan, 1, outcome)
+    assert scan.state is ScanState.FAILED and scan.finished_at == T0 + 2
+    assert states(scan) == ["success", shown, "skipped"] and scan.jobs[2].task_id is None
+    assert scan.jobs[1].error is not None and scan.jobs[1].error.code == (outcome.error and outcome.error.code)
+    assert scan.scope == {"a": 1}
+
+
+async def test_a_step_whose_last_lease_expires_fails_the_scan(store: Store) -> None:
+    scan, _ = await store.add_scan(NewScan("one", (StepSpec("a", max_attempts=1), StepSpec("b"))), now=T0)
+    await claim_step(store, scan, 0)
+    await store.expire_leases(now=T0 + LEASE_S + 1, policy=POLICY)
+    scan = await store.get_scan(scan.id)
+    assert scan.state is ScanState.FAILED and states(scan) == ["failed", "skipped"]
+
+
+async def test_with_continue_on_failure_every_step_runs_and_the_scan_ends_failed(store: Store) -> None:
+    steps = (StepSpec("a"), StepSpec("b"), StepSpec("c"))
+    scan, _ = await store.add_scan(NewScan("lenient", steps, continue_on_failure=True), now=T0)
+    scan = await end_step(store, scan, 0, learned(x=1))
+    scan = await end_step(store, scan, 1, FAILED_FOR_GOOD)
+    assert states(scan) == ["success", "failed", "queued"]
+    assert (await store.get(scan.jobs[2].task_id or "")).payload == {"x": 1}  # the failed step learned nothing
+    scan = await end_step(store, scan, 2, learned())
+    assert scan.state is ScanState.FAILED and states(scan) == ["success", "failed", "success"]
+
+
+async def test_a_scope_past_its_bound_or_not_json_fails_that_step_saying_why(store: Store) -> None:
+    scan, _ = await store.add_scan(WEB, now=T0)
+    scan = await end_step(store, scan, 0, learned(blob="x" * SCOPE_MAX_BYTES))
+    assert scan.state is ScanState.FAILED and states(scan) == ["failed", "skipped", "skipped"] and scan.scope == {}
+    task = await store.get(scan.jobs[0].task_id or "")
+    assert task.state is State.FAILED and task.error is not None and task.error.code == "scope_too_large"
+    assert str(SCOPE_MAX_BYTES) in task.error.message
+
+    other, _ = await store.add_scan(WEB, now=T0)
+    other = await end_step(store, other, 0, learned(ports={80, 443}))
+    error = (await store.get(other.jobs[0].task_id or "")).error
+    assert error is not None and error.code == "scope_not_json" and other.state is ScanState.FAILED
+
+
+async def test_a_steps_task_is_retried_as_its_job_not_on_its_own(store: Store) -> None:
+    scan, _ = await store.add_scan(WEB, now=T0)
+    scan = await end_step(store, scan, 0, FAILED_FOR_GOOD)
+    with pytest.raises(Conflict, match="jobs/0/retry"):
+        await store.retry(scan.jobs[0].task_id or "", now=T0 + 5)
+    assert (await store.get(scan.jobs[0].task_id or "")).state is State.FAILED
+
+
+# cancel
+
+
+async def test_cancelling_a_scan_whose_task_is_queued_ends_it_at_once(store: Store) -> None:
+    told: list[ScanMove] = []
+    store.on_scan_moves(told.extend)
+    scan, _ = await store.add_scan(WEB, now=T0)
+    answer = await store.cancel_scan(scan.id, now=T0 + 1)
+    assert answer.state is ScanState.CANCELLED and answer.moved and answer.task_id == scan.jobs[0].task_id
+    assert answer.task is not None and answer.task.state is State.CANCELLED and answer.task.type == "tcp_connect"
+    scan = await store.get_scan(scan.id)
+    assert scan.state is ScanState.CANCELLED and states(scan) == ["cancelled", "skipped", "skipped"]
+    assert scan.finished_at == T0 + 1 and told[-1].finished is ScanState.CANCELLED
+    assert not (await store.cancel_scan(scan.id, now=T0 + 2)).moved  # a repeated cancel changes nothing
+
+
+async def test_cancelling_a_running_step_skips_the_rest_and_ends_the_scan_when_the_task_has(store: Store) -> None:
+    scan, _ = await store.add_scan(WEB, now=T0)
+    scan = await end_step(store, scan, 0, learned(a=1))
+    claimed = await claim_step(store, scan, 1, now=T0 + 2)
+    answer = await store.cancel_scan(scan.id, now=T0 + 3)
+    assert answer.state is ScanState.RUNNING and answer.task is not None and answer.task.state is State.CANCELLING
+    scan = await store.get_scan(scan.id)
+    assert scan.state is ScanState.RUNNING and states(scan) == ["success", "running", "skipped"]
+    assert scan.cancel_requested_at == T0 + 3
+    assert not (await store.cancel_scan(scan.id, now=T0 + 4)).moved
+    # the worker stops: whatever it reports, the task ends cancelled, and so does the scan
+    await store.finish(claimed.lease, learned(b=2), now=T0 + 5, policy=POLICY)
+    scan = await store.get_scan(scan.id)
+    assert scan.state is ScanState.CANCELLED and states(scan) == ["success", "cancelled", "skipped"]
+    assert scan.scope == {"a": 1}
+
+
+async def test_a_cancel_the_reconciler_finishes_ends_the_scan_by_its_next_pass(store: Store) -> None:
+    scan, _ = await store.add_scan(WEB, now=T0)
+    await claim_step(store, scan, 0)
+    await store.cancel_scan(scan.id, now=T0 + 1)
+    await store.finish_cancels(now=T0 + 100, deadline_s=60.0)
+    await store.advance_scans(now=T0 + 100)  # the reconciler's pass runs right after, in every store
+    scan = await store.get_scan(scan.id)
+    assert scan.state is ScanState.CANCELLED and states(scan) == ["cancelled", "skipped", "skipped"]
+
+
+async def test_a_steps_task_cancelled_on_its_own_cancels_the_scan(store: Store) -> None:
+    scan, _ = await store.add_scan(WEB, now=T0)
+    await store.request_cancel(scan.jobs[0].task_id or "", now=T0 + 1)
+    scan = await store.get_scan(scan.id)
+    assert scan.state is ScanState.CANCELLED and states(scan) == ["cancelled", "skipped", "skipped"]
+
+
+async def test_an_ended_scan_other_than_cancelled_cannot_be_cancelled(store: Store) -> None:
+    scan, _ = await store.add_scan(NewScan("one", (StepSpec("a"),)), now=T0)
+    await end_step(store, scan, 0, learned())
+    with pytest.raises(Conflict, match="succeeded"):
+        await store.cancel_scan(scan.id, now=T0 + 5)
+
+
+# retry of a job
+
+
+async def test_retrying_a_failed_job_resumes_from_it_with_the_scope_before_it(store: Store) -> None:
+    scan, _ = await store.add_scan(WEB, now=T0)
+    scan = await end_step(store, scan, 0, learned(open_ports=[80]))
+    scan = await end_step(store, scan, 1, FAILED_FOR_GOOD)
+    failed_task = scan.jobs[1].task_id
+    scan = await store.retry_job(scan.id, 1, now=T0 + 50)
+    assert scan.state is ScanState.RUNNING and scan.finished_at is None
+    assert states(scan) == ["success", "queued", "waiting"] and scan.jobs[1].tasks == 2
+    assert scan.jobs[1].task_id != failed_task and scan.scope == {"open_ports": [80]}
+    task = await store.get(scan.jobs[1].task_id or "")
+    assert task.payload == {**WEB.payload, "open_ports": [80]} and task.type == "http_probe"
+    assert (await store.get(failed_task or "")).state is State.FAILED  # the failed one stays, for the record
+    scan = await end_step(store, scan, 1, learned(http=True), now=T0 + 60)
+    scan = await end_step(store, scan, 2, learned(), now=T0 + 70)
+    assert scan.state is ScanState.SUCCEEDED and scan.scope == {"open_ports": [80], "http": True}
+
+
+async def test_retrying_a_job_of_a_lenient_scan_runs_every_step_after_it_again_from_its_scope(store: Store) -> None:
+    steps = (StepSpec("a"), StepSpec("b"), StepSpec("c"))
+    scan, _ = await store.add_scan(NewScan("lenient", steps, continue_on_failure=True), now=T0)
+    scan = await end_step(store, scan, 0, learned(x=1))
+    scan = await end_step(store, scan, 1, FAILED_FOR_GOOD)
+    scan = await end_step(store, scan, 2, learned(z=3))
+    assert scan.scope == {"x": 1, "z": 3}
+    scan = await store.retry_job(scan.id, 1, now=T0 + 10)
+    assert scan.scope == {"x": 1} and states(scan) == ["success", "queued", "waiting"]
+    scan = await end_step(store, scan, 1, learned(y=2), now=T0 + 20)
+    assert (await store.get(scan.jobs[2].task_id or "")).payload == {"x": 1, "y": 2}
+    assert scan.jobs[2].tasks == 2
+
+
+async def test_only_a_failed_timed_out_or_cancelled_job_of_an_ended_scan_is_retried(store: Store) -> None:
+    scan, _ = await store.add_scan(WEB, now=T0)
+    with pytest.raises(Conflict, match="only a job of an ended scan"):
+        await store.retry_job(scan.id, 0, now=T0)
+    scan = await end_step(store, scan, 0, learned())
+    scan = await end_step(store, scan, 1, FAILED_FOR_GOOD)
+    for index, why in ((0, "success"), (2, "skipped")):
+        with pytest.raises(Conflict, match=why):
+            await store.retry_job(scan.id, index, now=T0)
+    with pytest.raises(InvalidRequest) as caught:
+        await store.retry_job(scan.id, 3, now=T0)
+    assert caught.value.field == "index"
+    assert await store.get_scan(scan.id) == scan  # nothing changed
+    await store.add(NewTask("noop"), now=T0)
+    with pytest.raises(QueueFull):
+        await store.retry_job(scan.id, 1, now=T0, max_queued=1)
+    assert await store.get_scan(scan.id) == scan
+
+
+async def test_a_cancelled_scan_retried_from_its_cancelled_job_runs_on(store: Store) -> None:
+    scan, _ = await store.add_scan(WEB, now=T0)
+    await store.cancel_scan(scan.id, now=T0)
+    scan = await store.retry_job(scan.id, 0, now=T0 + 1)
+    assert scan.cancel_requested_at is None and states(scan) == ["queued", "waiting", "waiting"]
+    scan = await end_step(store, scan, 0, learned(), now=T0 + 2)
+    assert states(scan) == ["success", "queued", "waiting"]
+
+
+# the reconciler: a scan left between steps
+
+
+async def test_a_step_ended_without_its_scan_moving_is_completed_by_the_reconciler(store: Store) -> None:
+    scan, _ = await store.add_scan(WEB, now=T0)
+    await claim_step(store, scan, 0)
+    await end_behind_the_store(store, scan.jobs[0].task_id or "", State.COMPLETED, now=T0 + 1)
+    assert states(await store.get_scan(scan.id)) == ["success", "waiting", "waiting"]  # read from its task
+    moves = await store.advance_scans(now=T0 + 5)
+    scan = await store.get_scan(scan.id)
+    assert states(scan) == ["success", "queued", "waiting"]
+    assert moves == [ScanMove(scan.id, "web", 0, JobState.SUCCESS, scan.jobs[1].task_id, "http_probe", 1)]
+    assert await store.advance_scans(now=T0 + 6) == []  # nothing left to do: no second task for the job
+    assert len((await store.list_tasks(type="http_probe")).tasks) == 1
+
+    await claim_step(store, scan, 1, now=T0 + 7)
+    await end_behind_the_store(store, scan.jobs[1].task_id or "", State.FAILED, now=T0 + 8)
+    await store.advance_scans(now=T0 + 9)
+    scan = await store.get_scan(scan.id)
+    assert scan.state is ScanState.FAILED and states(scan) == ["success", "failed", "skipped"]
+
+
+async def test_a_scan_whose_jobs_all_ended_is_ended_by_the_reconciler(store: Store) -> None:
+    scan, _ = await store.add_scan(NewScan("one", (StepSpec("a"),)), now=T0)
+    await end_behind_the_store(store, scan.jobs[0].task_id or "", State.COMPLETED, now=T0 + 1)
+    await store.advance_scans(now=T0 + 2)
+    scan = await store.get_scan(scan.id)
+    assert scan.state is ScanState.SUCCEEDED and scan.finished_at == T0 + 2
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_a_jobs_tasks_are_unique_by_scan_index_and_retry_number(store: Store) -> None:
+    """Whatever writes a job's task (a step's end, the reconciler, a retry), the schema refuses a second one
+    with the same retry number."""
+    scan, _ = await store.add_scan(WEB, now=T0)
+    again = ("t2", "tcp_connect", "{}", 0, "pending", 3, "[]", "", T0, T0, T0, scan.id, 0, 0)
+    columns = ("id, type, payload, priority, state, max_attempts, required_tags, fingerprint, created_at, updated_at, "
+               "available_at, scan_id, scan_index, scan_retry")
+    if isinstance(store, SqliteStore):
+        with sqlite3.connect(store.path) as conn, pytest.raises(sqlite3.IntegrityError):
+            conn.execute(f"INSERT INTO tasks ({columns}) VALUES ({', '.join('?' * len(again))})", again)
+    else:
+        conn = await asyncpg.connect(store.url)  # type: ignore[attr-defined]
+        try:
+            with pytest.raises(asyncpg.UniqueViolationError):
+                await conn.execute(f'INSERT INTO "{store.schema}".tasks ({columns}) VALUES '  # type: ignore[attr-defined]
+                                   f"({', '.join(f'${i + 1}' for i in range(len(again)))})",
+                                   *again[:6], [], *again[7:])
+        finally:
+            await conn.close()
+
+
+# reads
+
+
+async def test_scans_list_newest_first_by_state_and_profile_in_pages(store: Store) -> None:
+    ids = [(await store.add_scan(NewScan(p, (StepSpec("a"), StepSpec("b"))), now=T0 + i))[0].id
+           for i, p in enumerate(["web", "web", "dns", "web"])]
+    await end_step(store, await store.get_scan(ids[1]), 0, learned(), now=T0 + 10)
+    await store.cancel_scan(ids[0], now=T0 + 11)
+    page = await store.list_scans(limit=3)
+    assert [s.id for s in page.scans] == ids[::-1][:3] and page.next_cursor == ids[1]
+    rest = await store.list_scans(limit=3, cursor=page.next_cursor)
+    assert [s.id for s in rest.scans] == [ids[0]] and rest.next_cursor is None
+    by = {state: [s.id for s in (await store.list_scans(state=state)).scans] for state in ScanState}
+    assert by == {ScanState.PENDING: [ids[3], ids[2]], ScanState.RUNNING: [ids[1]], ScanState.CANCELLED: [ids[0]],
+                  ScanState.SUCCEEDED: [], ScanState.FAILED: []}
+    assert [s.id for s in (await store.list_scans(profile="web", state=ScanState.PENDING)).scans] == [ids[3]]
+
+
+async def test_ended_scans_are_pruned_with_their_tasks(store: Store) -> None:
+    done, _ = await store.add_scan(NewScan("one", (StepSpec("a"),)), now=T0)
+    await end_step(store, done, 0, learned())
+    live, _ = await store.add_scan(NewScan("one", (StepSpec("a"),)), now=T0)
+    await store.prune(before=T0 + 100)
+    with pytest.raises(ScanNotFound):
+        await store.get_scan(done.id)
+    assert (await store.get_scan(live.id)).state is ScanState.PENDING
