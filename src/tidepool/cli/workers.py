@@ -11,31 +11,16 @@ from urllib.parse import quote
 
 from rich.table import Column
 
-from ..client import ApiError, Client
+from ..client import Client
 from ..settings import Settings
 from .output import OK, USAGE, print_json, stdout, table, text, visible, when
-from .talk import add_client_options, with_client
+from .talk import add_client_options, read_and_print, with_client
 
 STATE_STYLE = {"enabled": "green", "pending": "yellow", "disabled": "yellow", "revoked": "red"}
-NO_GATEWAY = ("this daemon serves no gateway (GET /v1/workers is not one of its routes): remote workers are "
-              "listed by the gateway they connect to; give its API with --url")
 
 
 def cmd_workers(args: argparse.Namespace, settings: Settings) -> int:
-    async def body(client: Client) -> int:
-        try:
-            data = await client.request("GET", "/v1/workers")
-        except ApiError as exc:
-            if exc.status == 404:  # the list has no id in its path: a 404 is the route itself missing
-                raise ApiError(404, exc.code, NO_GATEWAY) from None
-            raise
-        if args.json:
-            print_json(data)
-        else:
-            print_workers(data)
-        return OK
-
-    return with_client(args, settings, body)
+    return read_and_print(args, settings, lambda client: client.request("GET", "/v1/workers"), print_workers)
 
 
 def print_workers(data: dict[str, Any]) -> None:

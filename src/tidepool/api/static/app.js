@@ -90,6 +90,7 @@ function report(source, problem) {
 }
 
 function setText(id, value) { $(id).textContent = value; }
+function toSecond(ts) { return ts ? ts.slice(0, 19).replace("T", " ") : ""; }  // an RFC 3339 UTC time, as the CLI shows it
 
 function kvRows(table, entries) {
   table.replaceChildren(...entries.map(([k, v]) => {

@@ -1,6 +1,6 @@
 // The Scans view: each scan (GET /v1/scans) with its steps as a row of job states; a step opens its task in
 // the task detail, a scan its jobs. Refreshed by the scan.* events and a periodic fetch. A daemon without the
-// route (404) shows no view. Uses app.js's api, report, selectTask and $; data goes in as text only.
+// route (404) shows no view. Uses app.js's api, report, selectTask, toSecond and $; data goes in as text only.
 "use strict";
 
 const SCANS_PERIOD_MS = 5000;
@@ -44,7 +44,7 @@ function scanRow(scan) {
   chips.append(...scan.jobs.map(jobChip));
   steps.appendChild(chips);
   tr.append(td(scan.id), td(scan.profile), td(scan.state, "state state-" + scan.state), steps,
-    td(scan.organization || ""), td(scan.created_at || ""));
+    td(scan.organization || ""), td(toSecond(scan.created_at)));
   tr.addEventListener("click", () => selectScan(scan.id));
   return tr;
 }

@@ -1,6 +1,6 @@
 // The Workers panel: a gateway's remote workers (GET /v1/workers), each with the buttons that enable, drain
-// or revoke it. A daemon without the route (404) shows no panel. Uses app.js's api, report and $; data goes in
-// as text only.
+// or revoke it. A daemon without the route (404) shows no panel. Uses app.js's api, report, toSecond and $;
+// data goes in as text only.
 "use strict";
 
 const REMOTE_PERIOD_MS = 5000;
@@ -22,7 +22,7 @@ const WORKER_COLUMNS = ["id", "state", "live", "max", "organizations", "types", 
 
 function workerCells(w) {
   return [w.id, w.state, String(liveCount(w)), String(w.max_concurrent_tasks), (w.organizations || []).join(", "),
-    (w.task_types || []).join(", "), w.last_seen || "", w.address || ""];
+    (w.task_types || []).join(", "), toSecond(w.last_seen), w.address || ""];
 }
 
 // A row is built once per worker and state (its buttons depend on the state) and its figures are updated in
