@@ -86,8 +86,6 @@ class Daemon:
         """The parts, each after what it needs. One waker first: a freed slot, a cleared guard, a submit, a
         promoted retry, a schedule's tick and another node's submit all mean claimable work may be waiting."""
         self.waker = Waker()
-        # A scan step's next task is made by whichever call ended the step before it, not by a submit.
-        self.store.on_scan_moves(lambda moves: self.waker.wake(sum(1 for m in moves if m.task_id is not None)))
         self.guards = Guards(self.events, state_dir=settings.node.state_dir,
                              min_free_memory_mb=settings.guards.min_free_memory_mb,
                              min_free_disk_mb=settings.guards.min_free_disk_mb, on_clear=self.waker.wake_max)
@@ -113,7 +111,9 @@ class Daemon:
         self.ops = NodeOperations(settings, registry, NodeParts(
             self.store, self.events, self.waker, self.pool, self.leases, self.guards, self.resources, self.metrics),
             node_id=self.node_id, status=self.status)
-        self.store.on_scan_moves(self.ops.scans.moved)  # however a scan moved (a finish, the reconciler): said
+        # A scan step's next task is made by whichever call ended the step before it, not by a submit: the
+        # store's one listener announces each move and wakes a worker for each task it made.
+        self.store.on_scan_moves(self.ops.scans.moved)
         self.reconciler = Reconciler(self.store, self.events,
                                      config=ReconcilerConfig.of(settings.reconciler, settings.execution),
                                      policy=lambda: self.engine.policy, wake=self.waker.wake,
