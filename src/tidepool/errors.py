@@ -10,6 +10,7 @@
     │   ├── TaskNotFound         no task with this id (HTTP 404)
     │   ├── ScheduleNotFound     no schedule with this name (HTTP 404)
     │   ├── ScanNotFound         no scan with this id (HTTP 404)
+    │   ├── WorkerNotFound       no remote worker with this identity in the registry (HTTP 404)
     │   ├── Conflict             a write contradicts an earlier one (HTTP 409)
     │   ├── QueueFull            pending + retry_wait is at pool.max_queued (HTTP 429)
     │   └── LeaseLost            the attempt's lease is stale, expired or taken over
@@ -83,6 +84,14 @@ class ScanNotFound(StoreError):
     def __init__(self, scan_id: str) -> None:
         super().__init__(f"scan {scan_id} not found")
         self.scan_id = scan_id
+
+
+class WorkerNotFound(StoreError):
+    http_status, code = 404, "worker_not_found"
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(f"worker {worker_id!r} not found")
+        self.worker_id = worker_id
 
 
 class Conflict(StoreError):

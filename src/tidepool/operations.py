@@ -179,8 +179,10 @@ class NodeOperations:
     async def get(self, task_id: str) -> Task:
         return await self._store.get(task_id)
 
-    async def list_tasks(self, *, state: State | None, type: str | None, limit: int, cursor: str | None) -> Page:
-        return await self._store.list_tasks(state=state, type=type, limit=limit, cursor=cursor)
+    async def list_tasks(self, *, state: State | None, type: str | None, limit: int, cursor: str | None,
+                         organization: str | None = None) -> Page:
+        return await self._store.list_tasks(state=state, type=type, limit=limit, cursor=cursor,
+                                            organization=organization)
 
     async def cancel(self, task_id: str) -> State:
         answer = await self._store.request_cancel(task_id, now=time.time())

@@ -95,6 +95,7 @@ class Daemon:
         self.metrics = Metrics(node_id=self.node_id, version=__version__, pool=lambda: self.pool.statistics(),
                                counts=partial(store_answers, self.store), guards=self.guards.statistics,
                                draining=lambda: self.status.draining, task_types=lambda: self.ops.registry.types,
+                               organizations=self.store.organization_counts,
                                profiles=lambda: self.ops.scans.profiles)
         self.events.listen(self.metrics.on_event)
         self.events.listen(logs.lifecycle)

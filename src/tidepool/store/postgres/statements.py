@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from .. import sql
 
-FILES = ("tasks.sql", "leases.sql", "reconciler.sql", "fleet.sql", "scans.sql")  # queue, workers, reconciler,
-# fleet, scans
+FILES = ("tasks.sql", "leases.sql", "reconciler.sql", "fleet.sql",  # the queue, workers, reconciler, fleet
+         "registry.sql", "scans.sql")  # the remote workers, scans
 
 
 def _named() -> dict[str, str]:
