@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .model import NewTask, State, TaskError, canonical_json
+from .model import DEFAULT_ORGANIZATION, NewTask, State, TaskError, canonical_json
 
 # A scan's scope as compact JSON may not grow past this: it travels in every later step's payload, and a
 # plugin that dumps a whole scan output there should fail its step, not bloat every task after it.
@@ -101,7 +101,7 @@ class NewScan:
     steps: tuple[StepSpec, ...]
     payload: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
-    organization: str = "default"
+    organization: str = DEFAULT_ORGANIZATION
     continue_on_failure: bool = False
     idempotency_key: str | None = None
 
@@ -176,11 +176,12 @@ def merge_scope(scope: Mapping[str, Any], learned: Mapping[str, Any] | None) -> 
     return merged
 
 
-def step_task(step: StepSpec, *, payload: Mapping[str, Any], scope: Mapping[str, Any], priority: int) -> NewTask:
-    """A step's task: its step's type and defaults, the scan's priority, the scan's payload with the scope so
-    far merged over it at the top level."""
+def step_task(step: StepSpec, *, payload: Mapping[str, Any], scope: Mapping[str, Any], priority: int,
+              organization: str) -> NewTask:
+    """A step's task: its step's type and defaults, the scan's priority and organization, the scan's payload
+    with the scope so far merged over it at the top level."""
     return NewTask(type=step.type, payload={**payload, **scope}, priority=priority, max_attempts=step.max_attempts,
-                   timeout_s=step.timeout_s, required_tags=step.required_tags)
+                   timeout_s=step.timeout_s, required_tags=step.required_tags, organization=organization)
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,10 @@ def profiles_config(root: Path) -> dict[str, Any]:
     return {
         "plugins.tree": {"command": [sys.executable, str(tree), "{pidfile}"]},
         "plugins.gate": {"command": [sys.executable, "-c", GATE, str(root / "flag")]},
-        "types.gate": {"plugins": ["gate"], "max_attempts": 1},
+        "types.gate": {"plugins": ["gate"], "max_attempts": 1, "timeout_s": 30.0, "required_tags": ["box"]},
+        "resources.box": {"tags": ["box"]},
+        "types.far": {"plugins": ["noop"], "required_tags": ["gpu"]},  # no resource of this node has the tag
+        "profiles.far": {"steps": ["noop", "far"]},
         "profiles.three": {"steps": ["noop", "noop", "noop"]},
         "profiles.tree": {"steps": ["tree", "noop", "noop"]},
         "profiles.gated": {"steps": ["noop", "gate", "noop"]},

@@ -75,6 +75,7 @@ def test_a_resubmit_with_the_same_key_is_that_scan_and_with_another_body_a_confl
     ({"profile": "three", "steps": ["noop"]}, "steps: not a field of this request"),
     ({"profile": "three", "organization": ""}, "organization: "),
     ({}, "profile: "),
+    ({"profile": "far"}, "profile: step 1 (far) of profile 'far' needs tags no resource of this fleet has"),
 ])
 def test_bad_input_is_a_400_naming_the_field_and_creates_nothing(daemon: Daemon, body: dict[str, object],
                                                                  named: str) -> None:
@@ -119,6 +120,9 @@ def test_a_retried_job_resumes_the_scan_from_it_and_only_a_failed_job_of_an_ende
     assert failed["state"] == "failed" and states(failed) == ["success", "failed", "skipped"]
     assert failed["jobs"][1]["error"]["code"] == "exit_status"
     first_of_job0, first_of_job1 = failed["jobs"][0]["task_id"], failed["jobs"][1]["task_id"]
+    gate = daemon.task(first_of_job1)  # each step's task has its type's defaults, resolved at submit
+    assert (gate["type"], gate["max_attempts"], gate["timeout_s"], gate["required_tags"]) == ("gate", 1, 30.0, ["box"])
+    assert daemon.task(first_of_job0)["max_attempts"] == 3, "a type without its own: retry.max_attempts"
     assert daemon.post(f"/v1/scans/{created['id']}/jobs/0/retry").status == 409, "job 0 succeeded"
     r = daemon.post(f"/v1/scans/{created['id']}/jobs/7/retry")
     assert r.status == 400 and r.error["message"].startswith("index: ")

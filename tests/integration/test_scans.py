@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -77,3 +78,22 @@ async def test_a_retried_step_starts_from_the_scope_before_it(sqlite_store: Sqli
     assert scan.state is ScanState.SUCCEEDED
     assert runs == [{"target": "h", "ports": [443], "open_ports": [443], "host": "h"}] * 2
     assert scan.scope == {"open_ports": [], "host": "h", "half_done": True}
+
+
+async def test_the_reconcilers_pass_moves_on_a_scan_left_between_steps(sqlite_store: SqliteStore,
+                                                                       tmp_path: Path) -> None:
+    """A step task ended with its scan left behind (as a crash between two writes would leave it): the next
+    pass starts the next step, and says so in its report."""
+    reports: list[int] = []
+    async with running_node(sqlite_store, {"find": find}, work_root=tmp_path) as node:
+        node.events.listen(lambda e: reports.append(e.data["scans"]) if e.name == "reconciler.pass" else None)
+        steps = (StepSpec("later", required_tags=("gpu",)), StepSpec("find"))
+        scan, _ = await node.store.add_scan(NewScan("two", steps, payload={"target": "h", "ports": [1]}),
+                                            now=time.time())
+        with sqlite3.connect(sqlite_store.path) as conn:  # no resource here runs the first step: ended by hand
+            conn.execute("UPDATE tasks SET state = 'completed', finished_at = ? WHERE id = ?",
+                         (time.time(), scan.jobs[0].task_id))
+        node.store.on_scan_moves(lambda moves: node.pool.wake(len(moves)))
+        ended = await scan_ended(node, scan.id)
+    assert ended.state is ScanState.SUCCEEDED and ended.scope == {"open_ports": [1], "host": "h"}
+    assert 1 in reports

@@ -13,7 +13,7 @@ from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, Outcome
 from tidepool.scans import SCOPE_MAX_BYTES, JobState, NewScan, Scan, ScanState, StepSpec
 from tidepool.store import Store
 from tidepool.store.memory import MemoryStore
-from tidepool.store.port import ScanMove
+from tidepool.store.port import Ending, ScanMove
 from tidepool.store.sqlite import SqliteStore
 
 from .conftest import LEASE_S, POLICY, T0
@@ -21,7 +21,8 @@ from .conftest import LEASE_S, POLICY, T0
 NODE = Worker("node-a", "a-1", "worker-1")
 WEB = NewScan("web", (StepSpec("tcp_connect", max_attempts=2), StepSpec("http_probe", timeout_s=9.0,
                                                                            required_tags=("net",)),
-                      StepSpec("report")), payload={"target": "10.0.0.1", "ports": [80, 8080]}, priority=5)
+                      StepSpec("report")), payload={"target": "10.0.0.1", "ports": [80, 8080]}, priority=5,
+              organization="acme")
 FAILED_FOR_GOOD = Outcome(AttemptStatus.FAILED, TaskError("invalid_argument", "target: refused", False))
 TIMED_OUT = Outcome(AttemptStatus.TIMED_OUT, TaskError("timeout", "run phase timed out after 5.0s", False))
 NET = ClaimFilter(tag_sets=(frozenset({"net"}),))
@@ -80,14 +81,14 @@ async def end_behind_the_store(store: Store, task_id: str, state: State, *, now:
 
 async def test_a_scan_is_created_with_its_first_jobs_task_which_has_the_steps_defaults(store: Store) -> None:
     scan, created = await store.add_scan(WEB, now=T0)
-    assert created and scan.state is ScanState.PENDING and scan.profile == "web" and scan.organization == "default"
+    assert created and scan.state is ScanState.PENDING and scan.profile == "web" and scan.organization == "acme"
     assert scan.payload == WEB.payload and scan.scope == {} and scan.created_at == T0 and scan.finished_at is None
     assert states(scan) == ["queued", "waiting", "waiting"]
     assert [j.step for j in scan.jobs] == ["tcp_connect", "http_probe", "report"]
     assert scan.jobs[0].task_id is not None and [j.task_id for j in scan.jobs[1:]] == [None, None]
     task = await store.get(scan.jobs[0].task_id)
-    assert (task.type, task.payload, task.priority, task.max_attempts, task.state) == (
-        "tcp_connect", WEB.payload, 5, 2, State.PENDING)
+    assert (task.type, task.payload, task.priority, task.max_attempts, task.state, task.organization) == (
+        "tcp_connect", WEB.payload, 5, 2, State.PENDING, "acme")
     assert await store.get_scan(scan.id) == scan
 
 
@@ -129,7 +130,7 @@ async def test_a_steps_success_merges_its_scope_and_creates_the_next_task_with_i
     assert states(scan) == ["success", "queued", "waiting"]
     step = await store.get(scan.jobs[1].task_id or "")
     assert step.type == "http_probe" and step.priority == 5 and step.timeout_s == 9.0
-    assert step.required_tags == ("net",) and step.max_attempts == 3
+    assert step.required_tags == ("net",) and step.max_attempts == 3 and step.organization == "acme"
     assert step.payload == {"target": "10.0.0.1", "ports": [80, 8080], "open_ports": [80, 8080]}
     assert told == [ScanMove(scan.id, "web", 0, JobState.SUCCESS, step.id, "http_probe", 1)]
 
@@ -139,6 +140,20 @@ async def test_a_steps_success_merges_its_scope_and_creates_the_next_task_with_i
     assert scan.state is ScanState.SUCCEEDED and scan.finished_at == T0 + 21
     assert states(scan) == ["success"] * 3 and [j.attempts for j in scan.jobs] == [1, 1, 1]
     assert told[-1].finished is ScanState.SUCCEEDED and told[-1].index == 2
+
+
+async def test_a_steps_success_among_other_tasks_successes_in_one_call_moves_its_scan(store: Store) -> None:
+    """The successes of tasks outside scans share the grouped completion; a step's goes its own way beside
+    them, in the same call."""
+    plain = [(await store.add(NewTask("noop"), now=T0))[0] for _ in range(2)]
+    scan, _ = await store.add_scan(WEB, now=T0)
+    claimed = {c.task.id: c for c in await store.claim(NODE, NET, limit=10, now=T0, lease_s=LEASE_S)}
+    order = [plain[0].id, scan.jobs[0].task_id or "", plain[1].id]
+    ends = [Ending(claimed[i].lease, learned(seen=i), T0 + 1) for i in order]
+    assert await store.finish_many(ends, policy=POLICY) == [State.COMPLETED] * 3
+    scan = await store.get_scan(scan.id)
+    assert states(scan) == ["success", "queued", "waiting"] and scan.scope == {"seen": order[1]}
+    assert [(await store.get(t.id)).state for t in plain] == [State.COMPLETED] * 2
 
 
 async def test_a_retried_attempt_of_a_step_is_the_same_job_and_task(store: Store) -> None:
@@ -248,6 +263,17 @@ async def test_a_cancel_the_reconciler_finishes_ends_the_scan_by_its_next_pass(s
     await store.advance_scans(now=T0 + 100)  # the reconciler's pass runs right after, in every store
     scan = await store.get_scan(scan.id)
     assert scan.state is ScanState.CANCELLED and states(scan) == ["cancelled", "skipped", "skipped"]
+
+
+async def test_a_step_failed_as_unserviceable_fails_the_scan_by_the_next_pass(store: Store) -> None:
+    scan, _ = await store.add_scan(WEB, now=T0)
+    scan = await end_step(store, scan, 0, learned())
+    ended = await store.fail_unserviceable(frozenset({"net"}), now=T0 + 100, message="no resource has tags ['net']")
+    assert [e.task_id for e in ended] == [scan.jobs[1].task_id]
+    await store.advance_scans(now=T0 + 100)
+    scan = await store.get_scan(scan.id)
+    assert scan.state is ScanState.FAILED and states(scan) == ["success", "failed", "skipped"]
+    assert scan.jobs[1].error is not None and scan.jobs[1].error.code == "unserviceable"
 
 
 async def test_a_steps_task_cancelled_on_its_own_cancels_the_scan(store: Store) -> None:

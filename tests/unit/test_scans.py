@@ -76,9 +76,10 @@ def test_a_scope_past_its_bound_or_not_json_is_refused_saying_which() -> None:
 
 def test_a_steps_task_has_its_steps_defaults_and_the_payload_with_the_scope_over_it() -> None:
     step = StepSpec("http_probe", max_attempts=5, timeout_s=3.0, required_tags=("net",))
-    task = step_task(step, payload={"target": "h", "ports": [1]}, scope={"ports": [2], "seen": True}, priority=7)
-    assert (task.type, task.max_attempts, task.timeout_s, task.required_tags, task.priority) == (
-        "http_probe", 5, 3.0, ("net",), 7)
+    task = step_task(step, payload={"target": "h", "ports": [1]}, scope={"ports": [2], "seen": True}, priority=7,
+                     organization="acme")
+    assert (task.type, task.max_attempts, task.timeout_s, task.required_tags, task.priority, task.organization) == (
+        "http_probe", 5, 3.0, ("net",), 7, "acme")
     assert task.payload == {"target": "h", "ports": [2], "seen": True}
     assert StepSpec.of_json(step.to_json()) == step
 

@@ -211,10 +211,11 @@ def document(routes: Collection[tuple[str, str]], *, task_types: Sequence[str] =
     _, defs = models_json_schema(MODELS, ref_template="#/components/schemas/{model}")
     schemas = defs["$defs"]
     if task_types:
-        for submitted in ("SubmitTask", "ScheduleIn"):
-            schemas[submitted]["properties"]["type"]["enum"] = list(task_types)
+        schemas["SubmitTask"]["properties"]["type"]["enum"] = list(task_types)
+        schemas["ScheduleIn"]["properties"]["type"]["enum"] = [*task_types, None]  # null: a profile schedule
     if profiles:
         schemas["SubmitScan"]["properties"]["profile"]["enum"] = list(profiles)
+        schemas["ScheduleIn"]["properties"]["profile"]["enum"] = [*profiles, None]
     paths: dict[str, dict[str, Any]] = {}
     for (method, path), op in OPERATIONS.items():
         if (method, op.route or path) in routes or ("*", op.route or path) in routes:

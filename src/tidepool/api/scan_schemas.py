@@ -6,6 +6,7 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..model import DEFAULT_ORGANIZATION, ORGANIZATION_PATTERN
 from ..scans import Scan, ScanState
 from .schemas import CURSOR_PATTERN, Instant, JsonInt, Shape, TaskErrorOut
 
@@ -23,7 +24,8 @@ class SubmitScan(BaseModel):
     payload: dict[str, Any] = Field(default_factory=dict, description="every step's task gets it, with what the "
                                     "steps before it put in ctx.scope merged over it at the top level")
     priority: JsonInt = Field(0, ge=-1_000_000, le=1_000_000)
-    organization: str = Field("default", min_length=1, max_length=200, pattern=NO_NUL)
+    organization: str = Field(DEFAULT_ORGANIZATION, pattern=ORGANIZATION_PATTERN,
+                              description="every step's task has it: which remote workers may run them")
     idempotency_key: str | None = Field(None, min_length=1, max_length=512, pattern=NO_NUL)
 
 

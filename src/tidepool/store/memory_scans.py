@@ -228,7 +228,8 @@ class MemoryScans:
     def _start(self, row: ScanRow, index: int, now: float) -> Task:
         job = row.jobs[index]
         job.state, job.scope_before = JobState.STARTED, dict(row.scope)
-        new: NewTask = step_task(job.step, payload=row.new.payload, scope=row.scope, priority=row.new.priority)
+        new: NewTask = step_task(job.step, payload=row.new.payload, scope=row.scope, priority=row.new.priority,
+                                 organization=row.new.organization)
         task = self._store.insert_step(new, now, (row.id, index, job.tasks))
         job.task_id, job.tasks = task.id, job.tasks + 1
         return task

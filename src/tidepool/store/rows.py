@@ -27,8 +27,8 @@ from ..model import (
 from ..schedules import Schedule
 from .port import Node
 
-# The schema both adapters build, step by step: 1 tasks, attempts and results; 2 schedules; 3 nodes; 4 scans;
-# 5 remote workers and the tasks' organizations.
+# The schema both adapters build, step by step: 1 tasks, attempts and results; 2 schedules; 3 nodes; 4 remote
+# workers and the tasks' organizations; 5 scans.
 SCHEMA_VERSION = 5
 
 TASK_COLUMNS = ("id, type, payload, priority, state, phase, progress, attempt, max_attempts, interruptions, "

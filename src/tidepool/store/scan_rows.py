@@ -121,7 +121,7 @@ def writes(stored: Stored, *, now: float, ended: tuple[int, JobState] | None = N
     if p.start is not None:
         job = stored.jobs[p.start]
         task = step_task(StepSpec.of_json(json.loads(job[2])), payload=loads(row[4]), scope=p.scope,
-                         priority=row[6])
+                         priority=row[6], organization=row[3])
         start = (p.start, task, json.dumps(p.scope), job[5])
         move = ScanMove(move.scan_id, move.profile, move.index, move.job, type=task.type, started=p.start)
     if p.finish is not None:

@@ -45,24 +45,9 @@ from ...model import (
     WorkerChange,
     cancel_deadline_error,
 )
-from ...scans import NewScan, Scan, ScanState
+from ...scans import NewScan
 from ...schedules import Fired, Schedule
-from ..port import (
-    Acquired,
-    CancelAnswer,
-    Ended,
-    Ending,
-    Enroll,
-    Expired,
-    Node,
-    Page,
-    PhaseNote,
-    Revoked,
-    ScanCancel,
-    ScanListener,
-    ScanMove,
-    ScanPage,
-)
+from ..port import Acquired, CancelAnswer, Ended, Ending, Enroll, Expired, Node, Page, PhaseNote, Revoked
 from ..rows import (
     SCHEMA_VERSION,
     attempt_of,
@@ -81,6 +66,8 @@ from .connection import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, DRIVER_ERRORS, Connec
 from .fenced import FencedWrites, expiry, lease_arrays, lost, write_ends
 from .firing import fire
 from .registry import Registry
+from .scan_verbs import ScanVerbs
+from .scans import locked_task
 from .session import Session
 from .statements import SQL
 
@@ -88,7 +75,7 @@ __all__ = ["CALL_TIMEOUT_S", "CONNECT_TIMEOUT_S", "DRIVER_ERRORS", "SCHEMA_VERSI
 SWEEP = 500  # rows per reconciler transaction: bounded locks and WAL per step
 
 
-class PostgresStore:
+class PostgresStore(ScanVerbs):
     """The store of a fleet. `schema` (else the URL's `?schema=NAME`, else "tidepool") holds its tables,
     so several fleets or test runs can share one database. Each call answers within call_timeout_s (a call
     over many rows, as a batch submit, a millisecond more for each), or raises StoreUnavailable."""
@@ -101,8 +88,8 @@ class PostgresStore:
         self._claims = Claims(self._db)
         self._fenced = FencedWrites(self._db)
         self._session = Session(self._db)
-        self._registry = Registry(self._db)
         self._told = self._fenced.told  # the listener of the scans' moves, however they were made
+        self._registry = Registry(self._db)
 
     # lifecycle of the adapter
 
@@ -194,10 +181,15 @@ class PostgresStore:
             rows = await conn.fetch(SQL["counts"])
         return {State(r[0]): r[1] for r in rows}
 
+    async def organization_counts(self) -> dict[str, int]:
+        async with self._db.conn() as conn:
+            rows = await conn.fetch(SQL["organization_counts"])
+        return {r[0]: r[1] for r in rows}
+
     async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
         moves: scans.Moves = []
         async with self._db.conn() as conn, conn.transaction():
-            answer = await self._cancel_locked(conn, await _locked_row(conn, task_id), task_id, now, moves)
+            answer = await self._cancel_locked(conn, await locked_task(conn, task_id), task_id, now, moves)
         self._told(moves)
         return answer
 
@@ -218,7 +210,7 @@ class PostgresStore:
 
     async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
         async with self._db.conn() as conn, conn.transaction():
-            row = await _locked_row(conn, task_id)
+            row = await locked_task(conn, task_id)
             target = retry_step(State(row[0]))
             if row[2] is not None:
                 raise Conflict(step_retry_refused(task_id, row[2], row[3]))
@@ -383,54 +375,6 @@ class PostgresStore:
             if len(rows) < SWEEP:
                 return ended
 
-    # scans (scans.py); finish_cancels and fail_unserviceable leave their steps' scans to advance_scans,
-    # which the reconciler runs right after them
-
-    async def add_scan(self, new: NewScan, *, now: float, max_queued: int | None = None) -> tuple[Scan, bool]:
-        async with self._db.conn() as conn, conn.transaction():
-            return await scans.add_scan(conn, new, now, max_queued)
-
-    async def get_scan(self, scan_id: str) -> Scan:
-        async with self._db.conn() as conn, conn.transaction(readonly=True):  # the scan and its jobs as of one time
-            return await scans.read(conn, scan_id)
-
-    async def list_scans(self, *, state: ScanState | None = None, profile: str | None = None, limit: int = 50,
-                         cursor: str | None = None) -> ScanPage:
-        async with self._db.conn() as conn, conn.transaction(readonly=True):
-            return await scans.list_scans(conn, state=state, profile=profile, limit=limit, cursor=cursor)
-
-    async def cancel_scan(self, scan_id: str, *, now: float) -> ScanCancel:
-        moves: scans.Moves = []
-        async with self._db.conn() as conn, conn.transaction():
-            answer = await scans.cancel(conn, scan_id, now, moves, lock_task=_locked_row,
-                                        cancel_task=self._cancel_locked)
-        self._told(moves)
-        return answer
-
-    async def retry_job(self, scan_id: str, index: int, *, now: float, max_queued: int | None = None) -> Scan:
-        async with self._db.conn() as conn, conn.transaction():
-            if max_queued is not None:
-                await queue.check_queue_room(conn, 1, max_queued)
-            return await scans.retry_job(conn, scan_id, index, now)
-
-    async def advance_scans(self, *, now: float) -> list[ScanMove]:
-        told: list[ScanMove] = []
-        while True:
-            moves: scans.Moves = []
-            async with self._db.conn(rows=SWEEP) as conn, conn.transaction():
-                found = await scans.stalled(conn, SWEEP)
-                for scan_id in found:
-                    scan = await scans.stored(conn, scan_id)
-                    if scan is not None:
-                        await scans.advance(conn, moves, scan, now)
-            self._told(moves)
-            told.extend(moves)
-            if len(found) < SWEEP:
-                return told
-
-    def on_scan_moves(self, listener: ScanListener | None) -> None:
-        self._told.listener = listener
-
     # the fleet
 
     async def lock_node(self, node_id: str, instance_id: str) -> None:
@@ -476,14 +420,6 @@ class PostgresStore:
 
     async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
         return await self._registry.attempt_owners(attempt_ids)
-
-
-async def _locked_row(conn: Any, task_id: str) -> Any:
-    """A task's (state, type, scan_id, scan_index), its row locked until the transaction ends."""
-    row = await conn.fetchrow(SQL["lock_state"], task_id)
-    if row is None:
-        raise TaskNotFound(task_id)
-    return row
 
 
 async def _locked_schedule(conn: Any, name: str) -> Schedule | None:

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ...errors import Conflict, InvalidRequest, ScanNotFound, StoreUnavailable
+from ...errors import Conflict, InvalidRequest, ScanNotFound, StoreUnavailable, TaskNotFound
 from ...model import AttemptStatus, Outcome, State, new_id
 from ...scans import JobState, NewScan, Scan, ScanState, ScopeRefused, job_state_of, merge_scope, retry_from
 from ..port import CancelAnswer, ScanCancel, ScanMove, ScanPage
@@ -71,6 +71,8 @@ async def advance(conn: Conn, moves: Moves, scan: Stored, now: float) -> None:
         await apply(conn, moves, scan, writes(scan, now=now), now)
         return
     job = scan.jobs[index]
+    if job[7] is not None and not State(job[7]).terminal:
+        return  # its task is live (retried meanwhile, or read before it was made): its own end moves the scan
     ended = JobState.FAILED if job[7] is None else job_state_of(State(job[7]))  # gone: pruned under it
     await apply(conn, moves, scan, writes(scan, now=now, ended=(index, ended)), now)
 
@@ -83,7 +85,8 @@ async def apply(conn: Conn, moves: Moves, scan: Stored, w: Writes, now: float) -
         index, task, scope_before, retry = w.start
         task_id = new_id(now)
         await conn.execute(SQL["insert_step"], task_id, task.type, json.dumps(task.payload), task.priority,
-                           task.max_attempts, task.timeout_s, sorted(task.required_tags), now, scan.id, index, retry)
+                           task.max_attempts, task.timeout_s, sorted(task.required_tags), now, task.organization,
+                           scan.id, index, retry)
         await conn.execute(SQL["start_job"], task_id, scope_before, scan.id, index)
         if move is not None:
             move = replace(move, task_id=task_id)
@@ -170,6 +173,14 @@ async def cancel(conn: Conn, scan_id: str, now: float, moves: Moves, *,
 def _live_task(scan: Stored) -> str | None:
     index = scan.started()
     return None if index is None else str(scan.jobs[index][4])
+
+
+async def locked_task(conn: Conn, task_id: str) -> Any:
+    """A task's (state, type, scan_id, scan_index), its row locked until the transaction ends."""
+    row = await conn.fetchrow(SQL["lock_state"], task_id)
+    if row is None:
+        raise TaskNotFound(task_id)
+    return row
 
 
 async def stalled(conn: Conn, limit: int) -> list[str]:

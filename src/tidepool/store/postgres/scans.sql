@@ -30,8 +30,8 @@ SELECT $1, idx - 1, step, 'waiting' FROM unnest($2::text[]) WITH ORDINALITY AS s
 -- name: insert_step
 -- A step's task, notified at commit like any submit.
 INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags, idempotency_key,
-                   fingerprint, created_at, updated_at, available_at, scan_id, scan_index, scan_retry)
-VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, NULL, '', $8, $8, $8, $9, $10, $11)
+                   fingerprint, created_at, updated_at, available_at, organization, scan_id, scan_index, scan_retry)
+VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, NULL, '', $8, $8, $8, $9, $10, $11, $12)
 RETURNING pg_notify(current_setting('tidepool.channel'), '1')
 
 -- name: start_job

@@ -125,6 +125,9 @@ class SqliteStore:
     async def counts(self) -> dict[State, int]:
         return await self._read(reads.counts)
 
+    async def organization_counts(self) -> dict[str, int]:
+        return await self._read(reads.organization_counts)
+
     async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
         return await self._write(partial(queue_ops.request_cancel, task_id=task_id, now=now))
 
@@ -226,7 +229,10 @@ class SqliteStore:
                                          max_queued=max_queued))
 
     async def advance_scans(self, *, now: float) -> list[ScanMove]:
-        return await self._write(partial(scan_ops.advance_scans, now=now))
+        stalled = await self._read(scan_ops.stalled)
+        if not stalled:
+            return []
+        return await self._write(partial(scan_ops.advance_scans, scan_ids=stalled, now=now))
 
     def on_scan_moves(self, listener: ScanListener | None) -> None:
         self._writer.on_moves = listener

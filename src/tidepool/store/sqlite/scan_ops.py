@@ -97,10 +97,19 @@ def cancel_scan(conn: sqlite3.Connection, batch: Batch, *, scan_id: str, now: fl
 # the reconciler
 
 
-def advance_scans(conn: sqlite3.Connection, batch: Batch, *, now: float) -> list[ScanMove]:
+def stalled(conn: sqlite3.Connection) -> list[str]:
+    """The running scans without a live task, found on the reader: the writer is not held while each running
+    scan is looked at."""
+    return [r[0] for r in conn.execute(QS["stalled_scans"])]
+
+
+def advance_scans(conn: sqlite3.Connection, batch: Batch, *, scan_ids: list[str], now: float) -> list[ScanMove]:
+    """Move on the scans `stalled` found, each as it stands now."""
     told = len(batch.moves)
-    for (scan_id,) in conn.execute(QS["stalled_scans"]).fetchall():
-        scan_steps.advance(conn, batch, _stored(conn, scan_id), now)
+    for scan_id in scan_ids:
+        scan = scan_steps.stored(conn, scan_id)
+        if scan is not None and scan.running:
+            scan_steps.advance(conn, batch, scan, now)
     return batch.moves[told:]
 
 

@@ -56,6 +56,8 @@ def advance(conn: sqlite3.Connection, batch: Batch, scan: Stored, now: float) ->
         apply(conn, batch, scan, writes(scan, now=now), now)
         return
     job = scan.jobs[index]
+    if job[7] is not None and not State(job[7]).terminal:
+        return  # its task is live (retried meanwhile, or read before it was made): its own end moves the scan
     ended = JobState.FAILED if job[7] is None else job_state_of(State(job[7]))  # gone: pruned under it
     apply(conn, batch, scan, writes(scan, now=now, ended=(index, ended)), now)
 
@@ -69,7 +71,7 @@ def apply(conn: sqlite3.Connection, batch: Batch, scan: Stored, w: Writes, now: 
         task_id = new_id(now)
         conn.execute(QS["insert_step"], (
             task_id, task.type, json.dumps(task.payload), task.priority, task.max_attempts, task.timeout_s,
-            json.dumps(sorted(task.required_tags)), now, now, now, scan.id, index, retry))
+            json.dumps(sorted(task.required_tags)), now, now, now, task.organization, scan.id, index, retry))
         conn.execute(QS["start_job"], (task_id, scope_before, scan.id, index))
         if batch.queued is not None:
             batch.queued += 1

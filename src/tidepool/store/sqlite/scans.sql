@@ -23,8 +23,8 @@ INSERT INTO scan_jobs (scan_id, idx, step, state) VALUES (?, ?, ?, 'waiting')
 
 -- name: insert_step
 INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags, idempotency_key,
-                   fingerprint, created_at, updated_at, available_at, scan_id, scan_index, scan_retry)
-VALUES (?, ?, ?, ?, 'pending', ?, ?, ?, NULL, '', ?, ?, ?, ?, ?, ?)
+                   fingerprint, created_at, updated_at, available_at, organization, scan_id, scan_index, scan_retry)
+VALUES (?, ?, ?, ?, 'pending', ?, ?, ?, NULL, '', ?, ?, ?, ?, ?, ?, ?)
 
 -- name: start_job
 UPDATE scan_jobs SET state = 'started', task_id = ?, tasks = tasks + 1, scope_before = ? WHERE scan_id = ? AND idx = ?

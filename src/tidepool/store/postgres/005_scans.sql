@@ -1,4 +1,4 @@
--- Version 4: scans, a profile's steps run as one task each. A step's task names its scan, job and retry
+-- Version 5: scans, a profile's steps run as one task each. A step's task names its scan, job and retry
 -- number, so the transaction that ends it finds its scan; a job's tasks are unique by the three.
 ALTER TABLE tasks ADD COLUMN scan_id text;
 ALTER TABLE tasks ADD COLUMN scan_index integer;
