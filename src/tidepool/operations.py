@@ -144,7 +144,9 @@ class NodeOperations:
 
     async def fleet_tag_sets(self) -> list[frozenset[str]]:
         """This node's resource tag sets and, on a shared store, every live node's: what the fleet can serve."""
-        own = list(self._parts.resources.tag_sets()) + await self._parts.workers.tag_sets()
+        own = list(self._parts.resources.tag_sets())
+        if self.serves_workers or self._shared_store:  # remote workers' slots (a SQLite store has none but a gateway's)
+            own += await self._parts.workers.tag_sets()
         if not self._shared_store:
             return own
         now = time.time()
