@@ -120,6 +120,31 @@ class Client:
         state: str = (await self.request("POST", f"/v1/tasks/{_segment(task_id)}/retry"))["state"]
         return state
 
+    async def submit_scan(self, profile: str, payload: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
+        """Start a scan of `profile`; options: priority, organization, idempotency_key."""
+        body = {"profile": profile, "payload": payload or {}, **{k: v for k, v in options.items() if v is not None}}
+        scan: dict[str, Any] = await self.request("POST", "/v1/scans", body)
+        return scan
+
+    async def get_scan(self, scan_id: str) -> dict[str, Any]:
+        scan: dict[str, Any] = await self.request("GET", f"/v1/scans/{_segment(scan_id)}")
+        return scan
+
+    async def list_scans(self, *, state: str | None = None, profile: str | None = None, limit: int = 50,
+                         cursor: str | None = None) -> dict[str, Any]:
+        query = urlencode([(k, v) for k, v in (("state", state), ("profile", profile), ("limit", limit),
+                                               ("cursor", cursor)) if v is not None])
+        page: dict[str, Any] = await self.request("GET", f"/v1/scans?{query}")
+        return page
+
+    async def cancel_scan(self, scan_id: str) -> str:
+        state: str = (await self.request("POST", f"/v1/scans/{_segment(scan_id)}/cancel"))["state"]
+        return state
+
+    async def retry_job(self, scan_id: str, index: int) -> dict[str, Any]:
+        scan: dict[str, Any] = await self.request("POST", f"/v1/scans/{_segment(scan_id)}/jobs/{index}/retry")
+        return scan
+
     async def pool(self) -> dict[str, Any]:
         pool: dict[str, Any] = await self.request("GET", "/v1/pool")
         return pool

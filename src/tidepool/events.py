@@ -26,7 +26,8 @@ EVENT_NAMES = frozenset({
     "task.created", "task.leased", "task.phase", "plugin.started", "plugin.finished", "task.progress",
     "task.result", "task.retry_scheduled", "task.expired", "task.cancel_requested", "task.finished",
     "task.lease_lost", "worker.started", "worker.stopped", "pool.resized", "guard.tripped", "guard.cleared",
-    "schedule.fired", "schedule.skipped", "reconciler.pass", "worker.enrolled", "worker.state",
+    "schedule.fired", "schedule.skipped", "reconciler.pass", "scan.created", "scan.step", "scan.finished",
+    "worker.enrolled", "worker.state",
 })
 T = TypeVar("T")
 

@@ -49,6 +49,8 @@ RECONCILER_ACTIONS = ("expired", "promoted", "cancelled", "pruned", "unserviceab
 KILL_REASON_NAMES = (*KILL_REASONS.values(), *LIMITS, "limit", "lease_lost")
 WORKER_KINDS = ("baseline", "demand")
 WORKER_STOPS = ("idle", "retired", "shutdown")
+SCAN_ENDS = ("cancelled", "failed", "succeeded")
+JOB_ENDS = ("cancelled", "failed", "success", "timeout")  # a job skipped is told by its scan's end
 
 
 class Metrics:
@@ -59,13 +61,15 @@ class Metrics:
                  guards: Callable[[], GuardStats | None] = lambda: None,
                  draining: Callable[[], bool] = lambda: False,
                  task_types: Callable[[], Iterable[str]] = lambda: (),
-                 organizations: Callable[[], Awaitable[dict[str, int]]] | None = None) -> None:
+                 organizations: Callable[[], Awaitable[dict[str, int]]] | None = None,
+                 profiles: Callable[[], Iterable[str]] = lambda: ()) -> None:
         self._info = (node_id, version)
         # Organizations are as many as a fleet has customers: a label of their own on the per-type counters
         # would multiply every type's series by them, so they get one gauge, read from the store at scrape.
         self._organization_counts = organizations
         self._organizations: dict[str, int] | None = None
         self._task_types = task_types
+        self._profiles = profiles
         self._pool = pool
         self._counts = counts
         self._guards = guards
@@ -108,11 +112,17 @@ class Metrics:
                                        "schedule")
         self.schedule_skipped = Counter("tidepool_schedule_skipped", "Schedule ticks skipped, by schedule and "
                                          "reason (overlap, missed, queue_full).", "schedule", "reason")
+        self.scans_created = Counter("tidepool_scans_created", "Scans created on this node (submitted to its API "
+                                     "or started by a schedule), by profile.", "profile")
+        self.scans_finished = Counter("tidepool_scans_finished", "Scans that ended, by profile and state, as this "
+                                      "node saw them end.", "profile", "state")
+        self.scan_steps = Counter("tidepool_scan_steps_finished", "Scan steps (jobs) that ended, by profile and the "
+                                  "job's state, as this node saw them end.", "profile", "state")
         self._series = (self.created, self.finished, self.retries, self.task_duration, self.phase_duration,
                         self.plugin_duration, self.pickup_latency, self.lease_renewals, self.lease_renewal_errors,
                         self.lease_losses, self.reconciler_actions, self.reconciler_passes, self.plugin_kills,
                         self.workers_started, self.workers_stopped, self.reloads, self.schedule_fired,
-                        self.schedule_skipped)
+                        self.schedule_skipped, self.scans_created, self.scans_finished, self.scan_steps)
         self._tripped = dict.fromkeys(GUARDS, 0)
         # task id -> [attempt start, current phase, phase start, stopped while a plugin ran]
         self._open: dict[str, list[Any]] = {}
@@ -133,6 +143,9 @@ class Metrics:
             "guard.cleared": self._guard_cleared,
             "schedule.fired": self._schedule_fired,
             "schedule.skipped": self._schedule_skipped,
+            "scan.created": self._scan_created,
+            "scan.step": self._scan_step,
+            "scan.finished": self._scan_finished,
         }
 
         self.registry = CollectorRegistry(auto_describe=False)
@@ -245,6 +258,16 @@ class Metrics:
     def _guard_cleared(self, d: dict[str, Any], ts: float) -> None:
         self._tripped[d["guard"]] = 0
 
+    def _scan_created(self, d: dict[str, Any], ts: float) -> None:
+        self.scans_created.inc((d.get("profile") or UNKNOWN,))
+
+    def _scan_step(self, d: dict[str, Any], ts: float) -> None:
+        if d.get("state") in JOB_ENDS:  # a step's task queued is counted as a task created
+            self.scan_steps.inc((d.get("profile") or UNKNOWN, d["state"]))
+
+    def _scan_finished(self, d: dict[str, Any], ts: float) -> None:
+        self.scans_finished.inc((d.get("profile") or UNKNOWN, d.get("state") or UNKNOWN))
+
     # scraping
 
     async def render(self) -> bytes:
@@ -292,13 +315,17 @@ class Metrics:
                         self.reconciler_last_pass)
 
     def _know_task_types(self) -> None:
-        """Each type this node defines (now: a reload may add some) gets its series before its first task."""
+        """Each type and profile this node defines (now: a reload may add some) gets its series before its first use."""
         types = list(self._task_types())
         for counter in (self.created, self.retries):
             counter.know((t,) for t in types)
         self.finished.know(product(types, TERMINAL_STATES))
         for histogram in (self.task_duration, self.pickup_latency):
             histogram.know(types)
+        profiles = list(self._profiles())
+        self.scans_created.know((p,) for p in profiles)
+        self.scans_finished.know(product(profiles, SCAN_ENDS))
+        self.scan_steps.know(product(profiles, JOB_ENDS))
 
     def _pool_families(self) -> Iterator[Metric]:
         stats = self._pool()

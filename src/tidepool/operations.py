@@ -16,8 +16,9 @@ from typing import Any
 
 import anyio
 
+from .api.ops import ScanRequest
 from .api.schemas import NodeOut, PoolOut, ScheduleOut
-from .errors import Conflict, InvalidRequest, StoreUnavailable, TaskNotFound
+from .errors import Conflict, InvalidRequest, ScanNotFound, StoreUnavailable, TaskNotFound
 from .events import EventBus
 from .gateway.registry import WorkerRegistry
 from .guards import Guards
@@ -27,6 +28,8 @@ from .model import CANCELLED_ON_REQUEST, NewTask, RemoteWorker, State, Task, Wor
 from .plugins import Registry
 from .pool import Pool, Waker
 from .resources import ResourcePool
+from .scan_operations import ScanOperations, ScanParts
+from .scans import NewScan
 from .schedules import Schedule, task_for, validate
 from .settings import Settings
 from .store import Page, Store, retry_step
@@ -82,11 +85,14 @@ class NodeOperations:
         self._settings = settings
         self._check_payload = PayloadCheck(settings)
         self._shared_store = settings.db_path() is None  # SQLite: this node is the whole fleet
+        self.scans = ScanOperations(settings, registry, ScanParts(
+            parts.store, parts.events, parts.waker, parts.leases, parts.resources, self.fleet_tag_sets))
 
     def configure(self, settings: Settings, registry: Registry) -> None:
         """A reload's settings and task types: every submit, retry and schedule from now on is checked by them."""
         self._settings, self.registry = settings, registry
         self._check_payload = PayloadCheck(settings)
+        self.scans.configure(settings, registry)
 
     @property
     def max_body_kb(self) -> int:
@@ -105,12 +111,18 @@ class NodeOperations:
     def _max_queued(self) -> int:
         return self._settings.pool.max_queued
 
-    def defines(self, task_type: str) -> bool:
-        """Whether this node defines the type: a schedule of one it does not is another node's to fire."""
-        return self.registry.knows_type(task_type)
+    def defines(self, schedule: Schedule) -> bool:
+        """Whether this node defines the schedule's type (or profile): one it does not is another node's to fire."""
+        if schedule.profile is not None:
+            return self.scans.defines(schedule.profile)
+        return schedule.type is not None and self.registry.knows_type(schedule.type)
 
-    def scheduled_task(self, schedule: Schedule, tick: float) -> NewTask:
-        """A schedule's task for a tick, as a submit of its type makes one: the type's attempt budget and tags."""
+    def scheduled_task(self, schedule: Schedule, tick: float) -> NewTask | NewScan:
+        """A schedule's task for a tick, as a submit of its type makes one: the type's attempt budget and tags;
+        a profile schedule's scan, as a submit of its profile makes one."""
+        if schedule.profile is not None:
+            return self.scans.scheduled(schedule, tick)
+        assert schedule.type is not None
         return task_for(schedule, tick, max_attempts=self.max_attempts_for(schedule.type),
                         required_tags=self.registry.required_tags(schedule.type))
 
@@ -253,7 +265,13 @@ class NodeOperations:
         return [await self.schedule_view(schedule) for schedule in await self._store.list_schedules()]
 
     async def schedule_view(self, schedule: Schedule) -> dict[str, Any]:
-        """The schedule's JSON with the state of its last task (gone, if pruned: null)."""
+        """The schedule's JSON with the state of its last task or scan (gone, if pruned: null)."""
+        if schedule.profile is not None:
+            scan_state = None
+            if schedule.last_task_id is not None:
+                with contextlib.suppress(ScanNotFound):
+                    scan_state = (await self._store.get_scan(schedule.last_task_id)).state
+            return ScheduleOut.of(schedule, last_scan_state=scan_state).to_json()
         state = None
         if schedule.last_task_id is not None:
             with contextlib.suppress(TaskNotFound):
@@ -262,7 +280,12 @@ class NodeOperations:
 
     async def save_schedule(self, schedule: Schedule) -> Schedule:
         validate(schedule)
-        probe = self.scheduled_task(schedule, time.time())  # checked as its submit would be: type and tags
+        if schedule.profile is not None:  # checked as a submit of its profile would be
+            await self.scans.resolve(ScanRequest(schedule.profile, dict(schedule.payload), schedule.priority))
+            return await self._saved(schedule)
+        assert schedule.type is not None
+        probe = task_for(schedule, time.time(), max_attempts=self.max_attempts_for(schedule.type),
+                         required_tags=self.registry.required_tags(schedule.type))  # checked as its submit would be
         try:
             self.check(probe, fleet_tags=await self._fleet_tags([probe]))
         except InvalidRequest as exc:
@@ -270,6 +293,9 @@ class NodeOperations:
                 raise
             raise InvalidRequest("type", f"type {schedule.type!r} needs tags no resource of this fleet has: "
                                  f"{sorted(self.registry.required_tags(schedule.type))}") from None
+        return await self._saved(schedule)
+
+    async def _saved(self, schedule: Schedule) -> Schedule:
         saved = await self._store.save_schedule(schedule, now=time.time())
         log.info("schedule %s saved, next run %s", saved.name, rfc3339(saved.next_run_at))
         return saved

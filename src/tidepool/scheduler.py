@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 from anyio.abc import TaskStatus
@@ -14,6 +14,7 @@ from .errors import InvalidRequest, ScheduleNotFound, StoreUnavailable
 from .events import EventBus
 from .logs import Outage
 from .model import NewTask, rfc3339
+from .scans import NewScan
 from .schedules import Fired, Schedule, validate
 from .settings import PoolSettings, ScheduleSettings
 from .store import Store
@@ -23,14 +24,16 @@ log = logging.getLogger("tidepool.scheduler")
 
 class Scheduler:
     def __init__(self, store: Store, events: EventBus, *, node_id: str,
-                 new_task: Callable[[Schedule, float], NewTask], wake: Callable[[int], None],
-                 interval_s: float = 0.5, defines: Callable[[str], bool] = lambda type_name: True,
-                 max_queued: int | None = None, clock: Callable[[], float] = time.time) -> None:
+                 new_task: Callable[[Schedule, float], NewTask | NewScan], wake: Callable[[int], None],
+                 interval_s: float = 0.5, defines: Callable[[Schedule], bool] = lambda schedule: True,
+                 max_queued: int | None = None, clock: Callable[[], float] = time.time,
+                 scan_started: Callable[[str], Awaitable[None]] | None = None) -> None:
         self._store = store
         self._node_id = node_id
         self._events = events
-        self._new_task = new_task  # a tick's task, as a submit of its type would be: its budget, its tags
+        self._new_task = new_task  # a tick's task (or scan), as a submit of its type (or profile) would be
         self._defines = defines  # the schedules of types this node does not define are another node's to fire
+        self._scan_started = scan_started  # a profile schedule's scan is announced as a submitted one is
         self._max_queued = max_queued
         self._wake = wake
         self.interval_s = interval_s
@@ -58,9 +61,10 @@ class Scheduler:
                         "the next SIGHUP or start saves them", timeout_s)
             return
         for schedule in stored:
-            if not self._defines(schedule.type):
-                log.warning("schedule %s names task type %r, which this node does not define: it fires only on a "
-                            "node that does", schedule.name, schedule.type)
+            if not self._defines(schedule):
+                what = f"task type {schedule.type!r}" if schedule.type is not None else f"profile {schedule.profile!r}"
+                log.warning("schedule %s names %s, which this node does not define: it fires only on a node that "
+                            "does", schedule.name, what)
 
     async def sync_config(self, configured: Sequence[ScheduleSettings]) -> list[Schedule]:
         """Save the config file's schedules, their state (next/last run, paused) kept, and remove those
@@ -98,7 +102,13 @@ class Scheduler:
                                                  defines=self._defines, max_queued=self._max_queued)
         created = 0
         for f in fired:
-            if f.task_id is not None:
+            if f.scan_id is not None:
+                self._events.publish("schedule.fired", task_id=None, worker_id=None, schedule=f.schedule,
+                                     tick=rfc3339(f.tick), scan_id=f.scan_id)
+                log.info("schedule %s fired for %s: scan %s", f.schedule, rfc3339(f.tick), f.scan_id)
+                if self._scan_started is not None:
+                    await self._scan_started(f.scan_id)
+            elif f.task_id is not None:
                 created += 1
                 self._events.publish("task.created", task_id=f.task_id, worker_id=None, type=f.type,
                                      priority=f.priority, schedule=f.schedule)
@@ -118,4 +128,4 @@ class Scheduler:
 def from_settings(item: ScheduleSettings, node_id: str) -> Schedule:
     return Schedule(name=item.name, type=item.type, payload=dict(item.payload), cron=item.cron, every_s=item.every_s,
                     timezone=item.timezone, jitter_s=item.jitter_s, catch_up=item.catch_up, overlap=item.overlap,
-                    priority=item.priority, config_node=node_id)
+                    priority=item.priority, profile=item.profile, config_node=node_id)

@@ -23,6 +23,7 @@ from croniter import croniter  # type: ignore[import-untyped]
 
 from .errors import InvalidRequest, QueueFull
 from .model import NewTask
+from .scans import NewScan
 
 MIN_EVERY_S = 1.0         # shorter periods are not what a schedule is for (and overflow the tick arithmetic)
 MAX_CATCH_UP = 10          # catch_up = "all" fires at most this many missed ticks at once
@@ -36,8 +37,10 @@ Overlap = Literal["allow", "skip"]
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
+    """A schedule submits a task of its `type` at each tick, or starts a scan of its `profile`: one of the two."""
+
     name: str
-    type: str
+    type: str | None = None
     payload: dict[str, Any] = field(default_factory=dict)
     cron: str | None = None
     every_s: float | None = None
@@ -46,12 +49,13 @@ class Schedule:
     catch_up: CatchUp = "last"
     overlap: Overlap = "allow"
     priority: int = 0
+    profile: str | None = None
     config_node: str | None = None      # the node whose config file defines it; None: the API did
     paused: bool = False
     next_tick_at: float | None = None   # the next tick's identity (unjittered)
     next_run_at: float | None = None    # when that tick is due (tick + jitter)
     last_run_at: float | None = None
-    last_task_id: str | None = None
+    last_task_id: str | None = None     # its last task's id; a profile schedule's last scan's
 
     def same_timing(self, other: Schedule) -> bool:
         return (self.cron, self.every_s, self.timezone, self.jitter_s) == \
@@ -78,6 +82,7 @@ class Fired:
     count: int = 1               # for a cron schedule's "missed", at most MAX_COUNTED (Firing.skipped)
     type: str | None = None      # the task's type and priority, when one was created
     priority: int = 0
+    scan_id: str | None = None   # the scan a profile schedule started (task_id is None then)
 
 
 def validate(schedule: Schedule) -> Schedule:
@@ -85,6 +90,8 @@ def validate(schedule: Schedule) -> Schedule:
     if not (re.fullmatch(NAME_PATTERN, schedule.name) and len(schedule.name) <= MAX_NAME_LEN):
         raise InvalidRequest("name", f"{schedule.name!r} is not a schedule name: 1 to {MAX_NAME_LEN} letters, "
                                      "digits and _ . : -")
+    if (schedule.type is None) == (schedule.profile is None):
+        raise InvalidRequest("type", "set exactly one of type (a task to submit) or profile (a scan to start)")
     if (schedule.cron is None) == (schedule.every_s is None):
         raise InvalidRequest("cron", "set exactly one of cron or every_s")
     if schedule.cron is not None and not schedule.cron.startswith("@") and (fields := len(schedule.cron.split())) != 5:
@@ -232,7 +239,7 @@ def _count(schedule: Schedule, first: float, last: float) -> int:
 
 
 DEFINING_FIELDS = ("type", "payload", "cron", "every_s", "timezone", "jitter_s", "catch_up", "overlap", "priority",
-                   "config_node")
+                   "profile", "config_node")
 
 
 def spec_of(schedule: Schedule) -> dict[str, Any]:
@@ -263,12 +270,14 @@ def set_paused(schedule: Schedule, paused: bool, now: float) -> Schedule:
     return start(replace(schedule, paused=False), now)
 
 
-def fire(schedule: Schedule, now: float, *, running: Callable[[str], bool], add: Callable[[NewTask], str | None],
-         new_task: Callable[[Schedule, float], NewTask] | None = None,
+def fire(schedule: Schedule, now: float, *, running: Callable[[str], bool],
+         add: Callable[[NewTask | NewScan], str | None],
+         new_task: Callable[[Schedule, float], NewTask | NewScan] | None = None,
          firing: Firing | None = None) -> tuple[list[Fired], Schedule]:
-    """Fire a due schedule inside the store's transaction: `add` creates a task (None if its tick's
-    key exists already), `running` says whether the schedule's last task is still unfinished, and
-    `new_task` makes a tick's task as the node would a submit of its type (task_for by default).
+    """Fire a due schedule inside the store's transaction: `add` creates a task or, for a profile schedule, a
+    scan (its id; None if its tick's key exists already), `running` says whether the schedule's last task
+    (or scan) is still unfinished, and `new_task` makes a tick's task as the node would a submit of its type
+    (task_for by default), or its scan as a submit of its profile.
     `firing`: plan(schedule, now), when the caller needed it first (a cron backlog's plan walks up to
     MAX_COUNTED ticks)."""
     new_task = new_task or task_for
@@ -286,7 +295,10 @@ def fire(schedule: Schedule, now: float, *, running: Callable[[str], bool], add:
         except QueueFull:  # refused as a submit would be; the tick is not tried again
             fired.append(Fired(schedule.name, tick, None, "queue_full"))
             continue
-        if task_id is not None:
+        if task_id is not None and schedule.profile is not None:
+            fired.append(Fired(schedule.name, tick, None, priority=schedule.priority, scan_id=task_id))
+            last_task, last_run = task_id, tick
+        elif task_id is not None:
             fired.append(Fired(schedule.name, tick, task_id, type=schedule.type, priority=schedule.priority))
             last_task, last_run = task_id, tick
     return fired, replace(schedule, next_tick_at=firing.next_tick_at, next_run_at=firing.next_run_at,
@@ -296,10 +308,11 @@ def fire(schedule: Schedule, now: float, *, running: Callable[[str], bool], add:
 def task_for(schedule: Schedule, tick: float, *, max_attempts: int = 3,
              required_tags: frozenset[str] = frozenset()) -> NewTask:
     """A tick's task: its type's attempt budget and required tags are the node's to give (as to a submit)."""
+    assert schedule.type is not None, "a profile schedule starts scans"
     return NewTask(schedule.type, dict(schedule.payload), schedule.priority, max_attempts, None,
                    tuple(sorted(required_tags)), tick_key(schedule, tick), None)
 
 
 def tick_key(schedule: Schedule, tick: float) -> str:
-    """The idempotency key of a tick's task: one task per tick, however many nodes fire it."""
+    """The idempotency key of a tick's task (or scan): one per tick, however many nodes fire it."""
     return f"schedule:{schedule.name}:{datetime.fromtimestamp(tick, UTC).isoformat()}"

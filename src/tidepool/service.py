@@ -96,8 +96,6 @@ class Daemon:
                                policy=lambda: self.engine.policy, max_body_kb=settings.api.max_body_kb)
         self.gateway_watch = Watch(self.gateway)
         self.events.listen(self.gateway_watch.on_event)
-        # A scan step's next task is made by whichever call ended the step before it, not by a submit.
-        self.store.on_scan_moves(lambda moves: self.waker.wake(sum(1 for m in moves if m.task_id is not None)))
         self.guards = Guards(self.events, state_dir=settings.node.state_dir,
                              min_free_memory_mb=settings.guards.min_free_memory_mb,
                              min_free_disk_mb=settings.guards.min_free_disk_mb, on_clear=self.waker.wake_max)
@@ -107,7 +105,8 @@ class Daemon:
         self.metrics = Metrics(node_id=self.node_id, version=__version__, pool=lambda: self.pool.statistics(),
                                counts=partial(store_answers, self.store), guards=self.guards.statistics,
                                draining=lambda: self.status.draining, task_types=lambda: self.ops.registry.types,
-                               organizations=self.store.organization_counts)
+                               organizations=self.store.organization_counts,
+                               profiles=lambda: self.ops.scans.profiles)
         self.events.listen(self.metrics.on_event)
         self.metrics.registry.register(self.gateway.metrics)
         self.events.listen(logs.lifecycle)
@@ -125,13 +124,16 @@ class Daemon:
             self.store, self.events, self.waker, self.pool, self.leases, self.guards, self.resources, self.metrics,
             self.gateway.registry),
             node_id=self.node_id, status=self.status)
+        # A scan step's next task is made by whichever call ended the step before it, not by a submit: the
+        # store's one listener announces each move and wakes a worker for each task it made.
+        self.store.on_scan_moves(self.ops.scans.moved)
         self.reconciler = Reconciler(self.store, self.events,
                                      config=ReconcilerConfig.of(settings.reconciler, settings.execution),
                                      policy=lambda: self.engine.policy, wake=self.waker.wake,
                                      fleet_tags=self.ops.fleet_tag_sets)
         self.scheduler = Scheduler(self.store, self.events, node_id=self.node_id, new_task=self.ops.scheduled_task,
                                    wake=self.waker.wake, defines=self.ops.defines,
-                                   max_queued=settings.pool.max_queued)
+                                   max_queued=settings.pool.max_queued, scan_started=self.ops.scans.announce)
 
     # running
 

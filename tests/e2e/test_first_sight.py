@@ -19,7 +19,7 @@ def test_the_ready_line_gives_the_dashboard_url_and_the_types_and_schedules_defi
     daemon.start()
     (ready,) = [line for line in daemon.log(200).splitlines() if " ready: tidepool " in line]
     assert f"dashboard http://127.0.0.1:{daemon.port}/" in ready, ready
-    assert "types noop, scan, sleep" in ready and "schedules nightly" in ready, ready
+    assert "types http_probe, noop, scan, sleep, tcp_connect" in ready and "schedules nightly" in ready, ready
 
 
 PROBE = {"plugins.probe": {"command": ["echo", "--host", "{target}", "{port}"]}, "types.probe": {"plugins": ["probe"]}}

@@ -137,8 +137,8 @@ async def test_a_tick_that_would_fill_the_queue_past_max_queued_is_skipped_and_s
 async def test_a_schedule_of_a_type_this_node_does_not_define_is_left_for_one_that_does(store: Store) -> None:
     """Its tasks would wait for ever on a node that cannot run them (a type taken out by a reload)."""
     await store.save_schedule(every(), now=30.0)
-    assert await store.fire_schedules(now=61.0, defines=lambda t: t != "noop") == []
+    assert await store.fire_schedules(now=61.0, defines=lambda s: s.type != "noop") == []
     assert (await store.list_tasks()).tasks == []
     assert (await store.list_schedules())[0].next_tick_at == 60.0, "untouched: another node fires it"
-    (fired,) = await store.fire_schedules(now=61.0, defines=lambda t: t == "noop")
+    (fired,) = await store.fire_schedules(now=61.0, defines=lambda s: s.type == "noop")
     assert fired.task_id is not None

@@ -9,6 +9,7 @@ import jsonschema_rs
 import pytest
 
 from tidepool.api import openapi
+from tidepool.api.scan_schemas import ScanOut
 from tidepool.api.schemas import (
     NodeOut,
     PoolOut,
@@ -32,6 +33,7 @@ from tidepool.guards import GuardStats
 from tidepool.model import Attempt, AttemptStatus, Phase, ResultBatch, State, Task, TaskError
 from tidepool.pool import PoolStats
 from tidepool.resources import ResourceStats
+from tidepool.scans import Job, JobState, Scan, ScanState
 from tidepool.schedules import Schedule
 from tidepool.store import Node
 
@@ -117,7 +119,17 @@ def test_a_schedule_shows_its_definition_its_runs_and_its_last_task_state() -> N
         "name": "nightly", "type": "noop", "payload": {"a": 1}, "cron": "0 3 * * *", "every_s": None,
         "timezone": "UTC", "jitter_s": 0.0, "catch_up": "last", "overlap": "allow", "priority": 0,
         "config_node": None, "paused": False, "next_run_at": "2023-11-14T22:13:21.250000Z", "last_run_at": None,
-        "last_task_id": "t1", "last_task_state": "failed"}
+        "last_task_id": "t1", "last_task_state": "failed", "profile": None, "last_scan_id": None,
+        "last_scan_state": None}
+
+
+def test_a_profile_schedule_shows_its_last_scan_and_no_type() -> None:
+    schedule = Schedule("weekly", profile="discover", every_s=60.0, last_task_id="s1")
+    body = _conforms(ScheduleOut.of(schedule, last_scan_state=ScanState.SUCCEEDED))
+    assert {k: body[k] for k in ("type", "profile", "last_task_id", "last_task_state", "last_scan_id",
+                                 "last_scan_state")} == {
+        "type": None, "profile": "discover", "last_task_id": None, "last_task_state": None, "last_scan_id": "s1",
+        "last_scan_state": "succeeded"}
 
 
 def test_the_pool_shows_its_sizes_queue_guards_and_resources() -> None:
@@ -170,3 +182,19 @@ def test_the_states_of_the_document_are_the_models() -> None:
     assert schemas["State"]["enum"] == [s.value for s in State]
     assert schemas["AttemptStatus"]["enum"] == [s.value for s in AttemptStatus]
     assert schemas["Phase"]["enum"] == [p.value for p in Phase]
+
+
+def test_a_scan_shows_its_jobs_in_order_a_job_not_come_yet_without_a_task() -> None:
+    jobs = (Job(0, "tcp_connect", JobState.FAILED, "t1", 3, TaskError("resolve_failed", "no such host", False), 1),
+            Job(1, "http_probe", JobState.SKIPPED))
+    scan = Scan("s1", "discover", ScanState.FAILED, "default", {"target": "x"}, {"open_ports": [80]}, 0, False, None,
+                jobs, T0, T0 + 1, T0 + 1)
+    assert _conforms(ScanOut.of(scan)) == {
+        "id": "s1", "profile": "discover", "state": "failed", "organization": "default", "payload": {"target": "x"},
+        "scope": {"open_ports": [80]},
+        "jobs": [{"index": 0, "step": "tcp_connect", "state": "failed", "task_id": "t1", "attempts": 3,
+                  "error": {"code": "resolve_failed", "message": "no such host"}},
+                 {"index": 1, "step": "http_probe", "state": "skipped", "task_id": None, "attempts": 0,
+                  "error": None}],
+        "created_at": "2023-11-14T22:13:20.250000Z", "updated_at": "2023-11-14T22:13:21.250000Z",
+        "finished_at": "2023-11-14T22:13:21.250000Z"}

@@ -19,7 +19,7 @@ from ..errors import InvalidRequest, TaskNotFound, TidepoolError
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..model import ORGANIZATION_PATTERN, State
 from ..settings import api_address
-from . import openapi, stream, workers
+from . import openapi, scans, stream, workers
 from .auth import TOKEN, require_token
 from .body_errors import body_error
 from .browsers import browser_guard, no_framing
@@ -303,6 +303,7 @@ async def openapi_json(request: web.Request) -> web.Response:
     routes = {(route.method.lower(), route.resource.canonical) for route in request.app.router.routes()
               if route.resource is not None}
     return web.json_response(openapi.document(routes, task_types=sorted(request.app[DAEMON].registry.types),
+                                              profiles=sorted(request.app[DAEMON].scans.profiles),
                                               bearer=request.app[TOKEN] is not None,
                                               worker_protocol=request.app[DAEMON].serves_workers))
 
@@ -335,6 +336,7 @@ def build_app(daemon: Operations, fanout: stream.Fanout, *, token: str | None = 
     app.router.add_get("/v1/pool", get_pool)
     app.router.add_patch("/v1/pool", patch_pool)
     app.router.add_get("/v1/nodes", list_nodes)
+    scans.add_routes(app.router)
     workers.add_routes(app)
     app.router.add_get("/v1/schedules", list_schedules)
     app.router.add_post("/v1/schedules", create_schedule)

@@ -13,6 +13,8 @@ from pydantic.json_schema import JsonSchemaMode, models_json_schema
 from .. import __version__
 from ..gateway import schemas as w1
 from ..model import ORGANIZATION_PATTERN, State
+from ..scans import ScanState
+from .scan_schemas import ScanOut, ScanPageOut, ScanStateOut, SubmitScan
 from .schemas import (
     CURSOR_PATTERN,
     MAX_LIST_LIMIT,
@@ -37,8 +39,8 @@ from .workers import WorkerOut, WorkerPatch, WorkersOut
 
 ERRORS = {"400": "invalid input, naming the field", "401": "missing or wrong bearer token",
           "403": "a change asked from another origin, or (without a token) a Host that is not a loopback name",
-          "404": "no such task or schedule", "408": "the body did not arrive in time",
-          "409": "conflicts with the task's state, an earlier submit or the node's (draining)",
+          "404": "no such task, schedule or scan", "408": "the body did not arrive in time",
+          "409": "conflicts with the task's or scan's state, an earlier submit or the node's (draining)",
           "413": "body over api.max_body_kb", "415": "body is not application/json",
           "429": "queue over pool.max_queued", "503": "store unavailable, or too many event streams",
           "410": "the lease is gone (error.reason: expired, cancelled, revoked, superseded)"}
@@ -69,6 +71,11 @@ LISTING = (_param("state", "query", {"type": "string", "enum": [s.value for s in
            _param("organization", "query", {"type": "string", "pattern": ORGANIZATION_PATTERN}),
            _param("cursor", "query", {"type": "string", "pattern": CURSOR_PATTERN},
                   description="the next_cursor of the page before"))
+SCAN_ID = _param("id", "path", {"type": "string"}, required=True)
+JOB_INDEX = _param("index", "path", {"type": "integer", "minimum": 0}, required=True)
+SCAN_LISTING = (_param("state", "query", {"type": "string", "enum": [s.value for s in ScanState]}),
+                _param("profile", "query", {"type": "string", "minLength": 1}),
+                *LISTING[2:])
 EVENTS = (_param("task_id", "query", {"type": "string"}),
           _param("type", "query", {"type": "array", "items": {"type": "string"}}, style="form", explode=True,
                  description="event names or globs, repeated or comma-separated"),
@@ -116,6 +123,21 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/tasks/{id}/retry"): Operation(
         "retryTask", "retry a finished task", {"202": RetryOut}, (*BODY_ERRORS, "404", "409", "429", "503"),
         params=[TASK_ID]),
+    ("post", "/v1/scans"): Operation(
+        "submitScan", "start a scan of a profile (200: its idempotency_key found it submitted already)",
+        {"201": ScanOut, "200": ScanOut}, SUBMIT_ERRORS, body=SubmitScan,
+        links={"id": ("getScan", "cancelScan")}),
+    ("get", "/v1/scans"): Operation(
+        "listScans", "list scans with their jobs, newest first", {"200": ScanPageOut}, ("400", "503"),
+        params=SCAN_LISTING),
+    ("get", "/v1/scans/{id}"): Operation(
+        "getScan", "a scan with its jobs and scope", {"200": ScanOut}, ("404", "503"), params=[SCAN_ID]),
+    ("post", "/v1/scans/{id}/cancel"): Operation(
+        "cancelScan", "cancel a scan: its running step's task, and the steps after it skipped", {"202": ScanStateOut},
+        (*BODY_ERRORS, "404", "409", "503"), params=[SCAN_ID]),
+    ("post", "/v1/scans/{id}/jobs/{index}/retry"): Operation(
+        "retryScanJob", "run an ended scan again from a failed, timed-out or cancelled job", {"202": ScanOut},
+        (*BODY_ERRORS, "404", "409", "429", "503"), params=[SCAN_ID, JOB_INDEX]),
     ("get", "/v1/pool"): Operation("getPool", "pool and queue figures", {"200": PoolOut}, ("503",)),
     ("patch", "/v1/pool"): Operation(
         "resizePool", "change pool sizes live", {"200": PoolOut}, (*BODY_ERRORS, "409", "503"), body=PoolPatch),
@@ -170,25 +192,30 @@ W1_OPERATIONS: dict[tuple[str, str], Operation] = {
 # Each model with the mode it is documented in: what a request may hold, or what an answer holds.
 ANSWERS: set[type[BaseModel]] = {ErrorOut, *(m for ops in (OPERATIONS, W1_OPERATIONS) for op in ops.values()
                                               for m in op.ok.values() if m)}
-REQUESTS: tuple[type[BaseModel], ...] = (SubmitTask, SubmitBatch, PoolPatch, ScheduleIn, WorkerPatch, *w1.REQUESTS)
+REQUESTS: tuple[type[BaseModel], ...] = (SubmitTask, SubmitBatch, PoolPatch, ScheduleIn, SubmitScan, WorkerPatch,
+                                         *w1.REQUESTS)
 MODELS: list[tuple[type[BaseModel], JsonSchemaMode]] = [
     *((m, "validation") for m in REQUESTS),
     *((m, "serialization") for m in sorted(ANSWERS, key=lambda m: m.__name__)),
 ]
 
 
-def document(routes: Collection[tuple[str, str]], *, task_types: Sequence[str] = (),
+def document(routes: Collection[tuple[str, str]], *, task_types: Sequence[str] = (), profiles: Sequence[str] = (),
              bearer: bool = False, worker_protocol: bool = False) -> dict[str, Any]:
     """The document of `routes` (method and path, as the router holds them); `task_types` (the node's known
-    types) become the enum of a task's type; `bearer`: the node has a token, which every route but the probes
-    needs; `worker_protocol`: the node is a gateway, whose /w1 routes (on their own listener) are described too.
-    A route no operation describes is an error, so that a new route cannot go undocumented."""
+    types) become the enum of a task's type, and `profiles` (its scan profiles) that of a scan's; `bearer`: the
+    node has a token, which every route but the probes needs; `worker_protocol`: the node is a gateway, whose
+    /w1 routes (on their own listener) are described too. A route no operation describes is an error, so that
+    a new route cannot go undocumented."""
     _undocumented(routes)
     _, defs = models_json_schema(MODELS, ref_template="#/components/schemas/{model}")
     schemas = defs["$defs"]
     if task_types:
-        for submitted in ("SubmitTask", "ScheduleIn"):
-            schemas[submitted]["properties"]["type"]["enum"] = list(task_types)
+        schemas["SubmitTask"]["properties"]["type"]["enum"] = list(task_types)
+        schemas["ScheduleIn"]["properties"]["type"]["enum"] = [*task_types, None]  # null: a profile schedule
+    if profiles:
+        schemas["SubmitScan"]["properties"]["profile"]["enum"] = list(profiles)
+        schemas["ScheduleIn"]["properties"]["profile"]["enum"] = [*profiles, None]
     paths: dict[str, dict[str, Any]] = {}
     for (method, path), op in OPERATIONS.items():
         if (method, op.route or path) in routes or ("*", op.route or path) in routes:
@@ -199,7 +226,7 @@ def document(routes: Collection[tuple[str, str]], *, task_types: Sequence[str] =
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "tidepool", "version": __version__,
-                 "description": "The HTTP API of a tidepool node: tasks, pool, schedules, nodes, events."},
+                 "description": "The HTTP API of a tidepool node: tasks, scans, pool, schedules, nodes, events."},
         "paths": paths, "components": {"schemas": schemas}}
     schemes = {**({"mutualTLS": {"type": "mutualTLS"}} if worker_protocol else {}),
                **({"bearer": {"type": "http", "scheme": "bearer"}} if bearer else {})}

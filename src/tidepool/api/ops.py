@@ -8,13 +8,16 @@ object that has these members.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..events import EventBus
     from ..model import NewTask, RemoteWorker, State, Task, WorkerChange
+    from ..scans import Scan, ScanState
     from ..schedules import Schedule
     from ..store import Page
+    from ..store.port import ScanPage
 
 
 class TaskTypes(Protocol):
@@ -22,6 +25,39 @@ class TaskTypes(Protocol):
 
     @property
     def types(self) -> Mapping[str, object]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ScanRequest:
+    """A scan submit as the API parsed it, before the node resolves its profile's steps."""
+
+    profile: str
+    payload: dict[str, Any]
+    priority: int = 0
+    organization: str = "default"
+    idempotency_key: str | None = None
+
+
+class ScanOps(Protocol):
+    """The node's scans as its API sees them (the node's are tidepool.scan_operations.ScanOperations)."""
+
+    @property
+    def profiles(self) -> Mapping[str, object]:
+        """The scan profiles the node defines, by name (the OpenAPI document lists them)."""
+        ...
+
+    async def submit(self, request: ScanRequest) -> tuple[Scan, bool]:
+        """The scan, and whether it was created (False: found by its idempotency_key)."""
+        ...
+
+    async def get(self, scan_id: str) -> Scan: ...
+
+    async def list(self, *, state: ScanState | None, profile: str | None, limit: int,
+                   cursor: str | None) -> ScanPage: ...
+
+    async def cancel(self, scan_id: str) -> ScanState: ...
+
+    async def retry(self, scan_id: str, index: int) -> Scan: ...
 
 
 class Operations(Protocol):
@@ -36,6 +72,9 @@ class Operations(Protocol):
 
     @property
     def max_body_kb(self) -> int: ...
+
+    @property
+    def scans(self) -> ScanOps: ...
 
     @property
     def serves_workers(self) -> bool:

@@ -29,6 +29,7 @@ from ..model import (
     rfc3339,
 )
 from ..resources import ResourceStats
+from ..scans import ScanState
 from ..schedules import MAX_NAME_LEN, NAME_PATTERN, CatchUp, Overlap, Schedule
 from ..settings import MAX_WORKERS, Tag
 from ..store import Node
@@ -115,16 +116,22 @@ class PoolPatch(BaseModel):
     idle_timeout_s: float | None = Field(None, gt=0)
 
 
-# A schedule runs by exactly one of its two timings; the other is left out or null.
-_ONE_TIMING: JsonDict = {"oneOf": [{"required": ["cron"], "properties": {"cron": {"type": "string"}}},
-                         {"required": ["every_s"], "properties": {"every_s": {"type": "number"}}}]}
+# A schedule runs by exactly one of its two timings, and submits a task of its type or starts a scan of its
+# profile; the other of each pair is left out or null.
+_ONE_TIMING: JsonDict = {"allOf": [
+    {"oneOf": [{"required": ["cron"], "properties": {"cron": {"type": "string"}}},
+               {"required": ["every_s"], "properties": {"every_s": {"type": "number"}}}]},
+    {"oneOf": [{"required": ["type"], "properties": {"type": {"type": "string"}}},
+               {"required": ["profile"], "properties": {"profile": {"type": "string"}}}]}]}
 
 
 class ScheduleIn(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_ONE_TIMING)
 
     name: str = Field(min_length=1, max_length=MAX_NAME_LEN, pattern=NAME_PATTERN)
-    type: str = Field(min_length=1, max_length=200)
+    type: str | None = Field(None, min_length=1, max_length=200)
+    profile: str | None = Field(None, min_length=1, max_length=200, description="start a scan of this profile "
+                                "at each tick, instead of a task of `type`")
     payload: dict[str, Any] = {}
     cron: str | None = Field(None, max_length=200)
     every_s: float | None = Field(None, ge=1.0, le=366 * 86400)  # sub-second periods overflow the tick arithmetic
@@ -305,7 +312,8 @@ class PoolOut(Shape):
 
 class ScheduleOut(Shape):
     name: str
-    type: str
+    type: str | None
+    profile: str | None = Field(description="a profile schedule starts a scan of it at each tick (type is null)")
     payload: dict[str, Any]
     cron: str | None
     every_s: float | None
@@ -321,10 +329,17 @@ class ScheduleOut(Shape):
     last_run_at: Instant | None
     last_task_id: str | None
     last_task_state: State | None = Field(description="null when it made no task yet, or that task was pruned")
+    last_scan_id: str | None = Field(description="a profile schedule's last scan (last_task_id is null then)")
+    last_scan_state: ScanState | None = Field(description="null when it started no scan yet, or it was pruned")
 
     @classmethod
-    def of(cls, schedule: Schedule, *, last_task_state: State | None = None) -> Self:
-        return cls.model_validate({**_attributes(schedule), "last_task_state": last_task_state})
+    def of(cls, schedule: Schedule, *, last_task_state: State | None = None,
+           last_scan_state: ScanState | None = None) -> Self:
+        fields = _attributes(schedule)
+        if schedule.profile is not None:  # the id a profile schedule keeps of the last thing it started is a scan's
+            fields.update(last_task_id=None, last_scan_id=schedule.last_task_id)
+        return cls.model_validate({"last_scan_id": None, **fields, "last_task_state": last_task_state,
+                                   "last_scan_state": last_scan_state})
 
 
 class SchedulesOut(Shape):

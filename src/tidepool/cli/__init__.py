@@ -11,7 +11,7 @@ from pathlib import Path
 from .. import settings as settings_mod
 from ..errors import ConfigError, SchemaMismatch, StoreUnavailable
 from ..settings import Settings
-from . import pki, schedules, tasks, views
+from . import pki, scans, schedules, tasks, views, workers
 from .daemon import EXIT_GRACE_S, cmd_config, cmd_migrate, cmd_run
 from .output import OK, TASK_FAILED, UNREACHABLE, USAGE, fatal
 from .talk import add_client_options, exit_code
@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     tasks.add_commands(add)
     views.add_commands(add)
     schedules.add_commands(add)
+    scans.add_commands(add)
+    workers.add_commands(add)
     pki.add_commands(add)
     p = add("config", cmd_config, "configuration tools", common=local)
     p.add_argument("action", choices=["check"])

@@ -27,7 +27,10 @@ def _print_schedules(data: dict[str, Any]) -> None:
         every = s["cron"] or f"every {s['every_s']:g}s"
         next_run = "paused" if s["paused"] else when(s["next_run_at"])
         last = f"{s['last_task_id'] or '-'} {s['last_task_state'] or ''}".strip()
-        rows.add_row(*map(text, (s["name"], s["type"], every, next_run, when(s["last_run_at"]), last)))
+        if s.get("profile"):  # it starts scans: its last is a scan
+            last = f"scan {s['last_scan_id'] or '-'} {s['last_scan_state'] or ''}".strip()
+        runs = s["type"] or f"profile {s['profile']}"
+        rows.add_row(*map(text, (s["name"], runs, every, next_run, when(s["last_run_at"]), last)))
     stdout().print(rows)
 
 
@@ -37,7 +40,7 @@ def cmd_add(args: argparse.Namespace, settings: Settings) -> int:
     except ValueError as exc:
         print(f"tidepool: --payload: {exc}", file=sys.stderr)
         return USAGE
-    schedule: dict[str, Any] = {"name": args.name, "type": args.type, "payload": payload,
+    schedule: dict[str, Any] = {"name": args.name, "type": args.type, "profile": args.profile, "payload": payload,
                                 "cron": args.cron, "every_s": args.every}
     for key in ("timezone", "jitter_s", "catch_up", "overlap", "priority"):
         if (value := getattr(args, key)) is not None:
@@ -88,7 +91,8 @@ def add_commands(add: Any) -> None:
         return p
 
     p = action("add", cmd_add, "create or replace a schedule: POST /v1/schedules")
-    p.add_argument("type")
+    p.add_argument("type", nargs="?", help="the task type each tick submits (or give --profile)")
+    p.add_argument("--profile", help="start a scan of this profile at each tick, instead of a task")
     when_ = p.add_mutually_exclusive_group(required=True)
     when_.add_argument("--every", type=float, metavar="S", help="a tick every S seconds (at least 1)")
     when_.add_argument("--cron", metavar="EXPR", help='minute hour day month weekday, e.g. "0 2 * * *", or @daily')

@@ -15,6 +15,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from .. import schedules
 from ..errors import ConfigError, InvalidRequest
 from .environment import ENV_PREFIX, Environment, check_env_sections, describe
+from .profiles import BUILTIN_PROFILES as BUILTIN_PROFILES
+from .profiles import ProfileSettings, check_profiles, step_types, usable_builtins
 from .sections import *  # noqa: F403  (every section model is the package's to export)
 from .sections import (
     BUILTIN_TYPES,
@@ -60,6 +62,7 @@ class Settings(BaseSettings):
     types: dict[str, TypeSettings] = {}
     resources: dict[str, ResourceSettings] = {}
     schedules: tuple[ScheduleSettings, ...] = ()
+    profiles: dict[str, ProfileSettings] = {}
 
     @field_validator("schedules")
     @classmethod
@@ -95,7 +98,13 @@ class Settings(BaseSettings):
         plugins.deny let run: an allow-list of the node's own plugins leaves the built-in types out rather
         than being refused for them."""
         builtin = {name: t for name, t in BUILTIN_TYPES.items() if all(map(self.plugins.permits, t.plugins))}
-        return {**builtin, **self.types}
+        return {**builtin, **step_types(self.all_profiles, {**BUILTIN_TYPES, **self.types}), **self.types}
+
+    @property
+    def all_profiles(self) -> dict[str, ProfileSettings]:
+        """The config's scan profiles, and the built-in ones it does not redefine whose steps plugins.allow and
+        plugins.deny let run."""
+        return {**usable_builtins(self.plugins), **self.profiles}
 
     def claimed_types(self) -> list[str]:
         """The task types this node claims: those it defines that pool.task_types accepts. A type this
@@ -155,9 +164,15 @@ def parse(data: dict[str, Any]) -> Settings:
 
 
 def _check_references(settings: Settings) -> None:
+    check_profiles(settings.profiles, settings.types, settings.plugins)
     for sched in settings.schedules:
-        if sched.type not in settings.all_types:
+        if (sched.type is None) == (sched.profile is None):
+            raise ConfigError(f"config: schedules.{sched.name}: set exactly one of type (a task to submit) or "
+                              "profile (a scan to start)")
+        if sched.type is not None and sched.type not in settings.all_types:
             raise ConfigError(f"config: schedules.{sched.name}.type: unknown task type {sched.type!r}")
+        if sched.profile is not None and sched.profile not in settings.all_profiles:
+            raise ConfigError(f"config: schedules.{sched.name}.profile: unknown profile {sched.profile!r}")
         if (sched.cron is None) == (sched.every_s is None):
             raise ConfigError(f"config: schedules.{sched.name}: set exactly one of cron or every_s")
         try:

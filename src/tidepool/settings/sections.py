@@ -289,7 +289,8 @@ class ResourceSettings(Section):
 
 class ScheduleSettings(Section):
     name: str
-    type: str
+    type: str | None = None
+    profile: str | None = None  # a scan of this profile is started instead of a task of `type`
     payload: dict[str, Any] = {}
     cron: str | None = None
     every_s: float | None = Field(None, ge=1.0)

@@ -32,7 +32,7 @@ from ..model import (
     new_id,
     new_token,
 )
-from ..scans import ScopeRefused, job_state_of
+from ..scans import NewScan, ScopeRefused, job_state_of
 from ..schedules import Fired, Schedule
 from . import rules
 from .memory_registry import MemoryRegistry
@@ -238,25 +238,34 @@ class MemoryStore(ScanVerbs, MemoryRegistry):
         self._schedules[name] = schedules.set_paused(self._schedules[name], paused, now)
         return self._schedules[name]
 
-    async def fire_schedules(self, *, now: float, new_task: Callable[[Schedule, float], NewTask] | None = None,
-                             defines: Callable[[str], bool] = lambda type_name: True,
+    async def fire_schedules(self, *, now: float,
+                             new_task: Callable[[Schedule, float], NewTask | NewScan] | None = None,
+                             defines: Callable[[Schedule], bool] = lambda schedule: True,
                              max_queued: int | None = None) -> list[Fired]:
-        def add(new: NewTask) -> str | None:
+        def add(new: NewTask | NewScan) -> str | None:
+            if isinstance(new, NewScan):
+                try:  # a tick's scan exists already, with this body or an earlier one: the tick has fired
+                    scan, created = self._scans.add(new, now, max_queued)
+                except Conflict:
+                    return None
+                return scan.id if created else None
             if new.idempotency_key in self._keys:
                 return None
             self._check_room(1, max_queued)
             return self._insert(new, now).id
 
+        def running(started: str) -> bool:
+            if started in self._scans.rows:
+                return not self._scans.rows[started].state.ended
+            return started in self._rows and not self._rows[started].task.state.terminal
+
         fired: list[Fired] = []
         for schedule in list(self._schedules.values()):
             if schedule.paused or schedule.next_run_at is None or schedule.next_run_at > now:
                 continue
-            if not defines(schedule.type):
+            if not defines(schedule):
                 continue
-            outcome, saved = schedules.fire(
-                schedule, now, new_task=new_task,
-                running=lambda task_id: task_id in self._rows and not self._rows[task_id].task.state.terminal,
-                add=add)
+            outcome, saved = schedules.fire(schedule, now, new_task=new_task, running=running, add=add)
             self._schedules[schedule.name] = saved
             fired.extend(outcome)
         return fired

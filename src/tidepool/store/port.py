@@ -238,13 +238,15 @@ class QueuePort(Protocol):
         """ScheduleNotFound if unknown; with config_node, also when that node's config no longer defines it
         (an API save or another node's config took it over meanwhile)."""
     async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule: ...
-    async def fire_schedules(self, *, now: float, new_task: Callable[[Schedule, float], NewTask] | None = None,
-                             defines: Callable[[str], bool] = lambda type_name: True,
+    async def fire_schedules(self, *, now: float,
+                             new_task: Callable[[Schedule, float], NewTask | NewScan] | None = None,
+                             defines: Callable[[Schedule], bool] = lambda schedule: True,
                              max_queued: int | None = None) -> list[Fired]:
-        """In one transaction per schedule: create the due ticks' tasks and advance next_run_at. A schedule
-        whose type `defines` refuses is left as it is, for a node that defines it; a tick that would take
-        the queue past max_queued is skipped (reason "queue_full"), as a submit would be refused.
-        `new_task` makes a tick's task (schedules.fire)."""
+        """In one transaction per schedule: create the due ticks' tasks (a profile schedule's: scans, each with
+        its first task) and advance next_run_at. A schedule `defines` refuses (its type or profile is not this
+        node's) is left as it is, for a node that defines it; a tick that would take the queue past max_queued
+        is skipped (reason "queue_full"), as a submit would be refused. `new_task` makes a tick's task or scan
+        (schedules.fire)."""
 
     # the reconciler
     async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,

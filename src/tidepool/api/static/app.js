@@ -55,14 +55,26 @@ function headers() {
   return h;
 }
 
-async function api(method, path) {
+// An error answer's status is kept on the error: a panel whose route this daemon lacks (404) hides itself.
+class ApiError extends Error {
+  constructor(status, message) { super(message); this.status = status; }
+}
+
+async function api(method, path, payload) {
   const h = headers();
-  const res = await fetch(path, { method, headers: h }).catch(() => { throw new Error(UNREACHABLE); });
+  const init = { method, headers: h, body: payload === undefined ? undefined : JSON.stringify(payload) };
+  const res = await fetch(path, init).catch(() => { throw new Error(UNREACHABLE); });
   const body = await res.json().catch(() => ({}));
-  if (res.status === 401) throw new Error(NEED_TOKEN);
-  if (!res.ok) throw new Error(`daemon answered ${res.status}: ${(body.error && body.error.message) || res.statusText}`);
+  if (res.status === 401) throw new ApiError(401, NEED_TOKEN);
+  if (!res.ok) {
+    throw new ApiError(res.status, `daemon answered ${res.status}: ${(body.error && body.error.message) || res.statusText}`);
+  }
   return body;
 }
+
+// The panels of their own scripts (workers.js, scans.js) hear every event and refresh with the rest.
+const eventHooks = [];    // (name, data) => void
+const refreshHooks = [];  // () => void
 
 // The connection badge: each source (the event stream, each poll) reports its own problem, and clears it
 // when it works again; the badge shows the latest problem while any lasts, and "live" when none does.
@@ -78,6 +90,7 @@ function report(source, problem) {
 }
 
 function setText(id, value) { $(id).textContent = value; }
+function toSecond(ts) { return ts ? ts.slice(0, 19).replace("T", " ") : ""; }  // an RFC 3339 UTC time, as the CLI shows it
 
 function kvRows(table, entries) {
   table.replaceChildren(...entries.map(([k, v]) => {
@@ -274,6 +287,7 @@ function handleFrame(frame) {
     else if (line.startsWith("event: ")) name = line.slice(7);
     else if (line.startsWith("data: ")) data += line.slice(6);
   }
+  for (const hook of eventHooks) hook(name, data);
   if (name === "stream.gap") {  // events were missed: whatever is shown may be behind
     scheduleTasks();
     if (selected) scheduleDetail();
@@ -316,6 +330,7 @@ function refreshAll() {
   refreshPool();
   refreshTasks();
   refreshSchedules();
+  for (const hook of refreshHooks) hook();
 }
 
 refreshAll();

@@ -45,6 +45,7 @@ from ...model import (
     WorkerChange,
     cancel_deadline_error,
 )
+from ...scans import NewScan
 from ...schedules import Fired, Schedule
 from ..port import Acquired, CancelAnswer, Ended, Ending, Enroll, Expired, Node, Page, PhaseNote, Revoked
 from ..rows import (
@@ -281,18 +282,19 @@ class PostgresStore(ScanVerbs):
             await conn.execute(SQL["save_schedule"], *schedule_values(saved))
         return saved
 
-    async def fire_schedules(self, *, now: float, new_task: Callable[[Schedule, float], NewTask] | None = None,
-                             defines: Callable[[str], bool] = lambda type_name: True,
+    async def fire_schedules(self, *, now: float,
+                             new_task: Callable[[Schedule, float], NewTask | NewScan] | None = None,
+                             defines: Callable[[Schedule], bool] = lambda schedule: True,
                              max_queued: int | None = None) -> list[Fired]:
         async with self._db.conn() as conn:
             due = await conn.fetch(SQL["due_schedules"], now)
         fired: list[Fired] = []
         for name, spec in due:
-            if not defines(schedules.stored_spec(spec)["type"]):
+            if not defines(Schedule(name, **schedules.stored_spec(spec))):
                 continue  # a node that defines the type fires it
             async with self._db.conn() as conn, conn.transaction():  # each a call of its own, within the deadline
                 these = await fire(conn, name, now, new_task, max_queued)
-                if created := sum(1 for f in these if f.task_id is not None):
+                if created := sum(1 for f in these if f.task_id is not None or f.scan_id is not None):
                     await conn.execute(SQL["notify"], str(created))
             fired.extend(these)
         return fired

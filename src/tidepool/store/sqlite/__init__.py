@@ -176,8 +176,9 @@ class SqliteStore:
     async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule:
         return await self._write(partial(queue_ops.pause_schedule, name=name, paused=paused, now=now))
 
-    async def fire_schedules(self, *, now: float, new_task: Callable[[Schedule, float], NewTask] | None = None,
-                             defines: Callable[[str], bool] = lambda type_name: True,
+    async def fire_schedules(self, *, now: float,
+                             new_task: Callable[[Schedule, float], NewTask | NewScan] | None = None,
+                             defines: Callable[[Schedule], bool] = lambda schedule: True,
                              max_queued: int | None = None) -> list[Fired]:
         return await self._write(partial(queue_ops.fire_schedules, now=now, new_task=new_task,
                                                        defines=defines, max_queued=max_queued))

@@ -16,11 +16,12 @@ from ... import schedules
 from ...errors import Conflict, ScheduleNotFound, TaskNotFound
 from ...lifecycle import Event, RetryPolicy, step
 from ...model import CANCELLED_ON_REQUEST, Lease, NewTask, State, Task, TaskError, cancel_deadline_error, new_id
+from ...scans import NewScan, ScanState
 from ...schedules import Fired, Schedule
 from ..port import CancelAnswer, Ended, Expired, Node
 from ..rows import error_text, node_values, schedule_of, schedule_values
 from ..rules import batch_answer, cancel_step, check_room, expiry_outcome, retry_step, step_retry_refused
-from . import scan_steps
+from . import scan_ops, scan_steps
 from .database import Q
 from .reads import task_of, task_row, task_with_attempts
 from .work import chunks, end, marks
@@ -144,13 +145,13 @@ def pause_schedule(conn: sqlite3.Connection, batch: Batch, *, name: str, paused:
 
 
 def fire_schedules(conn: sqlite3.Connection, batch: Batch, *, now: float,
-                   new_task: Callable[[Schedule, float], NewTask] | None, defines: Callable[[str], bool],
-                   max_queued: int | None) -> list[Fired]:
+                   new_task: Callable[[Schedule, float], NewTask | NewScan] | None,
+                   defines: Callable[[Schedule], bool], max_queued: int | None) -> list[Fired]:
     """Fire every due tick in one transaction: tasks created and next_run_at advanced together."""
     fired: list[Fired] = []
     for row in conn.execute(Q["due_schedules"], (now,)).fetchall():
         schedule = schedule_of(row)
-        if not defines(schedule.type):
+        if not defines(schedule):
             continue
         outcome, saved = schedules.fire(schedule, now, new_task=new_task,
                                         running=lambda task_id: _unfinished(conn, task_id),
@@ -162,14 +163,25 @@ def fire_schedules(conn: sqlite3.Connection, batch: Batch, *, now: float,
     return fired
 
 
-def _unfinished(conn: sqlite3.Connection, task_id: str) -> bool:
-    row = conn.execute(Q["task_state"], (task_id,)).fetchone()
+def _unfinished(conn: sqlite3.Connection, started: str) -> bool:
+    """Whether the task (or, for a profile schedule, the scan) a schedule started last has not ended."""
+    scan = conn.execute(scan_steps.QS["scan"], (started,)).fetchone()
+    if scan is not None:
+        return not ScanState(scan[2]).ended
+    row = conn.execute(Q["task_state"], (started,)).fetchone()
     return row is not None and not State(row[0]).terminal
 
 
-def _add_once(conn: sqlite3.Connection, batch: Batch, new: NewTask, now: float, max_queued: int | None) -> str | None:
-    """The new task's id, or None when a task for this key exists already (a tick fires once); QueueFull
-    past max_queued."""
+def _add_once(conn: sqlite3.Connection, batch: Batch, new: NewTask | NewScan, now: float,
+              max_queued: int | None) -> str | None:
+    """The new task's (or scan's) id, or None when one for this key exists already (a tick fires once);
+    QueueFull past max_queued."""
+    if isinstance(new, NewScan):
+        try:  # a tick's scan exists already, with this body or an earlier one: the tick has fired
+            scan, created = scan_ops.add_scan(conn, batch, new=new, now=now, max_queued=max_queued)
+        except Conflict:
+            return None
+        return scan.id if created else None
     if conn.execute(Q["key_used"], (new.idempotency_key,)).fetchone():
         return None
     _check_room(conn, batch, 1, max_queued)

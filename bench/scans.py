@@ -1,0 +1,139 @@
+"""Scans: what running a profile step by step costs over independent tasks, and a step's hand-off latency.
+
+Per run (median of --runs):
+  chain    --scans scans of a profile of --steps no-op steps are submitted one by one (POST /v1/scans) to a
+           daemon that claims nothing (TIDEPOOL_POOL__TASK_TYPES='["nothing"]'), so each waits with its first
+           step's task queued; a fresh daemon with pool.min_workers = max_workers = --workers then drains them
+           on the same SQLite file. Time per step = (first claim .. last finish, as the daemon stored them) /
+           (scans * steps): each step after the first is created in the transaction that ends the one before.
+  tasks    the same number of independent no-op tasks (POST /v1/tasks/batch, batches of 1000), drained the
+           same way in the same run: time per task. The ratio compares the two from this one run.
+  handoff  an idle daemon (the shipped pool) runs --handoff scans one at a time, each waited for: for every
+           step after the first, its task's start - the previous step's end (both daemon stamps: the end's
+           transaction creates the next task, a worker is woken, claims and starts it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from _harness import Daemon, Figure, arguments, fsync_note, median, report, reproduce, running, temp_dir
+
+DEFAULTS: dict[str, Any] = {"scans": 2000, "steps": 3, "workers": 16, "handoff": 100, "runs": 3}
+CLAIMS_NOTHING = {"TIDEPOOL_POOL__TASK_TYPES": '["nothing"]'}
+
+
+def ts(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered), math.ceil(p / 100 * len(ordered))) - 1)]
+
+
+def profile(steps: int) -> dict[str, dict[str, Any]]:
+    return {"profiles.chain": {"steps": ["noop"] * steps}}
+
+
+def queue_scans(state_dir: Path, scans: int, steps: int) -> None:
+    daemon = Daemon(state_dir, overrides=profile(steps), env=CLAIMS_NOTHING)
+    daemon.start()
+    try:
+        for _ in range(scans):
+            daemon.post("/v1/scans", {"profile": "chain"})
+    finally:
+        daemon.stop()
+
+
+def queue_tasks(state_dir: Path, n: int) -> None:
+    daemon = Daemon(state_dir, env=CLAIMS_NOTHING)
+    daemon.start()
+    try:
+        for i in range(0, n, 1000):
+            daemon.submit_batch([{"type": "noop"}] * min(1000, n - i))
+    finally:
+        daemon.stop()
+
+
+def drain_s(state_dir: Path, n: int, workers: int, steps: int) -> float:
+    """Seconds from the first claim to the last finish of all n tasks, as the daemon stored them."""
+    daemon = Daemon(state_dir, overrides={**profile(steps),
+                                          "pool": {"min_workers": workers, "max_workers": workers}})
+    daemon.start(timeout_s=60)
+    try:
+        deadline = time.monotonic() + 300
+        while daemon.query("SELECT count(*) FROM tasks WHERE state = 'completed'")[0][0] < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not drained within 300 s: {daemon.log_tail()}")
+            time.sleep(0.05)
+        (first, last), = daemon.query("SELECT min(started_at), max(finished_at) FROM attempts")
+    finally:
+        daemon.stop()
+    return float(last - first)
+
+
+def chain_and_tasks(tmp: Path, k: int, scans: int, steps: int, workers: int) -> tuple[float, float]:
+    """(seconds per scan step, seconds per independent task) of one run."""
+    n = scans * steps
+    queue_scans(tmp / f"chain-{k}", scans, steps)
+    per_step = drain_s(tmp / f"chain-{k}", n, workers, steps) / n
+    queue_tasks(tmp / f"tasks-{k}", n)
+    per_task = drain_s(tmp / f"tasks-{k}", n, workers, steps) / n
+    return per_step, per_task
+
+
+def handoffs(tmp: Path, k: int, scans: int, steps: int) -> list[float]:
+    """Seconds from each step's end to its next step's start, scans run one at a time on an idle daemon."""
+    gaps = []
+    with running(tmp / f"handoff-{k}", overrides=profile(steps)) as daemon:
+        time.sleep(0.5)  # the start-up claims settle: the daemon is idle
+        for _ in range(scans):
+            scan = daemon.post("/v1/scans", {"profile": "chain"})
+            while scan["state"] not in ("succeeded", "failed", "cancelled"):
+                time.sleep(0.002)
+                scan = daemon.get(f"/v1/scans/{scan['id']}")
+            attempts = [daemon.get(f"/v1/tasks/{job['task_id']}")["attempts"][0] for job in scan["jobs"]]
+            gaps += [ts(after["started_at"]) - ts(before["finished_at"])
+                     for before, after in itertools.pairwise(attempts)]
+    return gaps
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(__doc__.splitlines()[0], **DEFAULTS).parse_args(argv)
+    per_step, per_task, p50, p99 = [], [], [], []
+    with temp_dir("scans") as tmp:
+        for k in range(args.runs):
+            step_s, task_s = chain_and_tasks(tmp, k, args.scans, args.steps, args.workers)
+            per_step.append(step_s)
+            per_task.append(task_s)
+            gaps = handoffs(tmp, k, args.handoff, args.steps)
+            p50.append(percentile(gaps, 50))
+            p99.append(percentile(gaps, 99))
+            print(f"  run {k + 1}: {1e6 * step_s:.0f} µs per step, {1e6 * task_s:.0f} µs per task, "
+                  f"hand-off p50 {1000 * p50[-1]:.2f} ms p99 {1000 * p99[-1]:.2f} ms", flush=True)
+    b, runs = "scans", f"median of {args.runs} runs"
+    ratios = [s / t for s, t in zip(per_step, per_task, strict=True)]
+    n = args.scans * args.steps
+    figures = [
+        Figure(b, f"time per scan step ({args.scans} x {args.steps} no-op)", 1e6 * median(per_step), "µs", runs),
+        Figure(b, f"time per independent no-op task ({n})", 1e6 * median(per_task), "µs", runs),
+        Figure(b, "step / task, same run", median(ratios), "x",
+               f"{runs}; each {', '.join(f'{r:.2f}' for r in ratios)}"),
+        Figure(b, "hand-off p50 (step end .. next step start)", 1000 * median(p50), "ms", runs),
+        Figure(b, "hand-off p99", 1000 * median(p99), "ms", f"{runs}, {args.handoff * (args.steps - 1)} each"),
+    ]
+    report(f"scans: {args.scans} scans of {args.steps} no-op steps vs {n} tasks, {args.workers} workers, SQLite",
+           figures, reproduce("scans.py", args, DEFAULTS), args.summary, [f"durable figures: {fsync_note()}"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+// The Workers panel: a gateway's remote workers (GET /v1/workers), each with the buttons that enable, drain
+// or revoke it. A daemon without the route (404) shows no panel. Uses app.js's api, report, toSecond and $;
+// data goes in as text only.
+"use strict";
+
+const REMOTE_PERIOD_MS = 5000;
+const REMOTE_MIN_GAP_MS = 1000;  // leases and endings of a busy gateway refresh the live counts at most this often
+let remoteShown = true;          // false after a 404: this daemon serves no registry, so polling it stops
+let remoteTimer = null;
+
+function liveCount(w) {
+  return Array.isArray(w.live) ? w.live.length : Number(w.live || 0);
+}
+
+// What an operator may do to a worker in each state: revoked is final.
+function actionsFor(state) {
+  if (state === "revoked") return [];
+  return [state === "enabled" ? "disable" : "enable", "revoke"];
+}
+
+const WORKER_COLUMNS = ["id", "state", "live", "max", "organizations", "types", "last-seen", "address"];
+
+function workerCells(w) {
+  return [w.id, w.state, String(liveCount(w)), String(w.max_concurrent_tasks), (w.organizations || []).join(", "),
+    (w.task_types || []).join(", "), toSecond(w.last_seen), w.address || ""];
+}
+
+// A row is built once per worker and state (its buttons depend on the state) and its figures are updated in
+// place: a click on a button is never lost to a refresh replacing the button between mousedown and mouseup.
+function workerRow(w) {
+  const tr = document.createElement("tr");
+  tr.dataset.id = w.id;
+  tr.dataset.state = w.state;
+  for (const column of WORKER_COLUMNS) {
+    const td = document.createElement("td");
+    td.className = column === "state" ? "state state-" + w.state : column;
+    tr.appendChild(td);
+  }
+  const buttons = document.createElement("td");
+  for (const action of actionsFor(w.state)) {
+    const b = document.createElement("button");
+    b.textContent = action;
+    b.className = action;
+    b.addEventListener("click", () => changeWorker(w.id, action));
+    buttons.append(b, " ");
+  }
+  tr.appendChild(buttons);
+  return tr;
+}
+
+function fillWorker(tr, w) {
+  workerCells(w).forEach((text, i) => { if (tr.cells[i].textContent !== text) tr.cells[i].textContent = text; });
+  return tr;
+}
+
+function showWorkers(workers) {
+  const tbody = $("remote-workers").tBodies[0];
+  const built = new Map([...tbody.rows].map((tr) => [tr.dataset.id, tr]));
+  const rows = workers.map((w) => {
+    const tr = built.get(w.id);
+    return fillWorker(tr && tr.dataset.state === w.state ? tr : workerRow(w), w);
+  });
+  if (rows.length !== tbody.rows.length || rows.some((tr, i) => tbody.rows[i] !== tr)) tbody.replaceChildren(...rows);
+}
+
+async function refreshRemote() {
+  remoteTimer = null;
+  try {
+    const { workers } = await api("GET", "/v1/workers");
+    remoteShown = true;
+    $("remote").hidden = false;
+    $("remote-empty").hidden = workers.length > 0;
+    $("remote-workers").hidden = workers.length === 0;
+    showWorkers(workers);
+    report("remote", null);
+  } catch (err) {
+    if (err.status === 404) {  // no registry here: not a problem of the connection
+      remoteShown = false;
+      $("remote").hidden = true;
+      report("remote", null);
+    } else {
+      report("remote", err.message);
+    }
+  }
+}
+
+function scheduleRemote(wait) {
+  if (remoteShown && !remoteTimer) remoteTimer = setTimeout(refreshRemote, wait);
+}
+
+async function changeWorker(id, action) {
+  if (action === "revoke" && !window.confirm(`Revoke worker ${id}? Its running attempts are cancelled and its ` +
+      "certificate is refused from now on. A revoked worker cannot be enabled again.")) {
+    return;
+  }
+  const path = "/v1/workers/" + encodeURIComponent(id);
+  let text;
+  try {
+    const w = action === "revoke" ? await api("POST", path + "/revoke")
+      : await api("PATCH", path, { state: action === "enable" ? "enabled" : "disabled" });
+    text = `${w.id}: ${w.state}`;
+  } catch (err) {
+    text = `${action} ${id} refused: ${err.message}`;
+  }
+  $("remote-result").textContent = text;
+  refreshRemote();
+}
+
+eventHooks.push((name) => {
+  if (name === "worker.enrolled" || name === "worker.state" || name === "stream.gap") scheduleRemote(250);
+  else if (name === "task.leased" || name === "task.finished") scheduleRemote(REMOTE_MIN_GAP_MS);
+});
+refreshHooks.push(refreshRemote);  // a new token: asked again, 404 or not
+refreshRemote();
+setInterval(() => { if (remoteShown) refreshRemote(); }, REMOTE_PERIOD_MS);
