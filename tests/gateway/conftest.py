@@ -49,6 +49,7 @@ class Remote:
     def __init__(self, url: str, context: ssl.SSLContext) -> None:
         self.url = url
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context))
+        self.streams: list[aiohttp.ClientResponse] = []  # control streams opened, released on close
 
     async def post(self, path: str, body: Any = None, *, data: bytes | None = None,
                    content_type: str = "application/json") -> Answer:
@@ -67,6 +68,8 @@ class Remote:
         return dict(lease)
 
     async def close(self) -> None:
+        for stream in self.streams:
+            stream.release()
         await self.session.close()
 
 
@@ -195,5 +198,6 @@ class ControlReader:
 
 async def open_control(remote: Remote) -> ControlReader:
     response = await remote.session.get(remote.url + "/w1/control")
+    remote.streams.append(response)
     assert response.status == 200, await response.text()
     return ControlReader(response)

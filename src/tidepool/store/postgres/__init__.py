@@ -46,6 +46,7 @@ from ...model import (
     cancel_deadline_error,
 )
 from ...schedules import Fired, Schedule
+from ..notices import Notice
 from ..port import Acquired, CancelAnswer, Ended, Ending, Enroll, Expired, Node, Page, PhaseNote, Revoked
 from ..rows import (
     SCHEMA_VERSION,
@@ -64,6 +65,7 @@ from .claims import Claims
 from .connection import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, DRIVER_ERRORS, Connections, channel_for, said
 from .fenced import FencedWrites, expiry, lease_arrays, lost, write_ends
 from .firing import fire
+from .notices import Notices
 from .registry import Registry
 from .session import Session
 from .statements import SQL
@@ -84,8 +86,9 @@ class PostgresStore:
         self.url, self.schema, self.channel = self._db.url, self._db.schema, self._db.channel
         self._claims = Claims(self._db)
         self._fenced = FencedWrites(self._db)
-        self._session = Session(self._db)
-        self._registry = Registry(self._db)
+        self._notices = Notices()
+        self._session = Session(self._db, self._notices)
+        self._registry = Registry(self._db, self._notices)
 
     # lifecycle of the adapter
 
@@ -192,6 +195,7 @@ class PostgresStore:
                 await conn.execute(SQL["cancel_queued"], target.value, now, task_id, error_text(CANCELLED_ON_REQUEST))
             else:
                 await conn.execute(SQL["cancel_leased"], target.value, now, task_id)
+                await self._notices.remote_cancel(conn, task_id)  # its gateway tells the worker at once
             return CancelAnswer(target, True, type_)
 
     async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
@@ -365,6 +369,9 @@ class PostgresStore:
     async def watch(self, wake: Callable[[int], None], *,
                     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await self._session.watch(wake, task_status=task_status)
+
+    def hear_notices(self, heard: Callable[[Notice], None]) -> None:
+        self._notices.hear(heard)
 
     # the worker registry (registry.py)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .. import sql
 
 FILES = ("tasks.sql", "leases.sql", "reconciler.sql", "fleet.sql",  # the queue, workers, reconciler, fleet
-         "registry.sql")  # the remote workers
+         "registry.sql", "notices.sql")  # the remote workers, what the gateways tell each other
 
 
 def _named() -> dict[str, str]:
