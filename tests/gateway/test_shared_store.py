@@ -117,3 +117,16 @@ async def test_a_disable_through_one_gateway_answers_the_acquire_parked_on_anoth
         assert answers[0].body == {**answers[0].body, "tasks": [], "worker_state": "disabled"}
         assert (await a.call("PATCH", "/v1/workers/w1", {"state": "enabled"})).status == 200
         assert await control.next(timeout_s=AT_ONCE_S) == ("worker", {"state": "enabled"})
+
+
+async def test_notes_of_an_attempt_another_gateway_handed_out_publish_each_phase_once(make_node: MakeNode,
+                                                                                       tmp_path: Path) -> None:
+    async with two_gateways(make_node, tmp_path) as (a, b):
+        phases: list[str] = []
+        b.daemon.events.listen(lambda e: phases.append(e.data["phase"]) if e.name == "task.phase" else None)
+        await a.submit()
+        lease = await a.remote("w1").leased()
+        on_b = b.remote("w1")
+        for note in ({"phase": "initialize"}, {"phase": "run"}, {"phase": "run", "progress": {"fraction": 0.5}}):
+            assert (await on_b.post("/w1/phase", {"notes": [{**lease_of(lease), **note}]})).body == {"lost": []}
+        assert phases == ["initialize", "run"]
