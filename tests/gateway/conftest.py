@@ -49,12 +49,20 @@ class Remote:
     def __init__(self, url: str, context: ssl.SSLContext) -> None:
         self.url = url
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context))
+        self.streams: list[aiohttp.ClientResponse] = []  # control streams opened, released on close
 
     async def post(self, path: str, body: Any = None, *, data: bytes | None = None,
                    content_type: str = "application/json") -> Answer:
         raw = io.BytesIO(json.dumps(body).encode() if data is None else data)  # aiohttp warns of large bytes
-        async with self.session.post(self.url + path, data=raw, headers={"Content-Type": content_type}) as r:
-            return Answer(r.status, await r.json(content_type=None))
+        try:
+            async with self.session.post(self.url + path, data=raw, headers={"Content-Type": content_type}) as r:
+                return Answer(r.status, await r.json(content_type=None))
+        except aiohttp.ServerDisconnectedError:
+            # A revoke closes the worker's connections: a call that raced with the close is sent again on a
+            # new one, as a worker does
+            raw.seek(0)
+            async with self.session.post(self.url + path, data=raw, headers={"Content-Type": content_type}) as r:
+                return Answer(r.status, await r.json(content_type=None))
 
     async def acquire(self, **body: Any) -> Answer:
         return await self.post("/w1/acquire", {"types": ["noop", "sleep"], "max": 1, "wait_s": 0, **body})
@@ -67,6 +75,8 @@ class Remote:
         return dict(lease)
 
     async def close(self) -> None:
+        for stream in self.streams:
+            stream.release()
         await self.session.close()
 
 
@@ -195,5 +205,6 @@ class ControlReader:
 
 async def open_control(remote: Remote) -> ControlReader:
     response = await remote.session.get(remote.url + "/w1/control")
+    remote.streams.append(response)
     assert response.status == 200, await response.text()
     return ControlReader(response)

@@ -191,7 +191,7 @@ W1_OPERATIONS: dict[tuple[str, str], Operation] = {
 }
 # Each model with the mode it is documented in: what a request may hold, or what an answer holds.
 ANSWERS: set[type[BaseModel]] = {ErrorOut, *(m for ops in (OPERATIONS, W1_OPERATIONS) for op in ops.values()
-                                              for m in op.ok.values() if m)}
+                                              for m in op.ok.values() if m), w1.LeaseGoneOut}
 REQUESTS: tuple[type[BaseModel], ...] = (SubmitTask, SubmitBatch, PoolPatch, ScheduleIn, SubmitScan, WorkerPatch,
                                          *w1.REQUESTS)
 MODELS: list[tuple[type[BaseModel], JsonSchemaMode]] = [
@@ -253,7 +253,8 @@ def _operation(op: Operation, *, bearer: bool) -> dict[str, Any]:
             answer["links"] = {target: {"operationId": target, "parameters": {name: f"$response.body#/{name}"}}
                                for name, targets in op.links.items() for target in targets}
     for status in (*op.errors, "403", *(("401",) if bearer and not op.open else ())):
-        responses[status] = _answer((W1_ERRORS if op.tag else ERRORS).get(status) or ERRORS[status], ErrorOut)
+        shape = w1.LeaseGoneOut if status == "410" else ErrorOut  # a lost lease's error says why
+        responses[status] = _answer((W1_ERRORS if op.tag else ERRORS).get(status) or ERRORS[status], shape)
     out: dict[str, Any] = {"operationId": op.id, "summary": op.summary, "responses": responses}
     if op.body is not None:
         out["requestBody"] = {"required": True, **_content(op.body)}

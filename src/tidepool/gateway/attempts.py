@@ -3,8 +3,8 @@
 The token a worker gets is its task's id and the store's lease token, joined by a dot: every write the worker
 sends names its task that way, so any gateway of the store (after a restart too) can fence it without a
 look-up. Forging the task id gains nothing: the store fences on all three of task, attempt and token.
-The book keeps each attempt's task, type, owner and last phase for the events the gateway publishes; what it
-does not know (an attempt another gateway, or an earlier process, handed out) is read from the store.
+The book keeps each attempt's task, type, owner and last phase for the events the gateway publishes; an attempt
+another gateway (or an earlier process) handed out is booked at its first note, its type read from the store.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ def lease_of(attempt_id: str, lease_token: str) -> Lease:
 @dataclass(slots=True)
 class Booked:
     task_id: str
-    type: str
+    type: str | None  # None: not read yet (an attempt this gateway did not hand out)
     identity: str
-    phase: str | None = None
+    phase: str | None = None  # the last one published
+    lost: bool = False        # its loss was published
 
 
 class Book:
@@ -43,11 +44,34 @@ class Book:
     def add(self, attempt_id: str, booked: Booked) -> None:
         self._attempts[attempt_id] = booked
         self._by_task[booked.task_id] = attempt_id
+        self._trim()
+
+    def _trim(self) -> None:
         while len(self._attempts) > MAX_BOOKED:
             self.drop(next(iter(self._attempts)))
 
     def get(self, attempt_id: str) -> Booked | None:
         return self._attempts.get(attempt_id)
+
+    def known(self, attempt_id: str, task_id: str, identity: str) -> Booked:
+        """The attempt's entry, booked now if this gateway did not hand it out."""
+        booked = self._attempts.get(attempt_id)
+        if booked is None:  # a late note of a stale attempt must not take its task from the live one
+            booked = self._attempts[attempt_id] = Booked(task_id, None, identity)
+            self._by_task.setdefault(task_id, attempt_id)
+            self._trim()
+        return booked
+
+    def first_loss(self, attempt_id: str, task_id: str, identity: str) -> bool:
+        """Whether the attempt's lease is said lost for the first time; from now on its task is not its own (a
+        cancel of the task goes to the attempt that holds it now)."""
+        booked = self.known(attempt_id, task_id, identity)
+        if self._by_task.get(task_id) == attempt_id:
+            del self._by_task[task_id]
+        if booked.lost:
+            return False
+        booked.lost = True
+        return True
 
     def of_task(self, task_id: str) -> tuple[str, Booked] | None:
         attempt_id = self._by_task.get(task_id)

@@ -52,10 +52,10 @@ class TlsSite(web.BaseSite):
 
 
 async def serve_gateway(gateway: Gateway, credentials: Credentials, listen: str, *,
-                        header_timeout_s: float = HEADER_TIMEOUT_S,
+                        header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
                         task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """Bind gateway.listen and serve the worker protocol until cancelled; control streams end first."""
-    guard = ConnectionGuard(header_timeout_s=header_timeout_s, max_connections=MAX_CONNECTIONS)
+    guard = ConnectionGuard(header_timeout_s=header_timeout_s, max_connections=max_connections)
     app = build_app(gateway, guard, max_body_kb=gateway.max_body_kb)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
     await runner.setup()

@@ -4,8 +4,8 @@ renew, phase notes, results and endings, each for the identity its certificate n
 Every write is fenced by the store on task, attempt and token; the gateway adds the caller: an attempt whose
 owner (its node_id, fixed when the attempt was made) is not the caller is refused as a lease it does not hold,
 without telling whose it is. The owner never changes, so reading it before the fenced write cannot race.
-The gateway publishes the events a local attempt's engine would (leased, phases, progress, results, endings),
-so the node's event stream and dashboard show the remote work as well.
+The gateway publishes the events of the attempts (reports.py), so the node's event stream and dashboard show
+the remote work as well.
 """
 
 from __future__ import annotations
@@ -38,12 +38,13 @@ from ..model import (
 )
 from ..settings import GatewaySettings, LeaseSettings
 from ..store import Acquired, Ending, PhaseNote, Store
-from .attempts import Book, Booked, lease_of, worker_token
+from .attempts import Book, lease_of, worker_token
 from .control import Controls
 from .metrics import GatewayMetrics
 from .parking import Parking
 from .registry import WorkerRegistry
 from .replays import Replays
+from .reports import AttemptEvents
 from .schemas import AcquireIn, EndingIn, LeaseIn, NoteIn, ResultIn
 from .tls import Peer
 
@@ -66,6 +67,7 @@ class Gateway:
         self.parking = Parking()
         self.controls = Controls(parked=self.parking.identities)
         self.book = Book()
+        self.reports = AttemptEvents(events, self.book, store)
         self.replays = Replays()
         self.metrics = GatewayMetrics(held=lambda: len(self.parking), streams=self.controls.open_streams)
         self.registry = WorkerRegistry(store, events, self.controls, self.parking, self.metrics, clock=clock)
@@ -165,11 +167,7 @@ class Gateway:
     def _leased(self, identity: str, claimed: list[Claimed]) -> None:
         self.metrics.answered.inc(("leased" if claimed else "empty",))
         self.metrics.leases.inc((), len(claimed))
-        for c in claimed:
-            self.book.add(c.lease.attempt_id, Booked(c.task.id, c.task.type, identity))
-            self.events.publish("task.leased", task_id=c.task.id, worker_id=identity, node_id=identity,
-                                attempt_id=c.lease.attempt_id, attempt=c.task.attempt, type=c.task.type,
-                                available_at=c.task.available_at)
+        self.reports.leased(identity, claimed)
 
     async def _hand_back(self, identity: str, claimed: list[Claimed]) -> None:
         endings = [Ending(c.lease, Outcome(AttemptStatus.INTERRUPTED, GONE_BEFORE_ANSWER), self._clock())
@@ -213,7 +211,8 @@ class Gateway:
             elif isinstance(why := lost.get(item.attempt_id), TaskCancelling):
                 answers.append({"attempt_id": item.attempt_id, "status": "cancel"})
             elif why is not None:
-                reason = await self._reason(lease_of(item.attempt_id, item.lease_token))
+                reason = await self._reason(lease := lease_of(item.attempt_id, item.lease_token))
+                await self.reports.lost(worker.id, lease.task_id, item.attempt_id, reason)
                 answers.append({"attempt_id": item.attempt_id, "status": "lost", "reason": reason})
             else:
                 answers.append({"attempt_id": item.attempt_id, "status": "held",
@@ -227,23 +226,15 @@ class Gateway:
         written = [PhaseNote(lease_of(n.attempt_id, n.lease_token), n.phase,
                              None if n.progress is None else n.progress.model_dump()) for n in kept]
         lost = await self.store.set_phase(written, now=self._clock()) if written else {}
-        for note in kept:
-            if note.attempt_id not in lost:
-                self._noted(worker.id, note)
+        for note, phase_note in zip(kept, written, strict=True):
+            why = lost.get(note.attempt_id)
+            if why is None:
+                self.reports.noted(worker.id, phase_note.lease.task_id, note)
+            elif not isinstance(why, TaskCancelling):
+                await self.reports.lost(worker.id, phase_note.lease.task_id, note.attempt_id,
+                                        await self._reason(phase_note.lease))
         refused = [n.attempt_id for n in notes if n.attempt_id not in mine or n.attempt_id in lost]
         return {"lost": refused}
-
-    def _noted(self, identity: str, note: NoteIn) -> None:
-        task_id = note.lease_token.partition(".")[0]
-        booked = self.book.get(note.attempt_id)
-        if booked is None or booked.phase != note.phase.value:
-            if booked is not None:
-                booked.phase = note.phase.value
-            self.events.publish("task.phase", task_id=task_id, worker_id=identity, phase=note.phase.value,
-                                attempt_id=note.attempt_id)
-        if note.progress is not None:
-            self.events.publish("task.progress", task_id=task_id, worker_id=identity, plugin=None,
-                                **note.progress.model_dump())
 
     async def result(self, worker: RemoteWorker, body: ResultIn) -> tuple[ResultBatch, bool]:
         """Store a result batch once; (the acknowledged batch, whether it is new)."""
@@ -262,9 +253,8 @@ class Gateway:
             self.metrics.refused.inc(("conflict",))
             raise
         except LeaseLost as exc:
-            raise await self._gone(lease, exc) from None
-        self.events.publish("task.result", task_id=lease.task_id, worker_id=worker.id, plugin=ack.plugin,
-                            sequence=ack.sequence, idempotency_key=ack.idempotency_key, final=ack.final)
+            raise await self._gone(worker.id, lease, exc) from None
+        self.reports.result(worker.id, lease.task_id, ack)
         return ack, self.registry.first_ack(ack)
 
     async def finish(self, worker: RemoteWorker, endings: Sequence[EndingIn]) -> dict[str, Any]:
@@ -281,7 +271,7 @@ class Gateway:
             if answer is None:
                 out.append({"attempt_id": ending.attempt_id, "lost": NOT_YOURS})
             elif isinstance(answer, LeaseLost):
-                gone = await self._gone(lease_of(ending.attempt_id, ending.lease_token), answer)
+                gone = await self._gone(worker.id, lease_of(ending.attempt_id, ending.lease_token), answer)
                 out.append({"attempt_id": ending.attempt_id, "lost": gone.reason})
             elif isinstance(answer, TidepoolError):
                 raise answer  # the store did not take it (StoreUnavailable): the worker sends it again
@@ -293,33 +283,16 @@ class Gateway:
 
     async def _ended(self, identity: str, ending: EndingIn, state: State) -> None:
         task_id = ending.lease_token.partition(".")[0]
-        task_type = await self._type_of(ending.attempt_id, task_id)
-        self.book.drop(ending.attempt_id)
-        error = None if ending.error is None else {"code": ending.error.code, "message": ending.error.message}
-        if state is State.RETRY_WAIT:
-            self.events.publish("task.retry_scheduled", task_id=task_id, worker_id=identity, error=error,
-                                type=task_type)
-        elif state.terminal:
-            self.events.publish("task.finished", task_id=task_id, worker_id=identity, state=state.value,
-                                error=error, type=task_type)
-        elif state is State.PENDING:  # interrupted: claimable again at once
+        await self.reports.ended(identity, task_id, ending, state)
+        if state is State.PENDING:  # interrupted: claimable again at once
             self.wake(1)
         log.info("task %s attempt %s of worker %s %s -> %s", task_id, ending.attempt_id, identity, ending.status,
                  state.value)
 
-    async def _type_of(self, attempt_id: str, task_id: str) -> str:
-        booked = self.book.get(attempt_id)
-        if booked is not None:
-            return booked.type
-        try:
-            return (await self.store.get(task_id)).type
-        except TidepoolError:
-            return "unknown"
-
-    async def _gone(self, lease: Lease, lost: LeaseLost) -> LeaseGone:
+    async def _gone(self, identity: str, lease: Lease, lost: LeaseLost) -> LeaseGone:
         reason = "cancelled" if isinstance(lost, TaskCancelling) else await self._reason(lease)
         self.metrics.refused.inc((reason,))
-        self.book.drop(lease.attempt_id)
+        await self.reports.lost(identity, lease.task_id, lease.attempt_id, reason)
         return LeaseGone(f"task {lease.task_id} attempt {lease.attempt_id}", reason)
 
     async def _reason(self, lease: Lease) -> str:

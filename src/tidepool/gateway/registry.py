@@ -5,7 +5,8 @@ The registry itself lives in the store (one record per certificate identity). A 
 once a second per identity (its last_seen is that precise); the acquire reads it again in its own
 transaction, so a state, a cap or an organization always applies to the next lease. A change made through this
 node reaches the worker's control stream and its parked acquires at once; one made through another gateway of
-the same store reaches it by its next acquire or renewal.
+the same PostgreSQL store as well, by the store's notice (heard_change): the record is read again at the
+worker's next call, so a revoke refuses its writes at once here too.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class WorkerRegistry:
         self._met: dict[str, tuple[float, str, RemoteWorker]] = {}  # identity -> (when, fingerprint, record)
         self._acks: OrderedDict[str, None] = OrderedDict()
         self._slots: tuple[float, list[frozenset[str]]] = (-TAGS_FOR_S, [])
+        self._changes = 0  # records changed meanwhile: a read begun before a change is not kept
 
     # calls of remote workers
 
@@ -51,6 +53,7 @@ class WorkerRegistry:
         known = self._met.get(peer.identity)
         if known is not None and now - known[0] < MEET_EVERY_S and known[1] == peer.fingerprint:
             return known[2]
+        changes = self._changes
         try:
             worker = await self._store.meet_worker(peer.identity, cert=cert, address=peer.address, now=now,
                                                    enroll=enroll, max_concurrent_tasks=max_concurrent_tasks)
@@ -60,7 +63,8 @@ class WorkerRegistry:
             log.info("worker %s enrolled from %s: %s", worker.id, peer.address, worker.state.value)
             self._events.publish("worker.enrolled", task_id=None, worker_id=worker.id, state=worker.state.value,
                                  address=peer.address, fingerprint=peer.fingerprint)
-        self._met[peer.identity] = (now, peer.fingerprint, worker)
+        if changes == self._changes:
+            self._met[peer.identity] = (now, peer.fingerprint, worker)
         return worker
 
     def seen(self, worker: RemoteWorker) -> None:
@@ -112,9 +116,23 @@ class WorkerRegistry:
         self._changed(before, worker, cancelled)
         return worker
 
+    def heard_change(self, worker_id: str, state: str) -> None:
+        """Another gateway changed the worker's record (its cancels came first): read again at its next call,
+        its new state told on its control stream here (a revoke closes its connections), its parked acquires
+        look again."""
+        self._changes += 1
+        known = self._met.pop(worker_id, None)
+        if known is None or known[2].state.value != state:
+            if state == WorkerState.REVOKED.value:
+                self._controls.cut_off(worker_id, state)
+            else:
+                self._controls.worker_state(worker_id, state)
+        self._parking.wake_identity(worker_id)
+
     def _changed(self, before: RemoteWorker, worker: RemoteWorker, cancelled: list[Revoked]) -> None:
         """Tell the worker at once: its state on its control stream (a revoke closes its connections), a cancel
         for each attempt the change stopped, and its parked acquires look again."""
+        self._changes += 1
         self._met.pop(worker.id, None)
         for attempt in cancelled:
             self._events.publish("task.cancel_requested", task_id=attempt.task_id, worker_id=worker.id,

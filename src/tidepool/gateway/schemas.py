@@ -143,5 +143,20 @@ class ControlOut(Shape):
     data: dict[str, Any]
 
 
+class LeaseGoneBody(Shape):
+    """A write behind a lease the worker no longer holds: why, in `reason`."""
+
+    code: Literal["lease_lost"]
+    message: str
+    reason: Literal["expired", "cancelled", "revoked", "superseded"] = Field(
+        description="expired: not renewed in time; cancelled: the task is being cancelled; revoked: the worker is; "
+                    "superseded: another attempt holds the task, or the attempt is not the caller's")
+
+
+class LeaseGoneOut(Shape):
+    error: LeaseGoneBody
+
+
 REQUESTS: tuple[type[BaseModel], ...] = (AcquireIn, RenewIn, PhaseIn, ResultIn, FinishIn)
-ANSWERS: tuple[type[BaseModel], ...] = (AcquireOut, RenewOut, PhaseOut, ResultAckOut, FinishOut, ControlOut)
+ANSWERS: tuple[type[BaseModel], ...] = (AcquireOut, RenewOut, PhaseOut, ResultAckOut, FinishOut, ControlOut,
+                                        LeaseGoneOut)

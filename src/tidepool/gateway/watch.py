@@ -1,5 +1,6 @@
 """What the gateway follows while it runs: cancels asked through the API reach the control stream of the
-remote worker that runs the task at once, and the registry's counts for the metrics stay fresh."""
+remote worker that runs the task at once, so do the cancels and registry changes other gateways of a shared
+store make (its notices), and the registry's counts for the metrics stay fresh."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from anyio.abc import TaskStatus
 from ..errors import TidepoolError
 from ..events import Event
 from ..model import AttemptStatus
+from ..store.notices import Notice, NoticeKind, NoticeSource
 from .protocol import Gateway
 
 log = logging.getLogger("tidepool.gateway")
@@ -24,6 +26,15 @@ class Watch:
         self._gateway = gateway
         self._unknown: deque[str] = deque(maxlen=10_000)  # cancelled tasks whose attempt the book does not hold
         self._more = anyio.Event()
+        if isinstance(gateway.store, NoticeSource):
+            gateway.store.hear_notices(self.heard)
+
+    def heard(self, notice: Notice) -> None:
+        """Another process of the store cancelled a remote attempt or changed a worker's record."""
+        if notice.kind is NoticeKind.CANCEL and notice.attempt_id is not None:
+            self._gateway.controls.cancel(notice.worker_id, notice.attempt_id)
+        elif notice.kind is NoticeKind.WORKER and notice.state is not None:
+            self._gateway.registry.heard_change(notice.worker_id, notice.state)
 
     def on_event(self, event: Event) -> None:
         """The event bus listener: a cancel of a task leased to a remote worker is told to that worker."""

@@ -47,6 +47,7 @@ from ...model import (
 )
 from ...scans import NewScan
 from ...schedules import Fired, Schedule
+from ..notices import Notice
 from ..port import Acquired, CancelAnswer, Ended, Ending, Enroll, Expired, Node, Page, PhaseNote, Revoked
 from ..rows import (
     SCHEMA_VERSION,
@@ -65,6 +66,7 @@ from .claims import Claims
 from .connection import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, DRIVER_ERRORS, Connections, channel_for, said
 from .fenced import FencedWrites, expiry, lease_arrays, lost, write_ends
 from .firing import fire
+from .notices import Notices
 from .registry import Registry
 from .scan_verbs import ScanVerbs
 from .scans import locked_task
@@ -87,9 +89,10 @@ class PostgresStore(ScanVerbs):
         self.url, self.schema, self.channel = self._db.url, self._db.schema, self._db.channel
         self._claims = Claims(self._db)
         self._fenced = FencedWrites(self._db)
-        self._session = Session(self._db)
+        self._notices = Notices()
+        self._session = Session(self._db, self._notices)
         self._told = self._fenced.told  # the listener of the scans' moves, however they were made
-        self._registry = Registry(self._db)
+        self._registry = Registry(self._db, self._notices)
 
     # lifecycle of the adapter
 
@@ -206,6 +209,7 @@ class PostgresStore(ScanVerbs):
                                        learned=None, now=now)
         else:
             await conn.execute(SQL["cancel_leased"], target.value, now, task_id)
+            await self._notices.remote_cancel(conn, task_id)  # its gateway tells the worker at once
         return CancelAnswer(target, True, type_)
 
     async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
@@ -392,6 +396,9 @@ class PostgresStore(ScanVerbs):
     async def watch(self, wake: Callable[[int], None], *,
                     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await self._session.watch(wake, task_status=task_status)
+
+    def hear_notices(self, heard: Callable[[Notice], None]) -> None:
+        self._notices.hear(heard)
 
     # the worker registry (registry.py)
 

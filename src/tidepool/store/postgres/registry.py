@@ -41,6 +41,7 @@ from ..registry import (
 from ..rows import task_of, worker_of, worker_values
 from .claims import exactly
 from .connection import Conn, Connections
+from .notices import Notices
 from .statements import SQL
 
 CANCELLING = step(State.RUNNING, Event.CANCEL).value  # where a cancel moves a leased or running task
@@ -55,8 +56,9 @@ def _values(w: RemoteWorker) -> tuple[Any, ...]:
 
 
 class Registry:
-    def __init__(self, db: Connections) -> None:
+    def __init__(self, db: Connections, notices: Notices) -> None:
         self._db = db
+        self._notices = notices
 
     async def meet(self, identity: str, *, cert: CertSeen, address: str | None, now: float, enroll: Enroll,
                    max_concurrent_tasks: int) -> RemoteWorker:
@@ -84,6 +86,7 @@ class Registry:
             await conn.execute(SQL["save_worker"], *_values(after))
             removed = taken_away(before, after, change)
             cancelled = await _cancel_held(conn, worker_id, now, removed) if removed else []
+            await self._notices.worker_changed(conn, after, cancelled)
             return await _read(conn, worker_id), cancelled
 
     async def revoke(self, worker_id: str, *, now: float) -> tuple[RemoteWorker, list[Revoked]]:
@@ -91,8 +94,10 @@ class Registry:
             known = await _locked(conn, worker_id)
             if known.state is WorkerState.REVOKED:
                 return known, []
-            await conn.execute(SQL["save_worker"], *_values(dataclasses.replace(known, state=WorkerState.REVOKED)))
+            revoked = dataclasses.replace(known, state=WorkerState.REVOKED)
+            await conn.execute(SQL["save_worker"], *_values(revoked))
             cancelled = await _cancel_held(conn, worker_id, now, None)
+            await self._notices.worker_changed(conn, revoked, cancelled)
             return await _read(conn, worker_id), cancelled
 
     async def acquire(self, identity: str, where: ClaimFilter, *, limit: int, now: float, lease_s: float,

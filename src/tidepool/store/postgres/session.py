@@ -20,6 +20,7 @@ from ...retry import Backoff
 from ..port import Node
 from ..rows import node_of
 from .connection import DRIVER_ERRORS, Conn, Connections, said
+from .notices import Notices
 from .statements import SQL
 
 log = logging.getLogger("tidepool.store.postgres")
@@ -30,8 +31,9 @@ MAX_WAKE = 1000  # a notification's count is a hint; no more wake-ups than this 
 
 
 class Session:
-    def __init__(self, db: Connections) -> None:
+    def __init__(self, db: Connections, notices: Notices) -> None:
         self._db = db
+        self._notices = notices  # the gateways' notices come on the same channel as the wake-ups
         self._conn: Conn | None = None
         self._node: tuple[str, str] | None = None  # (node_id, instance_id) once lock_node() took it
         self._node_locked = False  # the current connection holds the node lock
@@ -73,6 +75,8 @@ class Session:
             try:
                 n = int(payload)
             except ValueError:
+                if self._notices.heard(payload):
+                    return
                 n = 1
             wake(max(1, min(n, MAX_WAKE)))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .. import sql
 
 FILES = ("tasks.sql", "leases.sql", "reconciler.sql", "fleet.sql",  # the queue, workers, reconciler, fleet
-         "registry.sql", "scans.sql")  # the remote workers, scans
+         "registry.sql", "notices.sql", "scans.sql")  # remote workers, what gateways tell each other, scans
 
 
 def _named() -> dict[str, str]:

@@ -1,0 +1,34 @@
+"""The OpenAPI document of a gateway describes a lost lease's 410 as the gateway answers it: with `reason`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .conftest import AUTO, MakeNode
+from .test_protocol import lease_of
+
+REASONS = ["expired", "cancelled", "revoked", "superseded"]
+
+
+def resolved(doc: dict[str, Any], ref: str) -> dict[str, Any]:
+    return dict(doc["components"]["schemas"][ref.rsplit("/", 1)[1]])
+
+
+async def test_the_410_of_every_write_declares_the_reason_a_revoked_workers_write_is_answered_with(
+        make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        doc = (await node.call("GET", "/v1/openapi.json")).body
+        for path in ("/w1/renew", "/w1/phase", "/w1/results", "/w1/finish"):
+            gone = resolved(doc, doc["paths"][path]["post"]["responses"]["410"]["content"]["application/json"]
+                            ["schema"]["$ref"])
+            body = resolved(doc, gone["properties"]["error"]["$ref"])
+            assert set(body["required"]) == {"code", "message", "reason"}, path
+            assert body["properties"]["reason"]["enum"] == REASONS, path
+        await node.submit()
+        w1 = node.remote("w1")
+        lease = await w1.leased()
+        await node.call("POST", "/v1/workers/w1/revoke")
+        answer = await w1.post("/w1/renew", {"leases": [lease_of(lease)]})
+        assert answer.status == 410
+        assert set(answer.body["error"]) == {"code", "message", "reason"}
+        assert answer.body["error"]["reason"] in body["properties"]["reason"]["enum"]
