@@ -11,6 +11,7 @@
     │   ├── ScheduleNotFound     no schedule with this name (HTTP 404)
     │   ├── Conflict             a write contradicts an earlier one (HTTP 409)
     │   ├── QueueFull            pending + retry_wait is at pool.max_queued (HTTP 429)
+    │   ├── RemoteWorker         this node is a remote worker: the queue lives on its gateway (HTTP 409)
     │   └── LeaseLost            the attempt's lease is stale, expired or taken over
     │       └── TaskCancelling   the lease ended because a cancel was committed
     └── PluginError              a plugin failed; `code` says how, `retryable` whether to try again
@@ -82,6 +83,15 @@ class Conflict(StoreError):
 
 class QueueFull(StoreError):
     http_status, code = 429, "queue_full"
+
+
+class RemoteWorker(StoreError):
+    http_status, code = 409, "remote_worker"
+
+    def __init__(self, gateway_url: str) -> None:
+        super().__init__(f"this node is a remote worker: its tasks and schedules live on its gateway, {gateway_url}; "
+                         "ask the gateway")
+        self.gateway_url = gateway_url
 
 
 class LeaseLost(StoreError):

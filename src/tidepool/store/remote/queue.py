@@ -1,0 +1,87 @@
+"""The queue's verbs on a remote worker: they belong to its gateway, so each refuses with RemoteWorker
+(409 remote_worker on the worker's own API, naming the gateway to ask instead)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ...errors import RemoteWorker
+from ...lifecycle import RetryPolicy
+from ...model import NewTask, State, Task
+from ...schedules import Fired, Schedule
+from ..port import CancelAnswer, Ended, Expired, Node, Page
+
+
+class RemoteQueue:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def _refuse(self) -> RemoteWorker:
+        return RemoteWorker(self.url)
+
+    async def counts(self) -> dict[State, int]:
+        """The queue is the gateway's: none of it is counted here."""
+        return {}
+
+    async def lock_node(self, node_id: str, instance_id: str) -> None:
+        """The gateway knows this worker by its certificate; this host's lock file keeps it one process."""
+
+    async def add(self, new: NewTask, *, now: float, max_queued: int | None = None) -> tuple[Task, bool]:
+        raise self._refuse()
+
+    async def add_many(self, batch: Sequence[NewTask], *, now: float,
+                       max_queued: int | None = None) -> list[tuple[str, bool]]:
+        raise self._refuse()
+
+    async def get(self, task_id: str) -> Task:
+        raise self._refuse()
+
+    async def list_tasks(self, *, state: State | None = None, type: str | None = None, limit: int = 50,
+                         cursor: str | None = None) -> Page:
+        raise self._refuse()
+
+    async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
+        raise self._refuse()
+
+    async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
+        raise self._refuse()
+
+    async def save_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
+        raise self._refuse()
+
+    async def list_schedules(self) -> list[Schedule]:
+        raise self._refuse()
+
+    async def delete_schedule(self, name: str, *, config_node: str | None = None) -> None:
+        raise self._refuse()
+
+    async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule:
+        raise self._refuse()
+
+    async def fire_schedules(self, *, now: float, new_task: Callable[[Schedule, float], NewTask] | None = None,
+                             defines: Callable[[str], bool] = lambda type_name: True,
+                             max_queued: int | None = None) -> list[Fired]:
+        raise self._refuse()
+
+    async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
+                            keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
+                            ) -> list[Expired]:
+        raise self._refuse()
+
+    async def promote_due(self, *, now: float) -> int:
+        raise self._refuse()
+
+    async def finish_cancels(self, *, now: float, deadline_s: float) -> list[Ended]:
+        raise self._refuse()
+
+    async def prune(self, *, before: float) -> int:
+        raise self._refuse()
+
+    async def queued_tag_sets(self) -> list[frozenset[str]]:
+        raise self._refuse()
+
+    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[Ended]:
+        raise self._refuse()
+
+    async def list_nodes(self) -> list[Node]:
+        raise self._refuse()
