@@ -11,7 +11,7 @@ from pathlib import Path
 from .. import settings as settings_mod
 from ..errors import ConfigError, SchemaMismatch, StoreUnavailable
 from ..settings import Settings
-from . import schedules, tasks, views
+from . import pki, schedules, tasks, views
 from .daemon import EXIT_GRACE_S, cmd_config, cmd_migrate, cmd_run
 from .output import OK, TASK_FAILED, UNREACHABLE, USAGE, fatal
 from .talk import add_client_options, exit_code
@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     tasks.add_commands(add)
     views.add_commands(add)
     schedules.add_commands(add)
+    pki.add_commands(add)
     p = add("config", cmd_config, "configuration tools", common=local)
     p.add_argument("action", choices=["check"])
     add("migrate", cmd_migrate, "create or upgrade the store schema (the store.url of --config and the environment)",
