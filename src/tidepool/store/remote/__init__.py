@@ -5,6 +5,6 @@ and the queue's verbs, which are the gateway's (queue.py)."""
 from __future__ import annotations
 
 from .adapter import LeaseTerms, RemoteStore
-from .wire import WorkerRefused
+from .wire import Refusal
 
-__all__ = ["LeaseTerms", "RemoteStore", "WorkerRefused"]
+__all__ = ["LeaseTerms", "Refusal", "RemoteStore"]

@@ -29,11 +29,12 @@ from ..port import Ending, Node, PhaseNote
 from ..rules import finish_alone
 from .control import RECONNECT, ControlStream, Standing, log
 from .queue import RemoteQueue
-from .wire import Answer, Wire, WorkerRefused, client_tls, task_of
+from .wire import Answer, Refusal, Wire, client_tls, task_of
 
 PARK_S = 25.0            # asked of the gateway, which holds an acquire at most its gateway.max_wait_s
 REQUEST_TIMEOUT_S = 10.0  # a renewal, phase note or ending not answered in this long is tried again
 RESULT_TIMEOUT_S = 30.0  # a result batch may be large
+MAX_MESSAGE, MAX_STDERR_TAIL = 4000, 4096  # characters of an ending the gateway takes
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +147,7 @@ class RemoteStore(RemoteQueue):
                 "request_id": request_id}
         try:
             answer = self._ok(await self._post("/w1/acquire", body, timeout_s=wait_s + REQUEST_TIMEOUT_S))
-        except WorkerRefused as exc:
+        except Refusal as exc:
             self.standing.refused(exc)
             return []
         data = answer.body
@@ -176,7 +177,7 @@ class RemoteStore(RemoteQueue):
         body = {"leases": [{"attempt_id": x.attempt_id, "lease_token": x.token} for x in live]}
         try:
             answer = await self._post_within("/w1/renew", body, budget_s=self.terms.renew_after_s)
-        except WorkerRefused as exc:
+        except Refusal as exc:
             return lost | self._refused(live, exc)
         answered = {item["attempt_id"]: item for item in answer.body["leases"]}
         for lease in live:
@@ -201,7 +202,7 @@ class RemoteStore(RemoteQueue):
         timeout_s = min(REQUEST_TIMEOUT_S, max(1.0, self.terms.renew_after_s / 2))  # renewals wait behind it
         try:
             answer = self._ok(await self._post("/w1/phase", body, timeout_s=timeout_s))
-        except WorkerRefused as exc:
+        except Refusal as exc:
             return lost | self._refused(live_leases, exc)
         gone = set(answer.body.get("lost", ()))
         return lost | {x.attempt_id: self._lost(x, None) for x in live_leases if x.attempt_id in gone}
@@ -214,7 +215,7 @@ class RemoteStore(RemoteQueue):
                 "sha256": sha256_of(batch.payload), "final": batch.final, "payload": batch.payload}
         try:
             answer = await self._post("/w1/results", body, timeout_s=RESULT_TIMEOUT_S)
-        except WorkerRefused as exc:
+        except Refusal as exc:
             raise self._refused([lease], exc)[lease.attempt_id] from None
         if answer.status in (200, 201):
             return ResultBatch(batch.plugin, batch.sequence, batch.idempotency_key, body["sha256"], batch.final,
@@ -250,7 +251,7 @@ class RemoteStore(RemoteQueue):
         body = {"endings": [_ending(e) for e in endings]}
         try:
             answer = self._ok(await self._post("/w1/finish", body, timeout_s=REQUEST_TIMEOUT_S))
-        except WorkerRefused as exc:
+        except Refusal as exc:
             return dict(self._refused([e.lease for e in endings], exc))
         except StoreError as exc:
             unavailable = exc if isinstance(exc, StoreUnavailable) else StoreUnavailable(str(exc))
@@ -342,7 +343,7 @@ class RemoteStore(RemoteQueue):
         self._forget(lease.attempt_id)
         return LeaseLost(lease.task_id, lease.attempt_id, f"the gateway says the lease is lost ({reason or 'lost'})")
 
-    def _refused(self, leases: Sequence[Lease], exc: WorkerRefused) -> dict[str, LeaseLost]:
+    def _refused(self, leases: Sequence[Lease], exc: Refusal) -> dict[str, LeaseLost]:
         self.standing.refused(exc)
         return {x.attempt_id: self._lost(x, exc.code) for x in leases}
 
@@ -355,8 +356,12 @@ def _ending(e: Ending) -> dict[str, Any]:
     ending: dict[str, Any] = {"attempt_id": e.lease.attempt_id, "lease_token": e.lease.token,
                               "status": e.outcome.status.value}
     if e.outcome.error is not None:
-        ending["error"] = {"code": e.outcome.error.code, "message": e.outcome.error.message}
+        ending["error"] = {"code": e.outcome.error.code, "message": e.outcome.error.message[-MAX_MESSAGE:]}
         ending["retryable"] = e.outcome.error.retryable
+    if e.outcome.exit_status is not None:
+        ending["exit_status"] = e.outcome.exit_status
+    if e.outcome.stderr_tail is not None:
+        ending["stderr_tail"] = e.outcome.stderr_tail[-MAX_STDERR_TAIL:]
     return ending
 
 

@@ -16,7 +16,7 @@ from anyio.abc import TaskStatus
 from ...errors import StoreUnavailable
 from ...logs import Outage
 from ...retry import Backoff
-from .wire import Answer, Wire, WorkerRefused, checked, parse_json, reason
+from .wire import Answer, Refusal, Wire, checked, parse_json, reason
 
 log = logging.getLogger("tidepool.remote")
 # Tries again after a failure: 0.5 s doubling to 15 s, each wait drawn from its upper half, so that the
@@ -52,7 +52,7 @@ class Standing:
             log.info("the gateway enabled this worker (it was %s): claiming", before)
             self._on_enabled()
 
-    def refused(self, error: WorkerRefused) -> None:
+    def refused(self, error: Refusal) -> None:
         self.heard(error.code.removeprefix("worker_"))
 
     @property
@@ -87,7 +87,7 @@ class ControlStream:
             try:
                 await self._follow(wake)
                 self._outage.failing("control stream of gateway %s ended; reconnecting", self._wire.url)
-            except WorkerRefused as exc:
+            except Refusal as exc:
                 self._standing.refused(exc)
             except StoreUnavailable as exc:
                 self._outage.failing("control stream of gateway %s: %s; reconnecting with backoff",

@@ -20,7 +20,7 @@ from ...model import Phase, State, Task, TaskError
 CONNECT_TIMEOUT_S = 5.0  # a gateway that does not complete a TLS handshake in this long is away
 
 
-class WorkerRefused(StoreError):
+class Refusal(StoreError):
     """The gateway's registry refuses this worker: `code` is worker_pending or worker_revoked."""
 
     def __init__(self, code: str, message: str) -> None:
@@ -85,7 +85,7 @@ class Wire:
 
     async def post(self, path: str, body: dict[str, Any], *, timeout_s: float) -> Answer:
         """The gateway's answer to one POST. StoreUnavailable when it did not answer (or answered 5xx: it
-        could not reach its store), WorkerRefused on its registry's 403; every other status is returned."""
+        could not reach its store), Refusal on its registry's 403; every other status is returned."""
         timeout = aiohttp.ClientTimeout(total=timeout_s, connect=CONNECT_TIMEOUT_S)
         try:
             async with self.session().post(self.url + path, json=body, timeout=timeout) as response:
@@ -104,7 +104,7 @@ class Wire:
 
 def checked(answer: Answer, path: str, url: str) -> Answer:
     if answer.status == 403 and answer.error_code().startswith("worker_"):
-        raise WorkerRefused(answer.error_code(), answer.error_message())
+        raise Refusal(answer.error_code(), answer.error_message())
     if answer.status >= 500 or answer.status == 429:
         raise StoreUnavailable(f"gateway {url} answered {path} with {answer.status}: {answer.error_message()}")
     return answer
