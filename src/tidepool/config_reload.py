@@ -9,7 +9,7 @@ from .errors import ConfigError
 from .settings import Section, Settings
 
 RESTART_KEYS = ("store.url", "api.listen", "node.id", "node.state_dir", "node.heartbeat_s", "api.token_file",
-                "api.max_body_kb")
+                "api.max_body_kb", "gateway.listen")
 POOL_SIZES = ("pool.min_workers", "pool.max_workers", "pool.idle_timeout_s")
 
 

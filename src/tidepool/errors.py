@@ -4,14 +4,17 @@
     ├── ConfigError              a setting is missing, unknown or inconsistent (exit 2)
     ├── InvalidTransition        the lifecycle table forbids this move (nothing changed)
     ├── InvalidRequest           a submission names an unknown type or unserviceable tags (HTTP 400)
+    ├── WorkerRefused            the registry refuses a remote worker's call (HTTP 403: worker_pending, worker_revoked)
+    ├── LeaseGone                a remote worker's write behind a lease it no longer holds (HTTP 410 lease_lost)
     ├── StoreError
     │   ├── StoreUnavailable     the store cannot be reached; retry later (HTTP 503, exit 3)
     │   ├── SchemaMismatch       the store's schema is newer than this tidepool, or older and not migrated (exit 1)
     │   ├── TaskNotFound         no task with this id (HTTP 404)
     │   ├── ScheduleNotFound     no schedule with this name (HTTP 404)
+    │   ├── WorkerNotFound       no remote worker with this identity in the registry (HTTP 404)
     │   ├── Conflict             a write contradicts an earlier one (HTTP 409)
     │   ├── QueueFull            pending + retry_wait is at pool.max_queued (HTTP 429)
-    │   ├── RemoteWorker         this node is a remote worker: the queue lives on its gateway (HTTP 409)
+    │   ├── RemoteNode           this node is a remote worker: the queue lives on its gateway (HTTP 409)
     │   └── LeaseLost            the attempt's lease is stale, expired or taken over
     │       └── TaskCancelling   the lease ended because a cancel was committed
     └── PluginError              a plugin failed; `code` says how, `retryable` whether to try again
@@ -49,6 +52,28 @@ class InvalidRequest(TidepoolError):
         self.field = field
 
 
+class WorkerRefused(TidepoolError):
+    """The gateway's registry does not serve this identity; `code` says why."""
+
+    http_status = 403
+
+    def __init__(self, identity: str, code: str, message: str) -> None:
+        super().__init__(f"worker {identity}: {message}")
+        self.identity = identity
+        self.code = code
+
+
+class LeaseGone(TidepoolError):
+    """A remote worker wrote behind a lease it does not hold; `reason`: expired, cancelled, revoked or
+    superseded."""
+
+    http_status, code = 410, "lease_lost"
+
+    def __init__(self, subject: str, reason: str) -> None:
+        super().__init__(f"{subject}: lease lost ({reason})")
+        self.reason = reason
+
+
 class StoreError(TidepoolError):
     """Base of the errors a store adapter raises."""
 
@@ -77,6 +102,14 @@ class ScheduleNotFound(StoreError):
         self.name = name
 
 
+class WorkerNotFound(StoreError):
+    http_status, code = 404, "worker_not_found"
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(f"worker {worker_id!r} not found")
+        self.worker_id = worker_id
+
+
 class Conflict(StoreError):
     http_status, code = 409, "conflict"
 
@@ -85,7 +118,7 @@ class QueueFull(StoreError):
     http_status, code = 429, "queue_full"
 
 
-class RemoteWorker(StoreError):
+class RemoteNode(StoreError):
     http_status, code = 409, "remote_worker"
 
     def __init__(self, gateway_url: str) -> None:

@@ -77,6 +77,9 @@ def cancel_deadline_error(deadline_s: float) -> TaskError:
     return TaskError("cancel_deadline", f"the worker did not stop within {deadline_s:g}s", retryable=False)
 
 
+DEFAULT_ORGANIZATION = "default"
+
+
 @dataclass(frozen=True, slots=True)
 class NewTask:
     """A validated submission, before the store gives it an id."""
@@ -89,6 +92,7 @@ class NewTask:
     required_tags: tuple[str, ...] = ()
     idempotency_key: str | None = None
     available_at: float | None = None
+    organization: str = DEFAULT_ORGANIZATION  # which remote workers may see it (local workers serve every one)
 
     def fingerprint(self) -> str:
         """What makes two submits with one idempotency key "the same body": every field but the key, the
@@ -100,6 +104,8 @@ class NewTask:
                 sorted(self.required_tags)]
         if self.available_at is not None:  # appended, so that bodies without one hash as they always have
             body.append(self.available_at)
+        if self.organization != DEFAULT_ORGANIZATION:  # likewise: the default hashes as before it existed
+            body.append(["organization", self.organization])
         return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
@@ -152,6 +158,7 @@ class Task:
     finished_at: float | None
     attempts: tuple[Attempt, ...] = ()
     results: tuple[ResultBatch, ...] = ()
+    organization: str = DEFAULT_ORGANIZATION
 
 
 @dataclass(slots=True)  # hot path: plain is 4x cheaper to build than frozen; treat as immutable
@@ -182,13 +189,18 @@ class Worker:
 @dataclass(frozen=True, slots=True)
 class ClaimFilter:
     """What this node can run: the names of the task types it claims (None: any type, as tools and tests
-    claim) and the tag sets of its free resource slots."""
+    claim), the tag sets of its free resource slots, and the organizations whose tasks it may take (None:
+    any, as a node's local workers serve every organization; a remote worker takes only its own)."""
 
     types: tuple[str, ...] | None = None
     tag_sets: tuple[frozenset[str], ...] = ()
+    organizations: tuple[str, ...] | None = None
 
     def accepts_type(self, task_type: str) -> bool:
         return self.types is None or task_type in self.types
+
+    def accepts_organization(self, organization: str) -> bool:
+        return self.organizations is None or organization in self.organizations
 
     def satisfies(self, required: tuple[str, ...]) -> bool:
         return not required or any(set(required) <= tags for tags in self.tag_sets)
@@ -205,6 +217,55 @@ class Outcome:
     # The attempt's last progress report, written with its end: the lease keeper writes notes behind, so
     # the last one may not be in the store yet. None keeps what the store has.
     progress: dict[str, Any] | None = None
+
+
+class WorkerState(enum.StrEnum):
+    """A remote worker's standing in the registry: what the gateway does with its calls."""
+
+    PENDING = "pending"    # an unknown identity under manual enrollment: refused until an operator enables it
+    ENABLED = "enabled"    # served
+    DISABLED = "disabled"  # drained: its running attempts go on, it is handed nothing new
+    REVOKED = "revoked"    # final: its attempts are cancelled and its calls refused
+
+
+@dataclass(frozen=True, slots=True)
+class CertSeen:
+    """A client certificate a worker presented: the lowercase hex SHA-256 of its DER form, and its expiry."""
+
+    fingerprint: str
+    not_after: float
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteWorker:
+    """One identity (its certificate's subject) in the gateway's registry. `live` counts its leased,
+    running and cancelling attempts, computed when the record is read."""
+
+    id: str
+    state: WorkerState
+    max_concurrent_tasks: int
+    task_types: tuple[str, ...] = ("*",)                 # fnmatch globs of the task types it may take
+    organizations: tuple[str, ...] = (DEFAULT_ORGANIZATION,)
+    slots: tuple[tuple[str, ...], ...] = ()              # the tag set of each slot it last reported
+    version: str | None = None                           # the tidepool version it last reported
+    fingerprints: tuple[CertSeen, ...] = ()              # every certificate it has presented, oldest first
+    first_seen: float = 0.0
+    last_seen: float = 0.0
+    address: str | None = None                           # where its last call came from
+    live: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerChange:
+    """An operator's change of a worker's record; None leaves a field as it is. `state` is enabled or
+    disabled (a revoke is a verb of its own). With `cancel_removed`, the worker's active attempts of the
+    organizations this change takes from it are cancelled; without, they run to their end."""
+
+    state: WorkerState | None = None
+    max_concurrent_tasks: int | None = None
+    task_types: tuple[str, ...] | None = None
+    organizations: tuple[str, ...] | None = None
+    cancel_removed: bool = False
 
 
 def canonical_json(value: Any) -> str:

@@ -19,10 +19,11 @@ import anyio
 from .api.schemas import NodeOut, PoolOut, ScheduleOut
 from .errors import Conflict, InvalidRequest, StoreUnavailable, TaskNotFound
 from .events import EventBus
+from .gateway.registry import WorkerRegistry
 from .guards import Guards
 from .leases import LeaseKeeper
 from .metrics import Metrics
-from .model import CANCELLED_ON_REQUEST, NewTask, State, Task, rfc3339
+from .model import CANCELLED_ON_REQUEST, NewTask, RemoteWorker, State, Task, WorkerChange, WorkerState, rfc3339
 from .plugins import Registry
 from .pool import Pool, Waker
 from .resources import ResourcePool
@@ -57,6 +58,7 @@ class NodeParts:
     guards: Guards
     resources: ResourcePool
     metrics: Metrics
+    workers: WorkerRegistry  # the remote workers a gateway serves (any node of the store may read and change them)
 
 
 async def store_answers(store: Store) -> dict[State, int]:
@@ -126,7 +128,7 @@ class NodeOperations:
 
     async def fleet_tag_sets(self) -> list[frozenset[str]]:
         """This node's resource tag sets and, on a shared store, every live node's: what the fleet can serve."""
-        own = list(self._parts.resources.tag_sets())
+        own = list(self._parts.resources.tag_sets()) + await self._parts.workers.tag_sets()
         if not self._shared_store:
             return own
         now = time.time()
@@ -218,7 +220,24 @@ class NodeOperations:
 
     async def nodes_view(self) -> list[dict[str, Any]]:
         now = time.time()
-        return [NodeOut.of(node, now=now).to_json() for node in await self._store.list_nodes()]
+        nodes = [NodeOut.of(node, now=now).to_json() for node in await self._store.list_nodes()]
+        heard_within_s = self._settings.gateway.max_wait_s + self._settings.lease.duration_s
+        return nodes + [NodeOut.of_remote(w, now=now, heard_within_s=heard_within_s).to_json()
+                        for w in await self._parts.workers.list() if w.state is not WorkerState.PENDING]
+
+    # remote workers
+
+    async def list_workers(self) -> list[RemoteWorker]:
+        return await self._parts.workers.list()
+
+    async def get_worker(self, worker_id: str) -> RemoteWorker:
+        return await self._parts.workers.get(worker_id)
+
+    async def change_worker(self, worker_id: str, change: WorkerChange) -> RemoteWorker:
+        return await self._parts.workers.change(worker_id, change)
+
+    async def revoke_worker(self, worker_id: str) -> RemoteWorker:
+        return await self._parts.workers.revoke(worker_id)
 
     # schedules
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .errors import RemoteWorker
+from .errors import RemoteNode
 from .leases import LeaseKeeper
 from .model import NewTask, State, Task
 from .operations import NodeOperations
@@ -32,8 +32,8 @@ class RemoteOperations(NodeOperations):
     """A remote worker's API: pool, probes, metrics and events as any node's; tasks and schedules answer
     409 remote_worker, naming the gateway, where the node would ask its store."""
 
-    def _gateway(self) -> RemoteWorker:
-        return RemoteWorker(self._settings.store.url)
+    def _gateway(self) -> RemoteNode:
+        return RemoteNode(self._settings.store.url)
 
     async def submit(self, new: NewTask) -> tuple[Task, bool]:
         raise self._gateway()

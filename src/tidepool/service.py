@@ -26,6 +26,7 @@ from .engine import Engine, EngineConfig
 from .errors import ConfigError, StoreUnavailable
 from .events import EventBus, first_id_of_this_run
 from .fleet import GoneNodes, fence_after_s
+from .gateway import Credentials, Gateway, WakerWithGateway, Watch, serve_gateway
 from .guards import Guards
 from .leases import LeaseKeeper
 from .lifecycle import retry_policy
@@ -36,7 +37,7 @@ from .nodes import Heartbeat
 from .operations import NodeOperations, NodeParts, NodeStatus, store_answers
 from .outcomes import UnwrittenInterruptions
 from .plugins import Registry, command
-from .pool import Pool, PoolConfig, Waker
+from .pool import Pool, PoolConfig
 from .reconciler import Reconciler, ReconcilerConfig
 from .remote_node import RemoteOperations, attach_remote
 from .resources import ResourcePool
@@ -85,11 +86,16 @@ class Daemon:
         self._forced = False
         self._reload_when_ready = False  # a SIGHUP came while the node was starting
         self._drain_wait: anyio.CancelScope | None = None  # a second SIGINT cuts the current wait short
+        self._credentials: Credentials | None = None  # the gateway's TLS, when it listens
 
     def _build(self, settings: Settings, registry: Registry) -> None:
         """The parts, each after what it needs. One waker first: a freed slot, a cleared guard, a submit, a
         promoted retry, a schedule's tick and another node's submit all mean claimable work may be waiting."""
-        self.waker = Waker()
+        self.waker = WakerWithGateway(also=lambda n: self.gateway.wake(n))  # remote workers' parked acquires too
+        self.gateway = Gateway(self.store, self.events, settings=settings.gateway, lease=settings.lease,
+                               policy=lambda: self.engine.policy, max_body_kb=settings.api.max_body_kb)
+        self.gateway_watch = Watch(self.gateway)
+        self.events.listen(self.gateway_watch.on_event)
         self.guards = Guards(self.events, state_dir=settings.node.state_dir,
                              min_free_memory_mb=settings.guards.min_free_memory_mb,
                              min_free_disk_mb=settings.guards.min_free_disk_mb, on_clear=self.waker.wake_max)
@@ -100,6 +106,7 @@ class Daemon:
                                counts=partial(store_answers, self.store), guards=self.guards.statistics,
                                draining=lambda: self.status.draining, task_types=lambda: self.ops.registry.types)
         self.events.listen(self.metrics.on_event)
+        self.metrics.registry.register(self.gateway.metrics)
         self.events.listen(logs.lifecycle)
         self.leases = LeaseKeeper(self.metrics.lease_store(self.store), lease_s=settings.lease.duration_s,
                                   renew_every_s=settings.lease.renew_every_s,
@@ -112,7 +119,8 @@ class Daemon:
                          node_id=self.node_id, instance_id=self.instance_id, claim_filter=self.claims.filter,
                          promise_slots=self.resources.claiming, may_claim=self._may_claim, waker=self.waker)
         self.ops = (NodeOperations if self.remote is None else RemoteOperations)(settings, registry, NodeParts(
-            self.store, self.events, self.waker, self.pool, self.leases, self.guards, self.resources, self.metrics),
+            self.store, self.events, self.waker, self.pool, self.leases, self.guards, self.resources, self.metrics,
+            self.gateway.registry),
             node_id=self.node_id, status=self.status)
         self.reconciler = Reconciler(self.store, self.events,
                                      config=ReconcilerConfig.of(settings.reconciler, settings.execution),
@@ -134,12 +142,13 @@ class Daemon:
         """
         token = load_token(self.settings.api.token_file, self.settings.api.listen)
         check_state_dir(self.settings.node.state_dir)
+        self._credentials = Credentials(self.settings.gateway) if self.settings.gateway.listen else None
         with node_lock(self.node_id, work_root=self.work_root, db_path=self.settings.db_path()):
             await self.store.open(migrate=self.settings.store.migrate)
             try:
                 await self._recover()
                 async with anyio.create_task_group() as tg:
-                    await self._start(tg, token)
+                    await self._start(tg, token, self._credentials)
                     task_status.started()
                     if self._reload_when_ready:
                         tg.start_soon(self.reload)
@@ -166,13 +175,16 @@ class Daemon:
         await self._sync_schedules(self.settings)
         await self.engine.remove_leftover_workdirs()
 
-    async def _start(self, tg: TaskGroup, token: str | None) -> None:
+    async def _start(self, tg: TaskGroup, token: str | None, credentials: Credentials | None) -> None:
         await tg.start(self._handle_signals)  # first: from here on a SIGTERM drains, never kills
         await tg.start(self.leases.run)
         await tg.start(partial(self.store.watch, self.waker.wake))  # other nodes' submits wake us
         await tg.start(self.heartbeat.run)
         await tg.start(self.guards.run)  # a first measure before the first claim
         await tg.start(partial(serve_api, self.ops, self.settings.api.listen, token=token))
+        if credentials is not None:  # bound before the pool starts, as the API is
+            await tg.start(self.gateway_watch.run)
+            await tg.start(partial(serve_gateway, self.gateway, credentials, self.settings.gateway.listen))
         _quiet_gc()
         await tg.start(self.pool.run)
         if self.remote is None:  # a remote worker's gateway runs these, where the store is
@@ -335,6 +347,9 @@ class Daemon:
         self.guards.configure(new.guards)
         self.claims.configure(new.claimed_types())
         self.scheduler.configure(new.pool)
+        self.gateway.configure(new.gateway, new.lease)
+        if self._credentials is not None:  # new connections get the files' certificates; live ones keep theirs
+            self._credentials.reload(new.gateway)
         return self.pool.configure(new.pool)
 
     async def _sync_schedules(self, settings: Settings, *, timeout_s: float = math.inf) -> None:
@@ -360,6 +375,8 @@ def check_startable(settings: Settings) -> None:
     ResourcePool.from_settings(settings.resources)
     load_token(settings.api.token_file, settings.api.listen)
     check_state_dir(settings.node.state_dir)
+    if settings.gateway.listen:
+        Credentials(settings.gateway)
 
 
 def check_state_dir(state_dir: Path) -> None:

@@ -19,7 +19,7 @@ from ..errors import InvalidRequest, TaskNotFound, TidepoolError
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..model import State
 from ..settings import api_address
-from . import openapi, stream
+from . import openapi, stream, workers
 from .auth import TOKEN, require_token
 from .body_errors import body_error
 from .browsers import browser_guard, no_framing
@@ -329,6 +329,7 @@ def build_app(daemon: Operations, fanout: stream.Fanout, *, token: str | None = 
     app.router.add_get("/v1/pool", get_pool)
     app.router.add_patch("/v1/pool", patch_pool)
     app.router.add_get("/v1/nodes", list_nodes)
+    workers.add_routes(app)
     app.router.add_get("/v1/schedules", list_schedules)
     app.router.add_post("/v1/schedules", create_schedule)
     app.router.add_delete("/v1/schedules/{name}", delete_schedule)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..events import EventBus
-    from ..model import NewTask, State, Task
+    from ..model import NewTask, RemoteWorker, State, Task, WorkerChange
     from ..schedules import Schedule
     from ..store import Page
 
@@ -62,6 +62,20 @@ class Operations(Protocol):
         ...
 
     async def nodes_view(self) -> list[dict[str, Any]]: ...
+
+    async def list_workers(self) -> list[RemoteWorker]: ...
+
+    async def get_worker(self, worker_id: str) -> RemoteWorker:
+        """WorkerNotFound if unknown."""
+        ...
+
+    async def change_worker(self, worker_id: str, change: WorkerChange) -> RemoteWorker:
+        """The worker hears it at once (its control stream, its parked acquires); Conflict once revoked."""
+        ...
+
+    async def revoke_worker(self, worker_id: str) -> RemoteWorker:
+        """Its attempts are cancelled and its connections closed at once."""
+        ...
 
     async def schedules_view(self) -> list[dict[str, Any]]: ...
 

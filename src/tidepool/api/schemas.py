@@ -9,14 +9,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import fields
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Annotated, Any, Self
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
 
 from ..guards import GuardStats
-from ..model import AttemptStatus, NewTask, Phase, State, Task, rfc3339
+from ..model import AttemptStatus, NewTask, Phase, RemoteWorker, State, Task, WorkerState, rfc3339
 from ..resources import ResourceStats
 from ..schedules import MAX_NAME_LEN, NAME_PATTERN, CatchUp, Overlap, Schedule
 from ..settings import MAX_WORKERS, Tag
@@ -330,10 +330,22 @@ class NodeOut(Shape):
     task_types: list[str]
     tags: list[list[str]] = Field(description="the tag set of each of the node's resources")
     max_workers: int
+    kind: Literal["node", "remote"] = Field("node", description="remote: a worker a gateway serves (its "
+                                            "max_workers is its max_concurrent_tasks, its heartbeat its last call)")
 
     @classmethod
     def of(cls, node: Node, *, now: float) -> Self:
         return cls.model_validate({**_attributes(node), "alive": node.alive(now)})
+
+    @classmethod
+    def of_remote(cls, worker: RemoteWorker, *, now: float, heard_within_s: float) -> Self:
+        """A remote worker beside the nodes: alive while served and heard from within `heard_within_s`."""
+        alive = worker.state in (WorkerState.ENABLED, WorkerState.DISABLED) and now - worker.last_seen <= heard_within_s
+        return cls.model_validate({
+            "node_id": worker.id, "instance_id": "", "hostname": worker.address or "", "pid": 0,
+            "version": worker.version or "", "started_at": worker.first_seen, "heartbeat_at": worker.last_seen,
+            "alive": alive, "stopped_at": None, "task_types": list(worker.task_types),
+            "tags": [list(s) for s in worker.slots], "max_workers": worker.max_concurrent_tasks, "kind": "remote"})
 
 
 class NodesOut(Shape):

@@ -20,6 +20,7 @@ from .sections import (
     BUILTIN_TYPES,
     ApiSettings,
     ExecutionSettings,
+    GatewaySettings,
     GuardSettings,
     LeaseSettings,
     LogSettings,
@@ -53,6 +54,7 @@ class Settings(BaseSettings):
     reconciler: ReconcilerSettings = ReconcilerSettings()
     guards: GuardSettings = GuardSettings()
     api: ApiSettings = ApiSettings()
+    gateway: GatewaySettings = GatewaySettings()
     log: LogSettings = LogSettings()
     plugins: PluginsSettings = PluginsSettings()
     types: dict[str, TypeSettings] = {}

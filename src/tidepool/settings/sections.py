@@ -183,6 +183,34 @@ def check_listen(listen: str) -> str:
     return listen
 
 
+class GatewaySettings(Section):
+    """The worker protocol's TLS listener; empty `listen`: this node serves none."""
+
+    listen: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    client_ca_file: str = ""
+    enroll: Literal["manual", "auto"] = "manual"
+    max_wait_s: float = Field(25.0, gt=0, le=300.0)
+    max_concurrent_tasks: int = Field(16, ge=0, le=MAX_WORKERS)
+
+    @field_validator("listen")
+    @classmethod
+    def _address(cls, listen: str) -> str:
+        if listen and listen.startswith("unix:"):
+            raise ValueError("the gateway serves TLS on TCP: write host:port")
+        return check_listen(listen) if listen else listen
+
+    @model_validator(mode="after")
+    def _files_when_listening(self) -> GatewaySettings:
+        """A gateway without its certificate, key or the CA of its workers could not check who calls it."""
+        if self.listen:
+            for key in ("cert_file", "key_file", "client_ca_file"):
+                if not getattr(self, key):
+                    raise ValueError(f"gateway.{key} is required when gateway.listen is set")
+        return self
+
+
 class LogSettings(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["text", "json"] = "text"

@@ -10,7 +10,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from .port import CancelAnswer, Ended, Ending, Expired, Node, Page, PhaseNote, QueuePort, Store, WorkerPort
+from .port import (
+    Acquired,
+    CancelAnswer,
+    Ended,
+    Ending,
+    Enroll,
+    Expired,
+    Node,
+    Page,
+    PhaseNote,
+    QueuePort,
+    Revoked,
+    Store,
+    WorkerPort,
+)
 from .rows import SCHEMA_VERSION
 from .rules import LEASE_EXPIRED, UNWRITTEN_INTERRUPTION, retry_step
 
@@ -18,8 +32,9 @@ if TYPE_CHECKING:
     from ..settings.sections import StoreSettings
 
 __all__ = [
-    "LEASE_EXPIRED", "SCHEMA_VERSION", "UNWRITTEN_INTERRUPTION", "CancelAnswer", "Ended", "Ending", "Expired", "Node",
-    "Page", "PhaseNote", "QueuePort", "Store", "WorkerPort", "open_store", "retry_step",
+    "LEASE_EXPIRED", "SCHEMA_VERSION", "UNWRITTEN_INTERRUPTION", "Acquired", "CancelAnswer", "Ended", "Ending",
+    "Enroll", "Expired", "Node", "Page", "PhaseNote", "QueuePort", "Revoked", "Store", "WorkerPort", "open_store",
+    "retry_step",
 ]
 
 

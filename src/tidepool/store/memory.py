@@ -22,6 +22,7 @@ from ..model import (
     Lease,
     NewTask,
     Outcome,
+    RemoteWorker,
     ResultBatch,
     State,
     Task,
@@ -32,7 +33,9 @@ from ..model import (
     new_token,
 )
 from ..schedules import Fired, Schedule
+from .memory_registry import MemoryRegistry
 from .port import CancelAnswer, Ended, Ending, Expired, Node, Page, PhaseNote
+from .registry import glob_matches
 from .rules import batch_answer, cancel_step, check_room, expiry_outcome, finish_alone, may_end, retry_step
 
 
@@ -54,12 +57,13 @@ class _Row:
                          for a in self.attempts]
 
 
-class MemoryStore:
+class MemoryStore(MemoryRegistry):
     def __init__(self) -> None:
         self._rows: dict[str, _Row] = {}
         self._keys: dict[str, str] = {}
         self._schedules: dict[str, Schedule] = {}
         self._nodes: dict[str, Node] = {}
+        self._workers: dict[str, RemoteWorker] = {}
 
     async def open(self, *, migrate: bool = True) -> int:
         return 0  # nothing persists: every open starts empty
@@ -95,11 +99,12 @@ class MemoryStore:
         return dataclasses.replace(row.task, attempts=tuple(row.attempts), results=tuple(row.results))
 
     async def list_tasks(self, *, state: State | None = None, type: str | None = None, limit: int = 50,
-                   cursor: str | None = None) -> Page:
+                   cursor: str | None = None, organization: str | None = None) -> Page:
         ids = sorted(self._rows, reverse=True)
         picked = [self._rows[i] for i in ids if (cursor is None or i < cursor)
                   and (state is None or self._rows[i].task.state is state)
-                  and (type is None or self._rows[i].task.type == type)][: limit + 1]
+                  and (type is None or self._rows[i].task.type == type)
+                  and (organization is None or self._rows[i].task.organization == organization)][: limit + 1]
         tasks = [dataclasses.replace(r.task, attempts=tuple(r.attempts)) for r in picked[:limit]]
         return Page(tasks, tasks[-1].id if len(picked) > limit else None)
 
@@ -135,11 +140,7 @@ class MemoryStore:
 
     async def claim(self, worker: Worker, where: ClaimFilter, *, limit: int, now: float,
                     lease_s: float) -> list[Claimed]:
-        ready = [r for r in self._rows.values() if r.task.state in QUEUED and r.task.available_at <= now
-                 and r.task.attempt < r.task.max_attempts and where.accepts_type(r.task.type)
-                 and where.satisfies(r.task.required_tags)]
-        ready.sort(key=lambda r: (-r.task.priority, r.task.created_at, r.task.id))
-        return [self._lease(row, worker, now, lease_s) for row in ready[:limit]]
+        return [self._lease(row, worker, now, lease_s) for row in self._claimable(where, now)[:limit]]
 
     async def renew(self, leases: Sequence[Lease], *, now: float, lease_s: float) -> dict[str, LeaseLost]:
         lost: dict[str, LeaseLost] = {}
@@ -343,11 +344,21 @@ class MemoryStore:
             timeout_s=new.timeout_s, required_tags=tuple(sorted(new.required_tags)),
             idempotency_key=new.idempotency_key, node_id=None, error=None, created_at=now, updated_at=now,
             available_at=new.available_at if new.available_at is not None else now, finished_at=None,
+            organization=new.organization,
         )
         self._rows[task.id] = _Row(task, new.fingerprint())
         if new.idempotency_key:
             self._keys[new.idempotency_key] = task.id
         return task
+
+    def _claimable(self, where: ClaimFilter, now: float, type_globs: tuple[str, ...] | None = None) -> list[_Row]:
+        """The rows `where` may lease now, in queue order; with type_globs, only types one of them matches."""
+        ready = [r for r in self._rows.values() if r.task.state in QUEUED and r.task.available_at <= now
+                 and r.task.attempt < r.task.max_attempts and where.accepts_type(r.task.type)
+                 and where.satisfies(r.task.required_tags) and where.accepts_organization(r.task.organization)
+                 and (type_globs is None or any(glob_matches(g, r.task.type) for g in type_globs))]
+        ready.sort(key=lambda r: (-r.task.priority, r.task.created_at, r.task.id))
+        return ready
 
     def _lease(self, row: _Row, worker: Worker, now: float, lease_s: float) -> Claimed:
         lease = Lease(row.task.id, new_id(now), new_token(), now + lease_s)

@@ -10,14 +10,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import anyio
 from anyio.abc import TaskStatus
 
 from ..errors import LeaseLost, TidepoolError
 from ..lifecycle import RetryPolicy
-from ..model import Claimed, ClaimFilter, Lease, NewTask, Outcome, Phase, ResultBatch, State, Task, Worker
+from ..model import (
+    CertSeen,
+    Claimed,
+    ClaimFilter,
+    Lease,
+    NewTask,
+    Outcome,
+    Phase,
+    RemoteWorker,
+    ResultBatch,
+    State,
+    Task,
+    Worker,
+    WorkerChange,
+)
 from ..schedules import Fired, Schedule
 
 
@@ -92,6 +106,28 @@ class Node:
         return self.stopped_at is None and now - self.heartbeat_at <= 3 * self.heartbeat_s
 
 
+Enroll = Literal["manual", "auto"]  # how an unknown identity is recorded at first contact: pending, or enabled
+
+
+@dataclass(frozen=True, slots=True)
+class Revoked:
+    """An attempt of a remote worker that a revoke (or an organization taken from it) moved to cancelling:
+    the gateway tells the worker to stop it, and reports the cancel."""
+
+    task_id: str
+    attempt_id: str
+    type: str  # the task's type, for the events and metrics of a cancel
+
+
+@dataclass(frozen=True, slots=True)
+class Acquired:
+    """What an acquire found: the worker's record as it read in the transaction (its `live` not counting
+    the leases just made), and the tasks leased to it."""
+
+    worker: RemoteWorker
+    claimed: list[Claimed]
+
+
 class WorkerPort(Protocol):
     """The verbs of a worker: lease tasks, keep and note them, store their results, end them."""
 
@@ -145,8 +181,8 @@ class QueuePort(Protocol):
     async def get(self, task_id: str) -> Task:
         """The task with its attempts and results; TaskNotFound if unknown."""
     async def list_tasks(self, *, state: State | None = None, type: str | None = None, limit: int = 50,
-                   cursor: str | None = None) -> Page:
-        """Newest first, without results."""
+                   cursor: str | None = None, organization: str | None = None) -> Page:
+        """Newest first, without results; of one state, type and organization when given."""
     async def counts(self) -> dict[State, int]:
         """How many tasks are in each non-terminal state."""
     async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
@@ -200,6 +236,42 @@ class QueuePort(Protocol):
         """
     async def list_nodes(self) -> list[Node]:
         """Every node that has registered, by node_id."""
+
+    # the worker registry: the remote workers a gateway serves, one record per certificate identity. Their
+    # attempts carry the identity as node_id; they are not nodes (no row in the node registry), so only
+    # their leases' expiry ever expires them.
+    async def meet_worker(self, identity: str, *, cert: CertSeen, address: str | None, now: float,
+                          enroll: Enroll, max_concurrent_tasks: int) -> RemoteWorker:
+        """Record a contact of `identity`. The first creates its record (pending under manual enrollment,
+        enabled under auto; first_seen == last_seen == now, which tells the caller it is new), with
+        `max_concurrent_tasks`, every type and the default organization. A later one saves last_seen and
+        address, and adds `cert` to its fingerprints if it is new (a rotation). The state never changes
+        here: a revoked identity stays revoked. Conflict when `identity` is the id of a node of the fleet:
+        the two could not be told apart in the attempts."""
+    async def list_workers(self) -> list[RemoteWorker]:
+        """Every worker of the registry, by id."""
+    async def get_worker(self, worker_id: str) -> RemoteWorker:
+        """WorkerNotFound if unknown."""
+    async def change_worker(self, worker_id: str, change: WorkerChange, *,
+                            now: float) -> tuple[RemoteWorker, list[Revoked]]:
+        """Apply an operator's change; the record after it, and the attempts it cancelled. Conflict on a
+        revoked worker (final: nothing changes); InvalidRequest naming the field for a bad value. With
+        cancel_removed, the worker's leased and running attempts of the organizations taken from it go to
+        cancelling in the same transaction, as a task cancel does."""
+    async def revoke_worker(self, worker_id: str, *, now: float) -> tuple[RemoteWorker, list[Revoked]]:
+        """Revoke for good; in the same transaction each of its leased and running attempts -> cancelling.
+        A repeated revoke changes nothing and returns []."""
+    async def acquire(self, identity: str, where: ClaimFilter, *, limit: int, now: float, lease_s: float,
+                      worker_id: str, slots: Sequence[Sequence[str]], version: str | None) -> Acquired:
+        """In one transaction: read the worker's record (saving the slots and version it reports and
+        last_seen); unless it is enabled, lease nothing; else lease at most min(limit, max_concurrent_tasks -
+        live) tasks of the types `where` asks for (None: any) that its task_types globs allow (fnmatch),
+        of the organizations it is assigned, on the tags of where.tag_sets, in queue order; the attempts'
+        node_id is the identity. Holds with several gateways on one store: the cap is never exceeded and no
+        task is leased twice. WorkerNotFound for an identity never met."""
+    async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
+        """The node_id of each attempt named (a remote worker's identity, for its attempts); unknown ids are
+        left out."""
 
 
 class Store(WorkerPort, QueuePort, Protocol):

@@ -1,23 +1,23 @@
-"""The queue's verbs on a remote worker: they belong to its gateway, so each refuses with RemoteWorker
+"""The queue's verbs on a remote worker: they belong to its gateway, so each refuses with RemoteNode
 (409 remote_worker on the worker's own API, naming the gateway to ask instead)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ...errors import RemoteWorker
+from ...errors import RemoteNode
 from ...lifecycle import RetryPolicy
-from ...model import NewTask, State, Task
+from ...model import CertSeen, ClaimFilter, NewTask, RemoteWorker, State, Task, WorkerChange
 from ...schedules import Fired, Schedule
-from ..port import CancelAnswer, Ended, Expired, Node, Page
+from ..port import Acquired, CancelAnswer, Ended, Enroll, Expired, Node, Page, Revoked
 
 
 class RemoteQueue:
     def __init__(self, url: str) -> None:
         self.url = url
 
-    def _refuse(self) -> RemoteWorker:
-        return RemoteWorker(self.url)
+    def _refuse(self) -> RemoteNode:
+        return RemoteNode(self.url)
 
     async def counts(self) -> dict[State, int]:
         """The queue is the gateway's: none of it is counted here."""
@@ -37,7 +37,7 @@ class RemoteQueue:
         raise self._refuse()
 
     async def list_tasks(self, *, state: State | None = None, type: str | None = None, limit: int = 50,
-                         cursor: str | None = None) -> Page:
+                         cursor: str | None = None, organization: str | None = None) -> Page:
         raise self._refuse()
 
     async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
@@ -84,4 +84,30 @@ class RemoteQueue:
         raise self._refuse()
 
     async def list_nodes(self) -> list[Node]:
+        raise self._refuse()
+
+    # the worker registry is the gateway's
+
+    async def meet_worker(self, identity: str, *, cert: CertSeen, address: str | None, now: float,
+                          enroll: Enroll, max_concurrent_tasks: int) -> RemoteWorker:
+        raise self._refuse()
+
+    async def list_workers(self) -> list[RemoteWorker]:
+        raise self._refuse()
+
+    async def get_worker(self, worker_id: str) -> RemoteWorker:
+        raise self._refuse()
+
+    async def change_worker(self, worker_id: str, change: WorkerChange, *,
+                            now: float) -> tuple[RemoteWorker, list[Revoked]]:
+        raise self._refuse()
+
+    async def revoke_worker(self, worker_id: str, *, now: float) -> tuple[RemoteWorker, list[Revoked]]:
+        raise self._refuse()
+
+    async def acquire(self, identity: str, where: ClaimFilter, *, limit: int, now: float, lease_s: float,
+                      worker_id: str, slots: Sequence[Sequence[str]], version: str | None) -> Acquired:
+        raise self._refuse()
+
+    async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
         raise self._refuse()

@@ -1,0 +1,93 @@
+"""The /v1/workers routes: the registry of remote workers as an operator sees and changes it (enable, disable,
+limits, types, organizations, revoke), and the bodies they take and answer."""
+
+from __future__ import annotations
+
+from typing import Literal, Self
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..model import RemoteWorker, WorkerChange, WorkerState
+from ..settings import MAX_WORKERS
+from . import app as api  # its routes are added by the app module itself: read at call time
+from .schemas import Instant, JsonInt, Shape
+
+Name = Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f,]+$")
+
+
+class WorkerPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    state: Literal["enabled", "disabled"] | None = Field(None, description="a revoke is POST .../revoke")
+    max_concurrent_tasks: JsonInt | None = Field(None, ge=0, le=MAX_WORKERS)
+    task_types: list[str] | None = Field(None, min_length=1, max_length=200, description="globs")
+    organizations: list[str] | None = Field(None, max_length=200)
+    cancel_removed: bool = Field(False, description="cancel its active attempts of the organizations removed")
+
+    def to_change(self) -> WorkerChange:
+        return WorkerChange(
+            state=None if self.state is None else WorkerState(self.state),
+            max_concurrent_tasks=self.max_concurrent_tasks,
+            task_types=None if self.task_types is None else tuple(dict.fromkeys(self.task_types)),
+            organizations=None if self.organizations is None else tuple(dict.fromkeys(self.organizations)),
+            cancel_removed=self.cancel_removed)
+
+
+class CertOut(Shape):
+    fingerprint: str = Field(description="SHA-256 of the certificate (DER), lowercase hex")
+    not_after: Instant
+
+
+class WorkerOut(Shape):
+    """A remote worker as the registry holds it; `live`: its leased, running and cancelling attempts."""
+
+    id: str
+    state: WorkerState
+    max_concurrent_tasks: int
+    task_types: list[str]
+    organizations: list[str]
+    slots: list[list[str]] = Field(description="the tag set of each slot it last reported")
+    version: str | None
+    fingerprints: list[CertOut]
+    first_seen: Instant
+    last_seen: Instant
+    address: str | None
+    live: int
+
+    @classmethod
+    def of(cls, worker: RemoteWorker) -> Self:
+        return cls.model_validate(worker)
+
+
+class WorkersOut(Shape):
+    workers: list[WorkerOut]
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    workers = await request.app[api.DAEMON].list_workers()
+    return web.json_response({"workers": [WorkerOut.of(w).to_json() for w in workers]})
+
+
+async def get_worker(request: web.Request) -> web.Response:
+    worker = await request.app[api.DAEMON].get_worker(request.match_info["id"])
+    return web.json_response(WorkerOut.of(worker).to_json())
+
+
+async def patch_worker(request: web.Request) -> web.Response:
+    body = await api.parse(request, WorkerPatch)
+    worker = await request.app[api.DAEMON].change_worker(request.match_info["id"], body.to_change())
+    return web.json_response(WorkerOut.of(worker).to_json())
+
+
+async def revoke_worker(request: web.Request) -> web.Response:
+    await api.no_body(request)
+    worker = await request.app[api.DAEMON].revoke_worker(request.match_info["id"])
+    return web.json_response(WorkerOut.of(worker).to_json(), status=202)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/workers", list_workers)
+    app.router.add_get("/v1/workers/{id}", get_worker)
+    app.router.add_patch("/v1/workers/{id}", patch_worker)
+    app.router.add_post("/v1/workers/{id}/revoke", revoke_worker)

@@ -1,0 +1,110 @@
+"""Parked acquires: remote workers' long polls waiting for a task they may take, woken as the pool's workers are.
+
+A wake for n tasks wakes the n acquires parked longest. One that then leases nothing (the task was not of a
+type, organization or tag it may take, or someone was quicker) hands the wake on to the next parked acquire
+of another identity that has not tried since: a task only one worker of many may take still reaches it at
+once, and one wake costs at most one claim per identity, never one per parked acquire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from ..pool import Waker
+
+
+class Parked:
+    """One acquire on hold."""
+
+    __slots__ = ("_event", "claiming_for", "identity", "woken_by")
+
+    def __init__(self, identity: str) -> None:
+        self.identity = identity
+        self._event = asyncio.Event()
+        self.woken_by = 0      # the wake generation that woke it (0: none, or its own worker's change)
+        self.claiming_for = 0  # the wake its current claim answers
+
+    def set(self, generation: int) -> None:
+        if not self._event.is_set():
+            self.woken_by = generation
+            self._event.set()
+
+    @property
+    def woken(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+class Parking:
+    def __init__(self) -> None:
+        self._parked: dict[Parked, None] = {}  # an ordered set: longest parked first
+        self._generation = 0
+        self._tried: dict[str, int] = {}  # identity -> the generation of its last claim that leased nothing
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def park(self, identity: str) -> Parked:
+        parked = Parked(identity)
+        self._parked[parked] = None
+        return parked
+
+    def arm(self, parked: Parked) -> None:
+        """Before each claim: a wake from here on sets it again (one during the claim is not lost)."""
+        parked.claiming_for, parked.woken_by = parked.woken_by, 0
+        parked._event.clear()
+
+    def leave(self, parked: Parked) -> None:
+        self._parked.pop(parked, None)
+        if not any(p.identity == parked.identity for p in self._parked):
+            self._tried.pop(parked.identity, None)
+
+    def wake(self, n: int = 1) -> int:
+        """Wake up to n parked acquires not woken yet; how many."""
+        self._generation += 1
+        woken = 0
+        for parked in self._parked:
+            if woken >= n:
+                break
+            if not parked.woken:
+                parked.set(self._generation)
+                woken += 1
+        return woken
+
+    def wake_identity(self, identity: str) -> None:
+        """Every parked acquire of one worker: its record changed, or a live attempt of its ended."""
+        for parked in self._parked:
+            if parked.identity == identity:
+                parked.set(0)
+
+    def came_back_empty(self, parked: Parked) -> None:
+        """A woken acquire leased nothing: its wake goes on to the next identity that has not tried since."""
+        generation = parked.claiming_for
+        if not generation:
+            return  # its first claim, or woken by its own worker's change: no one else's wake to pass on
+        self._tried[parked.identity] = generation
+        for other in self._parked:
+            if not other.woken and other.identity != parked.identity and \
+                    self._tried.get(other.identity, 0) < generation:
+                other.set(generation)
+                return
+
+    def identities(self) -> set[str]:
+        return {p.identity for p in self._parked}
+
+
+class WakerWithGateway(Waker):
+    """The node's waker, which wakes the gateway's parked acquires as well as the pool's sleeping workers:
+    every place that makes work claimable (a submit, a promoted retry, a schedule's tick, another node's
+    submit heard from the store) already wakes it."""
+
+    def __init__(self, also: Callable[[int], object]) -> None:
+        super().__init__()
+        self._also = also
+
+    def wake(self, n: int = 1) -> None:
+        super().wake(n)
+        self._also(n)

@@ -1,0 +1,347 @@
+"""The worker protocol's verbs as the gateway serves them: acquire (held until a task it may take exists),
+renew, phase notes, results and endings, each for the identity its certificate names, never for another's.
+
+Every write is fenced by the store on task, attempt and token; the gateway adds the caller: an attempt whose
+owner (its node_id, fixed when the attempt was made) is not the caller is refused as a lease it does not hold,
+without telling whose it is. The owner never changes, so reading it before the fenced write cannot race.
+The gateway publishes the events a local attempt's engine would (leased, phases, progress, results, endings),
+so the node's event stream and dashboard show the remote work as well.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+
+from ..api.schemas import TaskDetailOut
+from ..errors import Conflict, InvalidRequest, LeaseGone, LeaseLost, StoreUnavailable, TaskCancelling, TidepoolError
+from ..events import EventBus
+from ..lifecycle import RetryPolicy
+from ..model import (
+    AttemptStatus,
+    CertSeen,
+    Claimed,
+    ClaimFilter,
+    Lease,
+    Outcome,
+    RemoteWorker,
+    ResultBatch,
+    State,
+    TaskError,
+    WorkerState,
+    rfc3339,
+    sha256_of,
+)
+from ..settings import GatewaySettings, LeaseSettings
+from ..store import Acquired, Ending, PhaseNote, Store
+from .attempts import Book, Booked, lease_of, worker_token
+from .control import Controls
+from .metrics import GatewayMetrics
+from .parking import Parking
+from .registry import WorkerRegistry
+from .replays import Replays
+from .schemas import AcquireIn, EndingIn, LeaseIn, NoteIn, ResultIn
+from .tls import Peer
+
+log = logging.getLogger("tidepool.gateway")
+GONE_BEFORE_ANSWER = TaskError("interrupted", "the worker went away before its acquire was answered")
+NOT_YOURS = "superseded"  # the reason given for an attempt the caller does not own: it holds no lease on it
+
+
+class Gateway:
+    def __init__(self, store: Store, events: EventBus, *, settings: GatewaySettings, lease: LeaseSettings,
+                 policy: Callable[[], RetryPolicy], max_body_kb: int = 1024, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.events = events
+        self.settings = settings
+        self.lease = lease
+        self._policy = policy
+        self.max_body_kb = max_body_kb
+        self._clock = clock
+        self.parking = Parking()
+        self.controls = Controls(parked=self.parking.identities)
+        self.book = Book()
+        self.replays = Replays()
+        self.metrics = GatewayMetrics(held=lambda: len(self.parking), streams=self.controls.open_streams)
+        self.registry = WorkerRegistry(store, events, self.controls, self.parking, self.metrics, clock=clock)
+
+    def configure(self, settings: GatewaySettings, lease: LeaseSettings) -> None:
+        self.settings, self.lease = settings, lease
+
+    def wake(self, n: int = 1) -> None:
+        """n tasks became claimable: parked acquires first, then the control streams of the others."""
+        self.parking.wake(n)
+        self.controls.wake(n)
+
+    async def meet(self, peer: Peer) -> RemoteWorker:
+        return await self.registry.meet(peer, cert=CertSeen(peer.fingerprint, peer.not_after),
+                                        enroll=self.settings.enroll,
+                                        max_concurrent_tasks=self.settings.max_concurrent_tasks)
+
+    # acquire
+
+    async def acquire(self, worker: RemoteWorker, body: AcquireIn, *, version: str | None,
+                      gone: Callable[[], bool], on_gone: Callable[[Callable[[], None]], Callable[[], None]],
+                      ) -> dict[str, Any]:
+        """Lease up to body.max tasks, held up to min(wait_s, gateway.max_wait_s) until one exists. A request_id
+        sent again within lease_s answers what the first one leased."""
+        if worker.state is WorkerState.DISABLED:  # a drain: at once, nothing new
+            self.metrics.answered.inc(("disabled",))
+            return self._answer([], worker.state)
+        if body.request_id is None:
+            return await self._acquire(worker, body, version=version, gone=gone, on_gone=on_gone)
+        replay = self.replays.find(worker.id, body.request_id, now=self._clock())
+        if replay is not None:
+            replay.superseded.set()  # the first one's client is gone, or it would not ask again
+            await replay.done.wait()
+            if replay.answer is not None:
+                return dict(replay.answer)
+        replay = self.replays.start(worker.id, body.request_id)
+        try:
+            answer = await self._acquire(worker, body, version=version, gone=gone, on_gone=on_gone,
+                                         superseded=replay.superseded.is_set, keep=True)
+        except BaseException:
+            self.replays.forget(worker.id, body.request_id, replay)
+            raise
+        self.replays.answered(replay, answer, keep_until=self._clock() + self.lease.duration_s)
+        return answer
+
+    async def _acquire(self, worker: RemoteWorker, body: AcquireIn, *, version: str | None,
+                       gone: Callable[[], bool], on_gone: Callable[[Callable[[], None]], Callable[[], None]],
+                       superseded: Callable[[], bool] = lambda: False, keep: bool = False) -> dict[str, Any]:
+        where = ClaimFilter(types=tuple(body.types), tag_sets=tuple(frozenset(s) for s in body.slots))
+        slots = [sorted(set(s)) for s in body.slots]
+
+        async def claim() -> Acquired:
+            return await self.store.acquire(worker.id, where, limit=body.max, now=self._clock(),
+                                            lease_s=self.lease.duration_s, worker_id=worker.id, slots=slots,
+                                            version=version)
+
+        acquired = await self._hold(worker.id, claim, hold_s=min(body.wait_s, self.settings.max_wait_s),
+                                    gone=lambda: gone() or superseded(), on_gone=on_gone)
+        if acquired is None:  # the client went away while it was held: nothing leased
+            return self._answer([], worker.state)
+        self.registry.seen(acquired.worker)
+        claimed = acquired.claimed
+        if claimed and gone() and not keep:  # leased as it left: back to the queue at once, unless a repeat
+            await self._hand_back(acquired.worker.id, claimed)
+            claimed = []
+        self._leased(acquired.worker.id, claimed)
+        self.registry.refuse_unless_served(acquired.worker, write=False)
+        return self._answer(claimed, acquired.worker.state)
+
+    async def _hold(self, identity: str, claim: Callable[[], Any], *, hold_s: float, gone: Callable[[], bool],
+                    on_gone: Callable[[Callable[[], None]], Callable[[], None]]) -> Acquired | None:
+        """Claim, and while nothing came of it, wait for a wake and claim again, until hold_s is over. Each
+        claim is shielded: once begun it is answered, so no lease it makes is lost to the deadline."""
+        parked = self.parking.park(identity)
+        acquired: Acquired | None = None
+        with anyio.move_on_after(hold_s) as scope:
+            undo = on_gone(scope.cancel)
+            try:
+                while True:
+                    self.parking.arm(parked)
+                    if gone():
+                        return None
+                    with anyio.CancelScope(shield=True):
+                        acquired = await claim()
+                    if acquired.claimed or acquired.worker.state is not WorkerState.ENABLED or hold_s <= 0:
+                        break
+                    self.parking.came_back_empty(parked)
+                    await parked.wait()
+            finally:
+                undo()
+                self.parking.leave(parked)
+        if acquired is None or gone() and not acquired.claimed:
+            return None
+        return acquired
+
+    def _leased(self, identity: str, claimed: list[Claimed]) -> None:
+        self.metrics.answered.inc(("leased" if claimed else "empty",))
+        self.metrics.leases.inc((), len(claimed))
+        for c in claimed:
+            self.book.add(c.lease.attempt_id, Booked(c.task.id, c.task.type, identity))
+            self.events.publish("task.leased", task_id=c.task.id, worker_id=identity, node_id=identity,
+                                attempt_id=c.lease.attempt_id, attempt=c.task.attempt, type=c.task.type,
+                                available_at=c.task.available_at)
+
+    async def _hand_back(self, identity: str, claimed: list[Claimed]) -> None:
+        endings = [Ending(c.lease, Outcome(AttemptStatus.INTERRUPTED, GONE_BEFORE_ANSWER), self._clock())
+                   for c in claimed]
+        with anyio.CancelScope(shield=True):
+            await self.store.finish_many(endings, policy=self._policy())
+        log.info("worker %s went away before its acquire was answered: %d tasks back to the queue", identity,
+                 len(claimed))
+        self.wake(len(claimed))
+
+    def _answer(self, claimed: list[Claimed], state: WorkerState) -> dict[str, Any]:
+        return {"tasks": [{"task": TaskDetailOut.of(c.task).to_json(), "attempt_id": c.lease.attempt_id,
+                           "lease_token": worker_token(c.task.id, c.lease.token),
+                           "lease_expires_at": rfc3339(c.lease.expires_at)} for c in claimed],
+                "worker_state": state.value, "lease_s": self.lease.duration_s,
+                "renew_after_s": self.lease.renew_every_s}
+
+    # writes
+
+    async def _owned(self, worker: RemoteWorker, items: Sequence[LeaseIn]) -> set[str]:
+        """The attempt ids of `items` that are the caller's; the others are said in the log, once per call."""
+        owners = await self.store.attempt_owners([i.attempt_id for i in items])
+        mine = {a for a, owner in owners.items() if owner == worker.id}
+        others = [i.attempt_id for i in items if i.attempt_id not in mine]
+        if others:
+            self.metrics.refused.inc((NOT_YOURS,), len(others))
+            log.warning("worker %s wrote behind %d attempts it does not hold (%s): refused", worker.id, len(others),
+                        ", ".join(others[:5]))
+        return mine
+
+    async def renew(self, worker: RemoteWorker, leases: Sequence[LeaseIn]) -> dict[str, Any]:
+        self.registry.refuse_unless_served(worker, write=True)
+        mine = await self._owned(worker, leases)
+        now, lease_s = self._clock(), self.lease.duration_s
+        held = [lease_of(i.attempt_id, i.lease_token) for i in leases if i.attempt_id in mine]
+        lost = await self.store.renew(held, now=now, lease_s=lease_s) if held else {}
+        answers = []
+        for item in leases:
+            if item.attempt_id not in mine:
+                answers.append({"attempt_id": item.attempt_id, "status": "lost", "reason": NOT_YOURS})
+            elif isinstance(why := lost.get(item.attempt_id), TaskCancelling):
+                answers.append({"attempt_id": item.attempt_id, "status": "cancel"})
+            elif why is not None:
+                reason = await self._reason(lease_of(item.attempt_id, item.lease_token))
+                answers.append({"attempt_id": item.attempt_id, "status": "lost", "reason": reason})
+            else:
+                answers.append({"attempt_id": item.attempt_id, "status": "held",
+                                "lease_expires_at": rfc3339(now + lease_s)})
+        return {"leases": answers, "worker_state": worker.state.value}
+
+    async def phase(self, worker: RemoteWorker, notes: Sequence[NoteIn]) -> dict[str, Any]:
+        self.registry.refuse_unless_served(worker, write=True)
+        mine = await self._owned(worker, notes)
+        kept = [n for n in notes if n.attempt_id in mine]
+        written = [PhaseNote(lease_of(n.attempt_id, n.lease_token), n.phase,
+                             None if n.progress is None else n.progress.model_dump()) for n in kept]
+        lost = await self.store.set_phase(written, now=self._clock()) if written else {}
+        for note in kept:
+            if note.attempt_id not in lost:
+                self._noted(worker.id, note)
+        refused = [n.attempt_id for n in notes if n.attempt_id not in mine or n.attempt_id in lost]
+        return {"lost": refused}
+
+    def _noted(self, identity: str, note: NoteIn) -> None:
+        task_id = note.lease_token.partition(".")[0]
+        booked = self.book.get(note.attempt_id)
+        if booked is None or booked.phase != note.phase.value:
+            if booked is not None:
+                booked.phase = note.phase.value
+            self.events.publish("task.phase", task_id=task_id, worker_id=identity, phase=note.phase.value,
+                                attempt_id=note.attempt_id)
+        if note.progress is not None:
+            self.events.publish("task.progress", task_id=task_id, worker_id=identity, plugin=None,
+                                **note.progress.model_dump())
+
+    async def result(self, worker: RemoteWorker, body: ResultIn) -> tuple[ResultBatch, bool]:
+        """Store a result batch once; (the acknowledged batch, whether it is new)."""
+        self.registry.refuse_unless_served(worker, write=True)
+        if sha256_of(body.payload) != body.sha256:
+            self.metrics.refused.inc(("sha256",))
+            raise InvalidRequest("sha256", "is not the SHA-256 of the payload as compact JSON with sorted keys")
+        if not await self._owned(worker, [body]):
+            raise LeaseGone(f"attempt {body.attempt_id}", NOT_YOURS)
+        lease = lease_of(body.attempt_id, body.lease_token)
+        batch = ResultBatch(body.plugin, body.sequence, body.idempotency_key, body.sha256, body.final, body.payload,
+                            attempt_id=body.attempt_id)
+        try:
+            ack = await self.store.record_result(lease, batch, now=self._clock())
+        except Conflict:
+            self.metrics.refused.inc(("conflict",))
+            raise
+        except LeaseLost as exc:
+            raise await self._gone(lease, exc) from None
+        self.events.publish("task.result", task_id=lease.task_id, worker_id=worker.id, plugin=ack.plugin,
+                            sequence=ack.sequence, idempotency_key=ack.idempotency_key, final=ack.final)
+        return ack, self.registry.first_ack(ack)
+
+    async def finish(self, worker: RemoteWorker, endings: Sequence[EndingIn]) -> dict[str, Any]:
+        self.registry.refuse_unless_served(worker, write=True)
+        mine = await self._owned(worker, endings)
+        now = self._clock()
+        kept = [e for e in endings if e.attempt_id in mine]
+        answers = await self.store.finish_many(
+            [Ending(lease_of(e.attempt_id, e.lease_token), _outcome(e), now) for e in kept], policy=self._policy())
+        by_attempt = dict(zip((e.attempt_id for e in kept), answers, strict=True))
+        out = []
+        for ending in endings:
+            answer = by_attempt.get(ending.attempt_id)
+            if answer is None:
+                out.append({"attempt_id": ending.attempt_id, "lost": NOT_YOURS})
+            elif isinstance(answer, LeaseLost):
+                gone = await self._gone(lease_of(ending.attempt_id, ending.lease_token), answer)
+                out.append({"attempt_id": ending.attempt_id, "lost": gone.reason})
+            elif isinstance(answer, TidepoolError):
+                raise answer  # the store did not take it (StoreUnavailable): the worker sends it again
+            else:
+                await self._ended(worker.id, ending, answer)
+                out.append({"attempt_id": ending.attempt_id, "state": answer.value})
+        self.parking.wake_identity(worker.id)  # a place under its cap may have come free
+        return {"endings": out}
+
+    async def _ended(self, identity: str, ending: EndingIn, state: State) -> None:
+        task_id = ending.lease_token.partition(".")[0]
+        task_type = await self._type_of(ending.attempt_id, task_id)
+        self.book.drop(ending.attempt_id)
+        error = None if ending.error is None else {"code": ending.error.code, "message": ending.error.message}
+        if state is State.RETRY_WAIT:
+            self.events.publish("task.retry_scheduled", task_id=task_id, worker_id=identity, error=error,
+                                type=task_type)
+        elif state.terminal:
+            self.events.publish("task.finished", task_id=task_id, worker_id=identity, state=state.value,
+                                error=error, type=task_type)
+        elif state is State.PENDING:  # interrupted: claimable again at once
+            self.wake(1)
+        log.info("task %s attempt %s of worker %s %s -> %s", task_id, ending.attempt_id, identity, ending.status,
+                 state.value)
+
+    async def _type_of(self, attempt_id: str, task_id: str) -> str:
+        booked = self.book.get(attempt_id)
+        if booked is not None:
+            return booked.type
+        try:
+            return (await self.store.get(task_id)).type
+        except TidepoolError:
+            return "unknown"
+
+    async def _gone(self, lease: Lease, lost: LeaseLost) -> LeaseGone:
+        reason = "cancelled" if isinstance(lost, TaskCancelling) else await self._reason(lease)
+        self.metrics.refused.inc((reason,))
+        self.book.drop(lease.attempt_id)
+        return LeaseGone(f"task {lease.task_id} attempt {lease.attempt_id}", reason)
+
+    async def _reason(self, lease: Lease) -> str:
+        """Why a lease the store refused is gone: cancelled, superseded (another attempt holds the task) or
+        expired."""
+        try:
+            task = await self.store.get(lease.task_id)
+        except (StoreUnavailable, TidepoolError):
+            return "expired"
+        if task.state in (State.CANCELLING, State.CANCELLED):
+            return "cancelled"
+        if task.attempts and task.attempts[-1].id != lease.attempt_id:
+            return "superseded"
+        return "expired"
+
+
+def _outcome(ending: EndingIn) -> Outcome:
+    error = None
+    if ending.error is not None:
+        retryable = True if ending.retryable is None else ending.retryable
+        error = TaskError(ending.error.code, ending.error.message, retryable)
+    elif ending.retryable is not None and ending.status != "succeeded":
+        error = TaskError(ending.status, f"the attempt ended {ending.status}", ending.retryable)
+    return Outcome(AttemptStatus(ending.status), error, ending.exit_status, ending.stderr_tail)
+
+
+

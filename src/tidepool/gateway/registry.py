@@ -1,0 +1,146 @@
+"""The gateway's side of the worker registry: who is calling and whether it is served, and the operator's
+changes (enable, disable, limits, organizations, revoke) carried to the worker at once.
+
+The registry itself lives in the store (one record per certificate identity). A call's record is read at most
+once a second per identity (its last_seen is that precise); the acquire reads it again in its own
+transaction, so a state, a cap or an organization always applies to the next lease. A change made through this
+node reaches the worker's control stream and its parked acquires at once; one made through another gateway of
+the same store reaches it by its next acquire or renewal.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from ..errors import Conflict, LeaseGone, WorkerRefused
+from ..events import EventBus
+from ..model import CertSeen, RemoteWorker, ResultBatch, WorkerChange, WorkerState
+from ..store import Enroll, Revoked, Store
+from .control import Controls
+from .metrics import GatewayMetrics
+from .parking import Parking
+from .tls import Peer
+
+log = logging.getLogger("tidepool.gateway")
+MEET_EVERY_S = 1.0
+TAGS_FOR_S = 1.0    # a submit's tag check reads the workers' slots at most this often
+MAX_ACKS = 100_000  # result keys remembered, to answer a repeat 200 rather than 201
+
+
+class WorkerRegistry:
+    def __init__(self, store: Store, events: EventBus, controls: Controls, parking: Parking,
+                 metrics: GatewayMetrics, *, clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._events = events
+        self._controls = controls
+        self._parking = parking
+        self._metrics = metrics
+        self._clock = clock
+        self._met: dict[str, tuple[float, str, RemoteWorker]] = {}  # identity -> (when, fingerprint, record)
+        self._acks: OrderedDict[str, None] = OrderedDict()
+        self._slots: tuple[float, list[frozenset[str]]] = (-TAGS_FOR_S, [])
+
+    # calls of remote workers
+
+    async def meet(self, peer: Peer, *, cert: CertSeen, enroll: Enroll, max_concurrent_tasks: int) -> RemoteWorker:
+        """The caller's record, created at its first contact (pending, or enabled under auto enrollment)."""
+        now = self._clock()
+        known = self._met.get(peer.identity)
+        if known is not None and now - known[0] < MEET_EVERY_S and known[1] == peer.fingerprint:
+            return known[2]
+        try:
+            worker = await self._store.meet_worker(peer.identity, cert=cert, address=peer.address, now=now,
+                                                   enroll=enroll, max_concurrent_tasks=max_concurrent_tasks)
+        except Conflict as exc:
+            raise WorkerRefused(peer.identity, "identity_conflict", str(exc)) from None
+        if worker.first_seen == worker.last_seen == now:
+            log.info("worker %s enrolled from %s: %s", worker.id, peer.address, worker.state.value)
+            self._events.publish("worker.enrolled", task_id=None, worker_id=worker.id, state=worker.state.value,
+                                 address=peer.address, fingerprint=peer.fingerprint)
+        self._met[peer.identity] = (now, peer.fingerprint, worker)
+        return worker
+
+    def seen(self, worker: RemoteWorker) -> None:
+        """A fresher record of a worker (an acquire read it in its transaction)."""
+        known = self._met.get(worker.id)
+        if known is not None:
+            self._met[worker.id] = (known[0], known[1], worker)
+
+    def refuse_unless_served(self, worker: RemoteWorker, *, write: bool) -> None:
+        """pending: 403 worker_pending; revoked: 403 worker_revoked, or 410 for a write behind its leases."""
+        if worker.state is WorkerState.PENDING:
+            self._metrics.refused.inc(("pending",))
+            raise WorkerRefused(worker.id, "worker_pending", "waiting for an operator to enable it "
+                                "(tidepool workers enable ID)")
+        if worker.state is WorkerState.REVOKED:
+            self._metrics.refused.inc(("revoked",))
+            if write:
+                raise LeaseGone(f"worker {worker.id} is revoked", "revoked")
+            raise WorkerRefused(worker.id, "worker_revoked", "revoked by an operator: its calls are refused for good")
+
+    def first_ack(self, ack: ResultBatch) -> bool:
+        """Whether this is the first acknowledgement of a result key this gateway gives."""
+        if ack.idempotency_key in self._acks:
+            return False
+        self._acks[ack.idempotency_key] = None
+        if len(self._acks) > MAX_ACKS:
+            self._acks.popitem(last=False)
+        return True
+
+    # the operator's side
+
+    async def list(self) -> list[RemoteWorker]:
+        workers = await self._store.list_workers()
+        self._count(workers)
+        return workers
+
+    async def get(self, worker_id: str) -> RemoteWorker:
+        return await self._store.get_worker(worker_id)
+
+    async def change(self, worker_id: str, change: WorkerChange) -> RemoteWorker:
+        before = await self._store.get_worker(worker_id)
+        worker, cancelled = await self._store.change_worker(worker_id, change, now=self._clock())
+        self._changed(before, worker, cancelled)
+        return worker
+
+    async def revoke(self, worker_id: str) -> RemoteWorker:
+        before = await self._store.get_worker(worker_id)
+        worker, cancelled = await self._store.revoke_worker(worker_id, now=self._clock())
+        self._changed(before, worker, cancelled)
+        return worker
+
+    def _changed(self, before: RemoteWorker, worker: RemoteWorker, cancelled: list[Revoked]) -> None:
+        """Tell the worker at once: its state on its control stream (a revoke closes its connections), a cancel
+        for each attempt the change stopped, and its parked acquires look again."""
+        self._met.pop(worker.id, None)
+        for attempt in cancelled:
+            self._events.publish("task.cancel_requested", task_id=attempt.task_id, worker_id=worker.id,
+                                 type=attempt.type, attempt_id=attempt.attempt_id)
+            self._controls.cancel(worker.id, attempt.attempt_id)
+        if before.state is not worker.state:
+            log.info("worker %s %s -> %s (%d attempts cancelled)", worker.id, before.state.value, worker.state.value,
+                     len(cancelled))
+            self._events.publish("worker.state", task_id=None, worker_id=worker.id, state=worker.state.value,
+                                 was=before.state.value, cancelled=len(cancelled))
+            if worker.state is WorkerState.REVOKED:
+                self._controls.cut_off(worker.id, worker.state.value)
+            else:
+                self._controls.worker_state(worker.id, worker.state.value)
+        self._parking.wake_identity(worker.id)
+
+    def _count(self, workers: list[RemoteWorker]) -> None:
+        counts = {s.value: 0 for s in WorkerState}
+        for worker in workers:
+            counts[worker.state.value] += 1
+        self._metrics.workers_by_state = counts
+
+    async def tag_sets(self) -> list[frozenset[str]]:
+        """The slots the enabled workers last reported, for a submit's required_tags check."""
+        now = self._clock()
+        if now - self._slots[0] >= TAGS_FOR_S:
+            workers = await self.list()
+            self._slots = (now, [frozenset(s) for w in workers if w.state is WorkerState.ENABLED for s in w.slots])
+        return self._slots[1]

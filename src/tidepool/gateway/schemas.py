@@ -1,0 +1,147 @@
+"""The worker protocol's bodies: what a remote worker may send under /w1 (extra fields refused, every list
+bounded) and the shape of each answer, from which the OpenAPI document is built as well."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..api.schemas import JsonInt, Shape, TaskDetailOut
+from ..model import Phase
+from ..settings import Tag
+
+MAX_ACQUIRE = 256        # tasks one acquire may ask for
+MAX_BATCH = 1000         # leases, notes or endings in one call
+MAX_SLOTS = 1000         # resource slots a worker may report
+MAX_WAIT_S = 3600.0      # a wait_s past this is a mistake; within it, gateway.max_wait_s clips it
+ID = Field(min_length=1, max_length=64, pattern=r"^[0-9A-Za-z_-]+$")
+TOKEN = Field(min_length=1, max_length=200, pattern=r"^[0-9A-Za-z_-]+\.[0-9a-f]+$")
+EndStatus = Literal["succeeded", "failed", "timed_out", "cancelled", "interrupted"]
+WorkerStateName = Literal["pending", "enabled", "disabled", "revoked"]
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AcquireIn(Body):
+    types: list[str] = Field(max_length=1000, description="the task types the worker runs (names, not globs)")
+    slots: list[list[Tag]] = Field(default_factory=list, max_length=MAX_SLOTS,
+                                   description="the tag set of each free resource slot")
+    max: JsonInt = Field(1, ge=1, le=MAX_ACQUIRE)
+    wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S, description="hold up to this long (at most gateway.max_wait_s)")
+    request_id: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$",
+                                   description="sent again, within lease_s, answers the same leases")
+
+
+class LeaseIn(Body):
+    attempt_id: str = ID
+    lease_token: str = TOKEN
+
+
+class RenewIn(Body):
+    leases: list[LeaseIn] = Field(max_length=MAX_BATCH)
+
+
+class ProgressIn(Body):
+    fraction: float = Field(ge=0, le=1)
+    message: str = Field("", max_length=1000)
+
+
+class NoteIn(LeaseIn):
+    phase: Phase
+    progress: ProgressIn | None = None
+
+
+class PhaseIn(Body):
+    notes: list[NoteIn] = Field(max_length=MAX_BATCH)
+
+
+class ResultIn(LeaseIn):
+    plugin: str = Field(min_length=1, max_length=200)
+    sequence: JsonInt = Field(ge=0, le=2**31)
+    idempotency_key: str = Field(min_length=1, max_length=512, pattern=r"^[^\x00]*$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="of the payload as compact JSON with sorted keys")
+    final: bool = False
+    payload: Any = None
+
+
+class ErrorIn(Body):
+    code: str = Field(min_length=1, max_length=100)
+    message: str = Field("", max_length=4000)
+
+
+class EndingIn(LeaseIn):
+    status: EndStatus
+    error: ErrorIn | None = None
+    retryable: bool | None = None
+    exit_status: JsonInt | None = Field(None, ge=-255, le=255, description="a command plugin's")
+    stderr_tail: str | None = Field(None, max_length=4096, description="a command plugin's last 4 KiB of stderr")
+
+
+class FinishIn(Body):
+    endings: list[EndingIn] = Field(max_length=MAX_BATCH)
+
+
+# answers
+
+
+class LeaseOut(Shape):
+    task: TaskDetailOut
+    attempt_id: str
+    lease_token: str = Field(description="opaque: sent back with every write of the attempt")
+    lease_expires_at: str
+
+
+class AcquireOut(Shape):
+    tasks: list[LeaseOut]
+    worker_state: WorkerStateName
+    lease_s: float
+    renew_after_s: float
+
+
+class LeaseStatusOut(Shape):
+    attempt_id: str
+    status: Literal["held", "cancel", "lost"]
+    lease_expires_at: str | None = None
+    reason: str | None = None
+
+
+class RenewOut(Shape):
+    leases: list[LeaseStatusOut]
+    worker_state: WorkerStateName
+
+
+class PhaseOut(Shape):
+    lost: list[str]
+
+
+class ResultAckOut(Shape):
+    attempt_id: str
+    plugin: str
+    sequence: int
+    idempotency_key: str
+    sha256: str
+    final: bool
+
+
+class EndingOut(Shape):
+    attempt_id: str
+    state: str | None = None
+    lost: str | None = Field(None, description="why the ending was refused: expired, cancelled, revoked, superseded")
+
+
+class FinishOut(Shape):
+    endings: list[EndingOut]
+
+
+class ControlOut(Shape):
+    """One event of GET /w1/control: cancel {attempt_id}, worker {state}, wake {n}."""
+
+    event: Literal["cancel", "worker", "wake"]
+    data: dict[str, Any]
+
+
+REQUESTS: tuple[type[BaseModel], ...] = (AcquireIn, RenewIn, PhaseIn, ResultIn, FinishIn)
+ANSWERS: tuple[type[BaseModel], ...] = (AcquireOut, RenewOut, PhaseOut, ResultAckOut, FinishOut, ControlOut)

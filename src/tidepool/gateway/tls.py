@@ -1,0 +1,114 @@
+"""The listener's TLS: a server context that demands a client certificate of the workers' CA, swapped whole
+when the files are read again, and the identity a verified peer certificate names.
+
+A reload must not drop live connections, so the listening socket keeps one context for good and every
+handshake switches to the newest one in its server-name callback (called whether or not the client sent
+a name): OpenSSL then takes the certificate, the key and the store of trusted CAs from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import ssl
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from ..settings import GatewaySettings
+
+log = logging.getLogger("tidepool.gateway")
+
+
+def server_context(settings: GatewaySettings) -> ssl.SSLContext:
+    """TLS 1.2 or later, a client certificate signed by gateway.client_ca_file required; ConfigError naming
+    the key whose file cannot be used."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.verify_mode = ssl.CERT_REQUIRED
+    try:
+        context.load_cert_chain(settings.cert_file, settings.key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"config: gateway.cert_file/gateway.key_file: cannot load {settings.cert_file} with "
+                          f"{settings.key_file}: {_reason(exc)}") from None
+    try:
+        context.load_verify_locations(cafile=settings.client_ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"config: gateway.client_ca_file: cannot load {settings.client_ca_file}: "
+                          f"{_reason(exc)}") from None
+    return context
+
+
+def _reason(exc: OSError | ssl.SSLError) -> str:
+    return str(exc.strerror or exc) if isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError) else str(exc)
+
+
+class Credentials:
+    """The context the listener serves with; `reload` reads the files again, keeping the old ones when the
+    new cannot be used."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.current = server_context(settings)
+        self.listening = server_context(settings)
+        self.listening.sni_callback = self._switch
+        self._files = _files(settings)
+
+    def _switch(self, connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
+        connection.context = self.current  # the handshake goes on with the newest certificate and CAs
+
+    def reload(self, settings: GatewaySettings) -> bool:
+        """Read the certificate, key and CA files again; whether the new ones are served from now on. Live
+        connections keep the session they have."""
+        try:
+            self.current = server_context(settings)
+        except ConfigError as exc:
+            log.error("gateway: keeping the certificates in use: %s", exc)
+            return False
+        log.info("gateway: certificates read again from %s", ", ".join(_files(settings)))
+        self._files = _files(settings)
+        return True
+
+
+def _files(settings: GatewaySettings) -> tuple[str, str, str]:
+    return settings.cert_file, settings.key_file, settings.client_ca_file
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Who is calling, from its verified certificate: never from anything it sends."""
+
+    identity: str
+    fingerprint: str   # lowercase hex SHA-256 of the certificate's DER form
+    not_after: float
+    address: str | None
+
+
+def peer_of(transport: Any) -> Peer | None:
+    """The peer of a TLS connection whose client certificate was verified; None without one (or with one
+    naming no identity: neither a subject common name nor a DNS name)."""
+    if transport is None:
+        return None
+    tls = transport.get_extra_info("ssl_object")
+    if tls is None:
+        return None
+    cert, der = tls.getpeercert(), tls.getpeercert(binary_form=True)
+    if not cert or der is None:
+        return None
+    identity = identity_of(cert)
+    if identity is None:
+        return None
+    peername = transport.get_extra_info("peername")
+    address = str(peername[0]) if isinstance(peername, tuple) and peername else None
+    return Peer(identity, hashlib.sha256(der).hexdigest(), ssl.cert_time_to_seconds(cert["notAfter"]), address)
+
+
+def identity_of(cert: dict[str, Any]) -> str | None:
+    """The subject's common name, else the first DNS subject alternative name."""
+    for rdn in cert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName" and value:
+                return str(value)
+    for kind, value in cert.get("subjectAltName", ()):
+        if kind == "DNS" and value:
+            return str(value)
+    return None
