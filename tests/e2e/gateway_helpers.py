@@ -31,10 +31,12 @@ class Gateway(Daemon):
     Expired and failed attempts are retried at once, so that a test sees the task run again without waiting."""
 
     def __init__(self, root: Path, lab: pki.Lab, **sections: dict[str, Any]) -> None:
+        root.mkdir(parents=True, exist_ok=True)
         self.gateway_port = free_port()
         self.gateway_url = f"https://127.0.0.1:{self.gateway_port}"
         super().__init__(root, {
             "node": {"id": "gateway"},
+            "store": {"url": "memory://"},
             "gateway": {"listen": f"127.0.0.1:{self.gateway_port}", "cert_file": str(lab.gateway.cert),
                         "key_file": str(lab.gateway.key), "client_ca_file": str(lab.ca_file), "enroll": "auto"},
             "pool": {"task_types": [], "drain_timeout_s": 2.0},
@@ -48,6 +50,7 @@ class Gateway(Daemon):
 def worker_daemon(root: Path, lab: pki.Lab, name: str, gateway_url: str, **sections: dict[str, Any]) -> Daemon:
     """A remote worker whose node id is its certificate's name."""
     issued = lab.workers[name]
+    root.mkdir(parents=True, exist_ok=True)
     return Daemon(root, {
         "node": {"id": name},
         "store": {"url": gateway_url, "cert_file": str(issued.cert), "key_file": str(issued.key),

@@ -29,7 +29,7 @@ from ..port import Ending, Node, PhaseNote
 from ..rules import finish_alone
 from .control import RECONNECT, ControlStream, Standing, log
 from .queue import RemoteQueue
-from .wire import Answer, Refusal, Wire, client_tls, task_of
+from .wire import Answer, Refusal, Wire, client_tls, instant, task_of
 
 PARK_S = 25.0            # asked of the gateway, which holds an acquire at most its gateway.max_wait_s
 REQUEST_TIMEOUT_S = 10.0  # a renewal, phase note or ending not answered in this long is tried again
@@ -138,10 +138,7 @@ class RemoteStore(RemoteQueue):
 
     async def _acquire(self, where: ClaimFilter, limit: int, *, wait_s: float, request_id: str,
                        asked_at: float | None = None) -> list[Claimed]:
-        sent, sent_clock = self._monotonic(), self._clock()
-        if asked_at is not None:  # a repeat: the leases it brings back may date from the first asking
-            sent_clock -= sent - asked_at
-            sent = asked_at
+        sent = self._monotonic() if asked_at is None else asked_at  # a repeat's leases may date from the first
         body = {"types": list(where.types) if where.types is not None else ["*"],
                 "slots": [sorted(tags) for tags in where.tag_sets], "max": limit, "wait_s": wait_s,
                 "request_id": request_id}
@@ -150,16 +147,27 @@ class RemoteStore(RemoteQueue):
         except Refusal as exc:
             self.standing.refused(exc)
             return []
+        received, received_clock = self._monotonic(), self._clock()
         data = answer.body
         self._learn(LeaseTerms(float(data["lease_s"]), float(data["renew_after_s"])))
         self.standing.heard(str(data.get("worker_state", "enabled")))
         claimed = []
         for item in data["tasks"]:
             task = task_of(item["task"])
-            lease = Lease(task.id, item["attempt_id"], item["lease_token"], sent_clock + self.terms.lease_s)
-            self._until[lease.attempt_id] = sent + self.terms.lease_s
+            until = self._lease_end(instant(item["lease_expires_at"]), sent=sent, received=received,
+                                    received_clock=received_clock)
+            lease = Lease(task.id, item["attempt_id"], item["lease_token"], received_clock + until - received)
+            self._until[lease.attempt_id] = until
             claimed.append(Claimed(task, lease))
         return claimed
+
+    def _lease_end(self, expires_at: float, *, sent: float, received: float, received_clock: float) -> float:
+        """When a lease granted to an acquire ends, on this host's monotonic clock. It was granted between
+        the request's sending and the answer's receipt (a parked acquire waits long in between): the
+        gateway's expiry time places it there when the two clocks agree, and one clock far off the other
+        cannot move it out of that span."""
+        by_clock = received + (expires_at - received_clock)
+        return min(max(by_clock, sent + self.terms.lease_s), received + self.terms.lease_s)
 
     def _learn(self, terms: LeaseTerms) -> None:
         if terms != self.terms and 0 < 2 * terms.renew_after_s <= terms.lease_s:
