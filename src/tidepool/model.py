@@ -78,6 +78,7 @@ def cancel_deadline_error(deadline_s: float) -> TaskError:
 
 
 DEFAULT_ORGANIZATION = "default"
+ORGANIZATION_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"  # an organization's name: what a submit, a filter and a worker take
 
 
 @dataclass(frozen=True, slots=True)

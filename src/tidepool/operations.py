@@ -169,8 +169,10 @@ class NodeOperations:
     async def get(self, task_id: str) -> Task:
         return await self._store.get(task_id)
 
-    async def list_tasks(self, *, state: State | None, type: str | None, limit: int, cursor: str | None) -> Page:
-        return await self._store.list_tasks(state=state, type=type, limit=limit, cursor=cursor)
+    async def list_tasks(self, *, state: State | None, type: str | None, limit: int, cursor: str | None,
+                         organization: str | None = None) -> Page:
+        return await self._store.list_tasks(state=state, type=type, limit=limit, cursor=cursor,
+                                            organization=organization)
 
     async def cancel(self, task_id: str) -> State:
         answer = await self._store.request_cancel(task_id, now=time.time())
@@ -223,12 +225,12 @@ class NodeOperations:
         nodes = [NodeOut.of(node, now=now).to_json() for node in await self._store.list_nodes()]
         heard_within_s = self._settings.gateway.max_wait_s + self._settings.lease.duration_s
         return nodes + [NodeOut.of_remote(w, now=now, heard_within_s=heard_within_s).to_json()
-                        for w in await self._parts.workers.list() if w.state is not WorkerState.PENDING]
+                        for w in await self._parts.workers.list_workers() if w.state is not WorkerState.PENDING]
 
     # remote workers
 
     async def list_workers(self) -> list[RemoteWorker]:
-        return await self._parts.workers.list()
+        return await self._parts.workers.list_workers()
 
     async def get_worker(self, worker_id: str) -> RemoteWorker:
         return await self._parts.workers.get(worker_id)

@@ -107,3 +107,33 @@ def test_a_types_max_attempts_applies_unless_the_request_gives_its_own(make_daem
                                                   {"type": "noop"}]})
     assert r.status == 201, r
     assert [daemon.task(i)["max_attempts"] for i in r.body["ids"]] == [1, 3, 4]
+
+
+@pytest.mark.e2e
+def test_a_tasks_organization_is_submitted_shown_and_listed_by(daemon: Daemon) -> None:
+    later = (datetime.now(UTC) + timedelta(hours=1)).isoformat()  # kept queued: the listing is of known states
+    acme = daemon.submit("noop", organization="acme", available_at=later)
+    assert acme["organization"] == "acme"
+    assert daemon.submit("noop", available_at=later)["organization"] == "default"
+    batch = daemon.post("/v1/tasks/batch", {"tasks": [{"type": "noop", "organization": "acme", "available_at": later},
+                                                      {"type": "noop", "organization": "globex.eu_1"}]})
+    assert batch.status == 201, batch
+    acme_batch, globex = batch.body["ids"]
+    assert daemon.task(globex)["organization"] == "globex.eu_1"
+
+    listed = daemon.get("/v1/tasks?organization=acme")
+    assert listed.status == 200 and [t["id"] for t in listed.body["tasks"]] == [acme_batch, acme["id"]], listed
+    assert all(t["organization"] == "acme" for t in listed.body["tasks"])
+    assert daemon.get("/v1/tasks?organization=initech").body == {"tasks": [], "next_cursor": None}
+    # a node's own workers serve every organization
+    assert daemon.wait_terminal(globex)["state"] == "completed"
+
+    queued = daemon.query("SELECT count(*) FROM tasks")
+    for bad in ("", "a b", "x" * 65, "ümlaut"):
+        one = daemon.post("/v1/tasks", {"type": "noop", "organization": bad})
+        assert one.status == 400 and "organization" in one.error["message"], one
+        many = daemon.post("/v1/tasks/batch", {"tasks": [{"type": "noop"}, {"type": "noop", "organization": bad}]})
+        assert many.status == 400 and "tasks.1.organization" in many.error["message"], many
+    filtered = daemon.get("/v1/tasks?organization=a%20b")
+    assert filtered.status == 400 and filtered.error["message"].startswith("organization:"), filtered
+    assert daemon.query("SELECT count(*) FROM tasks") == queued, "a refused submit queues nothing"

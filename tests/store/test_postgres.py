@@ -208,14 +208,21 @@ async def test_an_older_schema_is_upgraded_in_place_by_migrate(
 ) -> None:
     url, schema = postgres_schema
     monkeypatch.setattr(postgres, "SCHEMA_VERSION", 1)  # what the previous release created
-    async with nodes(url, schema, 1) as (old,):
-        task, _ = await old.add(NewTask("noop", {"kept": True}), now=T0)
+    async with nodes(url, schema, 1):
+        pass
     monkeypatch.undo()
+    # a task as that release wrote it: the columns of version 1 only
+    await admin_fetch(url, f'INSERT INTO "{schema}".tasks (id, type, payload, priority, state, max_attempts, '
+                           "fingerprint, created_at, updated_at, available_at) "
+                           """VALUES ('t-old', 'noop', '{"kept": true}', 0, 'pending', 3, '', $1, $1, $1)""", T0)
     with pytest.raises(SchemaMismatch, match=rf"version 1, needs {SCHEMA_VERSION}: run `tidepool migrate`"):
         await PostgresStore(url, schema=schema).open(migrate=False)
     async with nodes(url, schema, 2) as (a, _):
-        assert (await a.get(task.id)).payload == {"kept": True}
+        task = await a.get("t-old")
+        assert (task.payload, task.organization) == ({"kept": True}, "default")
         assert await a.list_schedules() == []
+        assert [c.task.id for c in await a.claim(Worker("n", "i", "w"), ANY, limit=5, now=T0, lease_s=LEASE_S)] \
+            == ["t-old"]
 
 
 async def test_two_nodes_firing_schedules_at_once_fire_each_tick_once(postgres_schema: tuple[str, str]) -> None:

@@ -4,7 +4,10 @@ globs, organizations, revoke and the organizations a change takes away; every ad
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import sqlite3
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,8 +25,10 @@ from tidepool.model import (
     Worker,
     WorkerChange,
     WorkerState,
+    canonical_json,
 )
 from tidepool.store import Acquired, Enroll, Node, PhaseNote, Revoked, Store
+from tidepool.store.sqlite.database import MIGRATIONS
 
 from .conftest import ANY, LEASE_S, POLICY, SUCCEEDED, T0
 
@@ -384,3 +389,60 @@ async def test_two_gateways_on_one_database_never_exceed_the_cap_nor_lease_a_tas
         assert all(tasks[c.task.id].node_id == identity for identity, c in leased)
     finally:
         await other.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+async def test_a_sqlite_file_of_the_release_before_the_registry_is_upgraded_in_place(
+        adapter: Store, tmp_path: Path) -> None:
+    """The file as the previous release left it: its tasks come back of the default organization."""
+    path = tmp_path / "tidepool.db"
+    before = [(v, text) for v, text in MIGRATIONS if v < registry_version()]
+    with sqlite3.connect(path) as conn:
+        conn.executescript(" ".join(text for _, text in before) + f"; PRAGMA user_version={before[-1][0]};")
+        conn.execute("INSERT INTO tasks (id, type, payload, priority, state, max_attempts, required_tags, fingerprint, "
+                     "created_at, updated_at, available_at) VALUES ('t-old', 'noop', '{}', 0, 'pending', 3, '[]', '', "
+                     "?, ?, ?)", (T0, T0, T0))
+    await adapter.open()
+    try:
+        assert (await adapter.get("t-old")).organization == "default"
+        await meet(adapter)
+        assert await acquired_ids(adapter) == ["t-old"]
+    finally:
+        await adapter.close()
+
+
+def registry_version() -> int:
+    """The schema version that brings the registry: the migration that creates the workers table."""
+    return next(v for v, text in MIGRATIONS if "CREATE TABLE workers" in text)
+
+
+# organizations on tasks
+
+
+async def test_a_tasks_organization_is_kept_and_filters_the_list(store: Store) -> None:
+    acme = await add(store, organization="acme")
+    [(batch_acme, _), (batch_default, _)] = await store.add_many(
+        [NewTask("noop", organization="acme"), NewTask("noop")], now=T0)
+    default = await add(store)
+    assert [(await store.get(i)).organization for i in (acme, batch_acme, batch_default, default)] == \
+        ["acme", "acme", "default", "default"]
+    page = await store.list_tasks(organization="acme")
+    assert ([t.id for t in page.tasks], page.next_cursor) == ([batch_acme, acme], None)
+    assert [t.id for t in (await store.list_tasks(organization="default", limit=1)).tasks] == [default]
+    assert (await store.list_tasks(organization="nobody")).tasks == []
+
+
+async def test_the_same_key_with_another_organization_is_another_body(store: Store) -> None:
+    first, _ = await store.add(NewTask("noop", idempotency_key="k", organization="acme"), now=T0)
+    again, created = await store.add(NewTask("noop", idempotency_key="k", organization="acme"), now=T0 + 1)
+    assert (again.id, created) == (first.id, False)
+    with pytest.raises(Conflict):
+        await store.add(NewTask("noop", idempotency_key="k"), now=T0 + 1)
+
+
+def test_a_task_of_the_default_organization_keeps_the_fingerprint_it_had_before_organizations() -> None:
+    """Idempotency keys stored before tasks had an organization still match their resubmits."""
+    body = ["noop", {"a": 1}, 0, 3, None, []]
+    before = hashlib.sha256(canonical_json(body).encode()).hexdigest()
+    assert NewTask("noop", {"a": 1}, idempotency_key="k").fingerprint() == before
+    assert NewTask("noop", {"a": 1}, idempotency_key="k", organization="acme").fingerprint() != before

@@ -29,9 +29,6 @@ DECLARED: dict[tuple[str, str], str] = {
     ("postgres", "column tasks.attempt_rows"):
         "numbers a task's attempts under its row lock while claims of many nodes run at once; SQLite's one "
         "writer counts the attempt rows",
-    ("postgres", "index tasks_node_leases"):
-        "a node's start expires its earlier processes' leases among the leases of every node of the fleet; a "
-        "SQLite file has one node, whose live leases tasks_state finds (state IN active)",
     ("postgres", "index tasks_cancelling"):
         "every node's reconciler looks for cancels past their deadline; in SQLite that pass reads the few "
         "cancelling rows through tasks_state",

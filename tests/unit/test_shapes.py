@@ -46,11 +46,12 @@ def _task() -> Task:
     results = (ResultBatch("p", 1, "k1", "s1", True, {"n": 1}, "a1"),
                ResultBatch("p", 2, "k2", "s2", True, [2.5], "a2"))
     return Task("t1", "noop", {"x": [1, 2.5, "é"]}, -5, State.COMPLETED, Phase.STOP, {"pct": 100}, 2, 3, 0, 5.0,
-                ("gpu",), "key", "n1", None, T0, T0 + 4, T0, T0 + 4, (failed, succeeded), results)
+                ("gpu",), "key", "n1", None, T0, T0 + 4, T0, T0 + 4, (failed, succeeded), results, "acme")
 
 
-TASK = {"id": "t1", "type": "noop", "payload": {"x": [1, 2.5, "é"]}, "priority": -5, "state": "completed",
-        "phase": "stop", "progress": {"pct": 100}, "attempt": 2, "max_attempts": 3, "timeout_s": 5.0,
+TASK = {"id": "t1", "type": "noop", "organization": "acme", "payload": {"x": [1, 2.5, "é"]}, "priority": -5,
+        "state": "completed", "phase": "stop", "progress": {"pct": 100}, "attempt": 2, "max_attempts": 3,
+        "timeout_s": 5.0,
         "required_tags": ["gpu"], "idempotency_key": "key", "node_id": "n1", "error": None,
         "created_at": "2023-11-14T22:13:20.250000Z", "updated_at": "2023-11-14T22:13:24.250000Z",
         "available_at": "2023-11-14T22:13:20.250000Z", "finished_at": "2023-11-14T22:13:24.250000Z",

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from ..client import API_HEADER
 from ..errors import InvalidRequest, TaskNotFound, TidepoolError
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ..model import State
+from ..model import ORGANIZATION_PATTERN, State
 from ..settings import api_address
 from . import openapi, stream, workers
 from .auth import TOKEN, require_token
@@ -167,7 +167,7 @@ async def get_task(request: web.Request) -> web.Response:
     return web.json_response(TaskDetailOut.of(task).to_json())
 
 
-LIST_PARAMETERS = ("state", "type", "limit", "cursor")
+LIST_PARAMETERS = ("state", "type", "limit", "cursor", "organization")
 
 
 async def list_tasks(request: web.Request) -> web.Response:
@@ -188,7 +188,12 @@ async def list_tasks(request: web.Request) -> web.Response:
     cursor = q.get("cursor") or None
     if cursor is not None and not CURSOR.fullmatch(cursor):
         raise _http(400, "invalid_request", "cursor: pass back a next_cursor of an earlier page")
-    page = await request.app[DAEMON].list_tasks(state=state, type=q.get("type"), limit=int(limit), cursor=cursor)
+    organization = q.get("organization")
+    if organization is not None and not re.fullmatch(ORGANIZATION_PATTERN, organization):
+        raise _http(400, "invalid_request", f"organization: {organization!r} is not an organization name: 1 to 64 "
+                                            "of the characters A-Z a-z 0-9 . _ -")
+    page = await request.app[DAEMON].list_tasks(state=state, type=q.get("type"), limit=int(limit), cursor=cursor,
+                                                organization=organization)
     return web.json_response({"tasks": [TaskOut.of(t).to_json() for t in page.tasks],
                               "next_cursor": page.next_cursor})
 

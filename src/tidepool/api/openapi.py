@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from .. import __version__
-from ..model import State
+from ..model import ORGANIZATION_PATTERN, State
 from .schemas import (
     CURSOR_PATTERN,
     MAX_LIST_LIMIT,
@@ -55,6 +55,7 @@ EVENT_ID = {"type": "string", "pattern": "^[0-9]{0,20}$"}
 LISTING = (_param("state", "query", {"type": "string", "enum": [s.value for s in State]}),
            _param("type", "query", {"type": "string", "minLength": 1}),
            _param("limit", "query", {"type": "integer", "minimum": 1, "maximum": MAX_LIST_LIMIT}),
+           _param("organization", "query", {"type": "string", "pattern": ORGANIZATION_PATTERN}),
            _param("cursor", "query", {"type": "string", "pattern": CURSOR_PATTERN},
                   description="the next_cursor of the page before"))
 EVENTS = (_param("task_id", "query", {"type": "string"}),

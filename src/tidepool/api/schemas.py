@@ -16,7 +16,18 @@ from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
 
 from ..guards import GuardStats
-from ..model import AttemptStatus, NewTask, Phase, RemoteWorker, State, Task, WorkerState, rfc3339
+from ..model import (
+    DEFAULT_ORGANIZATION,
+    ORGANIZATION_PATTERN,
+    AttemptStatus,
+    NewTask,
+    Phase,
+    RemoteWorker,
+    State,
+    Task,
+    WorkerState,
+    rfc3339,
+)
 from ..resources import ResourceStats
 from ..schedules import MAX_NAME_LEN, NAME_PATTERN, CatchUp, Overlap, Schedule
 from ..settings import MAX_WORKERS, Tag
@@ -66,6 +77,9 @@ class SubmitTask(BaseModel):
     required_tags: list[Tag] = Field(default_factory=list, max_length=64)
     idempotency_key: str | None = Field(None, min_length=1, max_length=512, pattern=r"^[^\x00]*$")  # no NUL
     available_at: datetime | None = None
+    organization: str = Field(DEFAULT_ORGANIZATION, pattern=ORGANIZATION_PATTERN,
+                              description="whose task it is: a remote worker takes only the organizations it is "
+                                          "assigned (a node's own workers take every one)")
 
     @field_validator("available_at")
     @classmethod
@@ -83,7 +97,8 @@ class SubmitTask(BaseModel):
     def to_new(self, *, default_max_attempts: int) -> NewTask:
         available = None if self.available_at is None else self.available_at.timestamp()
         return NewTask(self.type, self.payload, self.priority, self.max_attempts or default_max_attempts,
-                       self.timeout_s, tuple(sorted(set(self.required_tags))), self.idempotency_key, available)
+                       self.timeout_s, tuple(sorted(set(self.required_tags))), self.idempotency_key, available,
+                       self.organization)
 
 
 class SubmitBatch(BaseModel):
@@ -189,6 +204,7 @@ class TaskOut(Shape):
 
     id: str
     type: str
+    organization: str
     payload: dict[str, Any]
     priority: int
     state: State

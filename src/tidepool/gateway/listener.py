@@ -36,7 +36,9 @@ class TlsSite(web.BaseSite):
         await super().start()
         assert self._runner.server is not None
         factory: Any = self._guard.wrap(self._runner.server)
-        host, port = api_address(self._listen)  # type: ignore[misc]  # the settings refuse a unix socket here
+        address = api_address(self._listen)
+        assert not isinstance(address, str), "the settings refuse a unix socket for the gateway"
+        host, port = address
         try:
             self._server = await asyncio.get_running_loop().create_server(
                 factory, host, port, ssl=self._context, reuse_address=True, backlog=LISTEN_BACKLOG,

@@ -54,7 +54,8 @@ NOT_YOURS = "superseded"  # the reason given for an attempt the caller does not 
 
 class Gateway:
     def __init__(self, store: Store, events: EventBus, *, settings: GatewaySettings, lease: LeaseSettings,
-                 policy: Callable[[], RetryPolicy], max_body_kb: int = 1024, clock: Callable[[], float] = time.time) -> None:
+                 policy: Callable[[], RetryPolicy], max_body_kb: int = 1024,
+                 clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.events = events
         self.settings = settings
@@ -140,6 +141,7 @@ class Gateway:
         claim is shielded: once begun it is answered, so no lease it makes is lost to the deadline."""
         parked = self.parking.park(identity)
         acquired: Acquired | None = None
+        claimed_once: Acquired
         with anyio.move_on_after(hold_s) as scope:
             undo = on_gone(scope.cancel)
             try:
@@ -148,15 +150,15 @@ class Gateway:
                     if gone():
                         return None
                     with anyio.CancelScope(shield=True):
-                        acquired = await claim()
-                    if acquired.claimed or acquired.worker.state is not WorkerState.ENABLED or hold_s <= 0:
+                        acquired = claimed_once = await claim()
+                    if claimed_once.claimed or claimed_once.worker.state is not WorkerState.ENABLED or hold_s <= 0:
                         break
                     self.parking.came_back_empty(parked)
                     await parked.wait()
             finally:
                 undo()
                 self.parking.leave(parked)
-        if acquired is None or gone() and not acquired.claimed:
+        if acquired is None or (gone() and not acquired.claimed):
             return None
         return acquired
 
@@ -204,7 +206,7 @@ class Gateway:
         now, lease_s = self._clock(), self.lease.duration_s
         held = [lease_of(i.attempt_id, i.lease_token) for i in leases if i.attempt_id in mine]
         lost = await self.store.renew(held, now=now, lease_s=lease_s) if held else {}
-        answers = []
+        answers: list[dict[str, Any]] = []
         for item in leases:
             if item.attempt_id not in mine:
                 answers.append({"attempt_id": item.attempt_id, "status": "lost", "reason": NOT_YOURS})
@@ -273,7 +275,7 @@ class Gateway:
         answers = await self.store.finish_many(
             [Ending(lease_of(e.attempt_id, e.lease_token), _outcome(e), now) for e in kept], policy=self._policy())
         by_attempt = dict(zip((e.attempt_id for e in kept), answers, strict=True))
-        out = []
+        out: list[dict[str, Any]] = []
         for ending in endings:
             answer = by_attempt.get(ending.attempt_id)
             if answer is None:

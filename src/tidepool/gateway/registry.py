@@ -92,7 +92,7 @@ class WorkerRegistry:
 
     # the operator's side
 
-    async def list(self) -> list[RemoteWorker]:
+    async def list_workers(self) -> list[RemoteWorker]:
         workers = await self._store.list_workers()
         self._count(workers)
         return workers
@@ -141,6 +141,6 @@ class WorkerRegistry:
         """The slots the enabled workers last reported, for a submit's required_tags check."""
         now = self._clock()
         if now - self._slots[0] >= TAGS_FOR_S:
-            workers = await self.list()
+            workers = await self.list_workers()
             self._slots = (now, [frozenset(s) for w in workers if w.state is WorkerState.ENABLED for s in w.slots])
         return self._slots[1]

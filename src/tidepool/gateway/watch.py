@@ -47,7 +47,7 @@ class Watch:
             while self._unknown:
                 await self._tell(self._unknown.popleft())
             try:
-                await self._gateway.registry.list()  # counts the workers by state as it reads them
+                await self._gateway.registry.list_workers()  # counts the workers by state as it reads them
             except TidepoolError as exc:
                 log.debug("gateway: cannot count the workers: %s", exc)
 

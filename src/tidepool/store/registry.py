@@ -13,10 +13,10 @@ import re
 from collections.abc import Sequence
 
 from ..errors import Conflict, InvalidRequest
-from ..model import CertSeen, ClaimFilter, RemoteWorker, WorkerChange, WorkerState
+from ..model import ORGANIZATION_PATTERN, CertSeen, ClaimFilter, RemoteWorker, WorkerChange, WorkerState
 from .port import Enroll
 
-ORGANIZATION = re.compile(r"[A-Za-z0-9._-]{1,64}")
+ORGANIZATION = re.compile(ORGANIZATION_PATTERN)
 MAX_ORGANIZATIONS = 256
 MAX_TYPE_GLOBS = 256
 MAX_CONCURRENT_TASKS = 100_000

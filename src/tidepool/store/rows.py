@@ -7,27 +7,41 @@ list is a PostgreSQL array but JSON text in SQLite), the function takes that val
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import schedules
 from ..lifecycle import Event, step
-from ..model import Attempt, AttemptStatus, Phase, ResultBatch, State, Task, TaskError
+from ..model import (
+    Attempt,
+    AttemptStatus,
+    CertSeen,
+    Phase,
+    RemoteWorker,
+    ResultBatch,
+    State,
+    Task,
+    TaskError,
+    WorkerState,
+)
 from ..schedules import Schedule
 from .port import Node
 
-# The schema both adapters build, step by step: 1 tasks, attempts and results; 2 schedules; 3 nodes.
-SCHEMA_VERSION = 3
+# The schema both adapters build, step by step: 1 tasks, attempts and results; 2 schedules; 3 nodes; 4 remote
+# workers and the tasks' organizations.
+SCHEMA_VERSION = 4
 
 TASK_COLUMNS = ("id, type, payload, priority, state, phase, progress, attempt, max_attempts, interruptions, "
                 "timeout_s, required_tags, idempotency_key, node_id, error, created_at, updated_at, "
-                "available_at, finished_at")
+                "available_at, finished_at, organization")
 ATTEMPT_COLUMNS = ("id, task_id, number, node_id, worker_id, status, started_at, finished_at, error, exit_status, "
                    "stderr_tail")
 RESULT_COLUMNS = "plugin, sequence, idempotency_key, sha256, final, payload, attempt_id"
 SCHEDULE_COLUMNS = "name, spec, paused, next_tick_at, next_run_at, last_run_at, last_task_id"
 NODE_COLUMNS = ("node_id, instance_id, hostname, pid, version, started_at, heartbeat_at, heartbeat_s, stopped_at, "
                 "task_types, tags, max_workers")
+WORKER_COLUMNS = ("id, state, max_concurrent_tasks, task_types, organizations, slots, version, fingerprints, "
+                  "first_seen, last_seen, address")
 
 
 def loads(text: str) -> Any:
@@ -59,7 +73,7 @@ def task_of(row: Sequence[Any], *, required_tags: Sequence[str], attempts: tuple
         attempt=attempt, max_attempts=row[8], interruptions=row[9], timeout_s=row[10],
         required_tags=tuple(required_tags), idempotency_key=row[12], node_id=node_id,
         error=None if row[14] is None or leased_by else error_of(row[14]), created_at=row[15],
-        updated_at=updated_at, available_at=row[17], finished_at=row[18], attempts=attempts,
+        updated_at=updated_at, available_at=row[17], finished_at=row[18], attempts=attempts, organization=row[19],
     )
 
 
@@ -97,3 +111,19 @@ def node_values(n: Node, *, task_types: Any) -> tuple[Any, ...]:
     """A node's NODE_COLUMNS values, with its task types as the store keeps them."""
     return (n.node_id, n.instance_id, n.hostname, n.pid, n.version, n.started_at, n.heartbeat_at, n.heartbeat_s,
             n.stopped_at, task_types, json.dumps([list(t) for t in n.tags]), n.max_workers)
+
+
+def worker_of(row: Sequence[Any], *, task_types: Sequence[str], organizations: Sequence[str],
+              live: int) -> RemoteWorker:
+    """A RemoteWorker from a WORKER_COLUMNS row; its slots and fingerprints are JSON text in both stores."""
+    slots = tuple(tuple(s) for s in json.loads(row[5]))
+    seen = tuple(CertSeen(c["fingerprint"], c["not_after"]) for c in json.loads(row[7]))
+    return RemoteWorker(row[0], WorkerState(row[1]), row[2], tuple(task_types), tuple(organizations), slots, row[6],
+                        seen, row[8], row[9], row[10], live)
+
+
+def worker_values(w: RemoteWorker, *, lists: Callable[[tuple[str, ...]], Any]) -> tuple[Any, ...]:
+    """A worker's WORKER_COLUMNS values; `lists` makes its task types and organizations what the store keeps."""
+    seen = json.dumps([{"fingerprint": c.fingerprint, "not_after": c.not_after} for c in w.fingerprints])
+    return (w.id, w.state.value, w.max_concurrent_tasks, lists(w.task_types), lists(w.organizations),
+            json.dumps([list(s) for s in w.slots]), w.version, seen, w.first_seen, w.last_seen, w.address)

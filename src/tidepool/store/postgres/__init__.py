@@ -30,20 +30,23 @@ from ...errors import Conflict, LeaseLost, ScheduleNotFound, StoreUnavailable, T
 from ...lifecycle import Event, RetryPolicy, step
 from ...model import (
     CANCELLED_ON_REQUEST,
+    CertSeen,
     Claimed,
     ClaimFilter,
     Lease,
     NewTask,
     Outcome,
+    RemoteWorker,
     ResultBatch,
     State,
     Task,
     TaskError,
     Worker,
+    WorkerChange,
     cancel_deadline_error,
 )
 from ...schedules import Fired, Schedule
-from ..port import CancelAnswer, Ended, Ending, Expired, Node, Page, PhaseNote
+from ..port import Acquired, CancelAnswer, Ended, Ending, Enroll, Expired, Node, Page, PhaseNote, Revoked
 from ..rows import (
     SCHEMA_VERSION,
     attempt_of,
@@ -61,6 +64,7 @@ from .claims import Claims
 from .connection import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, DRIVER_ERRORS, Connections, channel_for, said
 from .fenced import FencedWrites, expiry, lease_arrays, lost, write_ends
 from .firing import fire
+from .registry import Registry
 from .session import Session
 from .statements import SQL
 
@@ -81,6 +85,7 @@ class PostgresStore:
         self._claims = Claims(self._db)
         self._fenced = FencedWrites(self._db)
         self._session = Session(self._db)
+        self._registry = Registry(self._db)
 
     # lifecycle of the adapter
 
@@ -151,12 +156,13 @@ class PostgresStore:
             row = await conn.fetchrow(SQL["get"], task_id)
         if row is None:
             raise TaskNotFound(task_id)
-        return replace(_task(row), results=tuple(result_of(r) for r in row[20]))
+        return replace(_task(row), results=tuple(result_of(r) for r in row[21]))
 
     async def list_tasks(self, *, state: State | None = None, type: str | None = None, limit: int = 50,
-                         cursor: str | None = None) -> Page:
+                         cursor: str | None = None, organization: str | None = None) -> Page:
         where, args = ["true"], []
-        for condition, value in (("state = ", state), ("type = ", type), ("id < ", cursor)):
+        for condition, value in (("state = ", state), ("type = ", type), ("organization = ", organization),
+                                 ("id < ", cursor)):
             if value is not None:
                 args.append(str(value))
                 where.append(f"{condition}${len(args)}")
@@ -355,6 +361,34 @@ class PostgresStore:
                     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await self._session.watch(wake, task_status=task_status)
 
+    # the worker registry (registry.py)
+
+    async def meet_worker(self, identity: str, *, cert: CertSeen, address: str | None, now: float,
+                          enroll: Enroll, max_concurrent_tasks: int) -> RemoteWorker:
+        return await self._registry.meet(identity, cert=cert, address=address, now=now, enroll=enroll,
+                                         max_concurrent_tasks=max_concurrent_tasks)
+
+    async def list_workers(self) -> list[RemoteWorker]:
+        return await self._registry.all()
+
+    async def get_worker(self, worker_id: str) -> RemoteWorker:
+        return await self._registry.get(worker_id)
+
+    async def change_worker(self, worker_id: str, change: WorkerChange, *,
+                            now: float) -> tuple[RemoteWorker, list[Revoked]]:
+        return await self._registry.change(worker_id, change, now=now)
+
+    async def revoke_worker(self, worker_id: str, *, now: float) -> tuple[RemoteWorker, list[Revoked]]:
+        return await self._registry.revoke(worker_id, now=now)
+
+    async def acquire(self, identity: str, where: ClaimFilter, *, limit: int, now: float, lease_s: float,
+                      worker_id: str, slots: Sequence[Sequence[str]], version: str | None) -> Acquired:
+        return await self._registry.acquire(identity, where, limit=limit, now=now, lease_s=lease_s,
+                                            worker_id=worker_id, slots=slots, version=version)
+
+    async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
+        return await self._registry.attempt_owners(attempt_ids)
+
 
 async def _lock_state(conn: Any, task_id: str) -> tuple[State, str]:
     row = await conn.fetchrow(SQL["lock_state"], task_id)
@@ -370,4 +404,4 @@ async def _locked_schedule(conn: Any, name: str) -> Schedule | None:
 
 def _task(row: Any) -> Task:
     """A task from a row of its columns followed by its attempts."""
-    return task_of(row, required_tags=row[11], attempts=tuple(attempt_of(a) for a in row[19]))
+    return task_of(row, required_tags=row[11], attempts=tuple(attempt_of(a) for a in row[20]))

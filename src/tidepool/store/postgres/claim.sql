@@ -2,7 +2,8 @@
 -- its one definition is this file: a change to it comes with a new schema version, which a fleet's
 -- nodes agree on before any runs it.
 --
--- Leases a run of the queue's head for many claim slots at once (one array element per slot):
+-- Leases a run of the queue's head for many claim slots at once (one array element per slot), of the
+-- types whose anchored regexes are given (NULL: any) and the organizations named (NULL: any):
 -- rows come locked in queue order, number n pairs each with its slot, the attempt rows go in.
 -- Each picked row takes its slot's values by array subscript. (Version 1 joined the rows to an
 -- unnest() of the slots, which the planner, sorting off and tiny estimates, ran as a nested loop
@@ -14,12 +15,12 @@
 CREATE OR REPLACE FUNCTION claim(
     p_now double precision, p_limit integer, p_attempt_ids text[], p_tokens text[], p_node_ids text[],
     p_instance_ids text[], p_worker_ids text[], p_nows double precision[], p_expires double precision[],
-    p_type_patterns text[], p_tag_sets jsonb)
+    p_type_patterns text[], p_tag_sets jsonb, p_organizations text[])
 RETURNS TABLE (
     slot bigint, id text, type text, payload text, priority bigint, state text, phase text, progress text,
     attempt integer, max_attempts integer, interruptions integer, timeout_s double precision,
     required_tags text[], idempotency_key text, node_id text, error text, created_at double precision,
-    updated_at double precision, available_at double precision, finished_at double precision)
+    updated_at double precision, available_at double precision, finished_at double precision, organization text)
 LANGUAGE plpgsql
 SET enable_sort = off
 SET jit = off
@@ -33,6 +34,7 @@ BEGIN
         WHERE t.state IN ('pending', 'retry_wait') AND t.available_at <= p_now
           AND t.attempt < t.max_attempts
           AND (p_type_patterns IS NULL OR t.type ~ ANY(p_type_patterns))
+          AND (p_organizations IS NULL OR t.organization = ANY(p_organizations))
           AND (cardinality(t.required_tags) = 0 OR EXISTS (
               SELECT 1 FROM jsonb_array_elements(p_tag_sets) AS ts(tags)
               WHERE t.required_tags <@ ARRAY(SELECT jsonb_array_elements_text(ts.tags))))
@@ -49,7 +51,7 @@ BEGIN
         RETURNING p.n, p_worker_ids[p.n] AS worker_id, t.attempt_rows, t.lease_attempt_id, t.lease_instance, t.id,
             t.type, t.payload, t.priority, t.state, t.phase, t.progress, t.attempt, t.max_attempts,
             t.interruptions, t.timeout_s, t.required_tags, t.idempotency_key, t.node_id, t.error,
-            t.created_at, t.updated_at, t.available_at, t.finished_at
+            t.created_at, t.updated_at, t.available_at, t.finished_at, t.organization
     ), started AS (
         INSERT INTO attempts (id, task_id, number, node_id, instance_id, worker_id, status, started_at)
         SELECT l.lease_attempt_id, l.id, l.attempt_rows, l.node_id, l.lease_instance, l.worker_id, 'leased',
@@ -58,7 +60,7 @@ BEGIN
     )
     SELECT l.n::bigint, l.id, l.type, l.payload, l.priority, l.state, l.phase, l.progress, l.attempt,
         l.max_attempts, l.interruptions, l.timeout_s, l.required_tags, l.idempotency_key, l.node_id, l.error,
-        l.created_at, l.updated_at, l.available_at, l.finished_at
+        l.created_at, l.updated_at, l.available_at, l.finished_at, l.organization
     FROM leased l ORDER BY l.n;
 END
 $claim$;

@@ -46,14 +46,15 @@ class Claims:
     async def _group(self, where: ClaimFilter, calls: list[_ClaimCall]) -> list[list[Claimed]]:
         """Leases for every queued claim of one filter in one statement, split in queue order."""
         slots = [(call, new_id(call.now), new_token()) for call in calls for _ in range(call.limit)]
-        patterns = None if where.types is None else [_exactly(t) for t in where.types]
+        patterns = None if where.types is None else [exactly(t) for t in where.types]
         tag_sets = json.dumps([sorted(s) for s in where.tag_sets]) if where.tag_sets else None
         async with self._db.conn(rows=len(slots)) as conn:
             rows = await conn.fetch(
                 SQL["claim"], min(c.now for c in calls), len(slots), [s[1] for s in slots], [s[2] for s in slots],
                 [s[0].worker.node_id for s in slots], [s[0].worker.instance_id for s in slots],
                 [s[0].worker.worker_id for s in slots], [s[0].now for s in slots],
-                [s[0].now + s[0].lease_s for s in slots], patterns, tag_sets)  # fmt: skip
+                [s[0].now + s[0].lease_s for s in slots], patterns, tag_sets,
+                None if where.organizations is None else list(where.organizations))  # fmt: skip
         claimed: dict[int, list[Claimed]] = {id(c): [] for c in calls}
         for row in rows:  # ordered by slot: each claim gets its run of the queue's head
             call, attempt_id, token = slots[row[0] - 1]
@@ -62,7 +63,7 @@ class Claims:
         return [claimed[id(c)] for c in calls]
 
 
-def _exactly(name: str) -> str:
+def exactly(name: str) -> str:
     """An anchored PostgreSQL regex that matches `name` and nothing else: the claim function of the schema
     matches types by regex. A backslash makes an ASCII character other than a letter or digit literal; no
     other character means anything but itself there."""

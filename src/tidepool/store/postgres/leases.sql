@@ -9,7 +9,7 @@
 -- leased) for a few leases.
 
 -- name: claim
-SELECT * FROM claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+SELECT * FROM claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
 
 -- name: renew
 WITH l AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) AS l(id, attempt_id, token)),

@@ -58,7 +58,8 @@ async def queued(conn: Conn, max_queued: int) -> int:
 def insert_args(new: NewTask, now: float, task_id: str | None = None) -> tuple[Any, ...]:
     available_at = new.available_at if new.available_at is not None else now
     return (task_id or new_id(now), new.type, json.dumps(new.payload), new.priority, new.max_attempts, new.timeout_s,
-            sorted(new.required_tags), new.idempotency_key, new.fingerprint(), now, available_at)  # fmt: skip
+            sorted(new.required_tags), new.idempotency_key, new.fingerprint(), now, available_at,
+            new.organization)  # fmt: skip
 
 
 async def insert(conn: Conn, new: NewTask, now: float) -> tuple[Task, bool]:

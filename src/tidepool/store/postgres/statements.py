@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from .. import sql
 
-FILES = ("tasks.sql", "leases.sql", "reconciler.sql", "fleet.sql")  # the queue, workers, reconciler, fleet
+FILES = ("tasks.sql", "leases.sql", "reconciler.sql", "fleet.sql",  # the queue, workers, reconciler, fleet
+         "registry.sql")  # the remote workers
 
 
 def _named() -> dict[str, str]:

@@ -27,14 +27,14 @@ WHERE state IN {unfinished} GROUP BY state
 
 -- name: insert_many
 INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags,
-                   idempotency_key, fingerprint, created_at, updated_at, available_at)
-VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10, $10, $11)
+                   idempotency_key, fingerprint, created_at, updated_at, available_at, organization)
+VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10, $10, $11, $12)
 
 -- name: insert
 -- One task, notified at commit; nothing when its idempotency key is taken already.
 INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags,
-                   idempotency_key, fingerprint, created_at, updated_at, available_at)
-VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10, $10, $11)
+                   idempotency_key, fingerprint, created_at, updated_at, available_at, organization)
+VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10, $10, $11, $12)
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING {task_columns},
     pg_notify(current_setting('tidepool.channel'), '1')

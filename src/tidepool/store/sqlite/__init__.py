@@ -23,11 +23,24 @@ from anyio.abc import TaskStatus
 
 from ...errors import ConfigError, LeaseLost, StoreUnavailable, TidepoolError
 from ...lifecycle import RetryPolicy
-from ...model import Claimed, ClaimFilter, Lease, NewTask, Outcome, ResultBatch, State, Task, Worker
+from ...model import (
+    CertSeen,
+    Claimed,
+    ClaimFilter,
+    Lease,
+    NewTask,
+    Outcome,
+    RemoteWorker,
+    ResultBatch,
+    State,
+    Task,
+    Worker,
+    WorkerChange,
+)
 from ...schedules import Fired, Schedule
-from ..port import CancelAnswer, Ended, Ending, Expired, Node, Page, PhaseNote
+from ..port import Acquired, CancelAnswer, Ended, Ending, Enroll, Expired, Node, Page, PhaseNote, Revoked
 from ..rules import finish_alone
-from . import queue_ops, reads, work
+from . import queue_ops, reads, registry, work
 from .database import Database
 from .writer import Batch, Writer
 
@@ -89,8 +102,9 @@ class SqliteStore:
         return await self._read(partial(reads.get, task_id=task_id))
 
     async def list_tasks(self, *, state: State | None = None, type: str | None = None, limit: int = 50,
-                         cursor: str | None = None) -> Page:
-        return await self._read(partial(reads.list_tasks, state=state, type=type, limit=limit, cursor=cursor))
+                         cursor: str | None = None, organization: str | None = None) -> Page:
+        return await self._read(partial(reads.list_tasks, state=state, type=type, limit=limit, cursor=cursor,
+                                        organization=organization))
 
     async def counts(self) -> dict[State, int]:
         return await self._read(reads.counts)
@@ -195,6 +209,36 @@ class SqliteStore:
                     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         await anyio.sleep_forever()
+
+    # the worker registry (registry.py)
+
+    async def meet_worker(self, identity: str, *, cert: CertSeen, address: str | None, now: float,
+                          enroll: Enroll, max_concurrent_tasks: int) -> RemoteWorker:
+        return await self._write(partial(registry.meet, identity=identity, cert=cert, address=address, now=now,
+                                         enroll=enroll, max_concurrent_tasks=max_concurrent_tasks))
+
+    async def list_workers(self) -> list[RemoteWorker]:
+        return await self._read(registry.list_workers)
+
+    async def get_worker(self, worker_id: str) -> RemoteWorker:
+        return await self._read(partial(registry.read_worker, worker_id=worker_id))
+
+    async def change_worker(self, worker_id: str, change: WorkerChange, *,
+                            now: float) -> tuple[RemoteWorker, list[Revoked]]:
+        return await self._write(partial(registry.change, worker_id=worker_id, change=change, now=now))
+
+    async def revoke_worker(self, worker_id: str, *, now: float) -> tuple[RemoteWorker, list[Revoked]]:
+        return await self._write(partial(registry.revoke, worker_id=worker_id, now=now))
+
+    async def acquire(self, identity: str, where: ClaimFilter, *, limit: int, now: float, lease_s: float,
+                      worker_id: str, slots: Sequence[Sequence[str]], version: str | None) -> Acquired:
+        return await self._write(partial(registry.acquire, identity=identity, where=where, limit=limit, now=now,
+                                         lease_s=lease_s, worker_id=worker_id, slots=slots, version=version))
+
+    async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
+        if not attempt_ids:
+            return {}
+        return await self._read(partial(registry.attempt_owners, attempt_ids=list(attempt_ids)))
 
 
 def _alive_here(node: Node) -> bool:

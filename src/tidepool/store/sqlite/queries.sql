@@ -18,8 +18,8 @@ SELECT 1 FROM tasks WHERE idempotency_key = ?
 
 -- name: insert_task
 INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags, idempotency_key,
-                   fingerprint, created_at, updated_at, available_at)
-VALUES (?, ?, ?, ?, 'pending', ?, ?, ?, ?, ?, ?, ?, ?)
+                   fingerprint, created_at, updated_at, available_at, organization)
+VALUES (?, ?, ?, ?, 'pending', ?, ?, ?, ?, ?, ?, ?, ?, ?)
 
 -- name: task_state
 SELECT state, type FROM tasks WHERE id = ?
@@ -57,8 +57,8 @@ SELECT state, count(*) FROM tasks WHERE state IN {unfinished} GROUP BY state
 -- workers
 
 -- name: claimable
--- `{types}`: `AND type IN (?, ...)`, the names claimed, unless any type will do; `{tags}`: one clause
--- per free slot's tag set.
+-- `{types}`: `AND type IN (?, ...)`, the names claimed, unless any type will do, then the organizations
+-- and type globs of a remote worker's acquire; `{tags}`: one clause per free slot's tag set.
 SELECT {task_columns} FROM tasks INDEXED BY tasks_queue
 WHERE state IN {queued} AND available_at <= ? AND attempt < max_attempts {types} AND (required_tags = '[]' {tags})
 ORDER BY priority DESC, created_at, id LIMIT ?
@@ -225,3 +225,28 @@ SELECT {node_columns} FROM nodes ORDER BY node_id
 
 -- name: save_node
 INSERT OR REPLACE INTO nodes ({node_columns}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+
+-- the worker registry
+
+-- name: worker
+SELECT {worker_columns} FROM workers WHERE id = ?
+
+-- name: workers
+SELECT {worker_columns} FROM workers ORDER BY id
+
+-- name: save_worker
+INSERT OR REPLACE INTO workers ({worker_columns}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+
+-- name: live
+SELECT count(*) FROM tasks WHERE node_id = ? AND state IN {active}
+
+-- name: lives
+SELECT node_id, count(*) FROM tasks WHERE state IN {active} AND node_id IN (SELECT id FROM workers) GROUP BY node_id
+
+-- name: held_by
+-- A worker's active tasks (the caller leaves the cancelling ones be); `{organizations}` narrows them.
+SELECT id, lease_attempt_id, type, state FROM tasks
+WHERE node_id = ? AND state IN {active} {organizations}
+
+-- name: attempt_owners
+SELECT id, node_id FROM attempts WHERE id IN ({marks})

@@ -108,7 +108,8 @@ def _check_room(conn: sqlite3.Connection, batch: Batch, n: int, max_queued: int 
 def _insert(conn: sqlite3.Connection, batch: Sequence[NewTask], now: float) -> list[str]:
     rows = [(new_id(now), n.type, json.dumps(n.payload), n.priority, n.max_attempts, n.timeout_s,
              json.dumps(sorted(n.required_tags)) if n.required_tags else "[]", n.idempotency_key,
-             n.fingerprint(), now, now, n.available_at if n.available_at is not None else now) for n in batch]
+             n.fingerprint(), now, now, n.available_at if n.available_at is not None else now, n.organization)
+            for n in batch]
     conn.executemany(Q["insert_task"], rows)
     return [r[0] for r in rows]
 

@@ -55,9 +55,9 @@ def get(conn: sqlite3.Connection, task_id: str) -> Task:
 
 
 def list_tasks(conn: sqlite3.Connection, *, state: State | None, type: str | None, limit: int,
-               cursor: str | None) -> Page:
+               cursor: str | None, organization: str | None = None) -> Page:
     where, args = ["1 = 1"], []
-    for column, value in (("state", state), ("type", type)):
+    for column, value in (("state", state), ("type", type), ("organization", organization)):
         if value is not None:
             where.append(f"{column} = ?")
             args.append(str(value))

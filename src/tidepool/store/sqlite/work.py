@@ -17,6 +17,7 @@ from ...errors import Conflict, LeaseLost, TaskCancelling, TidepoolError
 from ...lifecycle import RetryPolicy, decide_end
 from ...model import Claimed, ClaimFilter, Lease, Outcome, ResultBatch, State, Worker, new_id, new_token
 from ..port import Ending, PhaseNote
+from ..registry import sqlite_glob
 from ..rows import error_text, result_of
 from ..rules import completable_at_once, may_end, progress_text
 from .database import Q
@@ -42,14 +43,22 @@ def chunks(items: Sequence[Any]) -> list[Sequence[Any]]:
 # claims
 
 
-def claimable(conn: sqlite3.Connection, where: ClaimFilter, limit: int, now: float) -> list[Any]:
-    if where.types == ():  # SQLite finds no plan for `type IN ()` on the queue index
+def claimable(conn: sqlite3.Connection, where: ClaimFilter, limit: int, now: float,
+              type_globs: Sequence[str] | None = None) -> list[Any]:
+    """The rows `where` may lease now, in queue order; with type_globs, only types one of them matches."""
+    if where.types == () or where.organizations == ():  # SQLite finds no plan for `x IN ()` on the queue index
         return []
     args: list[Any] = [now]
     types = ""
     if where.types is not None:
         types = f"AND type IN ({marks(len(where.types))})"
         args.extend(where.types)
+    if where.organizations is not None:
+        types += f" AND organization IN ({marks(len(where.organizations))})"
+        args.extend(where.organizations)
+    if type_globs:
+        types += " AND (" + " OR ".join(["type GLOB ?"] * len(type_globs)) + ")"
+        args.extend(sqlite_glob(g) for g in type_globs)
     tags = []
     for tag_set in where.tag_sets:
         tags.append(Q["claimable_tags"].format(marks=marks(len(tag_set))))

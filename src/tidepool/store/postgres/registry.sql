@@ -1,0 +1,43 @@
+-- The worker registry's statements. Every write of a worker's record locks its row first (FOR UPDATE),
+-- then the tasks it touches: the gateways sharing a store take turns per worker, an acquire counts the
+-- worker's live attempts after the last acquire of it committed, and two writes never lock in opposite
+-- orders.
+
+-- name: worker
+SELECT {worker_columns},
+    (SELECT count(*) FROM tasks t WHERE t.node_id = w.id AND t.state IN {active})
+FROM workers w WHERE id = $1
+
+-- name: workers
+SELECT {worker_columns},
+    (SELECT count(*) FROM tasks t WHERE t.node_id = w.id AND t.state IN {active})
+FROM workers w ORDER BY id
+
+-- name: lock_worker
+-- Only the lock: a statement that waited for it still reads with the snapshot it began with, so the live
+-- attempts are counted by the next statement (`worker`), which sees what the last holder committed.
+SELECT 1 FROM workers WHERE id = $1 FOR UPDATE
+
+-- name: first_contact
+-- Nothing when another gateway recorded this identity first: the caller then locks that row.
+INSERT INTO workers ({worker_columns})
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+ON CONFLICT (id) DO NOTHING RETURNING id
+
+-- name: save_worker
+UPDATE workers SET state = $2, max_concurrent_tasks = $3, task_types = $4, organizations = $5, slots = $6,
+    version = $7, fingerprints = $8, first_seen = $9, last_seen = $10, address = $11
+WHERE id = $1
+
+-- name: is_node
+SELECT 1 FROM nodes WHERE node_id = $1
+
+-- name: cancel_held
+-- The worker's leased and running tasks (of the organizations $4, unless NULL) -> $3 (cancelling), as a
+-- cancel moves them.
+UPDATE tasks SET state = $3, cancel_requested_at = $2, updated_at = $2
+WHERE node_id = $1 AND state IN {working} AND ($4::text[] IS NULL OR organization = ANY($4::text[]))
+RETURNING id, lease_attempt_id, type
+
+-- name: attempt_owners
+SELECT id, node_id FROM attempts WHERE id = ANY($1::text[])

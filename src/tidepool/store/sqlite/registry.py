@@ -1,0 +1,133 @@
+"""The worker registry of the SQLite store: the writes run on the writer thread (each op one savepoint of a
+transaction), the reads on the reader connection. A worker's task types and organizations are JSON lists."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+from collections.abc import Sequence
+from typing import Any
+
+from ...errors import WorkerNotFound
+from ...model import (
+    CertSeen,
+    Claimed,
+    ClaimFilter,
+    Lease,
+    RemoteWorker,
+    State,
+    Worker,
+    WorkerChange,
+    WorkerState,
+    new_id,
+    new_token,
+)
+from ..port import Acquired, Enroll, Revoked
+from ..registry import REMOTE_INSTANCE, acquire_filter, changed, first_record, met_again, node_taken, room, taken_away
+from ..rows import worker_of, worker_values
+from ..rules import cancel_step
+from .database import Q
+from .reads import task_of
+from .work import claimable, lease, marks
+from .writer import Batch
+
+
+def worker(row: Any, live: int) -> RemoteWorker:
+    return worker_of(row, task_types=json.loads(row[3]), organizations=json.loads(row[4]), live=live)
+
+
+def read_worker(conn: sqlite3.Connection, worker_id: str) -> RemoteWorker:
+    """The worker's record, its live attempts counted; WorkerNotFound if unknown."""
+    row = conn.execute(Q["worker"], (worker_id,)).fetchone()
+    if row is None:
+        raise WorkerNotFound(worker_id)
+    return worker(row, conn.execute(Q["live"], (worker_id,)).fetchone()[0])
+
+
+def list_workers(conn: sqlite3.Connection) -> list[RemoteWorker]:
+    live = dict(conn.execute(Q["lives"]).fetchall())
+    return [worker(r, live.get(r[0], 0)) for r in conn.execute(Q["workers"])]
+
+
+def attempt_owners(conn: sqlite3.Connection, attempt_ids: Sequence[str]) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for start in range(0, len(attempt_ids), 500):
+        chunk = attempt_ids[start:start + 500]
+        found.update(conn.execute(Q["attempt_owners"].format(marks=marks(len(chunk))), chunk).fetchall())
+    return found
+
+
+def _save(conn: sqlite3.Connection, w: RemoteWorker) -> None:
+    conn.execute(Q["save_worker"], worker_values(w, lists=lambda names: json.dumps(list(names))))
+
+
+# the writes
+
+
+def meet(conn: sqlite3.Connection, batch: Batch, *, identity: str, cert: CertSeen, address: str | None, now: float,
+         enroll: Enroll, max_concurrent_tasks: int) -> RemoteWorker:
+    if conn.execute(Q["node"], (identity,)).fetchone() is not None:
+        raise node_taken(identity)
+    try:
+        saved = met_again(read_worker(conn, identity), cert, address, now)
+    except WorkerNotFound:
+        saved = first_record(identity, cert, address, now, enroll, max_concurrent_tasks)
+    _save(conn, saved)
+    return read_worker(conn, identity)
+
+
+def change(conn: sqlite3.Connection, batch: Batch, *, worker_id: str, change: WorkerChange,
+           now: float) -> tuple[RemoteWorker, list[Revoked]]:
+    before = read_worker(conn, worker_id)
+    after = changed(before, change)
+    _save(conn, after)
+    removed = taken_away(before, after, change)
+    cancelled = _cancel_held(conn, worker_id, now, removed) if removed else []
+    return read_worker(conn, worker_id), cancelled
+
+
+def revoke(conn: sqlite3.Connection, batch: Batch, *, worker_id: str, now: float) -> tuple[RemoteWorker, list[Revoked]]:
+    known = read_worker(conn, worker_id)
+    if known.state is WorkerState.REVOKED:
+        return known, []
+    _save(conn, dataclasses.replace(known, state=WorkerState.REVOKED))
+    cancelled = _cancel_held(conn, worker_id, now, None)
+    return read_worker(conn, worker_id), cancelled
+
+
+def _cancel_held(conn: sqlite3.Connection, worker_id: str, now: float,
+                 organizations: Sequence[str] | None) -> list[Revoked]:
+    """The worker's leased and running tasks (of these organizations, when named) -> cancelling, as a cancel
+    moves them."""
+    narrow, args = "", [worker_id]
+    if organizations is not None:
+        narrow = f"AND organization IN ({marks(len(organizations))})"
+        args.extend(organizations)
+    held = [r for r in conn.execute(Q["held_by"].format(organizations=narrow), args).fetchall()
+            if r[3] != State.CANCELLING]
+    for task_id, _, _, state in held:
+        conn.execute(Q["cancel_held"], (cancel_step(State(state)), now, now, task_id))
+    return [Revoked(task_id, attempt_id, type_) for task_id, attempt_id, type_, _ in held]
+
+
+def acquire(conn: sqlite3.Connection, batch: Batch, *, identity: str, where: ClaimFilter, limit: int, now: float,
+            lease_s: float, worker_id: str, slots: Sequence[Sequence[str]], version: str | None) -> Acquired:
+    """Read the worker's record (saving what it reports) and lease what its state, cap, globs and organizations
+    allow, in this one transaction: SQLite's one writer runs no other acquire meanwhile."""
+    known = read_worker(conn, identity)
+    reported = dataclasses.replace(known, slots=tuple(tuple(s) for s in slots), version=version,
+                                   last_seen=max(known.last_seen, now))
+    _save(conn, reported)
+    n = room(reported, limit)
+    if n == 0:
+        return Acquired(reported, [])
+    narrowed, globs = acquire_filter(where, reported)
+    claimer = Worker(identity, REMOTE_INSTANCE, worker_id)
+    claimed = [Claimed(task_of(r, leased_by=identity, now=now), Lease(r[0], new_id(now), new_token(), now + lease_s))
+               for r in claimable(conn, narrowed, n, now, globs)]
+    if claimed:
+        lease(conn, [(claimer, c, now) for c in claimed])
+        if batch.queued is not None:
+            batch.queued -= len(claimed)
+    return Acquired(reported, claimed)

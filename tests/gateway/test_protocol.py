@@ -1,0 +1,162 @@
+"""The worker protocol over real mutual TLS against a gateway node: leases, renewals, results, endings, and
+who may write behind which lease."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import anyio
+import pytest
+
+from .conftest import AUTO, MakeNode
+
+pytestmark = pytest.mark.parametrize("store_kind", ["sqlite", "postgres"])
+
+
+def sha256(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":"),
+                                     ensure_ascii=False).encode()).hexdigest()
+
+
+def lease_of(lease: dict[str, Any]) -> dict[str, str]:
+    return {"attempt_id": lease["attempt_id"], "lease_token": lease["lease_token"]}
+
+
+async def test_a_task_runs_remotely_with_the_workers_identity_as_its_node(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        task_id = await node.submit()
+        w1 = node.remote("w1")
+        acquired = await w1.acquire()
+        assert acquired.status == 200, acquired
+        assert acquired.body["worker_state"] == "enabled"
+        assert acquired.body["lease_s"] == node.daemon.settings.lease.duration_s
+        assert acquired.body["renew_after_s"] == node.daemon.settings.lease.renew_every_s
+        (lease,) = acquired.body["tasks"]
+        assert lease["task"]["id"] == task_id
+        note = {**lease_of(lease), "phase": "run", "progress": {"fraction": 0.5, "message": "half"}}
+        assert (await w1.post("/w1/phase", {"notes": [note]})).body == {"lost": []}
+        renewed = await w1.post("/w1/renew", {"leases": [lease_of(lease)]})
+        assert renewed.body["leases"][0]["status"] == "held", renewed
+        finished = await w1.post("/w1/finish", {"endings": [{**lease_of(lease), "status": "succeeded"}]})
+        assert finished.body == {"endings": [{"attempt_id": lease["attempt_id"], "state": "completed"}]}
+        task = await node.task(task_id)
+        assert task["state"] == "completed"
+        assert task["node_id"] == "w1"
+        assert [a["node_id"] for a in task["attempts"]] == ["w1"]
+
+
+async def test_the_gateway_publishes_the_events_of_remote_attempts(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        seen: list[tuple[str, Any]] = []
+        node.daemon.events.listen(lambda e: seen.append((e.name, e.data.get("worker_id"))))
+        task_id = await node.submit()
+        w1 = node.remote("w1")
+        lease = await w1.leased()
+        note = {**lease_of(lease), "phase": "initialize"}
+        await w1.post("/w1/phase", {"notes": [note, {**note, "phase": "run", "progress": {"fraction": 1.0}}]})
+        await w1.post("/w1/finish", {"endings": [{**lease_of(lease), "status": "succeeded"}]})
+        names = [name for name, worker in seen if worker == "w1"]
+        assert names == ["worker.enrolled", "task.leased", "task.phase", "task.phase", "task.progress", "task.finished"]
+        assert (await node.task(task_id))["state"] == "completed"
+
+
+async def test_an_acquire_sent_again_with_its_request_id_answers_the_same_lease(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        await node.submit()
+        await node.submit()
+        w1 = node.remote("w1")
+        first = await w1.acquire(request_id="r-1")
+        again = await w1.acquire(request_id="r-1")
+        assert first.status == again.status == 200
+        assert len(first.body["tasks"]) == 1
+        assert again.body["tasks"] == first.body["tasks"]
+        other = await w1.acquire(request_id="r-2")
+        assert other.body["tasks"][0]["attempt_id"] != first.body["tasks"][0]["attempt_id"]
+
+
+async def test_an_acquire_holds_for_wait_s_then_answers_no_task(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        w1 = node.remote("w1")
+        started = anyio.current_time()
+        answer = await w1.acquire(wait_s=0.5)
+        assert answer.status == 200
+        assert answer.body["tasks"] == []
+        assert anyio.current_time() - started >= 0.5  # it held: the answer was not immediate
+
+
+async def test_a_task_submitted_while_an_acquire_is_parked_goes_to_it(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        w1 = node.remote("w1")
+        answers: list[Any] = []
+
+        async def park() -> None:
+            answers.append(await w1.acquire(wait_s=30))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(park)
+            with anyio.fail_after(5):
+                while len(node.daemon.gateway.parking) == 0:
+                    await anyio.sleep(0.01)
+            task_id = await node.submit()
+            with anyio.fail_after(5):  # long before wait_s: the submit woke it
+                while not answers:
+                    await anyio.sleep(0.01)
+        assert [t["task"]["id"] for t in answers[0].body["tasks"]] == [task_id]
+
+
+async def test_results_are_checked_against_their_sha256_and_stored_once_by_key(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        task_id = await node.submit()
+        w1 = node.remote("w1")
+        lease = await w1.leased()
+        payload = {"ports": [80, 443], "host": "é"}
+        result = {**lease_of(lease), "plugin": "noop", "sequence": 0, "idempotency_key": "k-1",
+                  "sha256": sha256(payload), "final": True, "payload": payload}
+        wrong = await w1.post("/w1/results", {**result, "sha256": sha256({"other": 1})})
+        assert (wrong.status, wrong.code) == (400, "invalid_request")
+        assert "sha256" in wrong.body["error"]["message"]
+        assert (await node.task(task_id))["results"] == []
+        assert (await w1.post("/w1/results", result)).status == 201
+        repeat = await w1.post("/w1/results", result)
+        assert repeat.status == 200
+        assert repeat.body["sha256"] == sha256(payload)
+        other = {"ports": [22]}
+        conflict = await w1.post("/w1/results", {**result, "payload": other, "sha256": sha256(other)})
+        assert conflict.status == 409, conflict
+        assert [r["payload"] for r in (await node.task(task_id))["results"]] == [payload]
+
+
+async def test_renew_answers_cancel_once_the_task_is_cancelled(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        task_id = await node.submit()
+        w1 = node.remote("w1")
+        lease = await w1.leased()
+        assert (await node.call("POST", f"/v1/tasks/{task_id}/cancel")).body == {"state": "cancelling"}
+        renewed = await w1.post("/w1/renew", {"leases": [lease_of(lease)]})
+        assert renewed.body["leases"] == [{"attempt_id": lease["attempt_id"], "status": "cancel"}]
+        finished = await w1.post("/w1/finish", {"endings": [{**lease_of(lease), "status": "cancelled"}]})
+        assert finished.body["endings"][0]["state"] == "cancelled"
+
+
+async def test_one_worker_cannot_renew_write_or_finish_anothers_attempt_with_its_token(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        task_id = await node.submit()
+        w1, w2 = node.remote("w1"), node.remote("w2")
+        lease = await w1.leased()
+        stolen = lease_of(lease)
+        renewed = await w2.post("/w1/renew", {"leases": [stolen]})
+        assert renewed.body["leases"] == [{"attempt_id": lease["attempt_id"], "status": "lost", "reason": "superseded"}]
+        noted = await w2.post("/w1/phase", {"notes": [{**stolen, "phase": "run"}]})
+        assert noted.body == {"lost": [lease["attempt_id"]]}
+        payload = {"forged": True}
+        wrote = await w2.post("/w1/results", {**stolen, "plugin": "noop", "sequence": 0, "idempotency_key": "x",
+                                              "sha256": sha256(payload), "final": True, "payload": payload})
+        assert (wrote.status, wrote.code, wrote.body["error"]["reason"]) == (410, "lease_lost", "superseded")
+        ended = await w2.post("/w1/finish", {"endings": [{**stolen, "status": "failed"}]})
+        assert ended.body == {"endings": [{"attempt_id": lease["attempt_id"], "lost": "superseded"}]}
+        task = await node.task(task_id)
+        assert (task["state"], task["phase"], task["results"]) == ("leased", None, [])
+        # the owner's lease is untouched
+        assert (await w1.post("/w1/renew", {"leases": [stolen]})).body["leases"][0]["status"] == "held"

@@ -1,0 +1,134 @@
+"""The registry's states as remote workers meet them: manual enrollment, disable (a drain), revoke (final), and
+changes that reach a connected worker on its control stream at once."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from .conftest import AUTO, MakeNode, open_control
+from .test_protocol import lease_of
+
+pytestmark = pytest.mark.parametrize("store_kind", ["sqlite", "postgres"])
+
+
+async def test_an_unknown_worker_waits_pending_until_an_operator_enables_it(make_node: MakeNode) -> None:
+    async with make_node() as node:
+        await node.submit()
+        w1 = node.remote("w1")
+        refused = await w1.acquire()
+        assert (refused.status, refused.code) == (403, "worker_pending")
+        assert (await w1.post("/w1/renew", {"leases": []})).code == "worker_pending"
+        listed = await node.call("GET", "/v1/workers")
+        assert [(w["id"], w["state"], w["live"]) for w in listed.body["workers"]] == [("w1", "pending", 0)]
+        (cert,) = listed.body["workers"][0]["fingerprints"]
+        assert len(cert["fingerprint"]) == 64
+        await node.enable("w1")
+        served = await w1.acquire()
+        assert served.status == 200 and len(served.body["tasks"]) == 1
+        worker = (await node.call("GET", "/v1/workers/w1")).body
+        assert (worker["state"], worker["live"]) == ("enabled", 1)
+        assert (await node.call("GET", "/v1/workers/nobody")).status == 404
+
+
+async def test_a_disabled_worker_is_answered_at_once_with_no_task_and_its_running_attempt_finishes(
+        make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        first = await node.submit()
+        await node.submit()
+        w1 = node.remote("w1")
+        lease = await w1.leased()
+        control = await open_control(w1)
+        assert await control.next() == ("worker", {"state": "enabled"})
+        patched = await node.call("PATCH", "/v1/workers/w1", {"state": "disabled"})
+        assert (patched.status, patched.body["state"]) == (200, "disabled")
+        assert await control.next() == ("worker", {"state": "disabled"})
+        with anyio.fail_after(5):  # wait_s 30, but a disabled worker's acquire answers at once
+            answer = await w1.acquire(wait_s=30)
+        assert answer.body["tasks"] == [] and answer.body["worker_state"] == "disabled"
+        renewed = await w1.post("/w1/renew", {"leases": [lease_of(lease)]})
+        assert renewed.body == {"leases": [{"attempt_id": lease["attempt_id"], "status": "held",
+                                            "lease_expires_at": renewed.body["leases"][0]["lease_expires_at"]}],
+                                "worker_state": "disabled"}
+        ended = await w1.post("/w1/finish", {"endings": [{**lease_of(lease), "status": "succeeded"}]})
+        assert ended.body["endings"][0]["state"] == "completed"
+        assert (await node.task(first))["state"] == "completed"
+
+
+async def test_a_parked_acquire_of_a_worker_disabled_meanwhile_answers_at_once(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        w1 = node.remote("w1")
+        await w1.acquire()  # enrolled
+        answers = []
+
+        async def park() -> None:
+            answers.append(await w1.acquire(wait_s=30))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(park)
+            with anyio.fail_after(5):
+                while not len(node.daemon.gateway.parking):
+                    await anyio.sleep(0.01)
+            await node.call("PATCH", "/v1/workers/w1", {"state": "disabled"})
+            with anyio.fail_after(5):
+                while not answers:
+                    await anyio.sleep(0.01)
+        assert answers[0].body["worker_state"] == "disabled"
+
+
+async def test_a_revoke_cancels_the_workers_attempts_closes_its_stream_and_refuses_it_for_good(
+        make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        task_id = await node.submit()
+        w1 = node.remote("w1")
+        lease = await w1.leased()
+        control = await open_control(w1)
+        assert await control.next() == ("worker", {"state": "enabled"})
+        revoked = await node.call("POST", "/v1/workers/w1/revoke")
+        assert (revoked.status, revoked.body["state"]) == (202, "revoked")
+        assert await control.next() == ("cancel", {"attempt_id": lease["attempt_id"]})
+        assert await control.next() == ("worker", {"state": "revoked"})
+        assert await control.next() is None  # the stream ended
+        assert (await node.task(task_id))["state"] == "cancelling"
+        refused = await w1.acquire()
+        assert (refused.status, refused.code) == (403, "worker_revoked")
+        write = await w1.post("/w1/renew", {"leases": [lease_of(lease)]})
+        assert (write.status, write.code, write.body["error"]["reason"]) == (410, "lease_lost", "revoked")
+        again = await node.call("PATCH", "/v1/workers/w1", {"state": "enabled"})
+        assert again.status == 409
+        assert (await node.call("GET", "/v1/workers/w1")).body["state"] == "revoked"
+
+
+async def test_a_cancel_reaches_the_workers_control_stream_at_once(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        task_id = await node.submit()
+        w1 = node.remote("w1")
+        lease = await w1.leased()
+        control = await open_control(w1)
+        assert await control.next() == ("worker", {"state": "enabled"})
+        await node.call("POST", f"/v1/tasks/{task_id}/cancel")
+        assert await control.next() == ("cancel", {"attempt_id": lease["attempt_id"]})
+
+
+async def test_remote_workers_are_listed_among_the_nodes_and_their_slots_serve_a_submits_tags(
+        make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        refused = await node.call("POST", "/v1/tasks", {"type": "noop", "required_tags": ["gpu"]})
+        assert refused.status == 400
+        w1 = node.remote("w1")
+        assert (await w1.acquire(slots=[["gpu", "x64"]])).status == 200
+        nodes = (await node.call("GET", "/v1/nodes")).body["nodes"]
+        remote = [n for n in nodes if n["kind"] == "remote"]
+        assert [(n["node_id"], n["alive"], n["tags"]) for n in remote] == [("w1", True, [["gpu", "x64"]])]
+        node.daemon.gateway.registry._slots = (-1e9, [])  # the one-second cache of the slots, read again
+        assert (await node.call("POST", "/v1/tasks", {"type": "noop", "required_tags": ["gpu"]})).status == 201
+
+
+@pytest.mark.parametrize("body", [{"state": "revoked"}, {"max_concurrent_tasks": -1}, {"colour": "red"},
+                                  {"task_types": []}])
+async def test_a_bad_patch_of_a_worker_is_refused_naming_the_field(make_node: MakeNode, body: object) -> None:
+    async with make_node(gateway=AUTO) as node:
+        await node.remote("w1").acquire()
+        answer = await node.call("PATCH", "/v1/workers/w1", body)
+        assert (answer.status, answer.code) == (400, "invalid_request"), answer
+        assert (await node.call("GET", "/v1/workers/w1")).body["state"] == "enabled"
