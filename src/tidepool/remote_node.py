@@ -44,7 +44,8 @@ class RemoteOperations(NodeOperations):
     async def get(self, task_id: str) -> Task:
         raise self._gateway()
 
-    async def list_tasks(self, *, state: State | None, type: str | None, limit: int, cursor: str | None) -> Page:
+    async def list_tasks(self, *, state: State | None, type: str | None, limit: int, cursor: str | None,
+                         organization: str | None = None) -> Page:
         raise self._gateway()
 
     async def cancel(self, task_id: str) -> State:

@@ -36,7 +36,6 @@ class Gateway(Daemon):
         self.gateway_url = f"https://127.0.0.1:{self.gateway_port}"
         super().__init__(root, {
             "node": {"id": "gateway"},
-            "store": {"url": "memory://"},
             "gateway": {"listen": f"127.0.0.1:{self.gateway_port}", "cert_file": str(lab.gateway.cert),
                         "key_file": str(lab.gateway.key), "client_ca_file": str(lab.ca_file), "enroll": "auto"},
             "pool": {"task_types": [], "drain_timeout_s": 2.0},
