@@ -81,8 +81,8 @@ def ended(gateway: Daemon, task_id: str, *, timeout_s: float = 30.0) -> dict[str
     return body
 
 
-def submit(gateway: Daemon, task_type: str, payload: dict[str, Any] | None = None) -> str:
-    answer = gateway.request("POST", "/v1/tasks", {"type": task_type, "payload": payload or {}})
+def submit(gateway: Daemon, task_type: str, payload: dict[str, Any] | None = None, **fields: Any) -> str:
+    answer = gateway.request("POST", "/v1/tasks", {"type": task_type, "payload": payload or {}, **fields})
     assert answer.status == 201, answer
     task_id: str = answer.body["id"]
     return task_id

@@ -105,7 +105,7 @@ def test_a_cut_off_worker_stops_its_attempt_itself_and_its_late_writes_are_refus
     b = worker_daemon(tmp_path / "b", lab, "scan-b", gateway.gateway_url, **tree_type(tmp_path))
     try:
         with running(gateway, a):
-            task_id = submit(gateway, "tree", {"seconds": "5"})
+            task_id = submit(gateway, "tree", {"seconds": "5"}, max_attempts=5)
             assert running_on(gateway, task_id) == "scan-a"
             first = tree_of(tmp_path, task_id, 1)
             attempt_id, token = lease_of(gateway, task_id)
@@ -117,8 +117,12 @@ def test_a_cut_off_worker_stops_its_attempt_itself_and_its_late_writes_are_refus
                 body = ended(gateway, task_id)
             finally:
                 b.stop()
+            # A parked acquire of the cut-off worker may have been answered into the partition: such a lease
+            # expires too. Every attempt of the cut-off worker expired; one attempt succeeded, elsewhere.
+            *cut_off, last = attempts(body)
             assert body["state"] == "completed"
-            assert attempts(body) == [("scan-a", "expired"), ("scan-b", "succeeded")]
+            assert cut_off and cut_off == [("scan-a", "expired")] * len(cut_off)
+            assert last == ("scan-b", "succeeded")
             assert "lease not renewed in time" in a.log(200)
 
             stale = W1(gateway.gateway_url, lab, "scan-a")
@@ -129,7 +133,7 @@ def test_a_cut_off_worker_stops_its_attempt_itself_and_its_late_writes_are_refus
                                                 "sequence": 0, "idempotency_key": "late", "final": True,
                                                 "sha256": hashlib.sha256(b"{}").hexdigest(), "payload": {}})
             assert result.status == 410 and result.error["code"] == "lease_lost", result
-            assert attempts(task(gateway, task_id)) == [("scan-a", "expired"), ("scan-b", "succeeded")]
+            assert attempts(task(gateway, task_id)) == attempts(body)
     finally:
         proxy.close()
 
