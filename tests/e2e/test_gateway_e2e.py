@@ -71,6 +71,7 @@ def test_tasks_run_on_remote_workers_under_their_certificate_names(tmp_path: Pat
         assert {t["state"] for t in done} == {"completed"}
         assert {t["node_id"] for t in done} <= {"scan-a", "scan-b"}
         assert all(attempts(t) == [(t["node_id"], "succeeded")] for t in done)
+        assert {t["progress"]["fraction"] for t in done} == {1.0}  # the last report, though an ending carries none
 
         for method, path, body in (("GET", "/v1/tasks", None), ("POST", "/v1/tasks", {"type": "noop"}),
                                    ("GET", f"/v1/tasks/{done[0]['id']}", None), ("GET", "/v1/schedules", None)):

@@ -13,6 +13,7 @@ only the acknowledgement of a cancel still goes out, as the gateway takes it wha
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from anyio.abc import TaskStatus
 from ...errors import Conflict, InvalidRequest, LeaseLost, StoreError, StoreUnavailable, TaskCancelling, TidepoolError
 from ...lifecycle import RetryPolicy
 from ...logs import Outage
-from ...model import Claimed, ClaimFilter, Lease, Outcome, ResultBatch, State, Worker, new_id, sha256_of
+from ...model import Claimed, ClaimFilter, Lease, Outcome, Phase, ResultBatch, State, Worker, new_id, sha256_of
 from ..port import Ending, Node, PhaseNote
 from ..rules import finish_alone
 from .control import RECONNECT, ControlStream, Standing, log
@@ -249,11 +250,20 @@ class RemoteStore(RemoteQueue):
             else:
                 answers[e.lease.attempt_id] = self._expired(e.lease)
         if live:
+            await self._last_progress(live)
             answers |= await self._finish(live)
         for e in endings:
             if not isinstance(answers[e.lease.attempt_id], StoreUnavailable):
                 self._forget(e.lease.attempt_id)
         return [answers[e.lease.attempt_id] for e in endings]
+
+    async def _last_progress(self, endings: list[Ending]) -> None:
+        """The attempts' last progress reports, which an ending does not carry: written first, as phase notes,
+        so that a finished task shows where its plugins got to (a failure here costs only that)."""
+        notes = [PhaseNote(e.lease, Phase.STOP, e.outcome.progress) for e in endings if e.outcome.progress is not None]
+        if notes:
+            with contextlib.suppress(StoreError):
+                await self.set_phase(notes, now=self._clock())
 
     async def _finish(self, endings: list[Ending]) -> dict[str, State | TidepoolError]:
         body = {"endings": [_ending(e) for e in endings]}
