@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -126,7 +126,7 @@ class ControlStream:
             wake(n if isinstance(n, int) and n > 0 else 1)
 
 
-async def sse_events(content: aiohttp.StreamReader) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+async def sse_events(content: AsyncIterable[bytes]) -> AsyncIterator[tuple[str, dict[str, Any]]]:
     """(event name, JSON data) of each event of a text/event-stream; comments (heartbeats) and events
     whose data is not a JSON object are passed over."""
     name, data = "message", list[str]()
