@@ -87,7 +87,8 @@ async def lines(*chunks: bytes) -> AsyncIterator[bytes]:
 async def test_the_control_stream_s_events_pass_over_comments_and_what_is_not_a_json_object() -> None:
     stream = lines(b": keep-alive\n\n", b'event: worker\ndata: {"state": "enabled"}\n\n',
                    b"event: cancel\r\ndata: {\"attempt_id\":\r\ndata:  \"a1\"}\r\n\r\n",
-                   b"event: wake\ndata: [1]\n\n", b"event: wake\ndata: not json\n\n", b'event: wake\ndata: {"n": 3}\n\n')
+                   b"event: wake\ndata: [1]\n\n", b"event: wake\ndata: not json\n\n",
+                   b'event: wake\ndata: {"n": 3}\n\n')
     assert [event async for event in sse_events(stream)] == [
         ("worker", {"state": "enabled"}), ("cancel", {"attempt_id": "a1"}), ("wake", {"n": 3})]
 
