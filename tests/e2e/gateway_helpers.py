@@ -17,7 +17,7 @@ from typing import Any
 
 from tidepool import pki
 
-from .conftest import TERMINAL, Daemon, Response, free_port
+from .conftest import TERMINAL, Daemon, Response, free_port, merge
 
 WORKERS = ("scan-a", "scan-b", "scan-c")
 
@@ -34,7 +34,7 @@ class Gateway(Daemon):
         root.mkdir(parents=True, exist_ok=True)
         self.gateway_port = free_port()
         self.gateway_url = f"https://127.0.0.1:{self.gateway_port}"
-        super().__init__(root, {
+        super().__init__(root, merge({
             "node": {"id": "gateway"},
             "gateway": {"listen": f"127.0.0.1:{self.gateway_port}", "cert_file": str(lab.gateway.cert),
                         "key_file": str(lab.gateway.key), "client_ca_file": str(lab.ca_file), "enroll": "auto"},
@@ -42,21 +42,19 @@ class Gateway(Daemon):
             "lease": {"duration_s": 4.0, "renew_every_s": 1.0},
             "retry": {"backoff_base_s": 0.0},
             "reconciler": {"interval_s": 0.2},
-            **sections,
-        })
+        }, sections))
 
 
 def worker_daemon(root: Path, lab: pki.Lab, name: str, gateway_url: str, **sections: dict[str, Any]) -> Daemon:
     """A remote worker whose node id is its certificate's name."""
     issued = lab.workers[name]
     root.mkdir(parents=True, exist_ok=True)
-    return Daemon(root, {
+    return Daemon(root, merge({
         "node": {"id": name},
         "store": {"url": gateway_url, "cert_file": str(issued.cert), "key_file": str(issued.key),
                   "ca_file": str(lab.ca_file)},
         "pool": {"min_workers": 1, "max_workers": 4, "drain_timeout_s": 2.0, "poll_interval_s": 5.0},
-        **sections,
-    })
+    }, sections))
 
 
 def wait_for(condition: Callable[[], Any], *, timeout_s: float = 20.0, what: str = "the condition") -> Any:

@@ -4,14 +4,17 @@ restart, and an operator's revoke and disable."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ..conftest import POSTGRES_URL, postgres_admin
 from ..process_trees import RECORD, gone, pids
 from .gateway_helpers import (
     W1,
@@ -193,3 +196,43 @@ def test_disable_lets_the_running_task_finish_and_hands_out_nothing_new_until_en
         assert gateway.request("PATCH", "/v1/workers/scan-a", {"state": "enabled"}).status == 200
         body = ended(gateway, second)
         assert body["state"] == "completed" and body["node_id"] == "scan-a"
+
+
+def test_a_worker_whose_certificate_file_is_missing_does_not_start_and_names_the_key(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path)
+    worker = worker_daemon(tmp_path / "a", lab, "scan-a", "https://127.0.0.1:1",
+                           store={"cert_file": str(tmp_path / "nowhere.pem")})
+    ran = worker.run_to_exit()
+    assert ran.returncode == 2, ran
+    assert f"store.cert_file: {tmp_path / 'nowhere.pem'} does not exist" in ran.stderr
+
+
+def test_two_gateways_on_one_postgresql_store_lease_no_attempt_twice(tmp_path: Path) -> None:
+    async def reachable() -> None:
+        await (await postgres_admin()).close()
+
+    asyncio.run(reachable())
+    schema = "e2e_" + uuid.uuid4().hex[:16]
+    store = {"url": f"{POSTGRES_URL}?schema={schema}"}
+    lab = make_lab(tmp_path)
+    one = Gateway(tmp_path / "one", lab, node={"id": "gateway-1"}, store=store)
+    two = Gateway(tmp_path / "two", lab, node={"id": "gateway-2"}, store=store)
+    workers = [worker_daemon(tmp_path / name, lab, name, via.gateway_url, pool={"min_workers": 4, "max_workers": 4})
+               for name, via in (("scan-a", one), ("scan-b", one), ("scan-c", two))]
+    try:
+        with running(one, two, *workers):
+            ids = [submit(via, "sleep", {"seconds": 0.05}) for _ in range(40) for via in (one, two)]
+            done = [ended(one, task_id) for task_id in ids]
+    finally:
+        asyncio.run(_drop(schema))
+    assert {t["state"] for t in done} == {"completed"}
+    assert all(attempts(t) == [(t["node_id"], "succeeded")] for t in done)  # one attempt each: none leased twice
+    assert {t["node_id"] for t in done} == {"scan-a", "scan-b", "scan-c"}  # both gateways handed out work
+
+
+async def _drop(schema: str) -> None:
+    admin = await postgres_admin()
+    try:
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await admin.close()
