@@ -26,7 +26,7 @@ EVENT_NAMES = frozenset({
     "task.created", "task.leased", "task.phase", "plugin.started", "plugin.finished", "task.progress",
     "task.result", "task.retry_scheduled", "task.expired", "task.cancel_requested", "task.finished",
     "task.lease_lost", "worker.started", "worker.stopped", "pool.resized", "guard.tripped", "guard.cleared",
-    "schedule.fired", "schedule.skipped", "reconciler.pass",
+    "schedule.fired", "schedule.skipped", "reconciler.pass", "worker.enrolled", "worker.state",
 })
 T = TypeVar("T")
 

@@ -92,6 +92,10 @@ class NodeOperations:
     def max_body_kb(self) -> int:
         return self._settings.api.max_body_kb
 
+    @property
+    def serves_workers(self) -> bool:
+        return bool(self._settings.gateway.listen)
+
     def max_attempts_for(self, task_type: str) -> int:
         """The attempt budget of a new task of `task_type` that names none: its type's, else retry's."""
         settings = self.registry.types.get(task_type)
@@ -128,7 +132,9 @@ class NodeOperations:
 
     async def fleet_tag_sets(self) -> list[frozenset[str]]:
         """This node's resource tag sets and, on a shared store, every live node's: what the fleet can serve."""
-        own = list(self._parts.resources.tag_sets()) + await self._parts.workers.tag_sets()
+        own = list(self._parts.resources.tag_sets())
+        if self.serves_workers or self._shared_store:  # remote workers' slots (a SQLite store has none but a gateway's)
+            own += await self._parts.workers.tag_sets()
         if not self._shared_store:
             return own
         now = time.time()

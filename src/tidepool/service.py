@@ -26,7 +26,11 @@ from .engine import Engine, EngineConfig
 from .errors import ConfigError, StoreUnavailable
 from .events import EventBus, first_id_of_this_run
 from .fleet import GoneNodes, fence_after_s
-from .gateway import Credentials, Gateway, WakerWithGateway, Watch, serve_gateway
+from .gateway.listener import serve_gateway
+from .gateway.parking import WakerWithGateway
+from .gateway.protocol import Gateway
+from .gateway.tls import Credentials
+from .gateway.watch import Watch
 from .guards import Guards
 from .leases import LeaseKeeper
 from .lifecycle import retry_policy
@@ -195,9 +199,10 @@ class Daemon:
         tg.start_soon(self._watchdog)
         self.status.ready = True  # /readyz answers 200 from here: before systemd hears READY=1
         self.notifier.ready()
-        log.info("node %s ready: tidepool %s on %s, store %s, api %s, workers %d..%d; %s", self.node_id,
+        log.info("node %s ready: tidepool %s on %s, store %s, api %s, workers %d..%d; %s%s", self.node_id,
                  __version__, _loop_name(), redacted(self.settings.store.url), self.settings.api.listen,
-                 self.pool.config.min_workers, self.pool.config.max_workers, self.settings.ready_summary())
+                 self.pool.config.min_workers, self.pool.config.max_workers, self.settings.ready_summary(),
+                 f"; gateway https://{self.settings.gateway.listen}" if credentials is not None else "")
 
     def shutdown(self) -> None:
         self._shutdown.set()

@@ -132,3 +132,27 @@ async def test_a_bad_patch_of_a_worker_is_refused_naming_the_field(make_node: Ma
         answer = await node.call("PATCH", "/v1/workers/w1", body)
         assert (answer.status, answer.code) == (400, "invalid_request"), answer
         assert (await node.call("GET", "/v1/workers/w1")).body["state"] == "enabled"
+
+
+async def test_a_worker_at_its_cap_is_held_until_one_of_its_attempts_ends(make_node: MakeNode) -> None:
+    async with make_node(gateway={**AUTO, "max_concurrent_tasks": 1}) as node:
+        await node.submit()
+        second = await node.submit()
+        w1 = node.remote("w1")
+        first = (await w1.acquire(max=4)).body["tasks"]
+        assert len(first) == 1  # its cap, though it asked for four and two wait
+        answers = []
+
+        async def park() -> None:
+            answers.append(await node.remote("w1").acquire(max=4, wait_s=30))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(park)
+            with anyio.fail_after(5):
+                while not len(node.daemon.gateway.parking):
+                    await anyio.sleep(0.01)
+            await w1.post("/w1/finish", {"endings": [{**lease_of(first[0]), "status": "succeeded"}]})
+            with anyio.fail_after(5):  # long before wait_s: its ending made room
+                while not answers:
+                    await anyio.sleep(0.01)
+        assert [t["task"]["id"] for t in answers[0].body["tasks"]] == [second]

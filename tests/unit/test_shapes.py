@@ -106,7 +106,7 @@ def test_a_node_shows_its_liveness_at_the_time_asked() -> None:
     assert _conforms(NodeOut.of(node, now=T0 + 20)) == {
         "node_id": "n1", "instance_id": "i1", "hostname": "host", "pid": 42, "version": "1.0",
         "started_at": "2023-11-14T22:13:20.250000Z", "heartbeat_at": "2023-11-14T22:13:30.250000Z", "alive": True,
-        "stopped_at": None, "task_types": ["noop"], "tags": [["gpu", "x"]], "max_workers": 8}
+        "stopped_at": None, "task_types": ["noop"], "tags": [["gpu", "x"]], "max_workers": 8, "kind": "node"}
     assert NodeOut.of(node, now=T0 + 26).alive is False, "three heartbeats unheard"
 
 

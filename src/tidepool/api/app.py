@@ -303,7 +303,8 @@ async def openapi_json(request: web.Request) -> web.Response:
     routes = {(route.method.lower(), route.resource.canonical) for route in request.app.router.routes()
               if route.resource is not None}
     return web.json_response(openapi.document(routes, task_types=sorted(request.app[DAEMON].registry.types),
-                                              bearer=request.app[TOKEN] is not None))
+                                              bearer=request.app[TOKEN] is not None,
+                                              worker_protocol=request.app[DAEMON].serves_workers))
 
 
 async def dashboard(request: web.Request) -> web.FileResponse:

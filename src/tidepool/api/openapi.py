@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from .. import __version__
+from ..gateway import schemas as w1
 from ..model import ORGANIZATION_PATTERN, State
 from .schemas import (
     CURSOR_PATTERN,
@@ -32,13 +33,21 @@ from .schemas import (
     SubmitTask,
     TaskDetailOut,
 )
+from .workers import WorkerOut, WorkerPatch, WorkersOut
 
 ERRORS = {"400": "invalid input, naming the field", "401": "missing or wrong bearer token",
           "403": "a change asked from another origin, or (without a token) a Host that is not a loopback name",
           "404": "no such task or schedule", "408": "the body did not arrive in time",
           "409": "conflicts with the task's state, an earlier submit or the node's (draining)",
           "413": "body over api.max_body_kb", "415": "body is not application/json",
-          "429": "queue over pool.max_queued", "503": "store unavailable, or too many event streams"}
+          "429": "queue over pool.max_queued", "503": "store unavailable, or too many event streams",
+          "410": "the lease is gone (error.reason: expired, cancelled, revoked, superseded)"}
+W1_ERRORS = {"403": "the registry refuses the worker (worker_pending, worker_revoked) or its certificate names no one"}
+W1_TAG = "worker protocol"
+# The worker protocol is served on gateway.listen (mutual TLS: the client certificate is the worker's identity),
+# not beside /v1: each of its paths names that server.
+W1_SERVERS = [{"url": "https://{gateway}", "description": "gateway.listen; a client certificate of "
+               "gateway.client_ca_file is required", "variables": {"gateway": {"default": "localhost:8471"}}}]
 BODY_ERRORS = ("400", "408", "413", "415")
 # Routes the document leaves out: the dashboard, its files, the metrics text and the document itself.
 UNDOCUMENTED = frozenset({"/", "/static", "/metrics", "/v1/openapi.json"})
@@ -50,6 +59,8 @@ def _param(name: str, where: str, schema: dict[str, Any], *, required: bool = Fa
 
 
 TASK_ID = _param("id", "path", {"type": "string"}, required=True)
+WORKER_ID = _param("id", "path", {"type": "string"}, required=True,
+                   description="the worker's identity: its certificate's common name")
 NAME = _param("name", "path", {"type": "string"}, required=True)
 EVENT_ID = {"type": "string", "pattern": "^[0-9]{0,20}$"}
 LISTING = (_param("state", "query", {"type": "string", "enum": [s.value for s in State]}),
@@ -78,6 +89,7 @@ class Operation:
     media: str = "application/json"
     # a field of the answer -> the operations that take it as their parameter of that name
     links: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    tag: str | None = None      # the worker protocol's operations are tagged apart
 
 
 def _schedule_action(name: str, summary: str) -> Operation:
@@ -121,22 +133,56 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/v1/events"): Operation(
         "streamEvents", "server-sent events; Last-Event-ID resumes", {"200": EventOut}, ("400", "404", "503"),
         params=EVENTS, media="text/event-stream"),
+    ("get", "/v1/workers"): Operation("listWorkers", "the remote workers of the registry", {"200": WorkersOut},
+                                      ("503",)),
+    ("get", "/v1/workers/{id}"): Operation("getWorker", "one remote worker", {"200": WorkerOut}, ("404", "503"),
+                                           params=[WORKER_ID]),
+    ("patch", "/v1/workers/{id}"): Operation(
+        "changeWorker", "enable, disable or limit a remote worker (409 once revoked)", {"200": WorkerOut},
+        (*BODY_ERRORS, "404", "409", "503"), body=WorkerPatch, params=[WORKER_ID]),
+    ("post", "/v1/workers/{id}/revoke"): Operation(
+        "revokeWorker", "revoke a remote worker for good: its attempts cancelled, its connections closed",
+        {"202": WorkerOut}, (*BODY_ERRORS, "404", "503"), params=[WORKER_ID]),
     ("get", "/healthz"): Operation("healthz", "the process answers", {"200": HealthOut}, open=True),
     ("get", "/readyz"): Operation("readyz", "ready to work", {"200": HealthOut, "503": HealthOut}, open=True),
 }
+W1_BODY_ERRORS = ("400", "403", "408", "413", "415", "503")
+W1_OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("post", "/w1/acquire"): Operation(
+        "acquire", "lease tasks, held up to min(wait_s, gateway.max_wait_s) until one exists",
+        {"200": w1.AcquireOut}, W1_BODY_ERRORS, body=w1.AcquireIn, tag=W1_TAG),
+    ("post", "/w1/renew"): Operation(
+        "renew", "extend leases; each is held, to cancel, or lost", {"200": w1.RenewOut},
+        (*W1_BODY_ERRORS, "410"), body=w1.RenewIn, tag=W1_TAG),
+    ("post", "/w1/phase"): Operation(
+        "notePhases", "record phases and progress", {"200": w1.PhaseOut}, (*W1_BODY_ERRORS, "410"),
+        body=w1.PhaseIn, tag=W1_TAG),
+    ("post", "/w1/results"): Operation(
+        "recordResult", "store a result batch once (200: its key was stored already; 409: with another sha256)",
+        {"201": w1.ResultAckOut, "200": w1.ResultAckOut}, (*W1_BODY_ERRORS, "409", "410"), body=w1.ResultIn,
+        tag=W1_TAG),
+    ("post", "/w1/finish"): Operation(
+        "finish", "end attempts", {"200": w1.FinishOut}, (*W1_BODY_ERRORS, "410"), body=w1.FinishIn, tag=W1_TAG),
+    ("get", "/w1/control"): Operation(
+        "controlStream", "server-sent events for this worker: cancel, worker, wake", {"200": w1.ControlOut},
+        ("403",), media="text/event-stream", tag=W1_TAG),
+}
 # Each model with the mode it is documented in: what a request may hold, or what an answer holds.
-ANSWERS: set[type[BaseModel]] = {ErrorOut, *(m for op in OPERATIONS.values() for m in op.ok.values() if m)}
+ANSWERS: set[type[BaseModel]] = {ErrorOut, *(m for ops in (OPERATIONS, W1_OPERATIONS) for op in ops.values()
+                                              for m in op.ok.values() if m)}
+REQUESTS: tuple[type[BaseModel], ...] = (SubmitTask, SubmitBatch, PoolPatch, ScheduleIn, WorkerPatch, *w1.REQUESTS)
 MODELS: list[tuple[type[BaseModel], JsonSchemaMode]] = [
-    *((m, "validation") for m in (SubmitTask, SubmitBatch, PoolPatch, ScheduleIn)),
+    *((m, "validation") for m in REQUESTS),
     *((m, "serialization") for m in sorted(ANSWERS, key=lambda m: m.__name__)),
 ]
 
 
 def document(routes: Collection[tuple[str, str]], *, task_types: Sequence[str] = (),
-             bearer: bool = False) -> dict[str, Any]:
+             bearer: bool = False, worker_protocol: bool = False) -> dict[str, Any]:
     """The document of `routes` (method and path, as the router holds them); `task_types` (the node's known
     types) become the enum of a task's type; `bearer`: the node has a token, which every route but the probes
-    needs. A route no operation describes is an error, so that a new route cannot go undocumented."""
+    needs; `worker_protocol`: the node is a gateway, whose /w1 routes (on their own listener) are described too.
+    A route no operation describes is an error, so that a new route cannot go undocumented."""
     _undocumented(routes)
     _, defs = models_json_schema(MODELS, ref_template="#/components/schemas/{model}")
     schemas = defs["$defs"]
@@ -147,13 +193,19 @@ def document(routes: Collection[tuple[str, str]], *, task_types: Sequence[str] =
     for (method, path), op in OPERATIONS.items():
         if (method, op.route or path) in routes or ("*", op.route or path) in routes:
             paths.setdefault(path, {})[method] = _operation(op, bearer=bearer)
+    for (method, path), op in W1_OPERATIONS.items() if worker_protocol else ():
+        item = paths.setdefault(path, {"servers": W1_SERVERS})
+        item[method] = {**_operation(op, bearer=False), "tags": [W1_TAG], "security": [{"mutualTLS": []}]}
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "tidepool", "version": __version__,
                  "description": "The HTTP API of a tidepool node: tasks, pool, schedules, nodes, events."},
         "paths": paths, "components": {"schemas": schemas}}
+    schemes = {**({"mutualTLS": {"type": "mutualTLS"}} if worker_protocol else {}),
+               **({"bearer": {"type": "http", "scheme": "bearer"}} if bearer else {})}
+    if schemes:
+        doc["components"]["securitySchemes"] = schemes
     if bearer:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]
     return doc
 
@@ -174,7 +226,7 @@ def _operation(op: Operation, *, bearer: bool) -> dict[str, Any]:
             answer["links"] = {target: {"operationId": target, "parameters": {name: f"$response.body#/{name}"}}
                                for name, targets in op.links.items() for target in targets}
     for status in (*op.errors, "403", *(("401",) if bearer and not op.open else ())):
-        responses[status] = _answer(ERRORS[status], ErrorOut)
+        responses[status] = _answer((W1_ERRORS if op.tag else ERRORS).get(status) or ERRORS[status], ErrorOut)
     out: dict[str, Any] = {"operationId": op.id, "summary": op.summary, "responses": responses}
     if op.body is not None:
         out["requestBody"] = {"required": True, **_content(op.body)}

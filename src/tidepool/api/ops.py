@@ -37,6 +37,11 @@ class Operations(Protocol):
     @property
     def max_body_kb(self) -> int: ...
 
+    @property
+    def serves_workers(self) -> bool:
+        """Whether the node is a gateway: its document describes the worker protocol too."""
+        ...
+
     def max_attempts_for(self, task_type: str) -> int:
         """The attempt budget of a new task of `task_type` that names none."""
         ...

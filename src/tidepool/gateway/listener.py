@@ -18,6 +18,10 @@ from .protocol import Gateway
 from .routes import build_app
 from .tls import Credentials
 
+# Each held acquire holds its connection for up to gateway.max_wait_s: a fleet of remote workers needs more
+# connections at once than the /v1 API's cap, and each still costs little (a parked coroutine, no thread).
+MAX_CONNECTIONS = 4096
+
 
 class TlsSite(web.BaseSite):
     """A TCP site whose connections complete a mutual TLS handshake, then pass through a ConnectionGuard."""
@@ -51,7 +55,7 @@ async def serve_gateway(gateway: Gateway, credentials: Credentials, listen: str,
                         header_timeout_s: float = HEADER_TIMEOUT_S,
                         task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """Bind gateway.listen and serve the worker protocol until cancelled; control streams end first."""
-    guard = ConnectionGuard(header_timeout_s=header_timeout_s)
+    guard = ConnectionGuard(header_timeout_s=header_timeout_s, max_connections=MAX_CONNECTIONS)
     app = build_app(gateway, guard, max_body_kb=gateway.max_body_kb)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
     await runner.setup()

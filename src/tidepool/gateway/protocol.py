@@ -99,8 +99,8 @@ class Gateway:
         if replay is not None:
             replay.superseded.set()  # the first one's client is gone, or it would not ask again
             await replay.done.wait()
-            if replay.answer is not None:
-                return dict(replay.answer)
+            if replay.answer is not None and replay.answer["tasks"]:
+                return dict(replay.answer)  # else it leased nothing: this one holds afresh
         replay = self.replays.start(worker.id, body.request_id)
         try:
             answer = await self._acquire(worker, body, version=version, gone=gone, on_gone=on_gone,
