@@ -15,8 +15,8 @@ from ..settings import PluginSpec
 from . import Plugin
 from .command import CommandLimits, check_template, ran_out_of_files, render_argv, run_command, scrubbed_env
 from .netprobe import http_probe as probe_url
+from .netprobe import probe_web_ports, validate_ports, validate_target
 from .netprobe import tcp_connect as scan_ports
-from .netprobe import validate_ports, validate_target
 
 
 async def noop(ctx: TaskContext) -> None:
@@ -45,20 +45,38 @@ async def tcp_connect(ctx: TaskContext) -> None:
 
 
 async def http_probe(ctx: TaskContext) -> None:
-    """Status, headers, redirects and TLS facts of payload.url, or of each open web port of the target."""
-    urls = [ctx.payload["url"]] if "url" in ctx.payload else _web_urls(ctx)
-    for url in urls:
-        await ctx.checkpoint()
-        result = await probe_url(url, timeout_s=_float(ctx, "timeout_s", 10.0),
-                                 verify_tls=bool(ctx.payload.get("verify_tls", True)))
-        await ctx.emit(result, final=url == urls[-1])
+    """Status, headers, redirects and TLS facts of payload.url, or of every open port of payload.target.
 
-
-def _web_urls(ctx: TaskContext) -> list[str]:
+    With payload.url, one result: that URL's. Otherwise each port of the target is tried over TLS, then
+    over plain HTTP: the ports the step before found open (ctx.scope["open_ports"], or payload.open_ports
+    when that step ran as a task of its own and its findings came in the payload), else payload.ports
+    (default 80, 443). Each port that answered gets a result (the URL's, with "port", "scheme" and
+    "server"), then a final summary says for every port which scheme answered, or what each said.
+    ctx.scope["web_urls"] lists the URLs that answered, for the steps after it. payload.timeout_s bounds
+    each request (10 s), payload.probe_concurrency the ports probed at once (10).
+    """
+    timeout_s = _float(ctx, "timeout_s", 10.0)
+    verify_tls = bool(ctx.payload.get("verify_tls", True))
+    if "url" in ctx.payload:
+        await ctx.emit(await probe_url(ctx.payload["url"], timeout_s=timeout_s, verify_tls=verify_tls), final=True)
+        return
     target = validate_target(ctx.payload.get("target"))
-    host = f"[{target}]" if ":" in target else target
-    ports = ctx.scope.get("open_ports", validate_ports(ctx.payload.get("ports")))
-    return [f"{'https' if port == 443 else 'http'}://{host}:{port}/" for port in ports if port in (80, 443)]
+    summary, answers = await probe_web_ports(target, _web_ports(ctx), timeout_s=timeout_s, verify_tls=verify_tls,
+                                             concurrency=_int(ctx, "probe_concurrency", 10))
+    ctx.scope["web_urls"] = [summary["ports"][str(port)]["url"] for port in summary["web"]]
+    for answer in answers:
+        await ctx.emit(answer)
+    await ctx.emit(summary, final=True)
+
+
+def _web_ports(ctx: TaskContext) -> list[int]:
+    """The ports to probe: those found open earlier in this attempt or in the step before, else payload.ports."""
+    for source, field in ((ctx.scope, "scope.open_ports"), (ctx.payload, "payload.open_ports")):
+        if "open_ports" in source:
+            found = source["open_ports"]
+            # Nothing found open is a fact, not a mistake: there is nothing to probe.
+            return [] if found == [] else validate_ports(found, field=field)
+    return validate_ports(ctx.payload.get("ports"))
 
 
 def _int(ctx: TaskContext, name: str, default: int) -> int:

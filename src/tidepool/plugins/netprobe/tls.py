@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import _ssl
 import ssl
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import anyio
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 from yarl import URL
 
 _DN_SHORT_NAMES = {
@@ -21,6 +21,18 @@ _DN_SHORT_NAMES = {
     "organizationalUnitName": "OU",
     "stateOrProvinceName": "ST",
 }
+
+# The names getpeercert() gives the attributes _DN_SHORT_NAMES shortens, for certificates decoded here.
+_OID_NAMES = {
+    NameOID.COMMON_NAME: "commonName",
+    NameOID.COUNTRY_NAME: "countryName",
+    NameOID.LOCALITY_NAME: "localityName",
+    NameOID.ORGANIZATION_NAME: "organizationName",
+    NameOID.ORGANIZATIONAL_UNIT_NAME: "organizationalUnitName",
+    NameOID.STATE_OR_PROVINCE_NAME: "stateOrProvinceName",
+}
+
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
 
 class RecordingContext(ssl.SSLContext):
@@ -98,20 +110,19 @@ def _peer_cert(sslobj: ssl.SSLObject) -> Mapping[str, Any] | None:
 
 
 def _decode_der(der: bytes) -> Mapping[str, Any] | None:
-    # PRIVATE API, used on purpose: `cryptography` is not a dependency and the stdlib has no public
-    # DER parser. _ssl._test_decode_cert reads a PEM file and returns the getpeercert() dict. If a
-    # Python release drops it, certificate facts of unverified probes become None, nothing breaks.
-    decode = getattr(_ssl, "_test_decode_cert", None)
-    if decode is None:
+    """A DER certificate as getpeercert() gives a verified one: subject, issuer and notAfter."""
+    try:
+        cert = x509.load_der_x509_certificate(der)
+    except ValueError:
         return None
-    with tempfile.NamedTemporaryFile("w", suffix=".pem") as pem:
-        pem.write(ssl.DER_cert_to_PEM_cert(der))
-        pem.flush()
-        try:
-            decoded: Mapping[str, Any] = decode(pem.name)
-        except (ssl.SSLError, OSError, ValueError):
-            return None
-    return decoded
+
+    def rdns(name: x509.Name) -> tuple[tuple[tuple[str, str], ...], ...]:
+        return tuple(tuple((_OID_NAMES.get(a.oid, a.oid.dotted_string), str(a.value)) for a in rdn)
+                     for rdn in name.rdns)
+
+    end = cert.not_valid_after_utc  # as OpenSSL prints it, in English whatever the locale: "Jun  1 12:00:00 2030 GMT"
+    return {"subject": rdns(cert.subject), "issuer": rdns(cert.issuer),
+            "notAfter": f"{_MONTHS[end.month - 1]} {end.day:2d} {end:%H:%M:%S} {end.year} GMT"}
 
 
 def _cert_facts(cert: Mapping[str, Any] | None, now: float) -> dict[str, Any]:
