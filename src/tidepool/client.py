@@ -106,9 +106,9 @@ class Client:
         return task
 
     async def list(self, *, state: str | None = None, type: str | None = None, limit: int = 50,
-                   cursor: str | None = None) -> dict[str, Any]:
+                   cursor: str | None = None, organization: str | None = None) -> dict[str, Any]:
         query = urlencode([(k, v) for k, v in (("state", state), ("type", type), ("limit", limit),
-                                               ("cursor", cursor)) if v is not None])
+                                               ("cursor", cursor), ("organization", organization)) if v is not None])
         page: dict[str, Any] = await self.request("GET", f"/v1/tasks?{query}")
         return page
 

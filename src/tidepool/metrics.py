@@ -58,8 +58,13 @@ class Metrics:
                  counts: Callable[[], Awaitable[dict[State, int]]],
                  guards: Callable[[], GuardStats | None] = lambda: None,
                  draining: Callable[[], bool] = lambda: False,
-                 task_types: Callable[[], Iterable[str]] = lambda: ()) -> None:
+                 task_types: Callable[[], Iterable[str]] = lambda: (),
+                 organizations: Callable[[], Awaitable[dict[str, int]]] | None = None) -> None:
         self._info = (node_id, version)
+        # Organizations are as many as a fleet has customers: a label of their own on the per-type counters
+        # would multiply every type's series by them, so they get one gauge, read from the store at scrape.
+        self._organization_counts = organizations
+        self._organizations: dict[str, int] | None = None
         self._task_types = task_types
         self._pool = pool
         self._counts = counts
@@ -250,6 +255,13 @@ class Metrics:
             self._queue = {state: counts.get(State(state), 0) for state in QUEUE_STATES}
         except (StoreUnavailable, TimeoutError):
             self._queue = None
+        self._organizations = None
+        if self._organization_counts is not None and self._queue is not None:
+            try:
+                with anyio.fail_after(5.0):
+                    self._organizations = await self._organization_counts()
+            except (StoreUnavailable, TimeoutError):
+                pass
         return generate_latest(self.registry)
 
     def collect(self) -> Iterator[Metric]:
@@ -264,6 +276,12 @@ class Metrics:
             for state, n in self._queue.items():
                 queue.add_metric([state], n)
             yield queue
+        if self._organizations is not None:
+            by_organization = GaugeMetricFamily("tidepool_tasks_by_organization", "Unfinished tasks in the store, "
+                                                "by organization.", labels=["organization"])
+            for organization, n in sorted(self._organizations.items()):
+                by_organization.add_metric([organization], n)
+            yield by_organization
         yield from self._guard_families()
         self._know_task_types()
         for series in self._series:

@@ -108,7 +108,8 @@ class Daemon:
         # counts its renewals through these metrics.
         self.metrics = Metrics(node_id=self.node_id, version=__version__, pool=lambda: self.pool.statistics(),
                                counts=partial(store_answers, self.store), guards=self.guards.statistics,
-                               draining=lambda: self.status.draining, task_types=lambda: self.ops.registry.types)
+                               draining=lambda: self.status.draining, task_types=lambda: self.ops.registry.types,
+                               organizations=self.store.organization_counts)
         self.events.listen(self.metrics.on_event)
         self.metrics.registry.register(self.gateway.metrics)
         self.events.listen(logs.lifecycle)

@@ -137,3 +137,6 @@ def test_a_tasks_organization_is_submitted_shown_and_listed_by(daemon: Daemon) -
     filtered = daemon.get("/v1/tasks?organization=a%20b")
     assert filtered.status == 400 and filtered.error["message"].startswith("organization:"), filtered
     assert daemon.query("SELECT count(*) FROM tasks") == queued, "a refused submit queues nothing"
+
+    metrics = daemon.request("GET", "/metrics").body
+    assert 'tidepool_tasks_by_organization{organization="acme"} 2.0' in metrics.splitlines(), metrics

@@ -92,6 +92,20 @@ def test_list_says_when_there_are_more_tasks_and_the_cursor_pages_through_them(d
 
 
 @pytest.mark.e2e
+def test_submit_and_list_take_an_organization(daemon: Daemon, cli: Cli) -> None:
+    submitted = cli("submit", "noop", "--organization", "acme", "--url", daemon.url)
+    assert submitted.returncode == OK, submitted.stderr
+    acme = submitted.stdout.strip()
+    assert daemon.task(acme)["organization"] == "acme"
+    other = daemon.submit("noop")["id"]
+    listed = cli("list", "--organization", "acme", "--json", "--url", daemon.url)
+    assert listed.returncode == OK, listed.stderr
+    assert [t["id"] for t in json.loads(listed.stdout)["tasks"]] == [acme] and other != acme
+    refused = cli("submit", "noop", "--organization", "a b", "--url", daemon.url)
+    assert refused.returncode == USAGE and "organization" in refused.stderr, refused
+
+
+@pytest.mark.e2e
 def test_list_and_schedules_print_whole_rows_with_times_to_the_second(daemon: Daemon, cli: Cli) -> None:
     """Piped (into grep, a file), as here: no column is cut, whatever width a terminal would have."""
     task_id = cli("submit", "noop", "--wait", "--url", daemon.url).stdout.split()[0]

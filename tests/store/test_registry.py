@@ -446,3 +446,11 @@ def test_a_task_of_the_default_organization_keeps_the_fingerprint_it_had_before_
     before = hashlib.sha256(canonical_json(body).encode()).hexdigest()
     assert NewTask("noop", {"a": 1}, idempotency_key="k").fingerprint() == before
     assert NewTask("noop", {"a": 1}, idempotency_key="k", organization="acme").fingerprint() != before
+
+
+async def test_unfinished_tasks_are_counted_by_organization(store: Store) -> None:
+    for organization in ("acme", "acme", "default"):
+        await add(store, organization=organization)
+    done = await add(store, organization="globex")
+    await store.request_cancel(done, now=T0)
+    assert await store.organization_counts() == {"acme": 2, "default": 1}

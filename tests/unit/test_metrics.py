@@ -276,3 +276,21 @@ async def test_schedule_ticks_are_counted_per_schedule() -> None:
     samples = await scrape(metrics)
     assert value(samples, "tidepool_schedule_fired_total", schedule="nightly") == 2
     assert value(samples, "tidepool_schedule_skipped_total", schedule="hourly", reason="missed") == 3
+
+
+async def test_unfinished_tasks_are_counted_by_organization_at_scrape_time() -> None:
+    """One gauge: an organization label on the per-type counters would multiply their series by the
+    organizations of the fleet."""
+    seen = [{"default": 3, "acme": 1}]
+
+    async def organizations() -> dict[str, int]:
+        return seen[0]
+
+    metrics = Metrics(node_id="n", version="v", pool=lambda: pool_stats(), counts=counts, organizations=organizations)
+    s = await scrape(metrics)
+    assert value(s, "tidepool_tasks_by_organization", organization="default") == 3
+    assert value(s, "tidepool_tasks_by_organization", organization="acme") == 1
+    seen[0] = {"default": 1}
+    s = await scrape(metrics)
+    assert value(s, "tidepool_tasks_by_organization", organization="acme") is None
+    assert value(s, "tidepool_tasks_by_organization", organization="default") == 1

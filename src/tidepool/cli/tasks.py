@@ -45,7 +45,8 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
 
     async def body(client: Client) -> int:
         task = await client.submit(args.type, payload, priority=args.priority, max_attempts=args.max_attempts,
-                                   idempotency_key=args.key, required_tags=tags or None)
+                                   idempotency_key=args.key, required_tags=tags or None,
+                                   organization=args.organization)
         print(visible(task["id"]))
         if not args.wait:
             return OK
@@ -103,8 +104,8 @@ class Progress:
         return Text(line[:160], style=STYLE.get(self.state, ""))
 
 
-SHOWN = ("id", "type", "state", "phase", "progress", "attempt", "priority", "node_id", "error", "payload",
-         "required_tags", "idempotency_key", "created_at", "available_at", "updated_at", "finished_at")
+SHOWN = ("id", "type", "organization", "state", "phase", "progress", "attempt", "priority", "node_id", "error",
+         "payload", "required_tags", "idempotency_key", "created_at", "available_at", "updated_at", "finished_at")
 
 
 def budget_marks(task: dict[str, Any]) -> list[str]:
@@ -128,7 +129,8 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
         console = stdout()
         facts = Table.grid(padding=(0, 2))
         for key in SHOWN:
-            shown = f"{task['attempt']}/{task['max_attempts']}" if key == "attempt" else fact(key, task[key])
+            # .get: a daemon of an earlier version answers without the fields added since (organization)
+            shown = f"{task['attempt']}/{task['max_attempts']}" if key == "attempt" else fact(key, task.get(key))
             facts.add_row(key, text(shown))
             if key == "id":  # the form list shows, which every command takes back
                 facts.add_row("short_id", text((await short_forms(client, [task["id"]]))[task["id"]]))
@@ -148,7 +150,8 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
     async def body(client: Client) -> int:
-        page = await client.list(state=args.state, type=args.type, limit=args.limit, cursor=args.cursor)
+        page = await client.list(state=args.state, type=args.type, limit=args.limit, cursor=args.cursor,
+                                 organization=args.organization)
         if args.json:
             print_json(page)
             return OK
@@ -163,7 +166,7 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
         stdout().print(rows)
         if page["next_cursor"]:  # on stderr: a pipe into grep or wc gets the rows alone; one line, never wrapped
             print(visible(f"more tasks: the next page is `tidepool list --cursor {page['next_cursor']}` with the "
-                          "same --state, --type and --limit"), file=sys.stderr)
+                          "same --state, --type, --organization and --limit"), file=sys.stderr)
         return OK
 
     return with_client(args, settings, body)
@@ -193,12 +196,14 @@ def add_commands(add: Any) -> None:
     p.add_argument("--max-attempts", type=int)
     p.add_argument("--key", help="idempotency key")
     p.add_argument("--tags", help="required resource tags, comma separated")
+    p.add_argument("--organization", help="whose task it is (default: default)")
     p.add_argument("--wait", action="store_true", help="follow the task to its end; exit 1 unless completed")
     p = add("show", cmd_show, "show one task", json=True)
     p.add_argument("task_id", help="its id, or enough of its first digits to name one task")
     p = add("list", cmd_list, "list tasks, newest first", json=True)
     p.add_argument("--state")
     p.add_argument("--type")
+    p.add_argument("--organization")
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--cursor", help="the next page: the cursor a page before ended with")
     for name, func, help_text in (("cancel", cmd_cancel, "cancel a task"), ("retry", cmd_retry, "retry a task")):

@@ -115,6 +115,13 @@ class MemoryStore(MemoryRegistry):
                 counts[row.task.state] = counts.get(row.task.state, 0) + 1
         return counts
 
+    async def organization_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for row in self._rows.values():
+            if not row.task.state.terminal:
+                counts[row.task.organization] = counts.get(row.task.organization, 0) + 1
+        return counts
+
     async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
         row = self._row(task_id)
         state = cancel_step(row.task.state)

@@ -185,6 +185,8 @@ class QueuePort(Protocol):
         """Newest first, without results; of one state, type and organization when given."""
     async def counts(self) -> dict[State, int]:
         """How many tasks are in each non-terminal state."""
+    async def organization_counts(self) -> dict[str, int]:
+        """How many unfinished tasks each organization has; one with none is left out."""
     async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
         """pending/retry_wait -> cancelled, leased/running -> cancelling; cancelling and cancelled stay
         (a repeated cancel changes nothing); any other terminal state -> Conflict."""

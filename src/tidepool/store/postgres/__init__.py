@@ -177,6 +177,11 @@ class PostgresStore:
             rows = await conn.fetch(SQL["counts"])
         return {State(r[0]): r[1] for r in rows}
 
+    async def organization_counts(self) -> dict[str, int]:
+        async with self._db.conn() as conn:
+            rows = await conn.fetch(SQL["organization_counts"])
+        return {r[0]: r[1] for r in rows}
+
     async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
         async with self._db.conn() as conn, conn.transaction():
             current, type_ = await _lock_state(conn, task_id)

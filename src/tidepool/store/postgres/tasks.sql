@@ -25,6 +25,10 @@ FROM tasks t WHERE {where} ORDER BY id DESC LIMIT {limit}
 SELECT state, count(*) FROM tasks
 WHERE state IN {unfinished} GROUP BY state
 
+-- name: organization_counts
+SELECT organization, count(*) FROM tasks
+WHERE state IN {unfinished} GROUP BY organization
+
 -- name: insert_many
 INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags,
                    idempotency_key, fingerprint, created_at, updated_at, available_at, organization)

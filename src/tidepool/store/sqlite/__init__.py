@@ -109,6 +109,9 @@ class SqliteStore:
     async def counts(self) -> dict[State, int]:
         return await self._read(reads.counts)
 
+    async def organization_counts(self) -> dict[str, int]:
+        return await self._read(reads.organization_counts)
+
     async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
         return await self._write(partial(queue_ops.request_cancel, task_id=task_id, now=now))
 

@@ -54,6 +54,9 @@ SELECT {task_columns} FROM tasks WHERE {where} ORDER BY id DESC LIMIT ?
 -- name: counts
 SELECT state, count(*) FROM tasks WHERE state IN {unfinished} GROUP BY state
 
+-- name: organization_counts
+SELECT organization, count(*) FROM tasks WHERE state IN {unfinished} GROUP BY organization
+
 -- workers
 
 -- name: claimable

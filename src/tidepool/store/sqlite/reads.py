@@ -74,6 +74,10 @@ def counts(conn: sqlite3.Connection) -> dict[State, int]:
     return {State(s): n for s, n in conn.execute(Q["counts"])}
 
 
+def organization_counts(conn: sqlite3.Connection) -> dict[str, int]:
+    return dict(conn.execute(Q["organization_counts"]).fetchall())
+
+
 def queued_tag_sets(conn: sqlite3.Connection) -> list[frozenset[str]]:
     return [frozenset(json.loads(r[0])) for r in conn.execute(Q["queued_tag_sets"])]
 
