@@ -23,6 +23,9 @@ class RemoteQueue:
         """The queue is the gateway's: none of it is counted here."""
         return {}
 
+    async def organization_counts(self) -> dict[str, int]:
+        return {}
+
     async def lock_node(self, node_id: str, instance_id: str) -> None:
         """The gateway knows this worker by its certificate; this host's lock file keeps it one process."""
 
