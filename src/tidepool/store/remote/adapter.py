@@ -17,7 +17,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskStatus
@@ -29,8 +29,12 @@ from ...model import Claimed, ClaimFilter, Lease, Outcome, Phase, ResultBatch, S
 from ..port import Ending, Node, PhaseNote
 from ..rules import finish_alone
 from .control import RECONNECT, ControlStream, Standing, log
+from .fence import LocalLeases, ended_here
 from .queue import RemoteQueue
 from .wire import Answer, Refusal, Wire, client_tls, instant, task_of
+
+if TYPE_CHECKING:
+    from ...leases import Held
 
 PARK_S = 25.0            # asked of the gateway, which holds an acquire at most its gateway.max_wait_s
 REQUEST_TIMEOUT_S = 10.0  # a renewal, phase note or ending not answered in this long is tried again
@@ -55,14 +59,14 @@ class RemoteStore(RemoteQueue):
         self._clock = clock
         self.terms = LeaseTerms()
         self._on_terms: Callable[[LeaseTerms], None] = lambda terms: None
-        self._until: dict[str, float] = {}  # attempt id -> monotonic end of its lease as known here
-        self._cancelling: set[str] = set()  # attempts the gateway asked to stop: their cancel may be written
-        self._wake: Callable[[int], None] = lambda n: None
-        self._held: Callable[[], Sequence[Any]] = list  # the lease keeper's Held attempts, once attached
+        self._leases = LocalLeases(monotonic)
+        self._wake: Callable[[int], None] = lambda n: None  # the pool's, from watch()
+        self._wake_max: Callable[[], None] = lambda: None
+        self._held: Callable[[], Sequence[Held]] = list  # the lease keeper's attempts, once attached
         self._on_revoked: Callable[[], None] = lambda: None
-        self.standing = Standing(on_enabled=lambda: self._wake(1_000_000), on_revoked=self._revoked)
+        self.standing = Standing(on_enabled=lambda: self._wake_max(), on_revoked=self._revoked)
         self._control = ControlStream(self._wire, self.standing, cancel=self._cancel,
-                                      wake_max=lambda: self._wake(1_000_000))
+                                      wake_max=lambda: self._wake_max())
         self._parked = False
         self._park_scope: anyio.CancelScope | None = None
         self._stopping = False
@@ -71,11 +75,12 @@ class RemoteStore(RemoteQueue):
 
     # wiring
 
-    def attach(self, *, held: Callable[[], Sequence[Any]], on_terms: Callable[[LeaseTerms], None],
-               on_revoked: Callable[[], None]) -> None:
-        """The node's lease keeper: its attempts (held.lease, held.stop) for the gateway's cancels and revoke,
-        and on_terms(terms) to renew at the gateway's pace. on_revoked: after every attempt was told to stop."""
-        self._held, self._on_terms, self._on_revoked = held, on_terms, on_revoked
+    def attach(self, *, held: Callable[[], Sequence[Held]], on_terms: Callable[[LeaseTerms], None],
+               wake_max: Callable[[], None], on_revoked: Callable[[], None]) -> None:
+        """The node's parts: the lease keeper's attempts, for the gateway's cancels and revoke; on_terms(terms)
+        to renew at the gateway's pace; wake_max() to wake every idle worker (enabled again, a control stream
+        back: wake-ups may have been missed); on_revoked() once every attempt was told to stop."""
+        self._held, self._on_terms, self._wake_max, self._on_revoked = held, on_terms, wake_max, on_revoked
 
     def stop_acquiring(self) -> None:
         """A drain: claim nothing more; a parked acquire comes back with what the gateway leased meanwhile."""
@@ -158,7 +163,7 @@ class RemoteStore(RemoteQueue):
             until = self._lease_end(instant(item["lease_expires_at"]), sent=sent, received=received,
                                     received_clock=received_clock)
             lease = Lease(task.id, item["attempt_id"], item["lease_token"], received_clock + until - received)
-            self._until[lease.attempt_id] = until
+            self._leases.granted(lease.attempt_id, until)
             claimed.append(Claimed(task, lease))
         return claimed
 
@@ -179,7 +184,7 @@ class RemoteStore(RemoteQueue):
     # the lease keeper's writes
 
     async def renew(self, leases: Sequence[Lease], *, now: float, lease_s: float) -> dict[str, LeaseLost]:
-        live, lost = self._split(leases)
+        live, lost = self._leases.split(leases)
         if not live:
             return lost
         sent = self._monotonic()
@@ -192,17 +197,17 @@ class RemoteStore(RemoteQueue):
         for lease in live:
             item = answered.get(lease.attempt_id, {"status": "lost", "reason": "not in the gateway's answer"})
             if item["status"] == "held":
-                self._until[lease.attempt_id] = sent + self.terms.lease_s
+                self._leases.granted(lease.attempt_id, sent + self.terms.lease_s)
             elif item["status"] == "cancel":
-                self._cancelling.add(lease.attempt_id)
+                self._leases.cancelling(lease.attempt_id)
                 lost[lease.attempt_id] = TaskCancelling(lease.task_id, lease.attempt_id)
             else:
-                lost[lease.attempt_id] = self._lost(lease, item.get("reason"))
+                lost[lease.attempt_id] = self._leases.lost(lease, item.get("reason"))
         self.standing.heard(str(answer.body.get("worker_state", self.standing.state)))
         return lost
 
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
-        live_leases, lost = self._split([n.lease for n in notes])
+        live_leases, lost = self._leases.split([n.lease for n in notes])
         live = [n for n in notes if n.lease.attempt_id not in lost]
         if not live:
             return lost
@@ -214,11 +219,11 @@ class RemoteStore(RemoteQueue):
         except Refusal as exc:
             return lost | self._refused(live_leases, exc)
         gone = set(answer.body.get("lost", ()))
-        return lost | {x.attempt_id: self._lost(x, None) for x in live_leases if x.attempt_id in gone}
+        return lost | {x.attempt_id: self._leases.lost(x, None) for x in live_leases if x.attempt_id in gone}
 
     async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
-        if not self._alive(lease.attempt_id):
-            raise self._expired(lease)
+        if not self._leases.alive(lease.attempt_id):
+            raise ended_here(lease)
         body = {"attempt_id": lease.attempt_id, "lease_token": lease.token, "plugin": batch.plugin,
                 "sequence": batch.sequence, "idempotency_key": batch.idempotency_key,
                 "sha256": sha256_of(batch.payload), "final": batch.final, "payload": batch.payload}
@@ -232,7 +237,7 @@ class RemoteStore(RemoteQueue):
         if answer.status == 409:
             raise Conflict(f"result key {batch.idempotency_key}: {answer.error_message()}")
         if answer.status == 410:
-            raise self._lost(lease, _reason(answer))
+            raise self._leases.lost(lease, _reason(answer))
         raise InvalidRequest("result", f"the gateway refused it ({answer.status}): {answer.error_message()}")
 
     # the outcome writer's endings
@@ -245,16 +250,16 @@ class RemoteStore(RemoteQueue):
         answers: dict[str, State | TidepoolError] = {}
         live = []
         for e in endings:
-            if self._alive(e.lease.attempt_id):
+            if self._leases.alive(e.lease.attempt_id):
                 live.append(e)
             else:
-                answers[e.lease.attempt_id] = self._expired(e.lease)
+                answers[e.lease.attempt_id] = ended_here(e.lease)
         if live:
             await self._last_progress(live)
             answers |= await self._finish(live)
         for e in endings:
             if not isinstance(answers[e.lease.attempt_id], StoreUnavailable):
-                self._forget(e.lease.attempt_id)
+                self._leases.forget(e.lease.attempt_id)
         return [answers[e.lease.attempt_id] for e in endings]
 
     async def _last_progress(self, endings: list[Ending]) -> None:
@@ -278,7 +283,7 @@ class RemoteStore(RemoteQueue):
         result: dict[str, State | TidepoolError] = {}
         for e in endings:
             item = answered.get(e.lease.attempt_id, {"lost": "not in the gateway's answer"})
-            result[e.lease.attempt_id] = State(item["state"]) if item.get("state") else self._lost(
+            result[e.lease.attempt_id] = State(item["state"]) if item.get("state") else self._leases.lost(
                 e.lease, item.get("lost"))
         return result
 
@@ -298,7 +303,7 @@ class RemoteStore(RemoteQueue):
             if held.lease.attempt_id == attempt_id:
                 log.info("task %s attempt %s: the gateway asks to cancel it; stopping", held.lease.task_id,
                          attempt_id)
-                self._cancelling.add(attempt_id)
+                self._leases.cancelling(attempt_id)
                 held.stop("cancel")
 
     def _revoked(self) -> None:
@@ -341,33 +346,9 @@ class RemoteStore(RemoteQueue):
             raise StoreUnavailable(f"gateway {self.url}: unexpected answer {answer.status}: {answer.error_message()}")
         return answer
 
-    def _alive(self, attempt_id: str) -> bool:
-        until = self._until.get(attempt_id)
-        return attempt_id in self._cancelling or (until is not None and self._monotonic() < until)
-
-    def _split(self, leases: Sequence[Lease]) -> tuple[list[Lease], dict[str, LeaseLost]]:
-        """The leases still live here, and the others as lost (nothing is sent for them)."""
-        live = [x for x in leases if self._alive(x.attempt_id)]
-        return live, {x.attempt_id: self._expired(x) for x in leases if not self._alive(x.attempt_id)}
-
-    def _expired(self, lease: Lease) -> LeaseLost:
-        return LeaseLost(lease.task_id, lease.attempt_id, "lease ended here before a renewal got through; "
-                                                           "nothing more is written for it")
-
-    def _lost(self, lease: Lease, reason: str | None) -> LeaseLost:
-        if reason == "cancelled":  # its attempt stops, and may still say so
-            self._cancelling.add(lease.attempt_id)
-            return TaskCancelling(lease.task_id, lease.attempt_id)
-        self._forget(lease.attempt_id)
-        return LeaseLost(lease.task_id, lease.attempt_id, f"the gateway says the lease is lost ({reason or 'lost'})")
-
     def _refused(self, leases: Sequence[Lease], exc: Refusal) -> dict[str, LeaseLost]:
         self.standing.refused(exc)
-        return {x.attempt_id: self._lost(x, exc.code) for x in leases}
-
-    def _forget(self, attempt_id: str) -> None:
-        self._until.pop(attempt_id, None)
-        self._cancelling.discard(attempt_id)
+        return {x.attempt_id: self._leases.lost(x, exc.code) for x in leases}
 
 
 def _ending(e: Ending) -> dict[str, Any]:
