@@ -12,6 +12,7 @@ from .leases import LeaseKeeper
 from .model import NewTask, State, Task
 from .operations import NodeOperations
 from .plugins import command
+from .pool import Waker
 from .schedules import Schedule
 from .store import Page
 from .store.remote import LeaseTerms, RemoteStore
@@ -19,12 +20,12 @@ from .store.remote import LeaseTerms, RemoteStore
 REVOKED_KILL_S = 0.2  # a revoked worker's commands get SIGKILL this soon, whatever their kill_grace_s
 
 
-def attach_remote(store: RemoteStore, leases: LeaseKeeper) -> None:
+def attach_remote(store: RemoteStore, leases: LeaseKeeper, waker: Waker) -> None:
     """The gateway's cancels and revoke stop the keeper's attempts; its lease terms are the keeper's."""
     def terms(t: LeaseTerms) -> None:
         leases.configure(lease_s=t.lease_s, renew_every_s=t.renew_after_s)
 
-    store.attach(held=leases.held, on_terms=terms,
+    store.attach(held=leases.held, on_terms=terms, wake_max=waker.wake_max,
                  on_revoked=lambda: command.hurry(time.monotonic() + REVOKED_KILL_S))
 
 

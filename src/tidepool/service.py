@@ -135,7 +135,7 @@ class Daemon:
                                    wake=self.waker.wake, defines=self.ops.defines,
                                    max_queued=settings.pool.max_queued)
         if self.remote is not None:
-            attach_remote(self.remote, self.leases)
+            attach_remote(self.remote, self.leases, self.waker)
 
     # running
 

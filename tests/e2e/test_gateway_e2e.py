@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import sys
 import time
 import uuid
@@ -236,3 +237,41 @@ async def _drop(schema: str) -> None:
         await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     finally:
         await admin.close()
+
+
+def test_a_cancel_reaches_the_running_command_on_the_control_stream_not_at_the_next_renewal(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path)
+    gateway = Gateway(tmp_path / "gateway", lab, lease={"duration_s": 60.0, "renew_every_s": 20.0},
+                      **tree_type(tmp_path))
+    a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url, **tree_type(tmp_path))
+    with running(gateway, a):
+        task_id = submit(gateway, "tree", {"seconds": "60"})
+        running_on(gateway, task_id)
+        tree = tree_of(tmp_path, task_id, 1)
+        assert gateway.request("POST", f"/v1/tasks/{task_id}/cancel").status == 202
+        # The next renewal is up to 20 s away: what stops the command this soon is the control stream.
+        body = ended(gateway, task_id, timeout_s=5)
+        assert body["state"] == "cancelled"
+        assert attempts(body) == [("scan-a", "cancelled")]
+        wait_for(lambda: all(gone(pid) for pid in tree.values()), timeout_s=5, what="the command tree gone")
+
+
+def test_a_pending_worker_claims_nothing_and_is_not_ready_until_an_operator_enables_it(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path)
+    gateway = Gateway(tmp_path / "gateway", lab, gateway={"enroll": "manual"})
+    a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url, pool={"poll_interval_s": 0.5})
+    with running(gateway):
+        a.start(until="/healthz")
+        try:
+            task_id = submit(gateway, "sleep", {"seconds": 0.1})
+            not_ready = wait_for(lambda: (r := a.request("GET", "/readyz")).status == 503 and r,
+                                 what="the pending worker not ready")
+            assert "pending" in json.dumps(not_ready.body)
+            assert gateway.request("GET", "/v1/workers/scan-a").body["state"] == "pending"
+            assert task(gateway, task_id)["state"] == "pending"
+            assert gateway.request("PATCH", "/v1/workers/scan-a", {"state": "enabled"}).status == 200
+            body = ended(gateway, task_id)
+            assert body["state"] == "completed" and body["node_id"] == "scan-a"
+            wait_for(lambda: a.request("GET", "/readyz").status == 200, what="the enabled worker ready")
+        finally:
+            a.stop()

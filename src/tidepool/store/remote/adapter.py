@@ -17,23 +17,25 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskStatus
 
 from ...errors import Conflict, InvalidRequest, LeaseLost, StoreError, StoreUnavailable, TaskCancelling, TidepoolError
 from ...lifecycle import RetryPolicy
-from ...logs import Outage
 from ...model import Claimed, ClaimFilter, Lease, Outcome, Phase, ResultBatch, State, Worker, new_id, sha256_of
 from ..port import Ending, Node, PhaseNote
 from ..rules import finish_alone
-from .control import RECONNECT, ControlStream, Standing, log
+from .control import ControlStream, Standing, log
+from .fence import LocalLeases, ended_here
 from .queue import RemoteQueue
-from .wire import Answer, Refusal, Wire, client_tls, instant, task_of
+from .wire import RECONNECT, REQUEST_TIMEOUT_S, Answer, Calls, Refusal, Wire, client_tls, instant, task_of
+
+if TYPE_CHECKING:
+    from ...leases import Held
 
 PARK_S = 25.0            # asked of the gateway, which holds an acquire at most its gateway.max_wait_s
-REQUEST_TIMEOUT_S = 10.0  # a renewal, phase note or ending not answered in this long is tried again
 RESULT_TIMEOUT_S = 30.0  # a result batch may be large
 MAX_MESSAGE, MAX_STDERR_TAIL = 4000, 4096  # characters of an ending the gateway takes
 
@@ -55,27 +57,27 @@ class RemoteStore(RemoteQueue):
         self._clock = clock
         self.terms = LeaseTerms()
         self._on_terms: Callable[[LeaseTerms], None] = lambda terms: None
-        self._until: dict[str, float] = {}  # attempt id -> monotonic end of its lease as known here
-        self._cancelling: set[str] = set()  # attempts the gateway asked to stop: their cancel may be written
-        self._wake: Callable[[int], None] = lambda n: None
-        self._held: Callable[[], Sequence[Any]] = list  # the lease keeper's Held attempts, once attached
+        self._leases = LocalLeases(monotonic)
+        self._wake: Callable[[int], None] = lambda n: None  # the pool's, from watch()
+        self._wake_max: Callable[[], None] = lambda: None
+        self._held: Callable[[], Sequence[Held]] = list  # the lease keeper's attempts, once attached
         self._on_revoked: Callable[[], None] = lambda: None
-        self.standing = Standing(on_enabled=lambda: self._wake(1_000_000), on_revoked=self._revoked)
+        self.standing = Standing(on_enabled=lambda: self._wake_max(), on_revoked=self._revoked)
         self._control = ControlStream(self._wire, self.standing, cancel=self._cancel,
-                                      wake_max=lambda: self._wake(1_000_000))
+                                      wake_max=lambda: self._wake_max())
         self._parked = False
         self._park_scope: anyio.CancelScope | None = None
         self._stopping = False
-        self._away = Outage(log)
-        self._gone: str | None = None  # why the gateway did not answer the last call, if it did not
+        self._calls = Calls(self._wire, log, monotonic)
 
     # wiring
 
-    def attach(self, *, held: Callable[[], Sequence[Any]], on_terms: Callable[[LeaseTerms], None],
-               on_revoked: Callable[[], None]) -> None:
-        """The node's lease keeper: its attempts (held.lease, held.stop) for the gateway's cancels and revoke,
-        and on_terms(terms) to renew at the gateway's pace. on_revoked: after every attempt was told to stop."""
-        self._held, self._on_terms, self._on_revoked = held, on_terms, on_revoked
+    def attach(self, *, held: Callable[[], Sequence[Held]], on_terms: Callable[[LeaseTerms], None],
+               wake_max: Callable[[], None], on_revoked: Callable[[], None]) -> None:
+        """The node's parts: the lease keeper's attempts, for the gateway's cancels and revoke; on_terms(terms)
+        to renew at the gateway's pace; wake_max() to wake every idle worker (enabled again, a control stream
+        back: wake-ups may have been missed); on_revoked() once every attempt was told to stop."""
+        self._held, self._on_terms, self._wake_max, self._on_revoked = held, on_terms, wake_max, on_revoked
 
     def stop_acquiring(self) -> None:
         """A drain: claim nothing more; a parked acquire comes back with what the gateway leased meanwhile."""
@@ -94,7 +96,7 @@ class RemoteStore(RemoteQueue):
     async def write_failure(self) -> str | None:
         if self.standing.state in ("revoked", "pending"):
             return f"the gateway {self.url} has this worker {self.standing.state}"
-        return self._gone
+        return self._calls.gone
 
     # claims
 
@@ -103,7 +105,7 @@ class RemoteStore(RemoteQueue):
         if self._stopping or not self.standing.may_acquire():
             return []
         if self._parked:  # another claim waits at the gateway already, and tries it again while it is away
-            return [] if self._gone else await self._acquire(where, limit, wait_s=0.0, request_id=new_id())
+            return [] if self._calls.gone else await self._acquire(where, limit, wait_s=0.0, request_id=new_id())
         self._parked = True
         try:
             claimed = await self._park(where, limit)
@@ -119,19 +121,21 @@ class RemoteStore(RemoteQueue):
         started = self._monotonic()
         request_id, asked_at = new_id(), started
         delays = RECONNECT.delays()
-        with anyio.CancelScope() as self._park_scope:
-            while True:
-                if self._monotonic() - asked_at >= self.terms.lease_s:
-                    request_id, asked_at = new_id(), self._monotonic()
-                try:
-                    return await self._acquire(where, limit, wait_s=PARK_S, request_id=request_id,
-                                               asked_at=asked_at)
-                except StoreUnavailable:
-                    wait_s = next(delays)
-                    if self._monotonic() + wait_s - started > PARK_S:
-                        return []  # the pool's worker claims again after its poll, with a fresh filter
-                    await anyio.sleep(wait_s)
-        self._park_scope = None
+        try:
+            with anyio.CancelScope() as self._park_scope:
+                while True:
+                    if self._monotonic() - asked_at >= self.terms.lease_s:
+                        request_id, asked_at = new_id(), self._monotonic()
+                    try:
+                        return await self._acquire(where, limit, wait_s=PARK_S, request_id=request_id,
+                                                   asked_at=asked_at)
+                    except StoreUnavailable:
+                        wait_s = next(delays)
+                        if self._monotonic() + wait_s - started > PARK_S:
+                            return []  # the pool's worker claims again after its poll, with a fresh filter
+                        await anyio.sleep(wait_s)
+        finally:
+            self._park_scope = None
         try:  # stopped: what the gateway leased to the cut-short request comes back, to be given back
             return await self._acquire(where, limit, wait_s=0.0, request_id=request_id, asked_at=asked_at)
         except StoreUnavailable:
@@ -144,22 +148,23 @@ class RemoteStore(RemoteQueue):
                 "slots": [sorted(tags) for tags in where.tag_sets], "max": limit, "wait_s": wait_s,
                 "request_id": request_id}
         try:
-            answer = self._ok(await self._post("/w1/acquire", body, timeout_s=wait_s + REQUEST_TIMEOUT_S))
+            answer = self._calls.ok(await self._calls.post("/w1/acquire", body, timeout_s=wait_s + REQUEST_TIMEOUT_S))
         except Refusal as exc:
             self.standing.refused(exc)
             return []
         received, received_clock = self._monotonic(), self._clock()
-        data = answer.body
-        self._learn(LeaseTerms(float(data["lease_s"]), float(data["renew_after_s"])))
-        self.standing.heard(str(data.get("worker_state", "enabled")))
-        claimed = []
-        for item in data["tasks"]:
-            task = task_of(item["task"])
-            until = self._lease_end(instant(item["lease_expires_at"]), sent=sent, received=received,
-                                    received_clock=received_clock)
-            lease = Lease(task.id, item["attempt_id"], item["lease_token"], received_clock + until - received)
-            self._until[lease.attempt_id] = until
-            claimed.append(Claimed(task, lease))
+        with self._calls.reading("/w1/acquire"):
+            data = answer.body
+            self._learn(LeaseTerms(float(data["lease_s"]), float(data["renew_after_s"])))
+            self.standing.heard(str(data.get("worker_state", "enabled")))
+            claimed = []
+            for item in data["tasks"]:
+                task = task_of(item["task"])
+                until = self._lease_end(instant(item["lease_expires_at"]), sent=sent, received=received,
+                                        received_clock=received_clock)
+                lease = Lease(task.id, item["attempt_id"], item["lease_token"], received_clock + until - received)
+                self._leases.granted(lease.attempt_id, until)
+                claimed.append(Claimed(task, lease))
         return claimed
 
     def _lease_end(self, expires_at: float, *, sent: float, received: float, received_clock: float) -> float:
@@ -179,30 +184,31 @@ class RemoteStore(RemoteQueue):
     # the lease keeper's writes
 
     async def renew(self, leases: Sequence[Lease], *, now: float, lease_s: float) -> dict[str, LeaseLost]:
-        live, lost = self._split(leases)
+        live, lost = self._leases.split(leases)
         if not live:
             return lost
         sent = self._monotonic()
         body = {"leases": [{"attempt_id": x.attempt_id, "lease_token": x.token} for x in live]}
         try:
-            answer = await self._post_within("/w1/renew", body, budget_s=self.terms.renew_after_s)
+            answer = await self._calls.post_within("/w1/renew", body, budget_s=self.terms.renew_after_s)
         except Refusal as exc:
             return lost | self._refused(live, exc)
-        answered = {item["attempt_id"]: item for item in answer.body["leases"]}
-        for lease in live:
-            item = answered.get(lease.attempt_id, {"status": "lost", "reason": "not in the gateway's answer"})
-            if item["status"] == "held":
-                self._until[lease.attempt_id] = sent + self.terms.lease_s
-            elif item["status"] == "cancel":
-                self._cancelling.add(lease.attempt_id)
-                lost[lease.attempt_id] = TaskCancelling(lease.task_id, lease.attempt_id)
-            else:
-                lost[lease.attempt_id] = self._lost(lease, item.get("reason"))
-        self.standing.heard(str(answer.body.get("worker_state", self.standing.state)))
+        with self._calls.reading("/w1/renew"):
+            answered = {item["attempt_id"]: item for item in answer.body["leases"]}
+            for lease in live:
+                item = answered.get(lease.attempt_id, {"status": "lost", "reason": "not in the gateway's answer"})
+                if item["status"] == "held":
+                    self._leases.granted(lease.attempt_id, sent + self.terms.lease_s)
+                elif item["status"] == "cancel":
+                    self._leases.cancelling(lease.attempt_id)
+                    lost[lease.attempt_id] = TaskCancelling(lease.task_id, lease.attempt_id)
+                else:
+                    lost[lease.attempt_id] = self._leases.lost(lease, item.get("reason"))
+            self.standing.heard(str(answer.body.get("worker_state", self.standing.state)))
         return lost
 
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
-        live_leases, lost = self._split([n.lease for n in notes])
+        live_leases, lost = self._leases.split([n.lease for n in notes])
         live = [n for n in notes if n.lease.attempt_id not in lost]
         if not live:
             return lost
@@ -210,20 +216,21 @@ class RemoteStore(RemoteQueue):
                            **({"progress": n.progress} if n.progress is not None else {})} for n in live]}
         timeout_s = min(REQUEST_TIMEOUT_S, max(1.0, self.terms.renew_after_s / 2))  # renewals wait behind it
         try:
-            answer = self._ok(await self._post("/w1/phase", body, timeout_s=timeout_s))
+            answer = self._calls.ok(await self._calls.post("/w1/phase", body, timeout_s=timeout_s))
         except Refusal as exc:
             return lost | self._refused(live_leases, exc)
-        gone = set(answer.body.get("lost", ()))
-        return lost | {x.attempt_id: self._lost(x, None) for x in live_leases if x.attempt_id in gone}
+        with self._calls.reading("/w1/phase"):
+            gone = set(answer.body["lost"])
+        return lost | {x.attempt_id: self._leases.lost(x, None) for x in live_leases if x.attempt_id in gone}
 
     async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
-        if not self._alive(lease.attempt_id):
-            raise self._expired(lease)
+        if not self._leases.alive(lease.attempt_id):
+            raise ended_here(lease)
         body = {"attempt_id": lease.attempt_id, "lease_token": lease.token, "plugin": batch.plugin,
                 "sequence": batch.sequence, "idempotency_key": batch.idempotency_key,
                 "sha256": sha256_of(batch.payload), "final": batch.final, "payload": batch.payload}
         try:
-            answer = await self._post("/w1/results", body, timeout_s=RESULT_TIMEOUT_S)
+            answer = await self._calls.post("/w1/results", body, timeout_s=RESULT_TIMEOUT_S)
         except Refusal as exc:
             raise self._refused([lease], exc)[lease.attempt_id] from None
         if answer.status in (200, 201):
@@ -232,7 +239,7 @@ class RemoteStore(RemoteQueue):
         if answer.status == 409:
             raise Conflict(f"result key {batch.idempotency_key}: {answer.error_message()}")
         if answer.status == 410:
-            raise self._lost(lease, _reason(answer))
+            raise self._leases.lost(lease, _reason(answer))
         raise InvalidRequest("result", f"the gateway refused it ({answer.status}): {answer.error_message()}")
 
     # the outcome writer's endings
@@ -245,16 +252,16 @@ class RemoteStore(RemoteQueue):
         answers: dict[str, State | TidepoolError] = {}
         live = []
         for e in endings:
-            if self._alive(e.lease.attempt_id):
+            if self._leases.alive(e.lease.attempt_id):
                 live.append(e)
             else:
-                answers[e.lease.attempt_id] = self._expired(e.lease)
+                answers[e.lease.attempt_id] = ended_here(e.lease)
         if live:
             await self._last_progress(live)
             answers |= await self._finish(live)
         for e in endings:
             if not isinstance(answers[e.lease.attempt_id], StoreUnavailable):
-                self._forget(e.lease.attempt_id)
+                self._leases.forget(e.lease.attempt_id)
         return [answers[e.lease.attempt_id] for e in endings]
 
     async def _last_progress(self, endings: list[Ending]) -> None:
@@ -268,17 +275,21 @@ class RemoteStore(RemoteQueue):
     async def _finish(self, endings: list[Ending]) -> dict[str, State | TidepoolError]:
         body = {"endings": [_ending(e) for e in endings]}
         try:
-            answer = self._ok(await self._post("/w1/finish", body, timeout_s=REQUEST_TIMEOUT_S))
+            answer = self._calls.ok(await self._calls.post("/w1/finish", body, timeout_s=REQUEST_TIMEOUT_S))
         except Refusal as exc:
             return dict(self._refused([e.lease for e in endings], exc))
         except StoreError as exc:
             unavailable = exc if isinstance(exc, StoreUnavailable) else StoreUnavailable(str(exc))
             return {e.lease.attempt_id: unavailable for e in endings}
-        answered = {item["attempt_id"]: item for item in answer.body["endings"]}
+        try:
+            with self._calls.reading("/w1/finish"):
+                answered = {item["attempt_id"]: item for item in answer.body["endings"]}
+        except StoreUnavailable as exc:
+            return {e.lease.attempt_id: exc for e in endings}
         result: dict[str, State | TidepoolError] = {}
         for e in endings:
             item = answered.get(e.lease.attempt_id, {"lost": "not in the gateway's answer"})
-            result[e.lease.attempt_id] = State(item["state"]) if item.get("state") else self._lost(
+            result[e.lease.attempt_id] = State(item["state"]) if item.get("state") else self._leases.lost(
                 e.lease, item.get("lost"))
         return result
 
@@ -298,7 +309,7 @@ class RemoteStore(RemoteQueue):
             if held.lease.attempt_id == attempt_id:
                 log.info("task %s attempt %s: the gateway asks to cancel it; stopping", held.lease.task_id,
                          attempt_id)
-                self._cancelling.add(attempt_id)
+                self._leases.cancelling(attempt_id)
                 held.stop("cancel")
 
     def _revoked(self) -> None:
@@ -309,65 +320,9 @@ class RemoteStore(RemoteQueue):
         if self._park_scope is not None:
             self._park_scope.cancel()
 
-    # plumbing
-
-    async def _post(self, path: str, body: dict[str, Any], *, timeout_s: float) -> Answer:
-        """One POST; whether the gateway answered is remembered for the readiness probe."""
-        try:
-            answer = await self._wire.post(path, body, timeout_s=timeout_s)
-        except StoreUnavailable as exc:
-            self._gone = str(exc)
-            self._away.failing("%s; trying again with backoff", exc)
-            raise
-        self._gone = None
-        self._away.over("gateway %s answers again", self.url)
-        return answer
-
-    async def _post_within(self, path: str, body: dict[str, Any], *, budget_s: float) -> Answer:
-        """A POST tried again with backoff while the gateway is away (a restart), for at most budget_s."""
-        give_up_at = self._monotonic() + budget_s
-        for wait_s in RECONNECT.delays():
-            left_s = give_up_at - self._monotonic()
-            try:
-                return self._ok(await self._post(path, body, timeout_s=max(1.0, min(REQUEST_TIMEOUT_S, left_s))))
-            except StoreUnavailable:
-                if self._monotonic() + wait_s >= give_up_at:
-                    raise
-            await anyio.sleep(wait_s)
-        raise AssertionError("RECONNECT has no end")
-
-    def _ok(self, answer: Answer) -> Answer:
-        if answer.status != 200 or not isinstance(answer.body, dict):
-            raise StoreUnavailable(f"gateway {self.url}: unexpected answer {answer.status}: {answer.error_message()}")
-        return answer
-
-    def _alive(self, attempt_id: str) -> bool:
-        until = self._until.get(attempt_id)
-        return attempt_id in self._cancelling or (until is not None and self._monotonic() < until)
-
-    def _split(self, leases: Sequence[Lease]) -> tuple[list[Lease], dict[str, LeaseLost]]:
-        """The leases still live here, and the others as lost (nothing is sent for them)."""
-        live = [x for x in leases if self._alive(x.attempt_id)]
-        return live, {x.attempt_id: self._expired(x) for x in leases if not self._alive(x.attempt_id)}
-
-    def _expired(self, lease: Lease) -> LeaseLost:
-        return LeaseLost(lease.task_id, lease.attempt_id, "lease ended here before a renewal got through; "
-                                                           "nothing more is written for it")
-
-    def _lost(self, lease: Lease, reason: str | None) -> LeaseLost:
-        if reason == "cancelled":  # its attempt stops, and may still say so
-            self._cancelling.add(lease.attempt_id)
-            return TaskCancelling(lease.task_id, lease.attempt_id)
-        self._forget(lease.attempt_id)
-        return LeaseLost(lease.task_id, lease.attempt_id, f"the gateway says the lease is lost ({reason or 'lost'})")
-
     def _refused(self, leases: Sequence[Lease], exc: Refusal) -> dict[str, LeaseLost]:
         self.standing.refused(exc)
-        return {x.attempt_id: self._lost(x, exc.code) for x in leases}
-
-    def _forget(self, attempt_id: str) -> None:
-        self._until.pop(attempt_id, None)
-        self._cancelling.discard(attempt_id)
+        return {x.attempt_id: self._leases.lost(x, exc.code) for x in leases}
 
 
 def _ending(e: Ending) -> dict[str, Any]:

@@ -15,13 +15,9 @@ from anyio.abc import TaskStatus
 
 from ...errors import StoreUnavailable
 from ...logs import Outage
-from ...retry import Backoff
-from .wire import Answer, Refusal, Wire, checked, parse_json, reason
+from .wire import RECONNECT, Answer, Refusal, Wire, checked, parse_json, reason
 
 log = logging.getLogger("tidepool.remote")
-# Tries again after a failure: 0.5 s doubling to 15 s, each wait drawn from its upper half, so that the
-# workers of a restarted gateway do not all come back in the same instant.
-RECONNECT = Backoff(first_s=0.5, cap_s=15.0, jitter=0.5)
 CONTROL_IDLE_S = 45.0  # no byte (event or heartbeat comment) for this long: the stream is dead, reconnect
 
 

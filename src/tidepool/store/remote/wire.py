@@ -4,20 +4,30 @@ turned into the project's errors. Also the reading of the task JSON the gateway 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import ssl
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import anyio
 
 from ... import __version__
 from ...errors import ConfigError, StoreError, StoreUnavailable
+from ...logs import Outage
 from ...model import Phase, State, Task, TaskError
+from ...retry import Backoff
 
 CONNECT_TIMEOUT_S = 5.0  # a gateway that does not complete a TLS handshake in this long is away
+REQUEST_TIMEOUT_S = 10.0  # a renewal, phase note or ending not answered in this long is tried again
+# Tries again after a failure: 0.5 s doubling to 15 s, each wait drawn from its upper half, so that the
+# workers of a restarted gateway do not all come back in the same instant.
+RECONNECT = Backoff(first_s=0.5, cap_s=15.0, jitter=0.5)
 
 
 class Refusal(StoreError):
@@ -100,6 +110,58 @@ class Wire:
         idle_s for the next bytes."""
         timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S, sock_read=idle_s)
         return self.session().get(self.url + path, timeout=timeout, headers={"Accept": "text/event-stream"})
+
+
+class Calls:
+    """The adapter's calls of the gateway: whether it answered the last one (for the readiness probe), its
+    outages said once each, a call tried again while it restarts, and answers read as the protocol's."""
+
+    def __init__(self, wire: Wire, log: logging.Logger, monotonic: Callable[[], float]) -> None:
+        self._wire = wire
+        self._monotonic = monotonic
+        self._away = Outage(log)
+        self.gone: str | None = None  # why the gateway did not answer the last call, if it did not
+
+    async def post(self, path: str, body: dict[str, Any], *, timeout_s: float) -> Answer:
+        try:
+            answer = await self._wire.post(path, body, timeout_s=timeout_s)
+        except StoreUnavailable as exc:
+            self.gone = str(exc)
+            self._away.failing("%s; trying again with backoff", exc)
+            raise
+        self.gone = None
+        self._away.over("gateway %s answers again", self._wire.url)
+        return answer
+
+    async def post_within(self, path: str, body: dict[str, Any], *, budget_s: float) -> Answer:
+        """A POST answered 200, tried again with backoff while the gateway is away (a restart), for at most
+        budget_s; the last StoreUnavailable then."""
+        give_up_at = self._monotonic() + budget_s
+        for wait_s in RECONNECT.delays():
+            left_s = give_up_at - self._monotonic()
+            try:
+                return self.ok(await self.post(path, body, timeout_s=max(1.0, min(REQUEST_TIMEOUT_S, left_s))))
+            except StoreUnavailable:
+                if self._monotonic() + wait_s >= give_up_at:
+                    raise
+            await anyio.sleep(wait_s)
+        raise AssertionError("RECONNECT has no end")
+
+    def ok(self, answer: Answer) -> Answer:
+        if answer.status != 200 or not isinstance(answer.body, dict):
+            raise StoreUnavailable(f"gateway {self._wire.url}: unexpected answer {answer.status}: "
+                                   f"{answer.error_message()}")
+        return answer
+
+    @contextlib.contextmanager
+    def reading(self, path: str) -> Iterator[None]:
+        """An answer of another shape than the protocol's (not the gateway's, or a version it is not) is the
+        gateway's not answering: StoreUnavailable, which every caller of the port expects and retries."""
+        try:
+            yield
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StoreUnavailable(f"gateway {self._wire.url}: its answer to {path} is not the protocol's: "
+                                   f"{type(exc).__name__}: {exc}") from None
 
 
 def checked(answer: Answer, path: str, url: str) -> Answer:
