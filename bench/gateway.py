@@ -244,6 +244,8 @@ def scale_rows(args: Any) -> tuple[list[Figure], str]:
         Figure(b, f"idle gateway CPU, {held}", median(got["cpu"]), "%", f"{windows}; the goal: under 5 %"),
         Figure(b, "idle gateway RSS, the same", got["rss"] / 2**20, "MB", "largest seen; the goal: under 300 MB"),
         Figure(b, "acquires answered a second meanwhile", got["answered"], "/s", f"{per} per identity, held 25 s"),
+        Figure(b, "gateway CPU per acquire answered, event loop", got["loop_ms"], "ms", "from /proc, the windows"),
+        Figure(b, "gateway CPU per acquire answered, other threads", got["others_ms"], "ms", "SQLite writer, readers"),
         Figure(b, "pickup meanwhile p50 (submit sent .. lease)", 1000 * percentile(got["pickup"], 50), "ms",
                f"n={args.submits}; by the load client"),
         Figure(b, "pickup meanwhile p99", 1000 * percentile(got["pickup"], 99), "ms",
@@ -261,12 +263,15 @@ async def _scale(gateway: GatewayDaemon, lab: pki.Lab, names: list[str], args: A
         await asyncio.sleep(2.0)
         if client.errors or client.in_flight < args.parked:
             raise RuntimeError(f"{client.in_flight} of {args.parked} acquires held; errors: {client.errors[:3]}")
-        cpu, rss, answered = [], 0, client.answered
+        cpu, rss, answered, threads = [], 0, client.answered, thread_cpu_s(gateway.pid)
         started = time.perf_counter()
         for _ in range(args.windows):
             cpu.append(await cpu_percent(process, args.window_s))
             rss = max(rss, process.memory_info().rss)
-        answered_per_s = (client.answered - answered) / (time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        used = {tid: s - threads.get(tid, 0.0) for tid, s in thread_cpu_s(gateway.pid).items()}
+        answered = client.answered - answered
+        loop_s, others_s = used.pop(gateway.pid, 0.0), sum(used.values())
         pickup = []
         async with aiohttp.ClientSession() as api:
             for _ in range(args.submits):
@@ -277,7 +282,8 @@ async def _scale(gateway: GatewayDaemon, lab: pki.Lab, names: list[str], args: A
                 await asyncio.sleep(0.2)
         if client.errors:
             raise RuntimeError(f"load client: {len(client.errors)} acquires failed: {client.errors[:3]}")
-        return {"cpu": cpu, "rss": rss, "answered": answered_per_s, "pickup": pickup}
+        return {"cpu": cpu, "rss": rss, "answered": answered / elapsed, "pickup": pickup,
+                "loop_ms": 1000 * loop_s / max(1, answered), "others_ms": 1000 * others_s / max(1, answered)}
     finally:
         await client.close()
 
