@@ -19,7 +19,8 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 # each takes --summary PATH
-BENCHES = ("throughput.py", "latency.py", "w2.py", "elasticity.py", "api_load.py", "pg_throughput.py", "scans.py")
+BENCHES = ("throughput.py", "latency.py", "w2.py", "elasticity.py", "api_load.py", "pg_throughput.py", "scans.py",
+           "gateway.py")
 
 
 def main() -> int:

@@ -15,6 +15,7 @@
     │   ├── WorkerNotFound       no remote worker with this identity in the registry (HTTP 404)
     │   ├── Conflict             a write contradicts an earlier one (HTTP 409)
     │   ├── QueueFull            pending + retry_wait is at pool.max_queued (HTTP 429)
+    │   ├── RemoteNode           this node is a remote worker: the queue lives on its gateway (HTTP 409)
     │   └── LeaseLost            the attempt's lease is stale, expired or taken over
     │       └── TaskCancelling   the lease ended because a cancel was committed
     └── PluginError              a plugin failed; `code` says how, `retryable` whether to try again
@@ -124,6 +125,15 @@ class Conflict(StoreError):
 
 class QueueFull(StoreError):
     http_status, code = 429, "queue_full"
+
+
+class RemoteNode(StoreError):
+    http_status, code = 409, "remote_worker"
+
+    def __init__(self, gateway_url: str) -> None:
+        super().__init__(f"this node is a remote worker: its tasks and schedules live on its gateway, {gateway_url}; "
+                         "ask the gateway")
+        self.gateway_url = gateway_url
 
 
 class LeaseLost(StoreError):

@@ -43,10 +43,12 @@ from .outcomes import UnwrittenInterruptions
 from .plugins import Registry, command
 from .pool import Pool, PoolConfig
 from .reconciler import Reconciler, ReconcilerConfig
+from .remote_node import RemoteOperations, attach_remote
 from .resources import ResourcePool
 from .scheduler import Scheduler
 from .settings import BUILTIN_TYPES, Settings
 from .store import Node, open_store
+from .store.remote import RemoteStore
 from .systemd import Notifier, report_status, run_watchdog
 
 log = logging.getLogger("tidepool.service")
@@ -69,7 +71,9 @@ class Daemon:
         self.instance_id = new_id()
         self.started_at = time.time()
         self.status = NodeStatus()
-        self.store = open_store(settings.store.url)
+        self.store = open_store(settings.store.url, section=settings.store)
+        # A remote worker: its store is a gateway, which runs the reconciler and scheduler where the queue is.
+        self.remote = self.store if isinstance(self.store, RemoteStore) else None
         self.events = EventBus(first_id=first_id_of_this_run())
         # Absolute: a command runs in its work directory, where a relative {workdir} (state_dir = "./var",
         # the example's) would not resolve.
@@ -120,7 +124,7 @@ class Daemon:
         self.pool = Pool(self.store, self.engine, self.leases, self.events, config=PoolConfig.of(settings.pool),
                          node_id=self.node_id, instance_id=self.instance_id, claim_filter=self.claims.filter,
                          promise_slots=self.resources.claiming, may_claim=self._may_claim, waker=self.waker)
-        self.ops = NodeOperations(settings, registry, NodeParts(
+        self.ops = (NodeOperations if self.remote is None else RemoteOperations)(settings, registry, NodeParts(
             self.store, self.events, self.waker, self.pool, self.leases, self.guards, self.resources, self.metrics,
             self.gateway.registry),
             node_id=self.node_id, status=self.status)
@@ -134,6 +138,8 @@ class Daemon:
         self.scheduler = Scheduler(self.store, self.events, node_id=self.node_id, new_task=self.ops.scheduled_task,
                                    wake=self.waker.wake, defines=self.ops.defines,
                                    max_queued=settings.pool.max_queued, scan_started=self.ops.scans.announce)
+        if self.remote is not None:
+            attach_remote(self.remote, self.leases, self.waker)
 
     # running
 
@@ -167,6 +173,9 @@ class Daemon:
     async def _recover(self) -> None:
         """Before any part starts: hold the node id, end what an earlier process of it left behind, save the
         config's schedules."""
+        if self.remote is not None:  # its attempts and schedules are the gateway's: only this host's leftovers
+            await self.engine.remove_leftover_workdirs()
+            return
         await self.store.lock_node(self.node_id, self.instance_id)  # PostgreSQL: one process per node id
         await self.reconciler.recover(node_id=self.node_id, instance_id=self.instance_id,
                                       interrupted=self._unwritten.read())
@@ -187,9 +196,10 @@ class Daemon:
             await tg.start(partial(serve_gateway, self.gateway, credentials, self.settings.gateway.listen))
         _quiet_gc()
         await tg.start(self.pool.run)
-        await tg.start(self.reconciler.run)
-        await tg.start(self.gone_nodes.run)
-        await tg.start(self.scheduler.run)
+        if self.remote is None:  # a remote worker's gateway runs these, where the store is
+            await tg.start(self.reconciler.run)
+            await tg.start(self.gone_nodes.run)
+            await tg.start(self.scheduler.run)
         tg.start_soon(report_status, self.notifier, self._status_line)
         tg.start_soon(self._watchdog)
         self.status.ready = True  # /readyz answers 200 from here: before systemd hears READY=1
@@ -209,6 +219,8 @@ class Daemon:
         self.status.draining = True
         self.notifier.stopping()
         self.pool.stop_claiming()
+        if self.remote is not None:
+            self.remote.stop_acquiring()  # an acquire parked at the gateway comes back now
         drain_s = 0.0 if self._forced else self.settings.pool.drain_timeout_s
         log.info("node %s draining: %d tasks running, waiting up to %.1fs", self.node_id,
                  self.pool.statistics().busy, drain_s)
@@ -339,7 +351,8 @@ class Daemon:
         """Each part takes its own sections of the new settings; whether the pool's sizes changed."""
         self.ops.configure(new, registry)  # submits check types against the new ones too
         self.engine.configure(registry, new.execution, new.retry)
-        self.leases.configure(lease_s=new.lease.duration_s, renew_every_s=new.lease.renew_every_s)
+        if self.remote is None:  # a remote worker's leases last as its gateway says
+            self.leases.configure(lease_s=new.lease.duration_s, renew_every_s=new.lease.renew_every_s)
         self.reconciler.configure(new.reconciler, new.execution)
         self.guards.configure(new.guards)
         self.claims.configure(new.claimed_types())
@@ -350,6 +363,8 @@ class Daemon:
         return self.pool.configure(new.pool)
 
     async def _sync_schedules(self, settings: Settings, *, timeout_s: float = math.inf) -> None:
+        if self.remote is not None:
+            return
         await self.scheduler.save_config(settings.schedules, source=str(self.config_path or "defaults"),
                                          timeout_s=timeout_s)
 
@@ -365,7 +380,7 @@ def check_startable(settings: Settings) -> None:
     """What a daemon of these settings would refuse before it starts anything, by the calls it starts with
     (`tidepool config check`): the store URL, each type's plugins with allow/deny, the resource slots, the
     API's token. Nothing is opened, bound or connected; ConfigError names what is wrong."""
-    open_store(settings.store.url)
+    open_store(settings.store.url, section=settings.store)
     _registry(settings)
     ResourcePool.from_settings(settings.resources)
     load_token(settings.api.token_file, settings.api.listen)

@@ -99,6 +99,23 @@ async def test_a_revoke_cancels_the_workers_attempts_closes_its_stream_and_refus
         assert (await node.call("GET", "/v1/workers/w1")).body["state"] == "revoked"
 
 
+async def test_a_revoked_worker_may_still_say_its_cancelled_attempt_stopped_and_nothing_else(
+        make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        first, second = await node.submit(), await node.submit()
+        w1 = node.remote("w1")
+        leases = [await w1.leased(), await w1.leased()]
+        assert (await node.call("POST", "/v1/workers/w1/revoke")).status == 202
+        succeeded = await w1.post("/w1/finish", {"endings": [{**lease_of(leases[0]), "status": "succeeded"}]})
+        assert (succeeded.status, succeeded.code, succeeded.body["error"]["reason"]) == (410, "lease_lost", "revoked")
+        mixed = await w1.post("/w1/finish", {"endings": [{**lease_of(leases[0]), "status": "succeeded"},
+                                                         {**lease_of(leases[1]), "status": "cancelled"}]})
+        assert mixed.status == 200, mixed
+        assert mixed.body["endings"] == [{"attempt_id": leases[0]["attempt_id"], "lost": "revoked"},
+                                         {"attempt_id": leases[1]["attempt_id"], "state": "cancelled"}]
+        assert [(await node.task(t))["state"] for t in (first, second)] == ["cancelling", "cancelled"]
+
+
 async def test_a_cancel_reaches_the_workers_control_stream_at_once(make_node: MakeNode) -> None:
     async with make_node(gateway=AUTO) as node:
         task_id = await node.submit()

@@ -93,6 +93,10 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     from ..service import redacted
     from ..store import SCHEMA_VERSION, open_store
 
+    if settings.store.remote:
+        raise ConfigError("config: store.url: a remote worker has no schema of its own; run tidepool migrate on "
+                          "its gateway")
+
     async def migrate() -> int:
         store = open_store(settings.store.url)
         found = await store.open(migrate=True)

@@ -258,10 +258,12 @@ class Gateway:
         return ack, self.registry.first_ack(ack)
 
     async def finish(self, worker: RemoteWorker, endings: Sequence[EndingIn]) -> dict[str, Any]:
-        self.registry.refuse_unless_served(worker, write=True)
-        mine = await self._owned(worker, endings)
+        taken = _acknowledgements(endings) if worker.state is WorkerState.REVOKED else endings
+        if not taken:
+            self.registry.refuse_unless_served(worker, write=True)
+        mine = await self._owned(worker, taken)
         now = self._clock()
-        kept = [e for e in endings if e.attempt_id in mine]
+        kept = [e for e in taken if e.attempt_id in mine]
         answers = await self.store.finish_many(
             [Ending(lease_of(e.attempt_id, e.lease_token), _outcome(e), now) for e in kept], policy=self._policy())
         by_attempt = dict(zip((e.attempt_id for e in kept), answers, strict=True))
@@ -269,7 +271,7 @@ class Gateway:
         for ending in endings:
             answer = by_attempt.get(ending.attempt_id)
             if answer is None:
-                out.append({"attempt_id": ending.attempt_id, "lost": NOT_YOURS})
+                out.append({"attempt_id": ending.attempt_id, "lost": NOT_YOURS if ending in taken else "revoked"})
             elif isinstance(answer, LeaseLost):
                 gone = await self._gone(worker.id, lease_of(ending.attempt_id, ending.lease_token), answer)
                 out.append({"attempt_id": ending.attempt_id, "lost": gone.reason})
@@ -307,6 +309,12 @@ class Gateway:
         if task.attempts and task.attempts[-1].id != lease.attempt_id:
             return "superseded"
         return "expired"
+
+
+def _acknowledgements(endings: Sequence[EndingIn]) -> list[EndingIn]:
+    """What a revoked worker may still write: that an attempt the revoke cancelled has stopped (its processes are
+    gone), so that the task reads `cancelled` now rather than when its lease would have ended."""
+    return [e for e in endings if e.status == "cancelled"]
 
 
 def _outcome(ending: EndingIn) -> Outcome:

@@ -44,6 +44,24 @@ class NodeSettings(Section):
 class StoreSettings(Section):
     url: str = "sqlite:///./var/tidepool.db"
     migrate: bool = True
+    # A remote worker (url = "https://gateway:port"): its client certificate and key (PEM), and the CA
+    # bundle that verifies the gateway's certificate (empty: the system's trusted CAs).
+    cert_file: str = ""
+    key_file: str = ""
+    ca_file: str = ""
+
+    @property
+    def remote(self) -> bool:
+        """Whether the store is a gateway reached over HTTPS: this node is a remote worker."""
+        return self.url.startswith("https://")
+
+    @model_validator(mode="after")
+    def _client_certificate(self) -> StoreSettings:
+        if self.remote:
+            for key in ("cert_file", "key_file"):
+                if not getattr(self, key):
+                    raise ValueError(f"store.{key} is required when store.url is a gateway (https://)")
+        return self
 
 
 class PoolSettings(Section):

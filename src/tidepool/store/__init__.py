@@ -7,6 +7,8 @@ Adapters (memory, sqlite, postgres) each own their SQL and schema and pass one c
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..errors import ConfigError
 from .port import (
     Acquired,
@@ -26,6 +28,9 @@ from .port import (
 from .rows import SCHEMA_VERSION
 from .rules import LEASE_EXPIRED, UNWRITTEN_INTERRUPTION, retry_step
 
+if TYPE_CHECKING:
+    from ..settings.sections import StoreSettings
+
 __all__ = [
     "LEASE_EXPIRED", "SCHEMA_VERSION", "UNWRITTEN_INTERRUPTION", "Acquired", "CancelAnswer", "Ended", "Ending",
     "Enroll", "Expired", "Node", "Page", "PhaseNote", "QueuePort", "Revoked", "Store", "WorkerPort", "open_store",
@@ -33,8 +38,16 @@ __all__ = [
 ]
 
 
-def open_store(url: str) -> Store:
-    """The adapter for a store URL (not yet opened)."""
+def open_store(url: str, *, section: StoreSettings | None = None) -> Store:
+    """The adapter for a store URL (not yet opened); a gateway's (https://) takes its certificates from
+    `section`."""
+    if url.startswith("https://"):
+        from .remote import RemoteStore
+
+        if section is None or not section.cert_file or not section.key_file:
+            raise ConfigError("config: store.cert_file, store.key_file: a gateway (https://) needs the worker's "
+                              "client certificate and key")
+        return RemoteStore(url, cert_file=section.cert_file, key_file=section.key_file, ca_file=section.ca_file)
     if url.startswith("sqlite:///"):
         from .sqlite import SqliteStore
 
@@ -47,4 +60,5 @@ def open_store(url: str) -> Store:
         from .memory import MemoryStore
 
         return MemoryStore()
-    raise ConfigError(f"config: store.url: unsupported URL {url!r} (use sqlite:///path or postgresql://user:pass@host/db)")
+    raise ConfigError(f"config: store.url: unsupported URL {url!r} (use sqlite:///path, "
+                      "postgresql://user:pass@host/db, or a gateway's https://host:port)")
