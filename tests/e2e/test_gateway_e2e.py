@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import signal
 import sys
 import time
 import uuid
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tidepool import pki
 
 from ..conftest import POSTGRES_URL, postgres_admin
 from ..process_trees import RECORD, gone, pids
@@ -275,3 +278,19 @@ def test_a_pending_worker_claims_nothing_and_is_not_ready_until_an_operator_enab
             wait_for(lambda: a.request("GET", "/readyz").status == 200, what="the enabled worker ready")
         finally:
             a.stop()
+
+
+def test_a_rotated_certificate_is_presented_after_a_reload_and_is_the_same_worker(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path)
+    gateway = Gateway(tmp_path / "gateway", lab)
+    a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url)
+    with running(gateway, a):
+        assert ended(gateway, submit(gateway, "sleep", {"seconds": 0.1}))["node_id"] == "scan-a"
+        pki.issue(lab.dir, "scan-a", force=True)  # the same paths, a new key and certificate
+        assert a.proc is not None
+        a.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "reloaded" in a.log(20), what="the worker's reload")
+        body = ended(gateway, submit(gateway, "sleep", {"seconds": 0.1}))
+        assert body["state"] == "completed" and body["node_id"] == "scan-a"
+        record = gateway.request("GET", "/v1/workers/scan-a").body
+        assert len(record["fingerprints"]) == 2, record

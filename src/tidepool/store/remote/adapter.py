@@ -79,6 +79,11 @@ class RemoteStore(RemoteQueue):
         back: wake-ups may have been missed); on_revoked() once every attempt was told to stop."""
         self._held, self._on_terms, self._wake_max, self._on_revoked = held, on_terms, wake_max, on_revoked
 
+    def use_certificates(self, *, cert_file: str, key_file: str, ca_file: str) -> None:
+        """A reload: the files read again (a rotated certificate, a new CA bundle), for the connections made
+        from now on; ConfigError naming the key, and nothing changed, when one cannot be loaded."""
+        self._wire.tls = client_tls(cert_file=cert_file, key_file=key_file, ca_file=ca_file)
+
     def stop_acquiring(self) -> None:
         """A drain: claim nothing more; a parked acquire comes back with what the gateway leased meanwhile."""
         self._stopping = True
