@@ -294,3 +294,25 @@ def test_a_rotated_certificate_is_presented_after_a_reload_and_is_the_same_worke
         assert body["state"] == "completed" and body["node_id"] == "scan-a"
         record = gateway.request("GET", "/v1/workers/scan-a").body
         assert len(record["fingerprints"]) == 2, record
+
+
+def test_idle_workers_park_one_acquire_and_a_drain_does_not_wait_for_it(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path)
+    gateway = Gateway(tmp_path / "gateway", lab)
+    a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url,
+                      pool={"min_workers": 4, "drain_timeout_s": 60.0})
+    with running(gateway, a):
+        assert ended(gateway, submit(gateway, "sleep", {"seconds": 0.1}))["state"] == "completed"
+
+        def held() -> str:
+            metrics: str = gateway.request("GET", "/metrics").body
+            return next(line for line in metrics.splitlines() if line.startswith("tidepool_gateway_acquires_held"))
+
+        wait_for(lambda: held().endswith(" 1.0"), what="the idle workers' acquire parked at the gateway")
+        for _ in range(5):  # four idle workers, one connection waiting for work
+            assert held().endswith(" 1.0")
+            time.sleep(0.1)
+        asked = time.monotonic()
+        assert a.stop() == 0
+        # The acquire waits up to 25 s and the drain up to 60 s: a drain that waited for it would show.
+        assert time.monotonic() - asked < 10.0
