@@ -155,6 +155,9 @@ def parse(data: dict[str, Any]) -> Settings:
 
 
 def _check_references(settings: Settings) -> None:
+    if settings.store.remote and settings.gateway.listen:
+        raise ConfigError("config: gateway.listen: a remote worker (store.url https://) cannot serve workers of its "
+                          "own: its queue is its gateway's; point them at that gateway")
     for sched in settings.schedules:
         if sched.type not in settings.all_types:
             raise ConfigError(f"config: schedules.{sched.name}.type: unknown task type {sched.type!r}")
