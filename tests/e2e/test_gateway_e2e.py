@@ -316,3 +316,19 @@ def test_idle_workers_park_one_acquire_and_a_drain_does_not_wait_for_it(tmp_path
         assert a.stop() == 0
         # The acquire waits up to 25 s and the drain up to 60 s: a drain that waited for it would show.
         assert time.monotonic() - asked < 10.0
+
+
+def test_an_outcome_that_finds_the_gateway_away_is_written_once_it_is_back(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path)
+    gateway = Gateway(tmp_path / "gateway", lab, lease={"duration_s": 30.0, "renew_every_s": 10.0})
+    a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url)
+    with running(gateway, a):
+        task_id = submit(gateway, "sleep", {"seconds": 1.5})
+        running_on(gateway, task_id)
+        gateway.kill()
+        wait_for(lambda: a.request("GET", "/v1/pool").body["busy"] == 0, what="the attempt over on the worker")
+        time.sleep(5.0)  # away for longer than the outcome writer's own tries (3.75 s of waits)
+        gateway.start()
+        body = ended(gateway, task_id)
+        assert body["state"] == "completed"
+        assert attempts(body) == [("scan-a", "succeeded")]

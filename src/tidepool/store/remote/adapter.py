@@ -278,9 +278,12 @@ class RemoteStore(RemoteQueue):
                 await self.set_phase(notes, now=self._clock())
 
     async def _finish(self, endings: list[Ending]) -> dict[str, State | TidepoolError]:
+        """Tried again while the gateway is away (a restart outlasts the outcome writer's few tries), for as long
+        as every lease of the batch lasts here: each try is fenced, and past that no ending may go out."""
         body = {"endings": [_ending(e) for e in endings]}
+        budget_s = min(self.terms.lease_s, *(self._leases.time_left(e.lease.attempt_id) for e in endings))
         try:
-            answer = self._calls.ok(await self._calls.post("/w1/finish", body, timeout_s=REQUEST_TIMEOUT_S))
+            answer = await self._calls.post_within("/w1/finish", body, budget_s=budget_s)
         except Refusal as exc:
             return dict(self._refused([e.lease for e in endings], exc))
         except StoreError as exc:
