@@ -326,6 +326,9 @@ class Daemon:
         try:
             new = settings_mod.load(self.config_path)
             registry = _registry(new)
+            if self.remote is not None:  # a rotated certificate is presented from the next connection on
+                self.remote.use_certificates(cert_file=new.store.cert_file, key_file=new.store.key_file,
+                                             ca_file=new.store.ca_file)
         except Exception as exc:  # a plugin module may raise anything on import: the node must live on
             self.metrics.reloaded(ok=False)
             log.error("reload of %s rejected, keeping the running config: %s", where, config_reload.rejection(exc),

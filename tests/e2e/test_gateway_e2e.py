@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import signal
 import sys
 import time
 import uuid
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tidepool import pki
 
 from ..conftest import POSTGRES_URL, postgres_admin
 from ..process_trees import RECORD, gone, pids
@@ -275,3 +278,57 @@ def test_a_pending_worker_claims_nothing_and_is_not_ready_until_an_operator_enab
             wait_for(lambda: a.request("GET", "/readyz").status == 200, what="the enabled worker ready")
         finally:
             a.stop()
+
+
+def test_a_rotated_certificate_is_presented_after_a_reload_and_is_the_same_worker(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path)
+    gateway = Gateway(tmp_path / "gateway", lab)
+    a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url)
+    with running(gateway, a):
+        assert ended(gateway, submit(gateway, "sleep", {"seconds": 0.1}))["node_id"] == "scan-a"
+        pki.issue(lab.dir, "scan-a", force=True)  # the same paths, a new key and certificate
+        assert a.proc is not None
+        a.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "reloaded" in a.log(20), what="the worker's reload")
+        body = ended(gateway, submit(gateway, "sleep", {"seconds": 0.1}))
+        assert body["state"] == "completed" and body["node_id"] == "scan-a"
+        record = gateway.request("GET", "/v1/workers/scan-a").body
+        assert len(record["fingerprints"]) == 2, record
+
+
+def test_idle_workers_park_one_acquire_and_a_drain_does_not_wait_for_it(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path)
+    gateway = Gateway(tmp_path / "gateway", lab)
+    a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url,
+                      pool={"min_workers": 4, "drain_timeout_s": 60.0})
+    with running(gateway, a):
+        assert ended(gateway, submit(gateway, "sleep", {"seconds": 0.1}))["state"] == "completed"
+
+        def held() -> str:
+            metrics: str = gateway.request("GET", "/metrics").body
+            return next(line for line in metrics.splitlines() if line.startswith("tidepool_gateway_acquires_held"))
+
+        wait_for(lambda: held().endswith(" 1.0"), what="the idle workers' acquire parked at the gateway")
+        for _ in range(5):  # four idle workers, one connection waiting for work
+            assert held().endswith(" 1.0")
+            time.sleep(0.1)
+        asked = time.monotonic()
+        assert a.stop() == 0
+        # The acquire waits up to 25 s and the drain up to 60 s: a drain that waited for it would show.
+        assert time.monotonic() - asked < 10.0
+
+
+def test_an_outcome_that_finds_the_gateway_away_is_written_once_it_is_back(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path)
+    gateway = Gateway(tmp_path / "gateway", lab, lease={"duration_s": 30.0, "renew_every_s": 10.0})
+    a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url)
+    with running(gateway, a):
+        task_id = submit(gateway, "sleep", {"seconds": 1.5})
+        running_on(gateway, task_id)
+        gateway.kill()
+        wait_for(lambda: a.request("GET", "/v1/pool").body["busy"] == 0, what="the attempt over on the worker")
+        time.sleep(5.0)  # away for longer than the outcome writer's own tries (3.75 s of waits)
+        gateway.start()
+        body = ended(gateway, task_id)
+        assert body["state"] == "completed"
+        assert attempts(body) == [("scan-a", "succeeded")]

@@ -127,3 +127,14 @@ def test_a_parked_acquire_s_lease_is_placed_within_its_request_s_span(lab: pki.L
     store.terms = LeaseTerms(lease_s=4.0, renew_after_s=1.0)
     # Sent at monotonic 98, answered at 101; the gateway granted the lease at its 1000, for 4 s.
     assert store._lease_end(1004.0, sent=98.0, received=101.0, received_clock=1001.0 + skew_s) == expected
+
+
+def test_a_remote_worker_cannot_be_a_gateway_too(lab: pki.Lab, tmp_path: Path) -> None:
+    config = tmp_path / "worker.toml"
+    f = files(lab)
+    config.write_text(f'[store]\nurl = "https://127.0.0.1:8471"\ncert_file = "{f["cert_file"]}"\n'
+                      f'key_file = "{f["key_file"]}"\n[gateway]\nlisten = "127.0.0.1:8472"\n'
+                      f'cert_file = "{f["cert_file"]}"\nkey_file = "{f["key_file"]}"\n'
+                      f'client_ca_file = "{f["ca_file"]}"\n')
+    with pytest.raises(ConfigError, match=r"gateway\.listen: a remote worker .* cannot serve workers"):
+        settings.load(config)

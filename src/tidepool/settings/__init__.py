@@ -165,6 +165,9 @@ def parse(data: dict[str, Any]) -> Settings:
 
 def _check_references(settings: Settings) -> None:
     check_profiles(settings.profiles, settings.types, settings.plugins)
+    if settings.store.remote and settings.gateway.listen:
+        raise ConfigError("config: gateway.listen: a remote worker (store.url https://) cannot serve workers of its "
+                          "own: its queue is its gateway's; point them at that gateway")
     for sched in settings.schedules:
         if (sched.type is None) == (sched.profile is None):
             raise ConfigError(f"config: schedules.{sched.name}: set exactly one of type (a task to submit) or "

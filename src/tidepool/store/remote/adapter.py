@@ -79,6 +79,11 @@ class RemoteStore(RemoteQueue):
         back: wake-ups may have been missed); on_revoked() once every attempt was told to stop."""
         self._held, self._on_terms, self._wake_max, self._on_revoked = held, on_terms, wake_max, on_revoked
 
+    def use_certificates(self, *, cert_file: str, key_file: str, ca_file: str) -> None:
+        """A reload: the files read again (a rotated certificate, a new CA bundle), for the connections made
+        from now on; ConfigError naming the key, and nothing changed, when one cannot be loaded."""
+        self._wire.tls = client_tls(cert_file=cert_file, key_file=key_file, ca_file=ca_file)
+
     def stop_acquiring(self) -> None:
         """A drain: claim nothing more; a parked acquire comes back with what the gateway leased meanwhile."""
         self._stopping = True
@@ -273,9 +278,12 @@ class RemoteStore(RemoteQueue):
                 await self.set_phase(notes, now=self._clock())
 
     async def _finish(self, endings: list[Ending]) -> dict[str, State | TidepoolError]:
+        """Tried again while the gateway is away (a restart outlasts the outcome writer's few tries), for as long
+        as every lease of the batch lasts here: each try is fenced, and past that no ending may go out."""
         body = {"endings": [_ending(e) for e in endings]}
+        budget_s = min(self.terms.lease_s, *(self._leases.time_left(e.lease.attempt_id) for e in endings))
         try:
-            answer = self._calls.ok(await self._calls.post("/w1/finish", body, timeout_s=REQUEST_TIMEOUT_S))
+            answer = await self._calls.post_within("/w1/finish", body, budget_s=budget_s)
         except Refusal as exc:
             return dict(self._refused([e.lease for e in endings], exc))
         except StoreError as exc:

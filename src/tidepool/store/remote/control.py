@@ -19,6 +19,7 @@ from .wire import RECONNECT, Answer, Refusal, Wire, checked, parse_json, reason
 
 log = logging.getLogger("tidepool.remote")
 CONTROL_IDLE_S = 45.0  # no byte (event or heartbeat comment) for this long: the stream is dead, reconnect
+STABLE_S = 5.0  # a stream up this long starts the backoff again; one dropped sooner keeps backing off
 
 
 class Standing:
@@ -71,7 +72,7 @@ class ControlStream:
         self._cancel = cancel
         self._wake_max = wake_max
         self._outage = Outage(log)
-        self._connected = False  # the last try got the stream
+        self._connected_at: float | None = None  # monotonic: when the last try got the stream, if it did
 
     async def run(self, wake: Callable[[int], None], *,
                   task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -92,19 +93,19 @@ class ControlStream:
                 self._standing.stream_up = False
             if self._standing.revoked:
                 return
-            if self._connected:
-                delays = RECONNECT.delays()  # a stream that was up starts the backoff again
+            if self._connected_at is not None and anyio.current_time() - self._connected_at >= STABLE_S:
+                delays = RECONNECT.delays()
             await anyio.sleep(next(delays))
 
     async def _follow(self, wake: Callable[[int], None]) -> None:
-        self._connected = False
+        self._connected_at = None
         try:
             async with self._wire.get_stream("/w1/control", idle_s=CONTROL_IDLE_S) as response:
                 if response.status != 200:
                     checked(Answer(response.status, parse_json(await response.read())), "/w1/control",
                             self._wire.url)
                     raise StoreUnavailable(f"answered /w1/control with {response.status}")
-                self._connected = self._standing.stream_up = True
+                self._connected_at, self._standing.stream_up = anyio.current_time(), True
                 self._outage.over("control stream of gateway %s connected", self._wire.url)
                 self._wake_max()  # wake-ups sent while the stream was down are lost: look now
                 async for name, data in sse_events(response.content):

@@ -29,6 +29,12 @@ class LocalLeases:
         until = self._until.get(attempt_id)
         return attempt_id in self._cancelling or (until is not None and self._monotonic() < until)
 
+    def time_left(self, attempt_id: str) -> float:
+        """Seconds until the lease ends here; unbounded for a cancel's attempt, whose ending is taken anyway."""
+        if attempt_id in self._cancelling:
+            return float("inf")
+        return self._until.get(attempt_id, 0.0) - self._monotonic()
+
     def split(self, leases: Sequence[Lease]) -> tuple[list[Lease], dict[str, LeaseLost]]:
         """The leases still live here, and the others as lost (nothing is to be sent for them)."""
         live = [x for x in leases if self.alive(x.attempt_id)]

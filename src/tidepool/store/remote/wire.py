@@ -75,11 +75,11 @@ class Wire:
 
     def __init__(self, url: str, tls: ssl.SSLContext) -> None:
         self.url = url.rstrip("/")
-        self._tls = tls
+        self.tls = tls  # each request's: replaced (a rotated certificate), new connections present the new one
         self._session: aiohttp.ClientSession | None = None
 
     def open(self) -> None:
-        connector = aiohttp.TCPConnector(ssl=self._tls, limit=0, keepalive_timeout=30.0)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
         self._session = aiohttp.ClientSession(connector=connector, headers={"User-Agent": f"tidepool/{__version__}"},
                                               json_serialize=_compact)
 
@@ -98,7 +98,7 @@ class Wire:
         could not reach its store), Refusal on its registry's 403; every other status is returned."""
         timeout = aiohttp.ClientTimeout(total=timeout_s, connect=CONNECT_TIMEOUT_S)
         try:
-            async with self.session().post(self.url + path, json=body, timeout=timeout) as response:
+            async with self.session().post(self.url + path, json=body, timeout=timeout, ssl=self.tls) as response:
                 raw = await response.read()
                 status = response.status
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
@@ -109,7 +109,8 @@ class Wire:
         """The response of a GET that streams (the control stream): a context manager; a read waits at most
         idle_s for the next bytes."""
         timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S, sock_read=idle_s)
-        return self.session().get(self.url + path, timeout=timeout, headers={"Accept": "text/event-stream"})
+        return self.session().get(self.url + path, timeout=timeout, headers={"Accept": "text/event-stream"},
+                                  ssl=self.tls)
 
 
 class Calls:
