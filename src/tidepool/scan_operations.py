@@ -17,7 +17,7 @@ from .api.ops import ScanRequest
 from .errors import InvalidRequest
 from .events import EventBus
 from .leases import LeaseKeeper
-from .model import CANCELLED_ON_REQUEST, State, canonical_json
+from .model import CANCELLED_ON_REQUEST, State, canonical_json, rfc3339
 from .plugins import Registry
 from .pool import Waker
 from .resources import ResourcePool
@@ -98,8 +98,12 @@ class ScanOperations:
     def scheduled(self, schedule: Schedule, tick: float) -> NewScan:
         """A profile schedule's scan for a tick, as a submit of its profile makes one; one per tick."""
         assert schedule.profile is not None
-        return self.new_scan(ScanRequest(schedule.profile, dict(schedule.payload), schedule.priority,
-                                         idempotency_key=tick_key(schedule, tick)))
+        try:
+            return self.new_scan(ScanRequest(schedule.profile, dict(schedule.payload), schedule.priority,
+                                             idempotency_key=tick_key(schedule, tick)))
+        except InvalidRequest as exc:  # the tick is skipped as "refused": say why, once per tick
+            log.error("schedule %s: the scan of its tick %s is refused: %s", schedule.name, rfc3339(tick), exc)
+            raise
 
     async def announce(self, scan_id: str) -> None:
         """A scan another part created (a schedule's): told as a submitted one is."""
