@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .api.ops import ScanRequest
-from .errors import InvalidRequest
+from .errors import InvalidRequest, ScanNotFound, StoreUnavailable
 from .events import EventBus
 from .leases import LeaseKeeper
 from .model import CANCELLED_ON_REQUEST, State, canonical_json, rfc3339
@@ -106,8 +106,15 @@ class ScanOperations:
             raise
 
     async def announce(self, scan_id: str) -> None:
-        """A scan another part created (a schedule's): told as a submitted one is."""
-        self.created(await self._store.get_scan(scan_id))
+        """A scan another part created (a schedule's): told as a submitted one is. It is in the store already:
+        a read that fails costs its events, not the scan (a worker is woken all the same)."""
+        try:
+            scan = await self._store.get_scan(scan_id)
+        except (ScanNotFound, StoreUnavailable) as exc:
+            log.warning("scan %s created; its events are not told: %s", scan_id, exc)
+            self._parts.waker.wake(1)
+            return
+        self.created(scan)
 
     def _step(self, step: str) -> StepSpec:
         own = self._registry.types.get(step)
