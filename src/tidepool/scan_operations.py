@@ -191,7 +191,9 @@ class ScanOperations:
             if move.index is not None and move.job is not None:
                 self.events.publish("scan.step", scan_id=move.scan_id, task_id=None, worker_id=None,
                                     profile=move.profile, index=move.index, state=move.job.value)
-                log.info("scan %s job %d ended %s", move.scan_id, move.index, move.job.value)
+                # its task's own line says a success; a step that failed is the scan's news
+                log.log(logging.DEBUG if move.job is JobState.SUCCESS else logging.INFO, "scan %s job %d ended %s",
+                        move.scan_id, move.index, move.job.value)
             if move.started is not None and move.task_id is not None:
                 self._step_started(move.scan_id, move.profile, move.started, move.type, move.task_id, None)
                 created += 1
