@@ -8,6 +8,9 @@ Per run (median of --runs):
            (scans * steps): each step after the first is created in the transaction that ends the one before.
   tasks    the same number of independent no-op tasks (POST /v1/tasks/batch, batches of 1000), drained the
            same way in the same run: time per task. The ratio compares the two from this one run.
+  store    no daemon: tidepool.store.sqlite.SqliteStore driven by --workers concurrent claim+finish loops, on the
+           same scans and on the same number of independent tasks: what the store's step transaction costs
+           on its own (the daemon's ratio above is mostly this one).
   handoff  an idle daemon (the shipped pool) runs --handoff scans one at a time, each waited for: for every
            step after the first, its task's start - the previous step's end (both daemon stamps: the end's
            transaction creates the next task, a worker is woken, claims and starts it).
@@ -90,6 +93,60 @@ def chain_and_tasks(tmp: Path, k: int, scans: int, steps: int, workers: int) -> 
     return per_step, per_task
 
 
+def store_rates(tmp: Path, k: int, scans: int, steps: int, workers: int) -> tuple[float, float]:
+    """(steps/s, tasks/s) of --workers claim+finish loops on the bare SQLite store, no daemon around it."""
+    import anyio
+
+    from tidepool.model import NewTask
+    from tidepool.scans import NewScan, StepSpec
+    from tidepool.store.sqlite import SqliteStore
+
+    async def measure() -> tuple[float, float]:
+        chained = SqliteStore(str(tmp / f"store-chain-{k}.db"))
+        await chained.open()
+        for _ in range(scans):
+            await chained.add_scan(NewScan("chain", (StepSpec("noop"),) * steps), now=time.time())
+        step_rate = await claim_finish_loops(chained, scans * steps, workers)
+        await chained.close()
+        plain = SqliteStore(str(tmp / f"store-tasks-{k}.db"))
+        await plain.open()
+        await plain.add_many([NewTask("noop", {}, 0, 3, None, (), None, None)] * (scans * steps), now=time.time())
+        task_rate = await claim_finish_loops(plain, scans * steps, workers)
+        await plain.close()
+        return step_rate, task_rate
+
+    return anyio.run(measure)
+
+
+async def claim_finish_loops(store: Any, n: int, workers: int) -> float:
+    """Items/s of `workers` claim+finish loops until n tasks have finished: a step's next task appears only
+    when the step before it finishes, so a loop that finds none waits a moment while others are at work."""
+    import anyio
+
+    from tidepool.lifecycle import RetryPolicy
+    from tidepool.model import AttemptStatus, ClaimFilter, Outcome, Worker, new_id
+
+    instance, where, policy, success = new_id(), ClaimFilter(), RetryPolicy(), Outcome(AttemptStatus.SUCCEEDED)
+    done = 0
+
+    async def loop(i: int) -> None:
+        nonlocal done
+        me = Worker("bench", instance, f"bench/w{i}")
+        while done < n:
+            claimed = await store.claim(me, where, limit=1, now=time.time(), lease_s=30.0)
+            if not claimed:
+                await anyio.sleep(0.0005)
+            for c in claimed:
+                await store.finish(c.lease, success, now=time.time(), policy=policy)
+                done += 1
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(workers):
+            tg.start_soon(loop, i)
+    return n / (time.perf_counter() - started)
+
+
 def handoffs(tmp: Path, k: int, scans: int, steps: int) -> list[float]:
     """Seconds from each step's end to its next step's start, scans run one at a time on an idle daemon."""
     gaps = []
@@ -108,16 +165,20 @@ def handoffs(tmp: Path, k: int, scans: int, steps: int) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(__doc__.splitlines()[0], **DEFAULTS).parse_args(argv)
-    per_step, per_task, p50, p99 = [], [], [], []
+    per_step, per_task, p50, p99, store_steps, store_tasks = [], [], [], [], [], []
     with temp_dir("scans") as tmp:
         for k in range(args.runs):
             step_s, task_s = chain_and_tasks(tmp, k, args.scans, args.steps, args.workers)
             per_step.append(step_s)
             per_task.append(task_s)
+            step_rate, task_rate = store_rates(tmp, k, args.scans, args.steps, args.workers)
+            store_steps.append(step_rate)
+            store_tasks.append(task_rate)
             gaps = handoffs(tmp, k, args.handoff, args.steps)
             p50.append(percentile(gaps, 50))
             p99.append(percentile(gaps, 99))
-            print(f"  run {k + 1}: {1e6 * step_s:.0f} µs per step, {1e6 * task_s:.0f} µs per task, "
+            print(f"  run {k + 1}: {1e6 * step_s:.0f} µs per step, {1e6 * task_s:.0f} µs per task; store alone "
+                  f"{step_rate:.0f} steps/s, {task_rate:.0f} tasks/s; "
                   f"hand-off p50 {1000 * p50[-1]:.2f} ms p99 {1000 * p99[-1]:.2f} ms", flush=True)
     b, runs = "scans", f"median of {args.runs} runs"
     ratios = [s / t for s, t in zip(per_step, per_task, strict=True)]
@@ -127,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         Figure(b, f"time per independent no-op task ({n})", 1e6 * median(per_task), "µs", runs),
         Figure(b, "step / task, same run", median(ratios), "x",
                f"{runs}; each {', '.join(f'{r:.2f}' for r in ratios)}"),
+        Figure(b, "store alone: steps claimed and finished", median(store_steps), "/s", runs),
+        Figure(b, "store alone: independent tasks claimed and finished", median(store_tasks), "/s", runs),
         Figure(b, "hand-off p50 (step end .. next step start)", 1000 * median(p50), "ms", runs),
         Figure(b, "hand-off p99", 1000 * median(p99), "ms", f"{runs}, {args.handoff * (args.steps - 1)} each"),
     ]

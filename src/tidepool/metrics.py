@@ -111,7 +111,7 @@ class Metrics:
         self.schedule_fired = Counter("tidepool_schedule_fired", "Schedule ticks that created a task, by schedule.",
                                        "schedule")
         self.schedule_skipped = Counter("tidepool_schedule_skipped", "Schedule ticks skipped, by schedule and "
-                                         "reason (overlap, missed, queue_full).", "schedule", "reason")
+                                         "reason (overlap, missed, queue_full, refused).", "schedule", "reason")
         self.scans_created = Counter("tidepool_scans_created", "Scans created on this node (submitted to its API "
                                      "or started by a schedule), by profile.", "profile")
         self.scans_finished = Counter("tidepool_scans_finished", "Scans that ended, by profile and state, as this "

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .api.ops import ScanRequest
-from .errors import InvalidRequest
+from .errors import InvalidRequest, ScanNotFound, StoreUnavailable
 from .events import EventBus
 from .leases import LeaseKeeper
-from .model import CANCELLED_ON_REQUEST, State, canonical_json
+from .model import CANCELLED_ON_REQUEST, State, canonical_json, rfc3339
 from .plugins import Registry
 from .pool import Waker
 from .resources import ResourcePool
@@ -98,12 +98,23 @@ class ScanOperations:
     def scheduled(self, schedule: Schedule, tick: float) -> NewScan:
         """A profile schedule's scan for a tick, as a submit of its profile makes one; one per tick."""
         assert schedule.profile is not None
-        return self.new_scan(ScanRequest(schedule.profile, dict(schedule.payload), schedule.priority,
-                                         idempotency_key=tick_key(schedule, tick)))
+        try:
+            return self.new_scan(ScanRequest(schedule.profile, dict(schedule.payload), schedule.priority,
+                                             idempotency_key=tick_key(schedule, tick)))
+        except InvalidRequest as exc:  # the tick is skipped as "refused": say why, once per tick
+            log.error("schedule %s: the scan of its tick %s is refused: %s", schedule.name, rfc3339(tick), exc)
+            raise
 
     async def announce(self, scan_id: str) -> None:
-        """A scan another part created (a schedule's): told as a submitted one is."""
-        self.created(await self._store.get_scan(scan_id))
+        """A scan another part created (a schedule's): told as a submitted one is. It is in the store already:
+        a read that fails costs its events, not the scan (a worker is woken all the same)."""
+        try:
+            scan = await self._store.get_scan(scan_id)
+        except (ScanNotFound, StoreUnavailable) as exc:
+            log.warning("scan %s created; its events are not told: %s", scan_id, exc)
+            self._parts.waker.wake(1)
+            return
+        self.created(scan)
 
     def _step(self, step: str) -> StepSpec:
         own = self._registry.types.get(step)
@@ -180,7 +191,9 @@ class ScanOperations:
             if move.index is not None and move.job is not None:
                 self.events.publish("scan.step", scan_id=move.scan_id, task_id=None, worker_id=None,
                                     profile=move.profile, index=move.index, state=move.job.value)
-                log.info("scan %s job %d ended %s", move.scan_id, move.index, move.job.value)
+                # its task's own line says a success; a step that failed is the scan's news
+                log.log(logging.DEBUG if move.job is JobState.SUCCESS else logging.INFO, "scan %s job %d ended %s",
+                        move.scan_id, move.index, move.job.value)
             if move.started is not None and move.task_id is not None:
                 self._step_started(move.scan_id, move.profile, move.started, move.type, move.task_id, None)
                 created += 1

@@ -78,7 +78,8 @@ class Fired:
     schedule: str
     tick: float
     task_id: str | None          # None when skipped
-    reason: str | None = None    # why skipped: "overlap", "queue_full", or "missed" (catch_up dropped `count`)
+    reason: str | None = None    # why skipped: "overlap", "queue_full", "refused" (its scan could not be made),
+                                 # or "missed" (catch_up dropped `count`)
     count: int = 1               # for a cron schedule's "missed", at most MAX_COUNTED (Firing.skipped)
     type: str | None = None      # the task's type and priority, when one was created
     priority: int = 0
@@ -294,6 +295,9 @@ def fire(schedule: Schedule, now: float, *, running: Callable[[str], bool],
             task_id = add(new_task(schedule, tick))
         except QueueFull:  # refused as a submit would be; the tick is not tried again
             fired.append(Fired(schedule.name, tick, None, "queue_full"))
+            continue
+        except InvalidRequest:  # its scan cannot be made now (a reload changed its profile's first step): likewise
+            fired.append(Fired(schedule.name, tick, None, "refused"))
             continue
         if task_id is not None and schedule.profile is not None:
             fired.append(Fired(schedule.name, tick, None, priority=schedule.priority, scan_id=task_id))

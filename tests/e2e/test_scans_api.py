@@ -151,6 +151,7 @@ async def test_a_scan_s_events_tell_its_creation_each_step_and_its_end_and_the_m
     async with session.post(f"{daemon.url}/v1/scans", json={"profile": "gated"}) as r:
         scan_id = (await r.json())["id"]
     events = await stream.until(lambda e: e.event == "scan.finished")
+    stream.close()
     mine = [e for e in events if e.data.get("scan_id") == scan_id]
     told = [(e.event, e.data.get("index"), e.data.get("state")) for e in mine]
     assert told == [("scan.created", None, None), ("scan.step", 0, "queued"), ("scan.step", 0, "success"),
@@ -159,6 +160,7 @@ async def test_a_scan_s_events_tell_its_creation_each_step_and_its_end_and_the_m
     first_task = scan(daemon, scan_id)["jobs"][0]["task_id"]
     by_task = await EventStream.open(session, daemon, task_id=first_task, last_id=0)
     assert [e.event for e in await by_task.until(_is("task.finished"))].count("scan.step") == 1
+    by_task.close()
     async with session.get(f"{daemon.url}/metrics") as r:
         text = await r.text()
     assert 'tidepool_scans_created_total{profile="gated"} 1.0' in text

@@ -1,5 +1,6 @@
 """A profile schedule in the store: each tick starts exactly one scan, with its first task, as the tick fires."""
 
+from tidepool.errors import InvalidRequest
 from tidepool.model import NewTask, State
 from tidepool.scans import NewScan, ScanState, StepSpec
 from tidepool.schedules import Schedule, tick_key
@@ -68,3 +69,14 @@ async def test_a_node_that_does_not_define_the_profile_leaves_the_schedule_alone
     (kept,) = await store.list_schedules()
     assert kept.next_run_at == 60.0 and (await store.list_scans()).scans == []
 
+
+
+async def test_a_tick_whose_scan_is_refused_is_skipped_and_the_schedule_goes_on(store: Store) -> None:
+    def refused(schedule: Schedule, tick: float) -> NewScan:
+        raise InvalidRequest("payload.target", "missing: the first step's command needs it")
+
+    await store.save_schedule(weekly(), now=30.0)
+    (fired,) = await store.fire_schedules(now=61.0, new_task=refused)
+    assert (fired.scan_id, fired.reason) == (None, "refused")
+    (kept,) = await store.list_schedules()
+    assert kept.next_tick_at == 120.0 and (await store.list_scans()).scans == []

@@ -198,3 +198,9 @@ def test_a_scan_shows_its_jobs_in_order_a_job_not_come_yet_without_a_task() -> N
                   "error": None}],
         "created_at": "2023-11-14T22:13:20.250000Z", "updated_at": "2023-11-14T22:13:21.250000Z",
         "finished_at": "2023-11-14T22:13:21.250000Z"}
+
+
+def test_the_scan_listing_documents_exactly_the_parameters_its_route_takes() -> None:
+    from tidepool.api import scans
+
+    assert [p["name"] for p in openapi.SCAN_LISTING] == list(scans.LIST_PARAMETERS)

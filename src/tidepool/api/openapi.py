@@ -75,7 +75,7 @@ SCAN_ID = _param("id", "path", {"type": "string"}, required=True)
 JOB_INDEX = _param("index", "path", {"type": "integer", "minimum": 0}, required=True)
 SCAN_LISTING = (_param("state", "query", {"type": "string", "enum": [s.value for s in ScanState]}),
                 _param("profile", "query", {"type": "string", "minLength": 1}),
-                *LISTING[2:])
+                *(p for p in LISTING if p["name"] in ("limit", "cursor")))
 EVENTS = (_param("task_id", "query", {"type": "string"}),
           _param("type", "query", {"type": "array", "items": {"type": "string"}}, style="form", explode=True,
                  description="event names or globs, repeated or comma-separated"),

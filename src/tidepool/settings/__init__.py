@@ -16,7 +16,8 @@ from .. import schedules
 from ..errors import ConfigError, InvalidRequest
 from .environment import ENV_PREFIX, Environment, check_env_sections, describe
 from .profiles import BUILTIN_PROFILES as BUILTIN_PROFILES
-from .profiles import ProfileSettings, check_profiles, step_types, usable_builtins
+from .profiles import ProfileSettings as ProfileSettings
+from .profiles import check_profiles, step_types, usable_builtins
 from .sections import *  # noqa: F403  (every section model is the package's to export)
 from .sections import (
     BUILTIN_TYPES,
