@@ -80,9 +80,10 @@ class EndingIn(LeaseIn):
     exit_status: JsonInt | None = Field(None, ge=-255, le=255, description="a command plugin's")
     stderr_tail: str | None = Field(None, max_length=4096, description="a command plugin's last 4 KiB of stderr")
     scope: dict[str, Any] | None = Field(
-        None, description="with a success: what the attempt's plugins put in ctx.scope, merged into its scan's "
-                          f"scope (a scan step's only; ignored otherwise). A scope past {SCOPE_MAX_BYTES} bytes of "
-                          "compact JSON fails the step with scope_too_large, as on a node of the store")
+        None, description="with a success: what the attempt's plugins put in ctx.scope, merged at the top level "
+                          "into its scan's scope (a scan step's; any other task ignores it). A scan's scope that would "
+                          f"pass {SCOPE_MAX_BYTES} bytes of compact JSON with it fails the step with scope_too_large, "
+                          "as when the step runs on a node of the store itself")
 
 
 class FinishIn(Body):
