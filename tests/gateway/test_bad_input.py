@@ -26,6 +26,8 @@ async def nothing_changed(node: Node, task_id: str) -> None:
      "node_id"),
     ("/w1/finish", b'{"endings": [{"attempt_id": "a", "lease_token": "t.0", "status": "completed"}]}', 400,
      "invalid_request", "status"),
+    ("/w1/finish", b'{"endings": [{"attempt_id": "a", "lease_token": "t.0", "status": "succeeded", "scope": [1]}]}',
+     400, "invalid_request", "scope"),
     ("/w1/acquire", b'{"types": ["noop"], "max": 1, "pad": "' + b"x" * (10 * 2**20) + b'"}', 413, "body_too_large",
      "KiB"),
 ])

@@ -1,4 +1,5 @@
-"""The OpenAPI document of a gateway describes a lost lease's 410 as the gateway answers it: with `reason`."""
+"""The OpenAPI document of a gateway describes a lost lease's 410 as the gateway answers it: with `reason`; and an
+ending's scope, what a scan step learned."""
 
 from __future__ import annotations
 
@@ -32,3 +33,15 @@ async def test_the_410_of_every_write_declares_the_reason_a_revoked_workers_writ
         assert answer.status == 410
         assert set(answer.body["error"]) == {"code", "message", "reason"}
         assert answer.body["error"]["reason"] in body["properties"]["reason"]["enum"]
+
+
+async def test_an_ending_in_the_document_carries_its_attempt_s_scope_as_an_object(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        doc = (await node.call("GET", "/v1/openapi.json")).body
+        finish = resolved(doc, doc["paths"]["/w1/finish"]["post"]["requestBody"]["content"]["application/json"]
+                          ["schema"]["$ref"])
+        ending = resolved(doc, finish["properties"]["endings"]["items"]["$ref"])
+        scope = ending["properties"]["scope"]
+        assert [s["type"] for s in scope["anyOf"]] == ["object", "null"], scope
+        assert "scope" not in ending.get("required", [])
+        assert "scope_too_large" in scope["description"]

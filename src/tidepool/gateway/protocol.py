@@ -324,7 +324,7 @@ def _outcome(ending: EndingIn) -> Outcome:
         error = TaskError(ending.error.code, ending.error.message, retryable)
     elif ending.retryable is not None and ending.status != "succeeded":
         error = TaskError(ending.status, f"the attempt ended {ending.status}", ending.retryable)
-    return Outcome(AttemptStatus(ending.status), error, ending.exit_status, ending.stderr_tail)
+    return Outcome(AttemptStatus(ending.status), error, ending.exit_status, ending.stderr_tail, scope=ending.scope)
 
 
 

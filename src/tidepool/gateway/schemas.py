@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..api.schemas import JsonInt, Shape, TaskDetailOut
 from ..model import Phase
+from ..scans import SCOPE_MAX_BYTES
 from ..settings import Tag
 
 MAX_ACQUIRE = 256        # tasks one acquire may ask for
@@ -78,6 +79,11 @@ class EndingIn(LeaseIn):
     retryable: bool | None = None
     exit_status: JsonInt | None = Field(None, ge=-255, le=255, description="a command plugin's")
     stderr_tail: str | None = Field(None, max_length=4096, description="a command plugin's last 4 KiB of stderr")
+    scope: dict[str, Any] | None = Field(
+        None, description="with a success: what the attempt's plugins put in ctx.scope, merged at the top level "
+                          "into its scan's scope (a scan step's; any other task ignores it). A scan's scope that would "
+                          f"pass {SCOPE_MAX_BYTES} bytes of compact JSON with it fails the step with scope_too_large, "
+                          "as when the step runs on a node of the store itself")
 
 
 class FinishIn(Body):

@@ -343,6 +343,8 @@ def _ending(e: Ending) -> dict[str, Any]:
         ending["exit_status"] = e.outcome.exit_status
     if e.outcome.stderr_tail is not None:
         ending["stderr_tail"] = e.outcome.stderr_tail[-MAX_STDERR_TAIL:]
+    if e.outcome.scope:  # the engine gives one with a success only; an empty one merges nothing
+        ending["scope"] = e.outcome.scope
     return ending
 
 
