@@ -245,7 +245,7 @@ class Engine:
         ctx.enter_plugin(plugin.name)
         if len(self._ran) < MAX_RAN:  # read (and emptied) every supervisor tick; bounded all the same
             self._ran[ctx.task.id] = plugin.name
-        self._events.publish("plugin.started", task_id=ctx.task.id, worker_id=worker_id, plugin=plugin.name)
+        self._events.publish("plugin.started", ctx.task.id, worker_id, plugin.name)
         started, outcome = time.monotonic(), "stopped"  # unless it returns or raises: the attempt was stopped
         own_deadline = None  # no scope of its own unless it has a timeout: one scope per task costs enough
         try:
@@ -268,8 +268,8 @@ class Engine:
                 outcome = "failed"
             raise
         finally:  # every plugin.started has its plugin.finished, however the plugin ended
-            self._events.publish("plugin.finished", task_id=ctx.task.id, worker_id=worker_id, plugin=plugin.name,
-                                 duration_s=round(time.monotonic() - started, 6), outcome=outcome)
+            self._events.publish("plugin.finished", ctx.task.id, worker_id, plugin.name,
+                                 round(time.monotonic() - started, 6), outcome)
 
     def _required_tags(self, task: Task) -> frozenset[str]:
         type_tags = self.registry.required_tags(task.type)
@@ -298,8 +298,7 @@ class Engine:
 
     def _enter(self, ctx: TaskContext, held: Held, worker_id: str, phase: Phase) -> None:
         self._leases.note(held, phase)
-        self._events.publish("task.phase", task_id=ctx.task.id, worker_id=worker_id, phase=phase.value,
-                             attempt_id=held.lease.attempt_id)
+        self._events.publish("task.phase", ctx.task.id, worker_id, phase.value, held.lease.attempt_id)
 
     def _progress(self, held: Held, worker_id: str, ctx: TaskContext, fraction: float, message: str) -> None:
         progress = {"fraction": fraction, "message": message}
@@ -357,8 +356,7 @@ class Engine:
             log.info("task %s attempt %s %s -> retry_wait (%s)", task.id, attempt_id, outcome.status,
                      outcome.error.message if outcome.error else "")
         elif answer.terminal:
-            self._events.publish("task.finished", task_id=task.id, worker_id=worker_id, state=answer.value,
-                                 error=error, type=task.type)
+            self._events.publish("task.finished", task.id, worker_id, answer.value, error, task.type)
             log.info("task %s attempt %s -> %s", task.id, attempt_id, answer.value)
         else:
             log.info("task %s attempt %s %s -> %s", task.id, attempt_id, outcome.status, answer.value)

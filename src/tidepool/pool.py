@@ -360,9 +360,9 @@ class Pool:
         return None
 
     def _leased(self, claimed: Claimed, worker_id: str) -> None:
-        self._events.publish("task.leased", task_id=claimed.task.id, worker_id=worker_id,
-                             attempt_id=claimed.lease.attempt_id, attempt=claimed.task.attempt, type=claimed.task.type,
-                             available_at=claimed.task.available_at)
+        task = claimed.task
+        self._events.publish("task.leased", task.id, worker_id, claimed.lease.attempt_id, task.attempt, task.type,
+                             task.available_at)
 
     async def _execute(self, worker: _WorkerState, claimed: Claimed, held: Held | None) -> None:
         self._busy += 1

@@ -95,8 +95,8 @@ class Daemon:
         self.metrics = Metrics(node_id=self.node_id, version=__version__, pool=lambda: self.pool.statistics(),
                                counts=partial(store_answers, self.store), guards=self.guards.statistics,
                                draining=lambda: self.status.draining, task_types=lambda: self.ops.registry.types)
-        self.events.listen(self.metrics.on_event)
-        self.events.listen(logs.lifecycle)
+        self.metrics.attach(self.events)
+        logs.attach(self.events)
         self.leases = LeaseKeeper(self.metrics.lease_store(self.store), lease_s=settings.lease.duration_s,
                                   renew_every_s=settings.lease.renew_every_s,
                                   fence_after_s=fence_after_s(settings.node.heartbeat_s),
