@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.lowlevel
 
+from .completions import Completions
 from .context import TaskContext
 from .errors import LeaseLost, PluginError, StoreUnavailable, TidepoolError
 from .events import EventBus
@@ -75,6 +76,7 @@ class Engine:
         self._running: dict[str, tuple[TaskContext, Held, str]] = {}  # started, outcome not posted yet
         self._ran: dict[str, str] = {}  # task id -> plugin, of what ran since plugins_since_asked() was
         self.outcomes = OutcomeWriter(store, policy=lambda: self.policy, report=self._written)
+        self.completions = Completions(log)
 
     def configure(self, registry: Registry, execution: ExecutionSettings, retry: RetrySettings) -> None:
         """A reload's task types, deadlines and retry policy, for the attempts that start from now on."""
@@ -357,7 +359,10 @@ class Engine:
                      outcome.error.message if outcome.error else "")
         elif answer.terminal:
             self._events.publish("task.finished", task.id, worker_id, answer.value, error, task.type)
-            log.info("task %s attempt %s -> %s", task.id, attempt_id, answer.value)
+            if answer is State.COMPLETED:
+                self.completions.completed(task.id, attempt_id)  # one line each, up to a budget a second
+            else:
+                log.info("task %s attempt %s -> %s", task.id, attempt_id, answer.value)
         else:
             log.info("task %s attempt %s %s -> %s", task.id, attempt_id, outcome.status, answer.value)
 

@@ -172,6 +172,7 @@ class Pool:
                 self.last_tick = self._monotonic()
                 period_s = min(1.0, self.config.poll_interval_s)
                 await anyio.sleep(period_s)
+                self._engine.completions.flush()  # the completions past the log's budget, once a second
                 ran = self._engine.plugins_since_asked()
                 # Late by this much, the loop was held at least as long (less the part of the sleep left then)
                 if (late_s := self._monotonic() - self.last_tick - period_s) >= LOOP_HELD_S - period_s:
@@ -231,6 +232,7 @@ class Pool:
             self._idle = anyio.Event()
             await self._idle.wait()
         await self._engine.outcomes.flushed()
+        self._engine.completions.flush(final=True)
 
     # workers
 
