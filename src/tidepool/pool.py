@@ -157,6 +157,7 @@ class Pool:
         self._claimed_for = 0  # workers the claims in flight may bring a task to, their claimers included
         self._parked: collections.deque[str] = collections.deque()  # attempt ids a claim leased for idle workers
         self._answered: anyio.Event | None = None  # set when a claim answers, if a worker it counted in waits
+        self._awaiting_answer = 0  # workers waiting so: they take what a claim parks before any sleeper
         self._tg: TaskGroup | None = None
         self._idle = anyio.Event()
         self.last_tick = monotonic()
@@ -317,7 +318,11 @@ class Pool:
         if limit <= 0:
             # Counted in by a claim in flight: wait for its answer, not in the waker, so that a wake coming
             # meanwhile (the claim may have looked before the work went in) finds no sleeper and is kept.
-            await self._claim_answered()
+            self._awaiting_answer += 1
+            try:
+                await self._claim_answered()
+            finally:
+                self._awaiting_answer -= 1
             return self._take_parked(worker)
         self._in_claim += 1
         self._claimed_for += limit
@@ -349,8 +354,8 @@ class Pool:
             self._engine.release_unstarted()
             self._parked.clear()
             return None
-        if len(claimed) > 1:
-            self.waker.wake(len(claimed) - 1)
+        if len(claimed) - 1 > self._awaiting_answer:  # those are woken by the answer; the rest are asleep
+            self.waker.wake(len(claimed) - 1 - self._awaiting_answer)
         self._leased(claimed[0], identity.worker_id)
         return claimed[0], None
 
