@@ -2,7 +2,7 @@
 
 Benchmarks print figures and never pass or fail on time. Each one starts its own daemon(s) in a
 temporary directory that is removed afterwards, with the configuration a user gets: every key at its
-shipped default (log level info, claim_batch 1, the guards' floors...) except the node's id, its state
+shipped default (log level info, claim_batch 32, the guards' floors...) except the node's id, its state
 directory, store file and API port, and what the benchmark itself names (pool sizes, a task type).
 """
 

@@ -6,7 +6,7 @@ ideal = tasks * seconds / workers. Median of --runs runs on one daemon (the queu
 CPU per task of the event loop's thread and of all other threads (the SQLite writer and readers), from
 /proc: the wall's margin over the ideal grows with the loop's CPU per task (tasks that end together
 queue behind one another's bookkeeping), and CPU time is far steadier on this machine than the wall.
-The daemon runs at the shipped defaults (log level info, claim_batch 1) but for the pool's size.
+The daemon runs at the shipped defaults (log level info, claim_batch 32) but for the pool's size.
 
 Then the same tasks on pgqueuer and dramatiq, each with an idle worker at concurrency --workers
 (see peers.py), median of --runs each; the overhead rows compare (wall - ideal) with the peers'

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.lowlevel
 
+from .completions import Completions
 from .context import TaskContext
 from .errors import LeaseLost, PluginError, StoreUnavailable, TidepoolError
 from .events import EventBus
@@ -71,10 +72,11 @@ class Engine:
         self._work_root = work_root
         self.resources = resources
         self._clock = clock
-        self._unstarted: dict[str, tuple[Claimed, Held, str]] = {}  # batch-claimed, waiting their turn
+        self._unstarted: dict[str, tuple[Claimed, Held, str]] = {}  # parked for an idle worker, not started
         self._running: dict[str, tuple[TaskContext, Held, str]] = {}  # started, outcome not posted yet
         self._ran: dict[str, str] = {}  # task id -> plugin, of what ran since plugins_since_asked() was
         self.outcomes = OutcomeWriter(store, policy=lambda: self.policy, report=self._written)
+        self.completions = Completions(log)
 
     def configure(self, registry: Registry, execution: ExecutionSettings, retry: RetrySettings) -> None:
         """A reload's task types, deadlines and retry policy, for the attempts that start from now on."""
@@ -82,30 +84,20 @@ class Engine:
         self.config = EngineConfig.of(execution)
         self.policy = retry_policy(retry)
 
-    async def run_batch(self, claimed: list[Claimed], worker_id: str, *, keep_going: Callable[[], bool]) -> None:
-        """Run claimed tasks one after another, their leases renewed together while they wait.
+    def park(self, claimed: Claimed, worker_id: str) -> None:
+        """A task a claim leased for another idle worker: its lease is held (renewed, and stoppable: a cancel or
+        a shutdown ends it at once) until that worker takes it with take_parked()."""
+        held = self._leases.hold(claimed.lease)
+        held.waiting = self._stopped_waiting
+        self._unstarted[claimed.lease.attempt_id] = (claimed, held, worker_id)
 
-        Once keep_going() is false, or release_unstarted() was called, the rest go back unstarted.
-        """
-        batch = [c.lease.attempt_id for c in claimed]
-        for c in claimed:
-            held = self._leases.hold(c.lease)
-            held.waiting = self._stopped_waiting
-            self._unstarted[c.lease.attempt_id] = (c, held, worker_id)
-        try:
-            for attempt_id in batch:
-                item = self._unstarted.pop(attempt_id, None)
-                if item is None:
-                    continue  # already ended: given back by release_unstarted(), or stopped while waiting
-                item[1].waiting = None  # its turn: from here a stop cancels its scope
-                if keep_going():
-                    await self.run(item[0], worker_id, held=item[1])
-                else:
-                    self._give_back(*item)
-        finally:
-            for attempt_id in batch:  # cancelled midway: stop renewing what will not run here
-                if (item := self._unstarted.pop(attempt_id, None)) is not None:
-                    self._leases.release(item[1])
+    def take_parked(self, attempt_id: str) -> tuple[Claimed, Held] | None:
+        """The parked task to run now, or None if it ended while it waited (given back, or stopped)."""
+        item = self._unstarted.pop(attempt_id, None)
+        if item is None:
+            return None
+        item[1].waiting = None  # its turn: from here a stop cancels its scope
+        return item[0], item[1]
 
     async def remove_leftover_workdirs(self) -> None:
         """At start, before any attempt runs here: what an earlier process left (it was killed before its stop
@@ -123,7 +115,7 @@ class Engine:
             log.info("cleared %d work directories left by an earlier process", len(leftover))
 
     def release_unstarted(self) -> None:
-        """Shutdown: give back every batch-claimed task not started yet, at once (it must not wait for the
+        """Shutdown: give back every parked task not started yet, at once (it must not wait for the
         drain: another node may run it meanwhile)."""
         items = list(self._unstarted.values())
         self._unstarted.clear()
@@ -151,7 +143,7 @@ class Engine:
                 "interrupted", "interrupted by shutdown; did not stop in time")), worker_id)
 
     def _stopped_waiting(self, held: Held) -> None:
-        """A batch-claimed task was stopped before its turn: it ends now, without a phase (nothing ran)."""
+        """A parked task was stopped before a worker took it: it ends now, without a phase (nothing ran)."""
         item = self._unstarted.pop(held.lease.attempt_id, None)
         if item is None:
             return
@@ -255,7 +247,7 @@ class Engine:
         ctx.enter_plugin(plugin.name)
         if len(self._ran) < MAX_RAN:  # read (and emptied) every supervisor tick; bounded all the same
             self._ran[ctx.task.id] = plugin.name
-        self._events.publish("plugin.started", task_id=ctx.task.id, worker_id=worker_id, plugin=plugin.name)
+        self._events.publish("plugin.started", ctx.task.id, worker_id, plugin.name)
         started, outcome = time.monotonic(), "stopped"  # unless it returns or raises: the attempt was stopped
         own_deadline = None  # no scope of its own unless it has a timeout: one scope per task costs enough
         try:
@@ -278,8 +270,8 @@ class Engine:
                 outcome = "failed"
             raise
         finally:  # every plugin.started has its plugin.finished, however the plugin ended
-            self._events.publish("plugin.finished", task_id=ctx.task.id, worker_id=worker_id, plugin=plugin.name,
-                                 duration_s=round(time.monotonic() - started, 6), outcome=outcome)
+            self._events.publish("plugin.finished", ctx.task.id, worker_id, plugin.name,
+                                 round(time.monotonic() - started, 6), outcome)
 
     def _required_tags(self, task: Task) -> frozenset[str]:
         type_tags = self.registry.required_tags(task.type)
@@ -308,8 +300,7 @@ class Engine:
 
     def _enter(self, ctx: TaskContext, held: Held, worker_id: str, phase: Phase) -> None:
         self._leases.note(held, phase)
-        self._events.publish("task.phase", task_id=ctx.task.id, worker_id=worker_id, phase=phase.value,
-                             attempt_id=held.lease.attempt_id)
+        self._events.publish("task.phase", ctx.task.id, worker_id, phase.value, held.lease.attempt_id)
 
     def _progress(self, held: Held, worker_id: str, ctx: TaskContext, fraction: float, message: str) -> None:
         progress = {"fraction": fraction, "message": message}
@@ -367,9 +358,11 @@ class Engine:
             log.info("task %s attempt %s %s -> retry_wait (%s)", task.id, attempt_id, outcome.status,
                      outcome.error.message if outcome.error else "")
         elif answer.terminal:
-            self._events.publish("task.finished", task_id=task.id, worker_id=worker_id, state=answer.value,
-                                 error=error, type=task.type)
-            log.info("task %s attempt %s -> %s", task.id, attempt_id, answer.value)
+            self._events.publish("task.finished", task.id, worker_id, answer.value, error, task.type)
+            if answer is State.COMPLETED:
+                self.completions.completed(task.id, attempt_id)  # one line each, up to a budget a second
+            else:
+                log.info("task %s attempt %s -> %s", task.id, attempt_id, answer.value)
         else:
             log.info("task %s attempt %s %s -> %s", task.id, attempt_id, outcome.status, answer.value)
 

@@ -46,7 +46,7 @@ class Held:
     why: str | None = None                # "cancel", "lost", "interrupt", "fenced"
     phase: Phase | None = None            # the latest phase and progress, written behind
     progress: dict[str, object] | None = None
-    # Called when stopped before its attempt started (a batch-claimed task waiting its turn): no scope is
+    # Called when stopped before its attempt started (a task parked for an idle worker): no scope is
     # entered yet to cancel, so whoever holds the task must end it now rather than at its turn.
     waiting: Callable[[Held], None] | None = None
 

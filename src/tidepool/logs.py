@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp.http_exceptions import HttpProcessingError
 
-from .events import Event
+from .events import Event, EventBus
 
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 _ID = r"[0-9a-f]{32}\b"  # model.new_id(): 32 hex digits
@@ -138,6 +138,16 @@ class MalformedRequests(logging.Filter):
         record.levelno, record.levelname = logging.INFO, "INFO"
         record.exc_info, record.exc_text = None, None
         return True
+
+
+TASK_STEPS = ("task.created", "task.leased", "task.phase", "plugin.started", "plugin.finished")
+
+
+def attach(bus: EventBus) -> None:
+    """Log what `lifecycle` logs: the workers' starts and stops always, a task's steps only while the task
+    log is at debug level (otherwise their data is not even built for it)."""
+    bus.listen(lifecycle, names=("worker.started", "worker.stopped"))
+    bus.listen(lifecycle, names=TASK_STEPS, wanted=lambda: task_log.isEnabledFor(logging.DEBUG))
 
 
 def lifecycle(event: Event) -> None:

@@ -20,7 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from .errors import StoreUnavailable
-from .events import Event
+from .events import Event, EventBus
 from .metric_series import Counter, Histogram, gauge
 from .model import TERMINAL, Phase, State
 
@@ -54,7 +54,8 @@ JOB_ENDS = ("cancelled", "failed", "success", "timeout")  # a job skipped is tol
 
 
 class Metrics:
-    """Everything /metrics shows for one node. Feed it with `events.listen(metrics.on_event)`."""
+    """Everything /metrics shows for one node. Feed it with `metrics.attach(events)` (or, reading every
+    event's data, `events.listen(metrics.on_event)`)."""
 
     def __init__(self, *, node_id: str, version: str, pool: Callable[[], PoolStats],
                  counts: Callable[[], Awaitable[dict[State, int]]],
@@ -156,6 +157,16 @@ class Metrics:
 
     # feeding
 
+    def attach(self, bus: EventBus) -> None:
+        """Count what the bus publishes: a task's own steps from their bare arguments (no event data is built
+        for the metrics), every other event from its data."""
+        tallies: dict[str, Callable[..., None]] = {
+            "task.leased": self._leased, "task.phase": self._phase_entered, "plugin.finished": self._plugin_ran,
+            "task.finished": self._finished}
+        for name, tally in tallies.items():
+            bus.tally(name, tally)
+        bus.listen(self.on_event, names=[name for name in self._handlers if name not in tallies])
+
     def on_event(self, event: Event) -> None:
         """The event bus listener: O(1) per event, and never raises into the code that published."""
         handler = self._handlers.get(event.name)
@@ -180,12 +191,18 @@ class Metrics:
             self.created.inc((d.get("type") or UNKNOWN,))
 
     def _task_leased(self, d: dict[str, Any], ts: float) -> None:
-        available_at = d.get("available_at")
+        self._leased(ts, d.get("task_id"), d.get("worker_id"), d.get("attempt_id"), d.get("attempt"), d.get("type"),
+                     d.get("available_at"))
+
+    def _leased(self, ts: float, task_id: object, worker_id: object, attempt_id: object, attempt: object,
+                task_type: str | None, available_at: float | None) -> None:
         if available_at is not None:
-            self.pickup_latency.observe(d.get("type") or UNKNOWN, ts - available_at)
+            self.pickup_latency.observe(task_type or UNKNOWN, ts - available_at)
 
     def _task_phase(self, d: dict[str, Any], ts: float) -> None:
-        task_id, phase = d["task_id"], d["phase"]
+        self._phase_entered(ts, d["task_id"], d.get("worker_id"), d["phase"], d.get("attempt_id"))
+
+    def _phase_entered(self, ts: float, task_id: str, worker_id: object, phase: str, attempt_id: object) -> None:
         if phase == "initialize":
             if len(self._open) >= MAX_OPEN_ATTEMPTS:
                 self._open.clear()
@@ -200,33 +217,42 @@ class Metrics:
         attempt[1], attempt[2] = phase, ts
 
     def _plugin_finished(self, d: dict[str, Any], ts: float) -> None:
-        duration_s = d.get("duration_s")
-        if duration_s is not None and d.get("outcome") == "succeeded":  # what the histogram says it counts
-            self.plugin_duration.observe(d["plugin"], duration_s)
+        self._plugin_ran(ts, d.get("task_id"), d.get("worker_id"), d.get("plugin"), d.get("duration_s"),
+                         d.get("outcome"))
+
+    def _plugin_ran(self, ts: float, task_id: object, worker_id: object, plugin: Any, duration_s: float | None,
+                    outcome: str | None) -> None:
+        if duration_s is not None and outcome == "succeeded":  # what the histogram says it counts
+            self.plugin_duration.observe(plugin, duration_s)
 
     def _task_retry_scheduled(self, d: dict[str, Any], ts: float) -> None:
         task_type = d.get("type") or UNKNOWN
         self.retries.inc((task_type,))
-        self._attempt_ended(d, ts, task_type)
+        self._attempt_ended(d["task_id"], d.get("error"), ts, task_type)
 
     def _task_finished(self, d: dict[str, Any], ts: float) -> None:
-        task_type = d.get("type") or UNKNOWN
-        self.finished.inc((task_type, d.get("state") or UNKNOWN))
-        if d.get("worker_id") is not None:  # ended by its worker here, not by the reconciler or an API cancel
-            self._attempt_ended(d, ts, task_type)
+        self._finished(ts, d["task_id"], d.get("worker_id"), d.get("state"), d.get("error"), d.get("type"))
+
+    def _finished(self, ts: float, task_id: str, worker_id: str | None, state: str | None,
+                  error: dict[str, Any] | None, task_type: str | None) -> None:
+        task_type = task_type or UNKNOWN
+        self.finished.inc((task_type, state or UNKNOWN))
+        if worker_id is not None:  # ended by its worker here, not by the reconciler or an API cancel
+            self._attempt_ended(task_id, error, ts, task_type)
 
     def _task_lease_lost(self, d: dict[str, Any], ts: float) -> None:
         self.lease_losses.inc(())
-        self._attempt_ended(d, ts, d.get("type") or UNKNOWN, lost=True)
+        self._attempt_ended(d["task_id"], d.get("error"), ts, d.get("type") or UNKNOWN, lost=True)
 
-    def _attempt_ended(self, d: dict[str, Any], ts: float, task_type: str, *, lost: bool = False) -> None:
-        attempt = self._open.pop(d["task_id"], None)
+    def _attempt_ended(self, task_id: str, error: dict[str, Any] | None, ts: float, task_type: str, *,
+                       lost: bool = False) -> None:
+        attempt = self._open.pop(task_id, None)
         if attempt is None:
             return
         self.phase_duration.observe(attempt[1], ts - attempt[2])
         self.task_duration.observe(task_type, ts - attempt[0])
         if attempt[3]:  # a plugin was running when the attempt was stopped: was it stopped by us?
-            reason = "lease_lost" if lost else _kill_reason(d.get("error"))
+            reason = "lease_lost" if lost else _kill_reason(error)
             if reason is not None:
                 self.plugin_kills.inc((reason,))
 

@@ -72,6 +72,12 @@ class OutcomeWriter:
         return self._given_up + self._waiting + self._queue + self._flying
 
     @property
+    def unsent(self) -> bool:
+        """Outcomes are posted that the next write will take, and none is being written: they go out as
+        soon as this writer's task runs."""
+        return bool(self._queue) and not self._flying
+
+    @property
     def pending(self) -> int:
         """Outcomes posted and not yet answered by the store."""
         return len(self._queue) + len(self._waiting) + len(self._flying)

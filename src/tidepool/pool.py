@@ -4,6 +4,11 @@ Workers are long-lived coroutines: a task started per job costs ~60 µs in anyio
 cap the pool near 15,000 jobs a second. They sleep on a Waker until a submit, a retry promotion or
 the safety-net poll wakes them. When a claim makes every live worker busy and the pool is below max_workers, one
 demand worker starts at once; a demand worker that finds no work for idle_timeout_s retires.
+
+A claim serves every worker free to start a task now: the worker that makes it asks for as many tasks
+as there are idle workers not spoken for (at most claim_batch), starts the first and parks the rest for
+the idle workers it wakes, so a burst of work costs one claim transaction instead of one per worker.
+Nothing is claimed ahead: a worker never holds a task it cannot start now.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import TaskGroup, TaskStatus
 
 from .engine import Engine
 from .errors import StoreUnavailable
 from .events import EventBus
-from .leases import LeaseKeeper
+from .leases import Held, LeaseKeeper
 from .logs import Outage
 from .model import Claimed, ClaimFilter, Worker
 from .store import WorkerPort
@@ -66,7 +72,7 @@ class PoolConfig:
     max_workers: int = 16
     idle_timeout_s: float = 30.0
     poll_interval_s: float = 2.0
-    claim_batch: int = 1
+    claim_batch: int = 32  # the most one claim leases, for as many idle workers
 
     @classmethod
     def of(cls, section: PoolSettings) -> PoolConfig:
@@ -148,6 +154,10 @@ class Pool:
         self._claiming = True
         self._store_outage = Outage(log)  # said once per outage, not once per worker and poll
         self._in_claim = 0
+        self._claimed_for = 0  # workers the claims in flight may bring a task to, their claimers included
+        self._parked: collections.deque[str] = collections.deque()  # attempt ids a claim leased for idle workers
+        self._answered: anyio.Event | None = None  # set when a claim answers, if a worker it counted in waits
+        self._awaiting_answer = 0  # workers waiting so: they take what a claim parks before any sleeper
         self._tg: TaskGroup | None = None
         self._idle = anyio.Event()
         self.last_tick = monotonic()
@@ -164,6 +174,7 @@ class Pool:
                 self.last_tick = self._monotonic()
                 period_s = min(1.0, self.config.poll_interval_s)
                 await anyio.sleep(period_s)
+                self._engine.completions.flush()  # the completions past the log's budget, once a second
                 ran = self._engine.plugins_since_asked()
                 # Late by this much, the loop was held at least as long (less the part of the sleep left then)
                 if (late_s := self._monotonic() - self.last_tick - period_s) >= LOOP_HELD_S - period_s:
@@ -213,7 +224,8 @@ class Pool:
         for worker in self._workers.values():
             worker.retire = True
         self.waker.wake_all()
-        self._engine.release_unstarted()  # batch-claimed tasks not started yet go back now, not after the drain
+        self._engine.release_unstarted()  # tasks parked for idle workers go back now, not after the drain
+        self._parked.clear()
 
     async def wait_idle(self) -> None:
         """Until no worker runs a task or waits for a claim (a claim in flight may still bring one), and
@@ -222,6 +234,7 @@ class Pool:
             self._idle = anyio.Event()
             await self._idle.wait()
         await self._engine.outcomes.flushed()
+        self._engine.completions.flush(final=True)
 
     # workers
 
@@ -230,8 +243,8 @@ class Pool:
         baseline = [w for w in workers if w.kind == "baseline"]
         for worker in baseline[self.config.min_workers:]:
             worker.kind = "demand"  # over the new minimum: retires like a demand worker
-        for worker in workers[self.config.max_workers:]:
-            worker.retire = True
+        for worker in sorted(workers, key=lambda w: not w.busy)[self.config.max_workers:]:
+            worker.retire = True  # idle ones first: they leave at once, a busy one only after its task
         demand = [w for w in workers if w.kind == "demand" and not w.retire]
         for _ in range(self.config.min_workers - len(baseline)):
             if demand:
@@ -255,9 +268,11 @@ class Pool:
         try:
             while self._claiming and not worker.retire:
                 try:
-                    claimed = await self._claim(identity) if self._may_claim() else []
-                    if claimed:
-                        await self._execute(worker, claimed)
+                    started = self._take_parked(worker)  # one a claim of another worker leased for it
+                    if started is None and self._may_claim():
+                        started = await self._claim(worker, identity)
+                    if started is not None:
+                        await self._execute(worker, *started)
                         idle_since = self._monotonic()
                         continue
                 except Exception:  # a bug must not take the node down: log it, keep the worker
@@ -273,6 +288,8 @@ class Pool:
                 reason = "retired" if self._claiming else "shutdown"
         finally:
             del self._workers[worker.id]
+            if self._parked:  # a claim counted this worker in: another must start what it parked
+                self.waker.wake(len(self._parked))
             self._events.publish("worker.stopped", worker_id=worker.id, kind=worker.kind, reason=reason)
 
     def _sleep_s(self, worker: _WorkerState, idle_s: float) -> float:
@@ -280,39 +297,94 @@ class Pool:
             return max(0.0, min(self.config.poll_interval_s, self.config.idle_timeout_s - idle_s))
         return self.config.poll_interval_s
 
-    async def _claim(self, identity: Worker) -> list[Claimed]:
+    def _claim_limit(self, where: ClaimFilter) -> int:
+        """How many tasks a claim may lease now: one for each worker free to start one (the claimer, and the
+        idle workers no other claim or parked task is meant for), at most claim_batch; 0 when a claim in
+        flight already counts this worker in (it waits for what that claim parks). A claim asking for free
+        resource slots takes one: it cannot tell how many of its tasks one slot would serve."""
+        free = len(self._workers) - self._busy - self._claimed_for - len(self._parked)
+        return min(1 if where.tag_sets else self.config.claim_batch, free)
+
+    async def _claim(self, worker: _WorkerState, identity: Worker) -> tuple[Claimed, Held | None] | None:
+        """Claim for every free worker: the first task for this one, the rest parked for the others."""
+        if self._engine.outcomes.unsent:
+            # The outcomes just posted (this worker's among them) go to the store first, and the claim joins
+            # them in the same write transaction: in a busy pool one commit instead of two per round of tasks.
+            await anyio.lowlevel.checkpoint()
+            if not self._claiming:
+                return None
+        where = self._claim_filter()
+        limit = self._claim_limit(where)
+        if limit <= 0:
+            # Counted in by a claim in flight: wait for its answer, not in the waker, so that a wake coming
+            # meanwhile (the claim may have looked before the work went in) finds no sleeper and is kept.
+            self._awaiting_answer += 1
+            try:
+                await self._claim_answered()
+            finally:
+                self._awaiting_answer -= 1
+            return self._take_parked(worker)
         self._in_claim += 1
+        self._claimed_for += limit
         try:
-            where = self._claim_filter()
             with self._promise_slots(where.tag_sets):  # until the engine takes its slot, in this same step
-                claimed = await self._store.claim(identity, where, limit=self.config.claim_batch,
-                                                  now=self._clock(), lease_s=self._leases.lease_s)
+                claimed = await self._store.claim(identity, where, limit=limit, now=self._clock(),
+                                                  lease_s=self._leases.lease_s)
         except StoreUnavailable as exc:
             self._store_outage.failing("workers cannot claim, retrying every %.1fs: %s",
                                        self.config.poll_interval_s, exc)
             await anyio.sleep(self.config.poll_interval_s)
-            return []
+            return None
         finally:
             self._in_claim -= 1
+            self._claimed_for -= limit
+            if self._answered is not None:
+                self._answered.set()
+                self._answered = None
             if not (self._busy or self._in_claim):
                 self._idle.set()
         self._store_outage.over("workers claim again: the store answers")
-        for c in claimed:
-            self._events.publish("task.leased", task_id=c.task.id, worker_id=identity.worker_id,
-                                 attempt_id=c.lease.attempt_id, attempt=c.task.attempt, type=c.task.type,
-                                 available_at=c.task.available_at)
-        return claimed
+        if not claimed:
+            return None
+        for c in claimed[1:]:
+            self._engine.park(c, identity.worker_id)
+            self._parked.append(c.lease.attempt_id)
+        if not self._claiming:  # a drain began during the claim: nothing of it starts
+            self._engine.park(claimed[0], identity.worker_id)
+            self._engine.release_unstarted()
+            self._parked.clear()
+            return None
+        if len(claimed) - 1 > self._awaiting_answer:  # those are woken by the answer; the rest are asleep
+            self.waker.wake(len(claimed) - 1 - self._awaiting_answer)
+        self._leased(claimed[0], identity.worker_id)
+        return claimed[0], None
 
-    async def _execute(self, worker: _WorkerState, claimed: list[Claimed]) -> None:
+    async def _claim_answered(self) -> None:
+        if self._answered is None:
+            self._answered = anyio.Event()
+        await self._answered.wait()
+
+    def _take_parked(self, worker: _WorkerState) -> tuple[Claimed, Held | None] | None:
+        """A task another worker's claim leased for an idle worker, if one waits (and was not stopped meanwhile)."""
+        while self._parked:
+            taken = self._engine.take_parked(self._parked.popleft())
+            if taken is not None:
+                self._leased(taken[0], worker.id)
+                return taken
+        return None
+
+    def _leased(self, claimed: Claimed, worker_id: str) -> None:
+        task = claimed.task
+        self._events.publish("task.leased", task.id, worker_id, claimed.lease.attempt_id, task.attempt, task.type,
+                             task.available_at)
+
+    async def _execute(self, worker: _WorkerState, claimed: Claimed, held: Held | None) -> None:
         self._busy += 1
         worker.busy = True
         if self._busy >= len(self._workers) and len(self._workers) < self.config.max_workers:
             self._spawn("demand", "busy")
         try:
-            if len(claimed) == 1 and self._claiming:
-                await self._engine.run(claimed[0], worker.id)
-            else:
-                await self._engine.run_batch(claimed, worker.id, keep_going=lambda: self._claiming)
+            await self._engine.run(claimed, worker.id, held=held)
         finally:
             self._busy -= 1
             worker.busy = False

@@ -111,9 +111,9 @@ class Daemon:
                                draining=lambda: self.status.draining, task_types=lambda: self.ops.registry.types,
                                organizations=self.store.organization_counts,
                                profiles=lambda: self.ops.scans.profiles)
-        self.events.listen(self.metrics.on_event)
+        self.metrics.attach(self.events)
         self.metrics.registry.register(self.gateway.metrics)
-        self.events.listen(logs.lifecycle)
+        logs.attach(self.events)
         self.leases = LeaseKeeper(self.metrics.lease_store(self.store), lease_s=settings.lease.duration_s,
                                   renew_every_s=settings.lease.renew_every_s,
                                   fence_after_s=fence_after_s(settings.node.heartbeat_s),

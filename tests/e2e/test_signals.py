@@ -95,8 +95,9 @@ def test_sigterm_lets_short_tasks_finish_and_interrupts_long_ones_which_a_restar
 
 
 @pytest.mark.e2e
-def test_sigterm_in_batch_mode_gives_back_claimed_unstarted_tasks_at_once(make_daemon: Callable[..., Daemon]) -> None:
-    # The running task outlasts the drain, and the drain the wait for the give-back: "at once" is before both.
+def test_a_worker_leases_only_what_it_can_start_so_a_sigterm_leaves_the_rest_queued(
+        make_daemon: Callable[..., Daemon]) -> None:
+    # claim_batch 4 is a limit per claim, not a batch a worker holds: one worker leases one task at a time.
     daemon = make_daemon({"pool": {"min_workers": 1, "max_workers": 1, "claim_batch": 4, "drain_timeout_s": 5.0}})
     daemon.start()
     ids = daemon.post("/v1/tasks/batch", {"tasks": [{"type": "sleep", "payload": {"seconds": 10}}] * 4}).body["ids"]
@@ -104,18 +105,10 @@ def test_sigterm_in_batch_mode_gives_back_claimed_unstarted_tasks_at_once(make_d
     def states() -> list[str]:
         return sorted(state for ((state, _, _),) in ([row(daemon, i)] for i in ids))
 
-    daemon.wait_for("one task running, three claimed behind it",
-                    lambda: states() == ["leased", "leased", "leased", "running"])
+    daemon.wait_for("one task running", lambda: states() == ["pending", "pending", "pending", "running"])
+    assert all(attempts(daemon, i) == [] for i in ids if row(daemon, i)[0] == "pending"), "nothing leased ahead"
     assert daemon.proc is not None
     daemon.proc.send_signal(signal.SIGTERM)
-    daemon.wait_for("the three unstarted tasks back in the queue",
-                    lambda: states() == ["pending", "pending", "pending", "running"], timeout_s=4.0)
-    assert daemon.proc.poll() is None, "given back while the running task still drains, not after"
-    given_back = [i for i in ids if row(daemon, i)[0] == "pending"]
-    for task_id in given_back:
-        assert row(daemon, task_id) == ("pending", 0, 1)
-        assert [a[1:3] for a in attempts(daemon, task_id)] == [(1, "interrupted")]
-
     assert daemon.proc.wait(20) == 0, daemon.log()
     assert states() == ["pending"] * 4
     assert all(row(daemon, i)[1] == 0 for i in ids)

@@ -114,7 +114,8 @@ async def test_work_that_arrives_while_every_worker_is_mid_claim_is_started_at_o
     async def blocked(ctx: TaskContext) -> None:
         await gate.wait()
 
-    config = PoolConfig(min_workers=4, max_workers=4, poll_interval_s=30.0)  # a missed wake costs 30 s
+    # a missed wake costs 30 s; claim_batch 1: each worker claims for itself, so four claims are out at once
+    config = PoolConfig(min_workers=4, max_workers=4, poll_interval_s=30.0, claim_batch=1)
     async with running_node(LateAnswers(), {"blocked": blocked}, pool=config,  # type: ignore[arg-type]
                             work_root=tmp_path) as node:
         with anyio.fail_after(5):

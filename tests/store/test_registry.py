@@ -147,6 +147,32 @@ async def test_an_acquire_saves_what_the_worker_reports_and_leases_under_its_ide
     assert await store.renew([got.claimed[0].lease], now=T0 + 4, lease_s=LEASE_S) == {}
 
 
+async def test_an_acquire_saves_the_record_when_what_the_worker_reports_changed_or_a_second_passed(
+        store: Store) -> None:
+    await meet(store)
+    await acquire(store, now=T0 + 1)
+    assert (await store.get_worker(SCANNER)).last_seen == T0 + 1
+    quick = await acquire(store, now=T0 + 1.5)  # half a second on, the same report: the saved record stays
+    assert quick.worker.last_seen == T0 + 1.5
+    assert (await store.get_worker(SCANNER)).last_seen == T0 + 1
+    await acquire(store, now=T0 + 1.6, slots=(("vm",),))  # new slots: saved at once
+    assert ((await store.get_worker(SCANNER)).slots, (await store.get_worker(SCANNER)).last_seen) == \
+        ((("vm",),), T0 + 1.6)
+    await acquire(store, now=T0 + 1.7, slots=(("vm",),), version="1.1")
+    assert (await store.get_worker(SCANNER)).version == "1.1"
+    await acquire(store, now=T0 + 2.7, slots=(("vm",),), version="1.1")  # a second on: saved
+    assert (await store.get_worker(SCANNER)).last_seen == T0 + 2.7
+
+
+async def test_an_acquire_that_skips_the_save_still_leases_and_counts_the_cap(store: Store) -> None:
+    first, second = await add(store), await add(store)
+    await meet(store, cap=1)
+    assert await acquired_ids(store, now=T0 + 1) == [first]
+    assert await acquired_ids(store, now=T0 + 1.1) == []  # the cap, not the unsaved record, decides
+    await change(store, max_concurrent_tasks=2)
+    assert await acquired_ids(store, now=T0 + 1.2) == [second]
+
+
 async def test_an_acquire_leases_only_tasks_a_free_slot_of_the_worker_can_serve(store: Store) -> None:
     await add(store, required_tags=("vm",))
     plain = await add(store)

@@ -138,3 +138,14 @@ def test_a_remote_worker_cannot_be_a_gateway_too(lab: pki.Lab, tmp_path: Path) -
                       f'client_ca_file = "{f["ca_file"]}"\n')
     with pytest.raises(ConfigError, match=r"gateway\.listen: a remote worker .* cannot serve workers"):
         settings.load(config)
+
+
+def test_an_acquire_never_asks_for_more_than_the_gateway_takes() -> None:
+    # A pool's claim_batch may exceed what one acquire may ask for: the adapter clips its max to the
+    # gateway's bound, else every claim of a large pool would be refused with 400.
+    from tidepool.gateway.schemas import MAX_ACQUIRE as GATEWAY_MAX
+    from tidepool.settings.sections import PoolSettings
+    from tidepool.store.remote.adapter import MAX_ACQUIRE
+
+    assert MAX_ACQUIRE == GATEWAY_MAX
+    assert PoolSettings.model_fields["claim_batch"].metadata[-1].le > MAX_ACQUIRE

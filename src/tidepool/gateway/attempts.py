@@ -5,6 +5,8 @@ sends names its task that way, so any gateway of the store (after a restart too)
 look-up. Forging the task id gains nothing: the store fences on all three of task, attempt and token.
 The book keeps each attempt's task, type, owner and last phase for the events the gateway publishes; an attempt
 another gateway (or an earlier process) handed out is booked at its first note, its type read from the store.
+An entry's owner is always one the gateway established (it handed the attempt out, or the store named the owner
+before the write that booked it), so the writes of that owner are taken as its own without a read.
 """
 
 from __future__ import annotations

@@ -188,9 +188,15 @@ class Gateway:
     # writes
 
     async def _owned(self, worker: RemoteWorker, items: Sequence[LeaseIn]) -> set[str]:
-        """The attempt ids of `items` that are the caller's; the others are said in the log, once per call."""
-        owners = await self.store.attempt_owners([i.attempt_id for i in items])
-        mine = {a for a, owner in owners.items() if owner == worker.id}
+        """The attempt ids of `items` that are the caller's; the others are said in the log, once per call. An
+        attempt's owner never changes, so one the book holds for the caller (this gateway handed it out, or the
+        store said so before) needs no read; the store is asked only about the rest."""
+        ids = [i.attempt_id for i in items]
+        mine = {a for a in ids if (booked := self.book.get(a)) is not None and booked.identity == worker.id}
+        unknown = [a for a in ids if a not in mine]
+        if unknown:
+            owners = await self.store.attempt_owners(unknown)
+            mine.update(a for a, owner in owners.items() if owner == worker.id)
         others = [i.attempt_id for i in items if i.attempt_id not in mine]
         if others:
             self.metrics.refused.inc((NOT_YOURS,), len(others))

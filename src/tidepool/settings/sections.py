@@ -69,7 +69,7 @@ class PoolSettings(Section):
     max_workers: int = Field(16, ge=1, le=MAX_WORKERS)
     idle_timeout_s: float = Field(30.0, gt=0)
     poll_interval_s: float = Field(2.0, gt=0)
-    claim_batch: int = Field(1, ge=1, le=1000)
+    claim_batch: int = Field(32, ge=1, le=1000)  # the most one claim leases, one per idle worker
     task_types: tuple[str, ...] = ("*",)
     max_queued: int = Field(100_000, ge=1)
     drain_timeout_s: float = Field(30.0, ge=0)

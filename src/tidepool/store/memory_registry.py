@@ -13,7 +13,18 @@ from typing import TYPE_CHECKING
 from ..errors import WorkerNotFound
 from ..model import CertSeen, ClaimFilter, RemoteWorker, State, Worker, WorkerChange, WorkerState
 from .port import Acquired, Enroll, Node, Revoked
-from .registry import REMOTE_INSTANCE, acquire_filter, changed, first_record, met_again, node_taken, room, taken_away
+from .registry import (
+    REMOTE_INSTANCE,
+    acquire_filter,
+    changed,
+    first_record,
+    met_again,
+    node_taken,
+    reported,
+    room,
+    taken_away,
+    worth_saving,
+)
 from .rules import cancel_step
 
 if TYPE_CHECKING:
@@ -70,9 +81,9 @@ class MemoryRegistry:
     async def acquire(self, identity: str, where: ClaimFilter, *, limit: int, now: float, lease_s: float,
                       worker_id: str, slots: Sequence[Sequence[str]], version: str | None) -> Acquired:
         known = self._worker(identity)
-        worker = dataclasses.replace(known, slots=tuple(tuple(s) for s in slots), version=version,
-                                     last_seen=max(known.last_seen, now))
-        self._workers[identity] = worker
+        worker = reported(known, slots, version, now)
+        if worth_saving(known, worker):
+            self._workers[identity] = worker
         worker = self._counted(worker)
         n = room(worker, limit)
         if n == 0:

@@ -99,6 +99,23 @@ def taken_away(before: RemoteWorker, after: RemoteWorker, change: WorkerChange) 
     return tuple(sorted(set(before.organizations) - set(after.organizations)))
 
 
+SEEN_EVERY_S = 1.0  # an acquire saves a last_seen this much newer than the saved one, not every one
+
+
+def reported(known: RemoteWorker, slots: Sequence[Sequence[str]], version: str | None, now: float) -> RemoteWorker:
+    """The record as an acquire finds it: the slots and version the worker reports, seen now."""
+    return dataclasses.replace(known, slots=tuple(tuple(s) for s in slots), version=version,
+                               last_seen=max(known.last_seen, now))
+
+
+def worth_saving(known: RemoteWorker, seen: RemoteWorker) -> bool:
+    """Whether an acquire writes the worker's record: when what it reports changed, or its saved last_seen is
+    SEEN_EVERY_S old. Acquires come many a second from a busy worker, and a write each would cost more
+    than the lease it makes; a last seen a second behind tells an operator the same."""
+    return (seen.slots != known.slots or seen.version != known.version
+            or seen.last_seen - known.last_seen >= SEEN_EVERY_S)
+
+
 def room(worker: RemoteWorker, limit: int) -> int:
     """How many tasks an acquire may lease: none unless the worker is enabled, never past its cap."""
     if worker.state is not WorkerState.ENABLED:

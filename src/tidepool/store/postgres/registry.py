@@ -35,8 +35,10 @@ from ..registry import (
     met_again,
     node_taken,
     postgres_regex,
+    reported,
     room,
     taken_away,
+    worth_saving,
 )
 from ..rows import task_of, worker_of, worker_values
 from .claims import exactly
@@ -102,17 +104,37 @@ class Registry:
 
     async def acquire(self, identity: str, where: ClaimFilter, *, limit: int, now: float, lease_s: float,
                       worker_id: str, slots: Sequence[Sequence[str]], version: str | None) -> Acquired:
+        idle = await self._nothing_to_acquire(identity, where, limit, now, slots, version)
+        if idle is not None:
+            return idle
         async with self._db.conn(rows=max(limit, 0)) as conn, conn.transaction():
             known = await _locked(conn, identity)
-            reported = dataclasses.replace(known, slots=tuple(tuple(s) for s in slots), version=version,
-                                           last_seen=max(known.last_seen, now))
-            await conn.execute(SQL["save_worker"], *_values(reported))
-            n = room(reported, limit)
+            seen = reported(known, slots, version, now)
+            if worth_saving(known, seen):
+                await conn.execute(SQL["save_worker"], *_values(seen))
+            n = room(seen, limit)
             if n == 0:
-                return Acquired(reported, [])
-            narrowed, globs = acquire_filter(where, reported)
+                return Acquired(seen, [])
+            narrowed, globs = acquire_filter(where, seen)
             claimed = await _claim(conn, identity, worker_id, narrowed, globs, n, now, lease_s)
-            return Acquired(reported, claimed)
+            return Acquired(seen, claimed)
+
+    async def _nothing_to_acquire(self, identity: str, where: ClaimFilter, limit: int, now: float,
+                                  slots: Sequence[Sequence[str]], version: str | None) -> Acquired | None:
+        """Without a transaction: the answer of an acquire that would write nothing (the record need not be
+        saved, no row is claimable to it), or None when it must lock. Nothing is leased from this read, so the
+        state, cap, globs and organizations that lease are still decided under the worker's row lock."""
+        async with self._db.conn() as conn:
+            known = await _read(conn, identity)
+            seen = reported(known, slots, version, now)
+            if worth_saving(known, seen):
+                return None
+            n = room(seen, limit)
+            if n:
+                arguments = _claim_arguments(*acquire_filter(where, seen))
+                if arguments is not None and await conn.fetchval(SQL["claimable_any"], now, *arguments) is not None:
+                    return None
+            return Acquired(seen, [])
 
     async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
         if not attempt_ids:
@@ -144,21 +166,29 @@ async def _cancel_held(conn: Conn, worker_id: str, now: float, organizations: Se
 async def _claim(conn: Conn, identity: str, worker_id: str, where: ClaimFilter, globs: Sequence[str] | None, n: int,
                  now: float, lease_s: float) -> list[Claimed]:
     """Lease up to n tasks to the identity by the schema's claim function, inside the caller's transaction."""
-    if where.types == () or where.organizations == ():
+    arguments = _claim_arguments(where, globs)
+    if arguments is None:
         return []
-    if where.types is not None:
-        patterns: list[str] | None = [exactly(t) for t in where.types]
-    else:
-        patterns = None if globs is None else [postgres_regex(g) for g in globs]
+    patterns, tag_sets, organizations = arguments
     leases = [(new_id(now), new_token()) for _ in range(n)]
-    tag_sets = json.dumps([sorted(s) for s in where.tag_sets]) if where.tag_sets else None
     rows = await conn.fetch(
         SQL["claim"], now, n, [a for a, _ in leases], [t for _, t in leases], [identity] * n, [REMOTE_INSTANCE] * n,
-        [worker_id] * n, [now] * n, [now + lease_s] * n, patterns, tag_sets,
-        None if where.organizations is None else list(where.organizations))  # fmt: skip
+        [worker_id] * n, [now] * n, [now + lease_s] * n, patterns, tag_sets, organizations)  # fmt: skip
     claimed = []
     for row in rows:
         attempt_id, token = leases[row[0] - 1]
         task = task_of(row[1:], required_tags=row[12])
         claimed.append(Claimed(task, Lease(task.id, attempt_id, token, now + lease_s)))
     return claimed
+
+
+def _claim_arguments(where: ClaimFilter, globs: Sequence[str] | None) -> tuple[Any, Any, Any] | None:
+    """The claim function's type patterns, tag sets and organizations for `where`; None if it can match nothing."""
+    if where.types == () or where.organizations == ():
+        return None
+    if where.types is not None:
+        patterns: list[str] | None = [exactly(t) for t in where.types]
+    else:
+        patterns = None if globs is None else [postgres_regex(g) for g in globs]
+    tag_sets = json.dumps([sorted(s) for s in where.tag_sets]) if where.tag_sets else None
+    return patterns, tag_sets, None if where.organizations is None else list(where.organizations)

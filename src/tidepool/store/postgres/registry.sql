@@ -41,3 +41,15 @@ RETURNING id, lease_attempt_id, type
 
 -- name: attempt_owners
 SELECT id, node_id FROM attempts WHERE id = ANY($1::text[])
+
+-- name: claimable_any
+-- Whether the claim function would find a row for these arguments (its WHERE, without its lock): an acquire
+-- that finds none and has nothing of the worker's to save answers from this read, without a transaction.
+SELECT 1 FROM tasks t
+WHERE t.state IN ('pending', 'retry_wait') AND t.available_at <= $1 AND t.attempt < t.max_attempts
+  AND ($2::text[] IS NULL OR t.type ~ ANY($2::text[]))
+  AND ($4::text[] IS NULL OR t.organization = ANY($4::text[]))
+  AND (cardinality(t.required_tags) = 0 OR EXISTS (
+      SELECT 1 FROM jsonb_array_elements($3::jsonb) AS ts(tags)
+      WHERE t.required_tags <@ ARRAY(SELECT jsonb_array_elements_text(ts.tags))))
+LIMIT 1

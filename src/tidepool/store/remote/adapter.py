@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 PARK_S = 25.0            # asked of the gateway, which holds an acquire at most its gateway.max_wait_s
 RESULT_TIMEOUT_S = 30.0  # a result batch may be large
 MAX_MESSAGE, MAX_STDERR_TAIL = 4000, 4096  # characters of an ending the gateway takes
+MAX_ACQUIRE = 256        # the most tasks one acquire may ask for; a pool's claim_batch may be larger
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +151,7 @@ class RemoteStore(RemoteQueue):
                        asked_at: float | None = None) -> list[Claimed]:
         sent = self._monotonic() if asked_at is None else asked_at  # a repeat's leases may date from the first
         body = {"types": list(where.types) if where.types is not None else ["*"],
-                "slots": [sorted(tags) for tags in where.tag_sets], "max": limit, "wait_s": wait_s,
+                "slots": [sorted(tags) for tags in where.tag_sets], "max": min(limit, MAX_ACQUIRE), "wait_s": wait_s,
                 "request_id": request_id}
         try:
             answer = self._calls.ok(await self._calls.post("/w1/acquire", body, timeout_s=wait_s + REQUEST_TIMEOUT_S))

@@ -70,6 +70,7 @@ class SqliteStore:
         self._writer = Writer(self._db)
         self._reader: sqlite3.Connection | None = None
         self._read_limiter = anyio.CapacityLimiter(1)
+        self._acquire_filled: set[str] = set()  # workers whose last acquire got all it asked for
 
     # lifecycle of the adapter
 
@@ -281,8 +282,21 @@ class SqliteStore:
 
     async def acquire(self, identity: str, where: ClaimFilter, *, limit: int, now: float, lease_s: float,
                       worker_id: str, slots: Sequence[Sequence[str]], version: str | None) -> Acquired:
-        return await self._write(partial(registry.acquire, identity=identity, where=where, limit=limit, now=now,
-                                         lease_s=lease_s, worker_id=worker_id, slots=slots, version=version))
+        # An empty acquire (a parked worker's, most of them) is a read: no write lock, no durable commit. One
+        # right after an acquire of this worker that got all it asked for (a drain) goes to the writer at once.
+        if identity not in self._acquire_filled:
+            idle = await self._read(partial(registry.nothing_to_acquire, identity=identity, where=where,
+                                            limit=limit, now=now, slots=slots, version=version))
+            if idle is not None:
+                return idle
+        acquired: Acquired = await self._write(partial(
+            registry.acquire, identity=identity, where=where, limit=limit, now=now, lease_s=lease_s,
+            worker_id=worker_id, slots=slots, version=version))
+        if acquired.claimed and len(acquired.claimed) >= limit:
+            self._acquire_filled.add(identity)
+        else:
+            self._acquire_filled.discard(identity)
+        return acquired
 
     async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
         if not attempt_ids:

@@ -32,6 +32,9 @@ class Database:
         self.corrupt: str | None = None  # once SQLite says the file is malformed, for good
         self._inode: tuple[int, int] | None = None  # (device, inode) of the file opened: see still_ours
         self._wal_inode: tuple[int, int] | None = None  # and of its write-ahead log, once it exists
+        # The two names as plain strings, made once: still_ours() runs before every write transaction, and
+        # a Path's with_name() and str() there cost more than the two stat() calls themselves.
+        self._names = (str(path), str(path.with_name(path.name + "-wal")))
         self._write_failed: tuple[str, float] | None = None  # why a write transaction failed, and when
 
     def connect_writer(self, migrate: bool) -> tuple[sqlite3.Connection, int]:
@@ -83,8 +86,8 @@ class Database:
         """The file opened, and its write-ahead log, are still the database's names. Deleted or replaced while
         open, SQLite would go on writing to a file no name reaches: every task acknowledged from then on would
         be gone at restart (the log holds every commit since the last checkpoint)."""
-        wal = self.path.with_name(self.path.name + "-wal")
-        for name, opened in ((self.path, self._inode), (wal, self._wal_inode)):
+        path, wal = self._names
+        for name, opened in ((path, self._inode), (wal, self._wal_inode)):
             if opened is not None and _inode(name) != opened:
                 raise StoreUnavailable(f"the database file {name} was deleted or replaced while open; nothing more "
                                        "is written: restart the node (what it held since is lost with the file)")
@@ -131,7 +134,7 @@ def _migrate(conn: sqlite3.Connection, version: int) -> None:
         conn.executescript(f"BEGIN; {' '.join(steps)}; PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
 
 
-def _inode(path: Path) -> tuple[int, int] | None:
+def _inode(path: Path | str) -> tuple[int, int] | None:
     with contextlib.suppress(FileNotFoundError):
         stat = os.stat(path)
         return stat.st_dev, stat.st_ino

@@ -24,7 +24,18 @@ from ...model import (
     new_token,
 )
 from ..port import Acquired, Enroll, Revoked
-from ..registry import REMOTE_INSTANCE, acquire_filter, changed, first_record, met_again, node_taken, room, taken_away
+from ..registry import (
+    REMOTE_INSTANCE,
+    acquire_filter,
+    changed,
+    first_record,
+    met_again,
+    node_taken,
+    reported,
+    room,
+    taken_away,
+    worth_saving,
+)
 from ..rows import worker_of, worker_values
 from ..rules import cancel_step
 from .database import Q
@@ -111,18 +122,35 @@ def _cancel_held(conn: sqlite3.Connection, worker_id: str, now: float,
     return [Revoked(task_id, attempt_id, type_) for task_id, attempt_id, type_, _ in held]
 
 
+def nothing_to_acquire(conn: sqlite3.Connection, *, identity: str, where: ClaimFilter, limit: int, now: float,
+                       slots: Sequence[Sequence[str]], version: str | None) -> Acquired | None:
+    """On the reader: the answer of an acquire that would write nothing (its record need not be saved and no
+    row is claimable to it), or None when it must take the writer. Nothing is leased from a read, so the
+    state, cap, globs and organizations that lease are still decided in the write's transaction."""
+    known = read_worker(conn, identity)
+    seen = reported(known, slots, version, now)
+    if worth_saving(known, seen):
+        return None
+    n = room(seen, limit)
+    if n:
+        narrowed, globs = acquire_filter(where, seen)
+        if claimable(conn, narrowed, 1, now, globs):
+            return None
+    return Acquired(seen, [])
+
+
 def acquire(conn: sqlite3.Connection, batch: Batch, *, identity: str, where: ClaimFilter, limit: int, now: float,
             lease_s: float, worker_id: str, slots: Sequence[Sequence[str]], version: str | None) -> Acquired:
-    """Read the worker's record (saving what it reports) and lease what its state, cap, globs and organizations
-    allow, in this one transaction: SQLite's one writer runs no other acquire meanwhile."""
+    """Read the worker's record (saving what it reports, when worth it) and lease what its state, cap, globs and
+    organizations allow, in this one transaction: SQLite's one writer runs no other acquire meanwhile."""
     known = read_worker(conn, identity)
-    reported = dataclasses.replace(known, slots=tuple(tuple(s) for s in slots), version=version,
-                                   last_seen=max(known.last_seen, now))
-    _save(conn, reported)
-    n = room(reported, limit)
+    seen = reported(known, slots, version, now)
+    if worth_saving(known, seen):
+        _save(conn, seen)
+    n = room(seen, limit)
     if n == 0:
-        return Acquired(reported, [])
-    narrowed, globs = acquire_filter(where, reported)
+        return Acquired(seen, [])
+    narrowed, globs = acquire_filter(where, seen)
     claimer = Worker(identity, REMOTE_INSTANCE, worker_id)
     claimed = [Claimed(task_of(r, leased_by=identity, now=now), Lease(r[0], new_id(now), new_token(), now + lease_s))
                for r in claimable(conn, narrowed, n, now, globs)]
@@ -130,4 +158,4 @@ def acquire(conn: sqlite3.Connection, batch: Batch, *, identity: str, where: Cla
         lease(conn, [(claimer, c, now) for c in claimed])
         if batch.queued is not None:
             batch.queued -= len(claimed)
-    return Acquired(reported, claimed)
+    return Acquired(seen, claimed)

@@ -1,0 +1,169 @@
+"""Claims that fill idle workers: one claim leases a task for every worker free to start one, never more."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from tidepool.context import TaskContext
+from tidepool.model import AttemptStatus, Claimed, ClaimFilter, State, Worker
+from tidepool.pool import PoolConfig
+from tidepool.store.sqlite import SqliteStore
+
+from .conftest import Node, running_node
+
+
+class RecordingStore(SqliteStore):
+    """The SQLite store, recording each claim's limit and how many tasks it leased."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.claims: list[tuple[int, int]] = []
+
+    async def claim(self, worker: Worker, where: ClaimFilter, *, limit: int, now: float,
+                    lease_s: float) -> list[Claimed]:
+        claimed = await super().claim(worker, where, limit=limit, now=now, lease_s=lease_s)
+        self.claims.append((limit, len(claimed)))
+        return claimed
+
+
+def leased_in_store(path: Path) -> tuple[int, int]:
+    """(attempts opened, tasks still pending), read from the SQLite file itself."""
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        (attempts,), = conn.execute("SELECT count(*) FROM attempts").fetchall()
+        (pending,), = conn.execute("SELECT count(*) FROM tasks WHERE state = 'pending'").fetchall()
+    return attempts, pending
+
+
+def gated() -> tuple[anyio.Event, dict[str, Any]]:
+    gate = anyio.Event()
+
+    async def blocked(ctx: TaskContext) -> None:
+        await gate.wait()
+
+    return gate, {"blocked": blocked}
+
+
+async def running(node: Node, n: int) -> None:
+    await node.until(lambda: sum(e.name == "plugin.started" for e in node.seen) >= n)
+
+
+async def test_one_claim_leases_a_task_for_each_idle_worker_and_no_more(tmp_path: Path) -> None:
+    store = RecordingStore(tmp_path / "tidepool.db")
+    gate, plugins = gated()
+    config = PoolConfig(min_workers=4, max_workers=4, claim_batch=32, poll_interval_s=30.0)
+    async with running_node(store, plugins, pool=config, work_root=tmp_path) as node:
+        await node.until(lambda: len(store.claims) == 1)  # the start's: the first worker claimed for all four
+        assert store.claims == [(4, 0)]
+        store.claims.clear()
+        ids = await node.submit_many("blocked", 10)  # wakes every sleeping worker
+        await running(node, 4)
+        assert leased_in_store(store.path) == (4, 6)  # four attempts for four workers; six left queued
+        assert store.claims == [(4, 4)], "one claim served the four idle workers"
+        leased = [e for e in node.seen if e.name == "task.leased"]
+        assert len({e.data["worker_id"] for e in leased}) == 4, "each worker runs one of them"
+        gate.set()
+        tasks = [await node.finished(task_id) for task_id in ids]
+    assert [t.state for t in tasks] == [State.COMPLETED] * 10
+    assert [[a.status for a in t.attempts] for t in tasks] == [[AttemptStatus.SUCCEEDED]] * 10
+    assert all(limit <= 4 and got <= limit for limit, got in store.claims)
+
+
+async def test_a_claim_leases_only_for_the_workers_free_now_and_at_most_claim_batch(tmp_path: Path) -> None:
+    store = RecordingStore(tmp_path / "tidepool.db")
+    gate, plugins = gated()
+    config = PoolConfig(min_workers=6, max_workers=6, claim_batch=3, poll_interval_s=30.0)
+    async with running_node(store, plugins, pool=config, work_root=tmp_path) as node:
+        await node.until(lambda: sum(limit for limit, _ in store.claims) == 6)  # the start's: two claims of 3
+        await node.submit_many("blocked", 2)
+        await running(node, 2)
+        assert leased_in_store(store.path) == (2, 0)
+        store.claims.clear()
+        await node.submit_many("blocked", 10)  # four workers are free now: four more leases, in claims of 3 at most
+        await running(node, 6)
+        assert leased_in_store(store.path) == (6, 6)
+        assert sum(got for _, got in store.claims) == 4
+        assert all(limit <= 3 for limit, _ in store.claims), store.claims
+        assert node.pool.statistics().busy == 6
+        gate.set()
+
+
+async def test_stopping_the_pool_gives_back_a_parked_task_at_once(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "tidepool.db")
+    gate, plugins = gated()
+    config = PoolConfig(min_workers=1, max_workers=1, poll_interval_s=30.0)
+    async with running_node(store, plugins, pool=config, work_root=tmp_path) as node:
+        (task_id,) = await node.submit_many("blocked", 1)
+        await running(node, 1)
+        (parked_id,) = await park_one(node, "blocked")
+        node.pool.stop_claiming()  # what the daemon's drain does on SIGTERM
+        with anyio.fail_after(2):  # while the running task still runs
+            while (parked := await node.store.get(parked_id)).state is not State.PENDING:
+                await anyio.sleep(0.01)
+        assert parked.attempt == 0, "given back, its attempt not charged"
+        assert [a.status for a in parked.attempts] == [AttemptStatus.INTERRUPTED]
+        gate.set()
+        assert (await node.finished(task_id)).state is State.COMPLETED
+    assert node.leases.held() == []
+
+
+async def test_a_cancel_of_a_parked_task_ends_it_at_once_without_running_it(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "tidepool.db")
+    gate, plugins = gated()
+    config = PoolConfig(min_workers=1, max_workers=1, poll_interval_s=30.0)
+    async with running_node(store, plugins, pool=config, work_root=tmp_path, renew_every_s=0.05) as node:
+        await node.submit_many("blocked", 1)
+        await running(node, 1)
+        (parked_id,) = await park_one(node, "blocked")
+        # the cancel lands in the store only, as from another node; the next renewal notices it
+        assert (await node.store.request_cancel(parked_id, now=time.time())).state is State.CANCELLING
+        with anyio.fail_after(2):  # not once a worker is free, nor at the reconciler's cancel deadline (5 s)
+            cancelled = await node.finished(parked_id)
+        assert not gate.is_set()
+        gate.set()
+    assert cancelled.state is State.CANCELLED
+    assert [a.status for a in cancelled.attempts] == [AttemptStatus.CANCELLED]
+    assert "plugin.started" not in node.names(parked_id)  # it never started
+
+
+async def park_one(node: Node, task_type: str) -> list[str]:
+    """A task leased and parked for a worker, as a claim for several idle workers parks its others, while
+    the pool's only worker is busy: it waits there until that worker is free."""
+    (task_id,) = await node.submit_many(task_type, 1)
+    worker = Worker("test-node", "i1", "test-node/w1")
+    (claimed,) = await node.store.claim(worker, ClaimFilter(), limit=1, now=time.time(), lease_s=30.0)
+    node.engine.park(claimed, worker.worker_id)
+    return [task_id]
+
+
+async def test_work_that_arrives_while_one_claim_serves_every_worker_is_started_at_once(tmp_path: Path) -> None:
+    """The one claim made for four idle workers looked at the queue before the task went in, and comes back
+    empty: the wake that came meanwhile must send a worker to claim again, not be spent on a worker that
+    claim had counted in (a missed wake costs the 30 s poll here)."""
+    looked, answer = anyio.Event(), anyio.Event()
+
+    class LateAnswer(RecordingStore):  # the real store; its first claim holds its (empty) answer back
+        async def claim(self, worker: Worker, where: ClaimFilter, *, limit: int, now: float,
+                        lease_s: float) -> list[Claimed]:
+            claimed = await super().claim(worker, where, limit=limit, now=now, lease_s=lease_s)
+            if len(self.claims) == 1:
+                looked.set()
+                await answer.wait()
+            return claimed
+
+    store = LateAnswer(tmp_path / "tidepool.db")
+    gate, plugins = gated()
+    config = PoolConfig(min_workers=4, max_workers=4, poll_interval_s=30.0)
+    async with running_node(store, plugins, pool=config, work_root=tmp_path) as node:
+        with anyio.fail_after(5):
+            await looked.wait()
+        assert store.claims == [(4, 0)], "one claim out, for all four workers"
+        await node.submit_many("blocked", 1)  # adds and wakes one while that claim is out
+        answer.set()
+        with anyio.fail_after(5):
+            await node.until(lambda: node.pool.statistics().busy == 1)
+        gate.set()
