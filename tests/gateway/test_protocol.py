@@ -160,3 +160,48 @@ async def test_one_worker_cannot_renew_write_or_finish_anothers_attempt_with_its
         assert (task["state"], task["phase"], task["results"]) == ("leased", None, [])
         # the owner's lease is untouched
         assert (await w1.post("/w1/renew", {"leases": [stolen]})).body["leases"][0]["status"] == "held"
+
+
+async def test_a_worker_cannot_take_the_result_keys_of_a_task_it_does_not_hold(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        task_a = await node.submit()
+        w1, w2 = node.remote("w1"), node.remote("w2")
+        lease_a = await w1.leased()
+        task_b = await node.submit()
+        lease_b = await w2.leased()
+        assert (lease_a["task"]["id"], lease_b["task"]["id"]) == (task_a, task_b)
+
+        def result(lease: dict[str, Any], key: str, payload: Any) -> dict[str, Any]:
+            return {**lease_of(lease), "plugin": "noop", "sequence": 0, "idempotency_key": key,
+                    "sha256": sha256(payload), "final": False, "payload": payload}
+
+        planted = {"planted": "by w1"}
+        for key in (f"{task_b}:report", f"{task_b}:second", f"{lease_b['attempt_id']}:noop:0"):
+            assert (await w1.post("/w1/results", result(lease_a, key, planted))).status == 201
+        real = {"found": [443]}
+        taken = await w2.post("/w1/results", result(lease_b, f"{task_b}:report", real))
+        assert (taken.status, taken.body["attempt_id"]) == (201, lease_b["attempt_id"]), taken
+        for key in (f"{task_b}:second", f"{lease_b['attempt_id']}:noop:0"):  # w1's content, under its keys
+            same = await w2.post("/w1/results", result(lease_b, key, planted))
+            assert (same.status, same.body["attempt_id"]) == (201, lease_b["attempt_id"]), same
+        assert {r["attempt_id"] for r in (await node.task(task_b))["results"]} == {lease_b["attempt_id"]}
+        assert [r["idempotency_key"] for r in (await node.task(task_a))["results"]] == [
+            f"{task_a}:{task_b}:report", f"{task_a}:{task_b}:second", f"{task_a}:{lease_b['attempt_id']}:noop:0"]
+
+
+async def test_a_result_key_holds_across_the_attempts_of_its_task(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        task_id = await node.submit()
+        w1 = node.remote("w1")
+        first = await w1.leased()
+        payload = {"found": [22]}
+        result = {"plugin": "noop", "sequence": 0, "idempotency_key": "report", "sha256": sha256(payload),
+                  "final": True, "payload": payload}
+        stored = await w1.post("/w1/results", {**lease_of(first), **result})
+        assert (stored.status, stored.body["idempotency_key"]) == (201, f"{task_id}:report")
+        ended = await w1.post("/w1/finish", {"endings": [{**lease_of(first), "status": "interrupted"}]})
+        assert ended.body["endings"][0]["state"] == "pending", ended
+        second = await w1.leased()
+        again = await w1.post("/w1/results", {**lease_of(second), **result})
+        assert (again.status, again.body["attempt_id"]) == (200, first["attempt_id"])  # the same key of its task
+        assert len((await node.task(task_id))["results"]) == 1

@@ -245,8 +245,8 @@ class Gateway:
         if not await self._owned(worker, [body]):
             raise LeaseGone(f"attempt {body.attempt_id}", NOT_YOURS)
         lease = lease_of(body.attempt_id, body.lease_token)
-        batch = ResultBatch(body.plugin, body.sequence, body.idempotency_key, body.sha256, body.final, body.payload,
-                            attempt_id=body.attempt_id)
+        batch = ResultBatch(body.plugin, body.sequence, _key_of(lease, body.idempotency_key), body.sha256, body.final,
+                            body.payload, attempt_id=body.attempt_id)
         try:
             ack = await self.store.record_result(lease, batch, now=self._clock())
         except Conflict:
@@ -309,6 +309,17 @@ class Gateway:
         if task.attempts and task.attempts[-1].id != lease.attempt_id:
             return "superseded"
         return "expired"
+
+
+def _key_of(lease: Lease, key: str) -> str:
+    """A result key as the store holds it: within the caller's task (`<task id>:<key>`, as a local plugin's own
+    key is), unless it is so already or is its attempt's own (`<attempt id>:...`). The store finds a key among
+    every task's results: taken as sent, a key would let one worker store a result under the key of a task it
+    does not hold, so that task's own result is refused (409) or answered with the other's. The lease's task and
+    attempt are the caller's: the store fences on both before it looks the key up."""
+    if key.startswith((f"{lease.task_id}:", f"{lease.attempt_id}:")):
+        return key
+    return f"{lease.task_id}:{key}"
 
 
 def _acknowledgements(endings: Sequence[EndingIn]) -> list[EndingIn]:
