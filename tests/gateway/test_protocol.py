@@ -106,6 +106,39 @@ async def test_a_task_submitted_while_an_acquire_is_parked_goes_to_it(make_node:
         assert [t["task"]["id"] for t in answers[0].body["tasks"]] == [task_id]
 
 
+async def test_a_repeat_of_a_request_id_ends_the_first_hold_and_loses_no_wake(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        w1, w1_again, w2 = node.remote("w1"), node.remote("w1"), node.remote("w2")
+        parking = node.daemon.gateway.parking
+        answers: dict[str, Any] = {}
+
+        async def acquire(name: str, remote: Any, types: list[str], request_id: str | None = None) -> None:
+            answers[name] = await remote.acquire(wait_s=30, types=types, request_id=request_id)
+
+        async def held(n: int) -> None:
+            with anyio.fail_after(5):
+                while len(parking) != n:
+                    await anyio.sleep(0.01)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(acquire, "first", w1, ["noop"], "r-1")
+            await held(1)
+            tg.start_soon(acquire, "w2", w2, ["sleep"])
+            await held(2)
+            tg.start_soon(acquire, "repeat", w1_again, ["noop"], "r-1")
+            with anyio.fail_after(5):  # the repeat ended the first one's hold, long before its wait_s
+                while "first" not in answers:
+                    await anyio.sleep(0.01)
+            assert answers["first"].body["tasks"] == []
+            await held(2)  # the repeat holds in its place
+            task_id = await node.submit("sleep")  # only w2 may take it
+            with anyio.fail_after(5):
+                while "w2" not in answers:
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+        assert [t["task"]["id"] for t in answers["w2"].body["tasks"]] == [task_id]
+
+
 async def test_results_are_checked_against_their_sha256_and_stored_once_by_key(make_node: MakeNode) -> None:
     async with make_node(gateway=AUTO) as node:
         task_id = await node.submit()

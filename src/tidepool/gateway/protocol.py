@@ -99,13 +99,13 @@ class Gateway:
             return await self._acquire(worker, body, version=version, gone=gone, on_gone=on_gone)
         replay = self.replays.find(worker.id, body.request_id, now=self._clock())
         if replay is not None:
-            replay.superseded.set()  # the first one's client is gone, or it would not ask again
+            replay.supersede()  # the first one's client is gone, or it would not ask again: its hold ends
             await replay.done.wait()
             if replay.answer is not None and replay.answer["tasks"]:
                 return dict(replay.answer)  # else it leased nothing: this one holds afresh
         replay = self.replays.start(worker.id, body.request_id)
         try:
-            answer = await self._acquire(worker, body, version=version, gone=gone, on_gone=on_gone,
+            answer = await self._acquire(worker, body, version=version, gone=gone, on_gone=replay.also(on_gone),
                                          superseded=replay.superseded.is_set, keep=True)
         except BaseException:
             self.replays.forget(worker.id, body.request_id, replay)
@@ -153,9 +153,12 @@ class Gateway:
                         return None
                     with anyio.CancelScope(shield=True):
                         acquired = claimed_once = await claim()
-                    if claimed_once.claimed or claimed_once.worker.state is not WorkerState.ENABLED or hold_s <= 0:
+                    if claimed_once.claimed:
+                        self.parking.leased(parked)
                         break
                     self.parking.came_back_empty(parked)
+                    if claimed_once.worker.state is not WorkerState.ENABLED or hold_s <= 0:
+                        break
                     await parked.wait()
             finally:
                 undo()
