@@ -16,6 +16,10 @@ from collections.abc import Callable
 
 from ..pool import Waker
 
+# Acquires one worker may have held at once; past it, an acquire claims once and is answered at once. A
+# remote worker holds one at a time: the cap only keeps one identity from parking any number of them.
+MAX_HELD_PER_WORKER = 64
+
 
 class Parked:
     """One acquire on hold."""
@@ -47,6 +51,7 @@ class Parking:
         self._parked: dict[Parked, None] = {}  # an ordered set: longest parked first
         self._generation = 0
         self._tried: dict[str, int] = {}  # identity -> the generation of its last claim that leased nothing
+        self._held: dict[str, int] = {}  # identity -> its acquires parked
 
     def __len__(self) -> int:
         return len(self._parked)
@@ -54,7 +59,12 @@ class Parking:
     def park(self, identity: str) -> Parked:
         parked = Parked(identity)
         self._parked[parked] = None
+        self._held[identity] = self._held.get(identity, 0) + 1
         return parked
+
+    def may_hold(self, identity: str) -> bool:
+        """Whether one more acquire of this worker may be held."""
+        return self._held.get(identity, 0) < MAX_HELD_PER_WORKER
 
     def arm(self, parked: Parked) -> None:
         """Before each claim: a wake from here on sets it again (one during the claim is not lost)."""
@@ -68,7 +78,11 @@ class Parking:
 
     def leave(self, parked: Parked) -> None:
         """An acquire ends: a wake it did not claim for goes on to another identity."""
-        self._parked.pop(parked, None)
+        if parked in self._parked:
+            del self._parked[parked]
+            self._held[parked.identity] -= 1
+            if not self._held[parked.identity]:
+                del self._held[parked.identity]
         unused = max(parked.woken_by, parked.claiming_for)  # woken since its last claim, or armed, not claimed
         parked.woken_by = parked.claiming_for = 0
         if unused:

@@ -124,7 +124,8 @@ class Gateway:
                                             lease_s=self.lease.duration_s, worker_id=worker.id, slots=slots,
                                             version=version)
 
-        acquired = await self._hold(worker.id, claim, hold_s=min(body.wait_s, self.settings.max_wait_s),
+        hold_s = min(body.wait_s, self.settings.max_wait_s) if self.parking.may_hold(worker.id) else 0.0
+        acquired = await self._hold(worker.id, claim, hold_s=hold_s,
                                     gone=lambda: gone() or superseded(), on_gone=on_gone)
         if acquired is None:  # the client went away while it was held: nothing leased
             return self._answer([], worker.state)

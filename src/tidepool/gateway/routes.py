@@ -41,8 +41,8 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return answer
     except WorkerRefused as exc:
         answer = _error(403, exc.code, str(exc))
-        if exc.code == "worker_revoked":
-            answer.force_close()  # a revoked worker keeps no connection open
+        if exc.code in ("worker_revoked", "worker_pending"):
+            answer.force_close()  # a worker that is not served keeps no connection open
         return answer
     except web.HTTPException as exc:
         if exc.status < 400:
