@@ -136,3 +136,10 @@ async def test_a_certificate_that_expires_while_its_connection_is_open_is_refuse
             assert (refused.status, refused.code) == (403, "certificate_expired"), refused
         finally:
             await remote.close()
+
+
+def test_an_identity_over_255_characters_is_none() -> None:
+    from tidepool.gateway.tls import identity_of
+
+    assert identity_of({"subject": ((("commonName", "w" * 255),),)}) == "w" * 255
+    assert identity_of({"subject": ((("commonName", "w" * 256),),), "subjectAltName": (("DNS", "short"),)}) is None

@@ -125,11 +125,12 @@ class Gateway:
                                             version=version)
 
         hold_s = min(body.wait_s, self.settings.max_wait_s) if self.parking.may_hold(worker.id) else 0.0
+        changes = self.registry.changes
         acquired = await self._hold(worker.id, claim, hold_s=hold_s,
                                     gone=lambda: gone() or superseded(), on_gone=on_gone)
         if acquired is None:  # the client went away while it was held: nothing leased
             return self._answer([], worker.state)
-        self.registry.seen(acquired.worker)
+        self.registry.seen(acquired.worker, read_after=changes)
         claimed = acquired.claimed
         if claimed and gone() and not keep:  # leased as it left: back to the queue at once, unless a repeat
             await self._hand_back(acquired.worker.id, claimed)

@@ -71,10 +71,16 @@ class WorkerRegistry:
             self._met[peer.identity] = (now, peer.fingerprint, worker)
         return worker
 
-    def seen(self, worker: RemoteWorker) -> None:
-        """A fresher record of a worker (an acquire read it in its transaction)."""
+    @property
+    def changes(self) -> int:
+        """A mark to give `seen`: taken before a read of a record."""
+        return self._changes
+
+    def seen(self, worker: RemoteWorker, *, read_after: int) -> None:
+        """A fresher record of a worker (an acquire read it in its transaction), unless a record changed since
+        the read began (mark `read_after`): the record cached since (a revoke's) is the newer one."""
         known = self._met.get(worker.id)
-        if known is not None:
+        if known is not None and read_after == self._changes:
             self._met[worker.id] = (known[0], known[1], worker)
 
     def refuse_unless_served(self, worker: RemoteWorker, *, write: bool) -> None:

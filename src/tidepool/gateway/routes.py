@@ -60,7 +60,8 @@ async def _caller(request: web.Request) -> RemoteWorker:
     """The calling worker's record, from its certificate (the TLS handshake has verified it)."""
     peer = peer_of(request.transport)
     if peer is None:
-        raise ApiError(403, "no_identity", "the client certificate names no identity (no common name, no DNS name)")
+        raise ApiError(403, "no_identity", "the client certificate names no identity of 1-255 characters "
+                                           "(a common name, else a DNS name)")
     gateway = request.app[GATEWAY]
     gateway.controls.seen(peer.identity, request.transport, request.app[GUARD].when_lost)
     return await gateway.meet(peer)

@@ -122,13 +122,18 @@ def _read_peer(tls: Any, transport: Any) -> Peer | None:
     return Peer(identity, hashlib.sha256(der).hexdigest(), ssl.cert_time_to_seconds(cert["notAfter"]), address)
 
 
+MAX_IDENTITY = 255  # a longer one could not be told to the other gateways of a PostgreSQL store (pg_notify)
+
+
 def identity_of(cert: dict[str, Any]) -> str | None:
-    """The subject's common name, else the first DNS subject alternative name."""
+    """The subject's common name, else the first DNS subject alternative name; None over MAX_IDENTITY
+    characters."""
+    found = None
     for rdn in cert.get("subject", ()):
         for key, value in rdn:
-            if key == "commonName" and value:
-                return str(value)
+            if key == "commonName" and value and found is None:
+                found = str(value)
     for kind, value in cert.get("subjectAltName", ()):
-        if kind == "DNS" and value:
-            return str(value)
-    return None
+        if kind == "DNS" and value and found is None:
+            found = str(value)
+    return found if found is not None and len(found) <= MAX_IDENTITY else None
