@@ -106,6 +106,39 @@ async def test_a_task_submitted_while_an_acquire_is_parked_goes_to_it(make_node:
         assert [t["task"]["id"] for t in answers[0].body["tasks"]] == [task_id]
 
 
+async def test_a_repeat_of_a_request_id_ends_the_first_hold_and_loses_no_wake(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        w1, w1_again, w2 = node.remote("w1"), node.remote("w1"), node.remote("w2")
+        parking = node.daemon.gateway.parking
+        answers: dict[str, Any] = {}
+
+        async def acquire(name: str, remote: Any, types: list[str], request_id: str | None = None) -> None:
+            answers[name] = await remote.acquire(wait_s=30, types=types, request_id=request_id)
+
+        async def held(n: int) -> None:
+            with anyio.fail_after(5):
+                while len(parking) != n:
+                    await anyio.sleep(0.01)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(acquire, "first", w1, ["noop"], "r-1")
+            await held(1)
+            tg.start_soon(acquire, "w2", w2, ["sleep"])
+            await held(2)
+            tg.start_soon(acquire, "repeat", w1_again, ["noop"], "r-1")
+            with anyio.fail_after(5):  # the repeat ended the first one's hold, long before its wait_s
+                while "first" not in answers:
+                    await anyio.sleep(0.01)
+            assert answers["first"].body["tasks"] == []
+            await held(2)  # the repeat holds in its place
+            task_id = await node.submit("sleep")  # only w2 may take it
+            with anyio.fail_after(5):
+                while "w2" not in answers:
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+        assert [t["task"]["id"] for t in answers["w2"].body["tasks"]] == [task_id]
+
+
 async def test_results_are_checked_against_their_sha256_and_stored_once_by_key(make_node: MakeNode) -> None:
     async with make_node(gateway=AUTO) as node:
         task_id = await node.submit()
@@ -160,3 +193,48 @@ async def test_one_worker_cannot_renew_write_or_finish_anothers_attempt_with_its
         assert (task["state"], task["phase"], task["results"]) == ("leased", None, [])
         # the owner's lease is untouched
         assert (await w1.post("/w1/renew", {"leases": [stolen]})).body["leases"][0]["status"] == "held"
+
+
+async def test_a_worker_cannot_take_the_result_keys_of_a_task_it_does_not_hold(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        task_a = await node.submit()
+        w1, w2 = node.remote("w1"), node.remote("w2")
+        lease_a = await w1.leased()
+        task_b = await node.submit()
+        lease_b = await w2.leased()
+        assert (lease_a["task"]["id"], lease_b["task"]["id"]) == (task_a, task_b)
+
+        def result(lease: dict[str, Any], key: str, payload: Any) -> dict[str, Any]:
+            return {**lease_of(lease), "plugin": "noop", "sequence": 0, "idempotency_key": key,
+                    "sha256": sha256(payload), "final": False, "payload": payload}
+
+        planted = {"planted": "by w1"}
+        for key in (f"{task_b}:report", f"{task_b}:second", f"{lease_b['attempt_id']}:noop:0"):
+            assert (await w1.post("/w1/results", result(lease_a, key, planted))).status == 201
+        real = {"found": [443]}
+        taken = await w2.post("/w1/results", result(lease_b, f"{task_b}:report", real))
+        assert (taken.status, taken.body["attempt_id"]) == (201, lease_b["attempt_id"]), taken
+        for key in (f"{task_b}:second", f"{lease_b['attempt_id']}:noop:0"):  # w1's content, under its keys
+            same = await w2.post("/w1/results", result(lease_b, key, planted))
+            assert (same.status, same.body["attempt_id"]) == (201, lease_b["attempt_id"]), same
+        assert {r["attempt_id"] for r in (await node.task(task_b))["results"]} == {lease_b["attempt_id"]}
+        assert [r["idempotency_key"] for r in (await node.task(task_a))["results"]] == [
+            f"{task_a}:{task_b}:report", f"{task_a}:{task_b}:second", f"{task_a}:{lease_b['attempt_id']}:noop:0"]
+
+
+async def test_a_result_key_holds_across_the_attempts_of_its_task(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        task_id = await node.submit()
+        w1 = node.remote("w1")
+        first = await w1.leased()
+        payload = {"found": [22]}
+        result = {"plugin": "noop", "sequence": 0, "idempotency_key": "report", "sha256": sha256(payload),
+                  "final": True, "payload": payload}
+        stored = await w1.post("/w1/results", {**lease_of(first), **result})
+        assert (stored.status, stored.body["idempotency_key"]) == (201, f"{task_id}:report")
+        ended = await w1.post("/w1/finish", {"endings": [{**lease_of(first), "status": "interrupted"}]})
+        assert ended.body["endings"][0]["state"] == "pending", ended
+        second = await w1.leased()
+        again = await w1.post("/w1/results", {**lease_of(second), **result})
+        assert (again.status, again.body["attempt_id"]) == (200, first["attempt_id"])  # the same key of its task
+        assert len((await node.task(task_id))["results"]) == 1

@@ -3,8 +3,12 @@ changes that reach a connected worker on its control stream at once."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
+
+from tidepool.gateway.parking import MAX_HELD_PER_WORKER
 
 from .conftest import AUTO, MakeNode, open_control
 from .test_protocol import lease_of
@@ -173,3 +177,33 @@ async def test_a_worker_at_its_cap_is_held_until_one_of_its_attempts_ends(make_n
                 while not answers:
                     await anyio.sleep(0.01)
         assert [t["task"]["id"] for t in answers[0].body["tasks"]] == [second]
+
+
+async def test_a_pending_workers_connection_is_closed_after_its_answer(make_node: MakeNode) -> None:
+    async with make_node() as node:
+        w1 = node.remote("w1")
+        async with w1.session.post(w1.url + "/w1/acquire", json={"types": ["noop"], "max": 1, "wait_s": 0}) as r:
+            assert r.status == 403
+            assert r.headers.get("Connection") == "close"  # it holds no connection it cannot use
+
+
+async def test_one_worker_holds_a_bounded_number_of_acquires(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        parking = node.daemon.gateway.parking
+        w1 = node.remote("w1")
+        answers: list[Any] = []
+
+        async def hold() -> None:
+            answers.append(await w1.acquire(wait_s=30))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(MAX_HELD_PER_WORKER):
+                tg.start_soon(hold)
+            with anyio.fail_after(10):
+                while len(parking) < MAX_HELD_PER_WORKER:
+                    await anyio.sleep(0.01)
+            with anyio.fail_after(5):  # one more is answered at once, not held
+                extra = await w1.acquire(wait_s=30)
+            assert (extra.status, extra.body["tasks"]) == (200, [])
+            assert len(parking) == MAX_HELD_PER_WORKER
+            tg.cancel_scope.cancel()

@@ -4,15 +4,40 @@ without dropping the connections that are open."""
 from __future__ import annotations
 
 import json
+import socket
+import ssl
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aiohttp
+import anyio
 import pytest
 
 from tidepool import pki
 from tidepool.settings import load
 
-from .conftest import AUTO, MakeNode, client_context, gateway_settings
+from .conftest import AUTO, MakeNode, Remote, client_context, gateway_settings
+
+
+def write_config(config: Path, sections: dict[str, dict[str, object]]) -> None:
+    config.write_text("".join(f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
+                              for name, keys in sections.items()))
+
+
+def dial(url: str, context: ssl.SSLContext, session: ssl.SSLSession | None = None) -> tuple[int, ssl.SSLSession]:
+    """One acquire on a connection of its own, resuming `session` when given; (status, the connection's session).
+    Blocking: Python's ssl client, which offers a session for resumption as other clients do."""
+    host, _, port = url.removeprefix("https://").rpartition(":")
+    body = json.dumps({"types": ["noop"], "max": 1, "wait_s": 0}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as raw, \
+            context.wrap_socket(raw, server_hostname=host, session=session) as tls:
+        tls.sendall(b"POST /w1/acquire HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body))
+        answer = b""
+        while chunk := tls.recv(65536):
+            answer += chunk
+        assert tls.session is not None
+        return (int(answer.split(b" ", 2)[1]) if answer else 0), tls.session  # 0: closed without an answer
 
 
 async def test_a_client_without_a_certificate_or_with_one_of_another_ca_does_not_get_through(
@@ -35,8 +60,7 @@ async def test_a_reload_serves_new_certificates_and_keeps_the_open_connections(
     config = tmp_path / "gateway.toml"
 
     def write(sections: dict[str, dict[str, object]]) -> None:
-        config.write_text("".join(f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
-                                  for name, keys in sections.items()))
+        write_config(config, sections)
 
     base = {name: getattr(settings, name).model_dump(mode="json")
             for name in ("node", "store", "api", "pool", "guards")}
@@ -56,7 +80,9 @@ async def test_a_reload_serves_new_certificates_and_keeps_the_open_connections(
         assert renewed.body["leases"][0]["status"] == "held"
         stale = client_context(node.lab, "w1")
         stale.load_verify_locations(cafile=str(new_lab.ca_file))  # it trusts the new gateway certificate ...
-        with pytest.raises(aiohttp.ClientError):  # ... but its own, of the old CA, no longer gets through
+        # ... but its own, of the old CA, no longer gets through (on a session of its own too: the resumption
+        # test below)
+        with pytest.raises(aiohttp.ClientError):
             await node.remote(context=stale).acquire()
         fresh = node.remote(context=client_context(new_lab, "w1"))
         assert len((await fresh.acquire()).body["tasks"]) == 1
@@ -66,3 +92,54 @@ async def test_a_reload_serves_new_certificates_and_keeps_the_open_connections(
         write({**base, "gateway": {**settings.gateway.model_dump(mode="json"), "cert_file": str(tmp_path / "gone")}})
         await node.daemon.reload()
         assert (await node.remote(context=client_context(new_lab, "w1")).acquire()).status == 200
+
+
+async def test_a_session_of_a_ca_a_reload_removed_is_not_resumed(
+        make_node: MakeNode, tmp_path: Path, lab: pki.Lab) -> None:
+    settings = gateway_settings(tmp_path, lab, gateway=AUTO)
+    config = tmp_path / "gateway.toml"
+    base = {name: getattr(settings, name).model_dump(mode="json")
+            for name in ("node", "store", "api", "pool", "guards")}
+    write_config(config, {**base, "gateway": settings.gateway.model_dump(mode="json")})
+    async with make_node(load(config), config_path=config) as node:
+        new_lab = pki.make_lab(tmp_path / "new", workers=["w1"])
+        stale = client_context(node.lab, "w1")
+        stale.load_verify_locations(cafile=str(new_lab.ca_file))  # it trusts the gateway before and after
+        status, session = await anyio.to_thread.run_sync(dial, node.w1, stale)
+        assert status == 200
+        older = client_context(node.lab, "w1")
+        older.maximum_version = ssl.TLSVersion.TLSv1_2  # whose sessions the gateway could not keep from resuming
+        with pytest.raises(ssl.SSLError):
+            await anyio.to_thread.run_sync(dial, node.w1, older)
+        write_config(config, {**base, "gateway": {**settings.gateway.model_dump(mode="json"),
+                                                  "client_ca_file": str(new_lab.ca_file)}})
+        await node.daemon.reload()
+        try:
+            status, _ = await anyio.to_thread.run_sync(dial, node.w1, stale, session)
+        except OSError:  # ssl.SSLError included: the handshake refused its certificate
+            status = 0
+        assert status == 0, "a session of the removed CA was resumed and served"
+
+
+async def test_a_certificate_that_expires_while_its_connection_is_open_is_refused(
+        make_node: MakeNode, lab: pki.Lab) -> None:
+    soon = datetime.now(UTC) - timedelta(days=1) + timedelta(seconds=2)  # a day's certificate, 2 s of it left
+    issued = pki.issue(lab.dir, "brief", days=1, now=soon)
+    async with make_node(gateway=AUTO) as node:
+        context = ssl.create_default_context(cafile=str(lab.ca_file))
+        context.load_cert_chain(issued.cert, issued.key)
+        remote = Remote(node.w1, context)
+        try:
+            assert (await remote.acquire()).status == 200
+            await anyio.sleep(2.5)
+            refused = await remote.acquire()  # on the same keep-alive connection
+            assert (refused.status, refused.code) == (403, "certificate_expired"), refused
+        finally:
+            await remote.close()
+
+
+def test_an_identity_over_255_characters_is_none() -> None:
+    from tidepool.gateway.tls import identity_of
+
+    assert identity_of({"subject": ((("commonName", "w" * 255),),)}) == "w" * 255
+    assert identity_of({"subject": ((("commonName", "w" * 256),),), "subjectAltName": (("DNS", "short"),)}) is None

@@ -49,3 +49,30 @@ def test_a_wake_during_a_claim_is_kept_for_the_next() -> None:
     assert a.woken  # its wait returns at once: it claims again
     parking.leave(a)
     assert len(parking) == 0
+
+
+def test_an_acquire_that_leaves_without_claiming_for_its_wake_hands_it_on() -> None:
+    parking = Parking()
+    a, b = parking.park("a"), parking.park("b")
+    parking.wake(1)
+    parking.leave(a)  # its hold ended before it claimed (its client went away, a repeat superseded it)
+    assert b.woken
+    c, d = parking.park("c"), parking.park("d")
+    parking.wake(1)
+    parking.arm(c)  # woke, and is about to claim ...
+    parking.leave(c)  # ... when its client goes away
+    assert d.woken
+
+
+def test_a_wake_during_a_claim_goes_on_to_another_as_well() -> None:
+    parking = Parking()
+    a, b = parking.park("a"), parking.park("b")
+    parking.arm(a)  # a claim begun before the task existed
+    assert parking.wake(1) == 1
+    assert (a.woken, b.woken) == (True, True)
+    parking.leased(a)  # it leased another task: the wake was b's to answer
+    parking.leave(a)
+    parking.arm(b)
+    parking.leased(b)
+    parking.leave(b)
+    assert len(parking) == 0

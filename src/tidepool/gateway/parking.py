@@ -3,7 +3,10 @@
 A wake for n tasks wakes the n acquires parked longest. One that then leases nothing (the task was not of a
 type, organization or tag it may take, or someone was quicker) hands the wake on to the next parked acquire
 of another identity that has not tried since: a task only one worker of many may take still reaches it at
-once, and one wake costs at most one claim per identity, never one per parked acquire.
+once, and one wake costs at most one claim per identity, never one per parked acquire. So does one that leaves
+without claiming for its wake (its client went away, a repeat of its request_id superseded it, its hold
+ended). An acquire in the middle of a claim is told to claim again, but the wake goes on to another as well:
+that claim may have begun before the task existed, and if it leases something else the wake would be lost.
 """
 
 from __future__ import annotations
@@ -13,17 +16,22 @@ from collections.abc import Callable
 
 from ..pool import Waker
 
+# Acquires one worker may have held at once; past it, an acquire claims once and is answered at once. A
+# remote worker holds one at a time: the cap only keeps one identity from parking any number of them.
+MAX_HELD_PER_WORKER = 64
+
 
 class Parked:
     """One acquire on hold."""
 
-    __slots__ = ("_event", "claiming_for", "identity", "woken_by")
+    __slots__ = ("_event", "claiming", "claiming_for", "identity", "woken_by")
 
     def __init__(self, identity: str) -> None:
         self.identity = identity
         self._event = asyncio.Event()
         self.woken_by = 0      # the wake generation that woke it (0: none, or its own worker's change)
-        self.claiming_for = 0  # the wake its current claim answers
+        self.claiming_for = 0  # the wake its current claim answers, until the claim has
+        self.claiming = False  # armed, its claim not answered yet
 
     def set(self, generation: int) -> None:
         if not self._event.is_set():
@@ -43,6 +51,7 @@ class Parking:
         self._parked: dict[Parked, None] = {}  # an ordered set: longest parked first
         self._generation = 0
         self._tried: dict[str, int] = {}  # identity -> the generation of its last claim that leased nothing
+        self._held: dict[str, int] = {}  # identity -> its acquires parked
 
     def __len__(self) -> int:
         return len(self._parked)
@@ -50,15 +59,34 @@ class Parking:
     def park(self, identity: str) -> Parked:
         parked = Parked(identity)
         self._parked[parked] = None
+        self._held[identity] = self._held.get(identity, 0) + 1
         return parked
+
+    def may_hold(self, identity: str) -> bool:
+        """Whether one more acquire of this worker may be held."""
+        return self._held.get(identity, 0) < MAX_HELD_PER_WORKER
 
     def arm(self, parked: Parked) -> None:
         """Before each claim: a wake from here on sets it again (one during the claim is not lost)."""
         parked.claiming_for, parked.woken_by = parked.woken_by, 0
+        parked.claiming = True
         parked._event.clear()
 
+    def leased(self, parked: Parked) -> None:
+        """Its claim leased something: the wake it claimed for is used."""
+        parked.claiming, parked.claiming_for = False, 0
+
     def leave(self, parked: Parked) -> None:
-        self._parked.pop(parked, None)
+        """An acquire ends: a wake it did not claim for goes on to another identity."""
+        if parked in self._parked:
+            del self._parked[parked]
+            self._held[parked.identity] -= 1
+            if not self._held[parked.identity]:
+                del self._held[parked.identity]
+        unused = max(parked.woken_by, parked.claiming_for)  # woken since its last claim, or armed, not claimed
+        parked.woken_by = parked.claiming_for = 0
+        if unused:
+            self._hand_on(parked.identity, unused)
         if not any(p.identity == parked.identity for p in self._parked):
             self._tried.pop(parked.identity, None)
 
@@ -69,7 +97,11 @@ class Parking:
         for parked in self._parked:
             if woken >= n:
                 break
-            if not parked.woken:
+            if parked.woken:
+                continue
+            if parked.claiming:  # claims again after, but the wake is not counted as delivered
+                parked.set(0)
+            else:
                 parked.set(self._generation)
                 woken += 1
         return woken
@@ -82,12 +114,15 @@ class Parking:
 
     def came_back_empty(self, parked: Parked) -> None:
         """A woken acquire leased nothing: its wake goes on to the next identity that has not tried since."""
-        generation = parked.claiming_for
+        generation, parked.claiming, parked.claiming_for = parked.claiming_for, False, 0
         if not generation:
             return  # its first claim, or woken by its own worker's change: no one else's wake to pass on
         self._tried[parked.identity] = generation
+        self._hand_on(parked.identity, generation)
+
+    def _hand_on(self, identity: str, generation: int) -> None:
         for other in self._parked:
-            if not other.woken and other.identity != parked.identity and \
+            if not other.woken and other.identity != identity and \
                     self._tried.get(other.identity, 0) < generation:
                 other.set(generation)
                 return

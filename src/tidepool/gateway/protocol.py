@@ -99,13 +99,13 @@ class Gateway:
             return await self._acquire(worker, body, version=version, gone=gone, on_gone=on_gone)
         replay = self.replays.find(worker.id, body.request_id, now=self._clock())
         if replay is not None:
-            replay.superseded.set()  # the first one's client is gone, or it would not ask again
+            replay.supersede()  # the first one's client is gone, or it would not ask again: its hold ends
             await replay.done.wait()
             if replay.answer is not None and replay.answer["tasks"]:
                 return dict(replay.answer)  # else it leased nothing: this one holds afresh
         replay = self.replays.start(worker.id, body.request_id)
         try:
-            answer = await self._acquire(worker, body, version=version, gone=gone, on_gone=on_gone,
+            answer = await self._acquire(worker, body, version=version, gone=gone, on_gone=replay.also(on_gone),
                                          superseded=replay.superseded.is_set, keep=True)
         except BaseException:
             self.replays.forget(worker.id, body.request_id, replay)
@@ -124,11 +124,13 @@ class Gateway:
                                             lease_s=self.lease.duration_s, worker_id=worker.id, slots=slots,
                                             version=version)
 
-        acquired = await self._hold(worker.id, claim, hold_s=min(body.wait_s, self.settings.max_wait_s),
+        hold_s = min(body.wait_s, self.settings.max_wait_s) if self.parking.may_hold(worker.id) else 0.0
+        changes = self.registry.changes
+        acquired = await self._hold(worker.id, claim, hold_s=hold_s,
                                     gone=lambda: gone() or superseded(), on_gone=on_gone)
         if acquired is None:  # the client went away while it was held: nothing leased
             return self._answer([], worker.state)
-        self.registry.seen(acquired.worker)
+        self.registry.seen(acquired.worker, read_after=changes)
         claimed = acquired.claimed
         if claimed and gone() and not keep:  # leased as it left: back to the queue at once, unless a repeat
             await self._hand_back(acquired.worker.id, claimed)
@@ -153,9 +155,12 @@ class Gateway:
                         return None
                     with anyio.CancelScope(shield=True):
                         acquired = claimed_once = await claim()
-                    if claimed_once.claimed or claimed_once.worker.state is not WorkerState.ENABLED or hold_s <= 0:
+                    if claimed_once.claimed:
+                        self.parking.leased(parked)
                         break
                     self.parking.came_back_empty(parked)
+                    if claimed_once.worker.state is not WorkerState.ENABLED or hold_s <= 0:
+                        break
                     await parked.wait()
             finally:
                 undo()
@@ -251,8 +256,8 @@ class Gateway:
         if not await self._owned(worker, [body]):
             raise LeaseGone(f"attempt {body.attempt_id}", NOT_YOURS)
         lease = lease_of(body.attempt_id, body.lease_token)
-        batch = ResultBatch(body.plugin, body.sequence, body.idempotency_key, body.sha256, body.final, body.payload,
-                            attempt_id=body.attempt_id)
+        batch = ResultBatch(body.plugin, body.sequence, _key_of(lease, body.idempotency_key), body.sha256, body.final,
+                            body.payload, attempt_id=body.attempt_id)
         try:
             ack = await self.store.record_result(lease, batch, now=self._clock())
         except Conflict:
@@ -315,6 +320,17 @@ class Gateway:
         if task.attempts and task.attempts[-1].id != lease.attempt_id:
             return "superseded"
         return "expired"
+
+
+def _key_of(lease: Lease, key: str) -> str:
+    """A result key as the store holds it: within the caller's task (`<task id>:<key>`, as a local plugin's own
+    key is), unless it is so already or is its attempt's own (`<attempt id>:...`). The store finds a key among
+    every task's results: taken as sent, a key would let one worker store a result under the key of a task it
+    does not hold, so that task's own result is refused (409) or answered with the other's. The lease's task and
+    attempt are the caller's: the store fences on both before it looks the key up."""
+    if key.startswith((f"{lease.task_id}:", f"{lease.attempt_id}:")):
+        return key
+    return f"{lease.task_id}:{key}"
 
 
 def _acknowledgements(endings: Sequence[EndingIn]) -> list[EndingIn]:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from ..errors import Conflict, LeaseGone, WorkerRefused
 from ..events import EventBus
-from ..model import CertSeen, RemoteWorker, ResultBatch, WorkerChange, WorkerState
+from ..model import CertSeen, RemoteWorker, ResultBatch, WorkerChange, WorkerState, rfc3339
 from ..store import Enroll, Revoked, Store
 from .control import Controls
 from .metrics import GatewayMetrics
@@ -50,6 +50,10 @@ class WorkerRegistry:
     async def meet(self, peer: Peer, *, cert: CertSeen, enroll: Enroll, max_concurrent_tasks: int) -> RemoteWorker:
         """The caller's record, created at its first contact (pending, or enabled under auto enrollment)."""
         now = self._clock()
+        if peer.not_after <= now:  # checked at the handshake, but a keep-alive connection outlives it
+            self._metrics.refused.inc(("certificate_expired",))
+            raise WorkerRefused(peer.identity, "certificate_expired",
+                                f"its client certificate expired at {rfc3339(peer.not_after)}")
         known = self._met.get(peer.identity)
         if known is not None and now - known[0] < MEET_EVERY_S and known[1] == peer.fingerprint:
             return known[2]
@@ -67,10 +71,16 @@ class WorkerRegistry:
             self._met[peer.identity] = (now, peer.fingerprint, worker)
         return worker
 
-    def seen(self, worker: RemoteWorker) -> None:
-        """A fresher record of a worker (an acquire read it in its transaction)."""
+    @property
+    def changes(self) -> int:
+        """A mark to give `seen`: taken before a read of a record."""
+        return self._changes
+
+    def seen(self, worker: RemoteWorker, *, read_after: int) -> None:
+        """A fresher record of a worker (an acquire read it in its transaction), unless a record changed since
+        the read began (mark `read_after`): the record cached since (a revoke's) is the newer one."""
         known = self._met.get(worker.id)
-        if known is not None:
+        if known is not None and read_after == self._changes:
             self._met[worker.id] = (known[0], known[1], worker)
 
     def refuse_unless_served(self, worker: RemoteWorker, *, write: bool) -> None:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
+
+OnGone = Callable[[Callable[[], None]], Callable[[], None]]  # registers what ends a hold; returns its undo
 
 MAX_KEPT = 100_000
 
@@ -19,6 +22,24 @@ class Replay:
         self.done = asyncio.Event()
         self.superseded = asyncio.Event()
         self.kept_until = float("inf")
+        self._end_hold: Callable[[], None] | None = None
+
+    def also(self, on_gone: OnGone) -> OnGone:
+        """`on_gone`, and a repeat of the request_id ends the hold as well."""
+        def register(end_hold: Callable[[], None]) -> Callable[[], None]:
+            undo = on_gone(end_hold)
+            self._end_hold = end_hold
+
+            def undo_both() -> None:
+                self._end_hold = None
+                undo()
+            return undo_both
+        return register
+
+    def supersede(self) -> None:
+        self.superseded.set()
+        if self._end_hold is not None:
+            self._end_hold()
 
 
 class Replays:

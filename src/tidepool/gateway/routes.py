@@ -41,8 +41,8 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return answer
     except WorkerRefused as exc:
         answer = _error(403, exc.code, str(exc))
-        if exc.code == "worker_revoked":
-            answer.force_close()  # a revoked worker keeps no connection open
+        if exc.code in ("worker_revoked", "worker_pending"):
+            answer.force_close()  # a worker that is not served keeps no connection open
         return answer
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -60,7 +60,8 @@ async def _caller(request: web.Request) -> RemoteWorker:
     """The calling worker's record, from its certificate (the TLS handshake has verified it)."""
     peer = peer_of(request.transport)
     if peer is None:
-        raise ApiError(403, "no_identity", "the client certificate names no identity (no common name, no DNS name)")
+        raise ApiError(403, "no_identity", "the client certificate names no identity of 1-255 characters "
+                                           "(a common name, else a DNS name)")
     gateway = request.app[GATEWAY]
     gateway.controls.seen(peer.identity, request.transport, request.app[GUARD].when_lost)
     return await gateway.meet(peer)

@@ -62,7 +62,9 @@ class PhaseIn(Body):
 class ResultIn(LeaseIn):
     plugin: str = Field(min_length=1, max_length=200)
     sequence: JsonInt = Field(ge=0, le=2**31)
-    idempotency_key: str = Field(min_length=1, max_length=512, pattern=r"^[^\x00]*$")
+    idempotency_key: str = Field(min_length=1, max_length=512, pattern=r"^[^\x00]*$",
+                                 description="stored as <task id>:<key> unless it starts with the lease's task or "
+                                             "attempt id and a colon")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="of the payload as compact JSON with sorted keys")
     final: bool = False
     payload: Any = None

@@ -22,11 +22,17 @@ log = logging.getLogger("tidepool.gateway")
 
 
 def server_context(settings: GatewaySettings) -> ssl.SSLContext:
-    """TLS 1.2 or later, a client certificate signed by gateway.client_ca_file required; ConfigError naming
-    the key whose file cannot be used."""
+    """TLS 1.3, a client certificate signed by gateway.client_ca_file required, no session resumed; ConfigError
+    naming the key whose file cannot be used.
+
+    A resumed session skips the certificate checks, so a certificate of a CA a reload removed (or one expired
+    since) would get in again on the session it had. TLS 1.3 resumes only by the tickets turned off here; TLS
+    1.2 also by the server's cache of session ids, which Python's ssl cannot turn off."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
     context.verify_mode = ssl.CERT_REQUIRED
+    context.options |= ssl.OP_NO_TICKET
+    context.num_tickets = 0
     try:
         context.load_cert_chain(settings.cert_file, settings.key_file)
     except (OSError, ssl.SSLError) as exc:
@@ -116,13 +122,18 @@ def _read_peer(tls: Any, transport: Any) -> Peer | None:
     return Peer(identity, hashlib.sha256(der).hexdigest(), ssl.cert_time_to_seconds(cert["notAfter"]), address)
 
 
+MAX_IDENTITY = 255  # a longer one could not be told to the other gateways of a PostgreSQL store (pg_notify)
+
+
 def identity_of(cert: dict[str, Any]) -> str | None:
-    """The subject's common name, else the first DNS subject alternative name."""
+    """The subject's common name, else the first DNS subject alternative name; None over MAX_IDENTITY
+    characters."""
+    found = None
     for rdn in cert.get("subject", ()):
         for key, value in rdn:
-            if key == "commonName" and value:
-                return str(value)
+            if key == "commonName" and value and found is None:
+                found = str(value)
     for kind, value in cert.get("subjectAltName", ()):
-        if kind == "DNS" and value:
-            return str(value)
-    return None
+        if kind == "DNS" and value and found is None:
+            found = str(value)
+    return found if found is not None and len(found) <= MAX_IDENTITY else None
