@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
+import anyio
 import asyncpg
 import pytest
 
@@ -13,7 +14,7 @@ from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, Outcome
 from tidepool.scans import SCOPE_MAX_BYTES, JobState, NewScan, Scan, ScanState, StepSpec
 from tidepool.store import Store
 from tidepool.store.memory import MemoryStore
-from tidepool.store.port import Ending, ScanMove
+from tidepool.store.port import Ending, ScanCancel, ScanMove
 from tidepool.store.sqlite import SqliteStore
 
 from .conftest import LEASE_S, POLICY, T0
@@ -281,6 +282,43 @@ async def test_a_steps_task_cancelled_on_its_own_cancels_the_scan(store: Store) 
     await store.request_cancel(scan.jobs[0].task_id or "", now=T0 + 1)
     scan = await store.get_scan(scan.id)
     assert scan.state is ScanState.CANCELLED and states(scan) == ["cancelled", "skipped", "skipped"]
+
+
+@pytest.mark.parametrize("kind", ["postgres"])
+async def test_a_cancel_that_meets_its_scans_step_ending_under_it_cancels_the_next_steps_task(store: Store) -> None:
+    """The cancel reads the live task before it locks it: a step that ends meanwhile leaves the next step's task
+    live, and the cancel takes that one instead, in the same call."""
+    from tidepool.store.postgres import scans as pg_scans
+
+    scan, _ = await store.add_scan(WEB, now=T0)
+    step = await claim_step(store, scan, 0)
+    answers: list[ScanCancel] = []
+
+    async def cancel() -> None:
+        answers.append(await store.cancel_scan(scan.id, now=T0 + 2))
+
+    async with anyio.create_task_group() as tg, store._db.conn() as ending, ending.transaction():  # type: ignore[attr-defined]
+        await pg_scans.locked_task(ending, step.task.id)  # the step's end holds its task, as finish does
+        tg.start_soon(cancel)
+        await wait_for_a_lock_wait(store)  # the cancel read the step's task as live and waits for it
+        await ending.execute("UPDATE tasks SET state = 'completed', finished_at = $2, lease_token = NULL "
+                             "WHERE id = $1", step.task.id, T0 + 1)
+        await pg_scans.step_ended(ending, [], scan_id=scan.id, index=0, task_id=step.task.id,
+                                  state=State.COMPLETED, learned={"port": 80}, now=T0 + 1)
+    scan = await store.get_scan(scan.id)
+    assert answers[0].state is ScanState.CANCELLED and answers[0].task_id == scan.jobs[1].task_id
+    assert states(scan) == ["success", "cancelled", "skipped"] and scan.scope == {"port": 80}
+
+
+async def wait_for_a_lock_wait(store: Store) -> None:
+    """Until one of the store's connections waits for a row lock."""
+    admin = await asyncpg.connect(store.url)  # type: ignore[attr-defined]
+    try:
+        while not await admin.fetchval("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 "
+                                       "AND wait_event_type = 'Lock'", f"tidepool {store.schema}"):  # type: ignore[attr-defined]
+            await anyio.sleep(0.01)
+    finally:
+        await admin.close()
 
 
 async def test_an_ended_scan_other_than_cancelled_cannot_be_cancelled(store: Store) -> None:

@@ -23,6 +23,7 @@ from .connection import Conn
 from .statements import SQL
 
 Moves = list[ScanMove]
+LOCK_TRIES = 5  # a cancel's tries at locking the live task of a scan that keeps moving on
 
 
 class Told:
@@ -142,19 +143,12 @@ async def cancel(conn: Conn, scan_id: str, now: float, moves: Moves, *,
                  lock_task: Callable[[Conn, str], Awaitable[Any]],
                  cancel_task: Callable[[Conn, Any, str, float, Moves], Awaitable[CancelAnswer]]) -> ScanCancel:
     """cancel_scan's transaction. The started job's task is locked before the scan's row, as its end does."""
-    unlocked = await stored(conn, scan_id, lock=False)
-    if unlocked is None:
-        raise ScanNotFound(scan_id)
-    task_id = _live_task(unlocked)
-    task = None if task_id is None else await lock_task(conn, task_id)
-    scan = await _stored(conn, scan_id)
+    task_id, task, scan = await _lock_live(conn, scan_id, lock_task)
     state = ScanState(scan.row[2])
     if state is ScanState.CANCELLED or (state is ScanState.RUNNING and scan.row[12] is not None):
         return ScanCancel(state, False)
     if state.ended:
         raise Conflict(f"scan {scan_id} is {state.value}; only a running scan can be cancelled")
-    if _live_task(scan) != task_id:
-        raise StoreUnavailable(f"scan {scan_id} moved on while it was being cancelled; cancel it again")
     await conn.execute(SQL["cancel_scan"], now, scan_id)
     answer = None
     if task_id is not None and task is not None and not State(task[0]).terminal:
@@ -168,6 +162,42 @@ async def cancel(conn: Conn, scan_id: str, now: float, moves: Moves, *,
                 if job[3] == JobState.WAITING:
                     await conn.execute(SQL["set_job"], JobState.SKIPPED.value, scan.id, i)
     return ScanCancel(ScanState((await conn.fetchrow(SQL["scan"], scan_id))[2]), True, task_id, answer)
+
+
+class _MovedOn(Exception):
+    """The scan's live task changed between reading it and locking it."""
+
+
+async def _lock_live(conn: Conn, scan_id: str,
+                     lock_task: Callable[[Conn, str], Awaitable[Any]]) -> tuple[str | None, Any, Stored]:
+    """The scan's live task (id and locked row, None when it has none) and the scan, both locked in that order.
+    The live task is read before it is locked, so a step that ends (or a reconciler that starts the next job)
+    in between leaves another one live: the locks are given back (a savepoint rolled back) and taken again on
+    the new one, never the task's after the scan's, which would deadlock with a step's end."""
+    for _ in range(LOCK_TRIES - 1):
+        try:
+            async with conn.transaction():
+                found = await _locked_live(conn, scan_id, lock_task)
+                if _live_task(found[2]) != found[0]:
+                    raise _MovedOn
+                return found
+        except _MovedOn:
+            continue
+    found = await _locked_live(conn, scan_id, lock_task)
+    if _live_task(found[2]) != found[0]:  # a scan moving on this fast is not an ordinary race any more
+        raise StoreUnavailable(f"scan {scan_id} moved on {LOCK_TRIES} times while it was being cancelled; "
+                               "cancel it again")
+    return found
+
+
+async def _locked_live(conn: Conn, scan_id: str,
+                       lock_task: Callable[[Conn, str], Awaitable[Any]]) -> tuple[str | None, Any, Stored]:
+    unlocked = await stored(conn, scan_id, lock=False)
+    if unlocked is None:
+        raise ScanNotFound(scan_id)
+    task_id = _live_task(unlocked)
+    task = None if task_id is None else await lock_task(conn, task_id)
+    return task_id, task, await _stored(conn, scan_id)
 
 
 def _live_task(scan: Stored) -> str | None:
