@@ -104,6 +104,38 @@ async def test_same_key_and_body_is_the_scan_itself_another_body_a_conflict_crea
     assert len((await store.list_tasks()).tasks) == 1
 
 
+@pytest.mark.parametrize("kind", ["postgres"])
+async def test_two_submits_of_one_key_at_once_on_two_nodes_are_one_scan_or_a_conflict(store: Store) -> None:
+    """The later submit's insert waits for the earlier one's transaction, then finds its scan by the key."""
+    from tidepool.store.postgres import PostgresStore
+    from tidepool.store.postgres import scans as pg_scans
+
+    other = PostgresStore(store.url, schema=store.schema)  # type: ignore[attr-defined]
+    await other.open()
+    try:
+        for key, payload, expected in (("k1", {"target": "a"}, None), ("k2", {"target": "b"}, Conflict)):
+            answers: list[tuple[Scan, bool] | Exception] = []
+
+            async def submit(body: NewScan, answers: list[tuple[Scan, bool] | Exception] = answers) -> None:
+                try:
+                    answers.append(await other.add_scan(body, now=T0 + 1))
+                except Conflict as exc:
+                    answers.append(exc)
+
+            first = NewScan("web", WEB.steps, payload={"target": "a"}, idempotency_key=key)
+            async with anyio.create_task_group() as tg, store._db.conn() as conn, conn.transaction():  # type: ignore[attr-defined]
+                scan, created = await pg_scans.add_scan(conn, first, T0, None)
+                tg.start_soon(submit, NewScan("web", WEB.steps, payload=payload, idempotency_key=key))
+                await wait_for_a_lock_wait(store)  # the other node's insert of the key waits for this one
+            if expected is None:
+                assert created and answers == [(await store.get_scan(scan.id), False)]
+            else:
+                assert isinstance(answers[0], Conflict) and key in str(answers[0])
+        assert len((await store.list_scans()).scans) == 2 and len((await store.list_tasks()).tasks) == 2
+    finally:
+        await other.close()
+
+
 async def test_a_scan_over_max_queued_is_refused_and_creates_nothing(store: Store) -> None:
     await store.add(NewTask("noop"), now=T0)
     with pytest.raises(QueueFull):

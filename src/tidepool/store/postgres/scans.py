@@ -101,20 +101,29 @@ async def apply(conn: Conn, moves: Moves, scan: Stored, w: Writes, now: float) -
 
 async def add_scan(conn: Conn, new: NewScan, now: float, max_queued: int | None) -> tuple[Scan, bool]:
     """The scan and its first job's task; (existing, False) for a key used with the same body."""
-    if new.idempotency_key:
-        found = await conn.fetchrow(SQL["scan_by_key"], new.idempotency_key)
-        if found is not None:
-            if found[1] != new.fingerprint():
-                raise Conflict(f"idempotency_key {new.idempotency_key!r} was used with another scan body")
-            return await read(conn, found[0]), False
+    if new.idempotency_key and (existing := await _keyed(conn, new)) is not None:
+        return existing, False
     if max_queued is not None:
         await queue.check_queue_room(conn, 1, max_queued)
     scan_id = new_id(now)
     if await conn.fetchval(SQL["insert_scan"], *scan_values(scan_id, new, now)) is None:
-        raise Conflict(f"idempotency_key {new.idempotency_key!r} is being used meanwhile; submit it again")
+        # a submit of the same key beside this one committed first (the insert waited for it): it is seen now
+        if (existing := await _keyed(conn, new)) is None:  # and was pruned in between: rare enough to report
+            raise StoreUnavailable(f"idempotency_key {new.idempotency_key!r} changed hands during the submit; retry")
+        return existing, False
     await conn.execute(SQL["insert_jobs"], scan_id, [j[2] for j in job_values(scan_id, new)])
     await _start(conn, scan_id, now)
     return await read(conn, scan_id), True
+
+
+async def _keyed(conn: Conn, new: NewScan) -> Scan | None:
+    """The scan that holds new's idempotency key; Conflict when it was submitted with another body."""
+    found = await conn.fetchrow(SQL["scan_by_key"], new.idempotency_key)
+    if found is None:
+        return None
+    if found[1] != new.fingerprint():
+        raise Conflict(f"idempotency_key {new.idempotency_key!r} was used with another scan body")
+    return await read(conn, found[0])
 
 
 async def retry_job(conn: Conn, scan_id: str, index: int, now: float) -> Scan:
