@@ -164,9 +164,12 @@ class ScopeRefused(Exception):
 
 def merge_scope(scope: Mapping[str, Any], learned: Mapping[str, Any] | None) -> dict[str, Any]:
     """The scan's scope after a step that learned `learned`: merged at the top level, the newer key winning.
-    ScopeRefused when it is not JSON or its compact JSON would pass SCOPE_MAX_BYTES."""
-    merged = {**scope, **(learned or {})}
+    ScopeRefused when it is not a mapping, not JSON, or its compact JSON would pass SCOPE_MAX_BYTES."""
+    if learned is not None and not isinstance(learned, Mapping):  # a plugin may have set ctx.scope to anything
+        raise ScopeRefused("scope_not_json", f"ctx.scope must be a mapping of names to JSON values, not a "
+                           f"{type(learned).__name__}")
     try:
+        merged = {**scope, **(learned or {})}
         size = len(canonical_json(merged).encode())
     except (TypeError, ValueError) as exc:
         raise ScopeRefused("scope_not_json", f"ctx.scope holds a value JSON cannot carry: {exc}") from None

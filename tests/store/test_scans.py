@@ -246,6 +246,14 @@ async def test_a_scope_past_its_bound_or_not_json_fails_that_step_saying_why(sto
     error = (await store.get(other.jobs[0].task_id or "")).error
     assert error is not None and error.code == "scope_not_json" and other.state is ScanState.FAILED
 
+    for not_a_mapping in (["port", 80], "port=80"):  # a plugin that replaced ctx.scope with something else
+        third, _ = await store.add_scan(WEB, now=T0)
+        third = await end_step(store, third, 0, Outcome(AttemptStatus.SUCCEEDED, scope=not_a_mapping))  # type: ignore[arg-type]
+        task = await store.get(third.jobs[0].task_id or "")
+        assert task.state is State.FAILED and task.attempt == 1 < task.max_attempts  # not retried: it would fail again
+        assert task.error is not None and task.error.code == "scope_not_json" and "mapping" in task.error.message
+        assert third.state is ScanState.FAILED
+
 
 async def test_a_steps_task_is_retried_as_its_job_not_on_its_own(store: Store) -> None:
     scan, _ = await store.add_scan(WEB, now=T0)
