@@ -272,9 +272,11 @@ def shown(stored: JobState, task_state: State | None) -> JobState:
 
 
 def shown_scan(stored: ScanState, jobs: Sequence[Job]) -> ScanState:
-    """What a scan reads as, from its stored state and its jobs as shown."""
+    """What a scan reads as, from its stored state and its jobs as shown (none when they are being pruned)."""
+    if stored is not ScanState.RUNNING or not jobs:
+        return stored
     first = jobs[0]
-    if stored is ScanState.RUNNING and first.state is JobState.QUEUED and first.tasks == 1 and not first.attempts:
+    if first.state is JobState.QUEUED and first.tasks == 1 and not first.attempts:
         return ScanState.PENDING  # only one job is started at a time: every later one is waiting
     return stored
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from typing import Any
 
@@ -498,6 +499,34 @@ async def test_scans_list_newest_first_by_state_and_profile_in_pages(store: Stor
     assert by == {ScanState.PENDING: [ids[3], ids[2]], ScanState.RUNNING: [ids[1]], ScanState.CANCELLED: [ids[0]],
                   ScanState.SUCCEEDED: [], ScanState.FAILED: []}
     assert [s.id for s in (await store.list_scans(profile="web", state=ScanState.PENDING)).scans] == [ids[3]]
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+async def test_a_scan_is_read_with_its_jobs_as_of_one_time_on_sqlite(store: Store) -> None:
+    """A prune that lands between the read of a scan's row and of its jobs is not seen by either."""
+    assert isinstance(store, SqliteStore) and store._reader is not None
+    scan, _ = await store.add_scan(NewScan("one", (StepSpec("a"),)), now=T0)
+    scan = await end_step(store, scan, 0, learned(port=80))
+    prune: list[str] = [scan.id]  # the scan the next read of jobs sees pruned just before it runs
+
+    def prune_before_the_jobs_are_read(statement: str) -> None:
+        if "FROM scan_jobs" in statement and prune:
+            with contextlib.closing(sqlite3.connect(store.path)) as other, other:
+                other.execute("DELETE FROM scan_jobs WHERE scan_id = ?", (prune[0],))
+                other.execute("DELETE FROM scans WHERE id = ?", (prune.pop(),))
+
+    store._reader.set_trace_callback(prune_before_the_jobs_are_read)
+    try:
+        assert await store.get_scan(scan.id) == scan and not prune
+        with pytest.raises(ScanNotFound):
+            await store.get_scan(scan.id)
+        second, _ = await store.add_scan(NewScan("one", (StepSpec("a"),)), now=T0 + 1)
+        second = await end_step(store, second, 0, learned())
+        prune.append(second.id)
+        assert (await store.list_scans()).scans == [second] and not prune
+        assert (await store.list_scans()).scans == []
+    finally:
+        store._reader.set_trace_callback(None)
 
 
 async def test_ended_scans_are_pruned_with_their_tasks(store: Store) -> None:
