@@ -24,7 +24,7 @@ SCOPE_MAX_BYTES = 64 * 1024
 
 class ScanState(enum.StrEnum):
     """A scan's state. The stores keep RUNNING and the ends; PENDING is how a running scan reads while
-    nothing of it has run yet (its first job's first task is queued and has used no attempt)."""
+    nothing of it has run yet (its first job's first task is queued and has started no attempt)."""
 
     PENDING = "pending"
     RUNNING = "running"
@@ -121,8 +121,8 @@ class NewScan:
 @dataclass(frozen=True, slots=True)
 class Job:
     """One step of one scan. `task_id` is its latest task (None while waiting or skipped unstarted);
-    `attempts` and `error` are that task's; `tasks` counts the tasks it has had (the next one's retry
-    number)."""
+    `attempts` (those it has started, an interrupted one included) and `error` are that task's; `tasks`
+    counts the tasks it has had (the next one's retry number)."""
 
     index: int
     step: str

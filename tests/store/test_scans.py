@@ -203,6 +203,18 @@ async def test_a_retried_attempt_of_a_step_is_the_same_job_and_task(store: Store
     assert states(scan) == ["success", "queued", "waiting"] and scan.jobs[0].attempts == 2
 
 
+async def test_an_interrupted_attempt_of_a_scans_first_step_counts_as_started(store: Store) -> None:
+    """An interruption gives its attempt back to the task's count, but it ran: the scan is no longer pending."""
+    scan, _ = await store.add_scan(WEB, now=T0)
+    claimed = await claim_step(store, scan, 0)
+    await store.finish(claimed.lease, Outcome(AttemptStatus.INTERRUPTED), now=T0 + 1, policy=POLICY)
+    scan = await store.get_scan(scan.id)
+    assert scan.state is ScanState.RUNNING and states(scan) == ["queued", "waiting", "waiting"]
+    assert scan.jobs[0].attempts == 1 and (await store.get(claimed.task.id)).attempt == 0
+    assert [s.id for s in (await store.list_scans(state=ScanState.RUNNING)).scans] == [scan.id]
+    assert (await store.list_scans(state=ScanState.PENDING)).scans == []
+
+
 @pytest.mark.parametrize("outcome, shown", [(FAILED_FOR_GOOD, "failed"), (TIMED_OUT, "timeout")])
 async def test_a_step_failed_or_timed_out_fails_the_scan_and_skips_the_rest(
         store: Store, outcome: Outcome, shown: str) -> None:
@@ -487,10 +499,13 @@ async def test_a_jobs_tasks_are_unique_by_scan_index_and_retry_number(store: Sto
 
 
 async def test_scans_list_newest_first_by_state_and_profile_in_pages(store: Store) -> None:
-    ids = [(await store.add_scan(NewScan(p, (StepSpec("a"), StepSpec("b"))), now=T0 + i))[0].id
-           for i, p in enumerate(["web", "web", "dns", "web"])]
-    await end_step(store, await store.get_scan(ids[1]), 0, learned(), now=T0 + 10)
+    async def submit(i: int, profile: str) -> str:
+        return (await store.add_scan(NewScan(profile, (StepSpec("a"), StepSpec("b"))), now=T0 + i))[0].id
+
+    ids = [await submit(0, "web"), await submit(1, "web")]
+    await end_step(store, await store.get_scan(ids[1]), 0, learned(), now=T0 + 10)  # starts an attempt of ids[0]'s too
     await store.cancel_scan(ids[0], now=T0 + 11)
+    ids += [await submit(2, "dns"), await submit(3, "web")]  # nothing of these has run
     page = await store.list_scans(limit=3)
     assert [s.id for s in page.scans] == ids[::-1][:3] and page.next_cursor == ids[1]
     rest = await store.list_scans(limit=3, cursor=page.next_cursor)
