@@ -225,6 +225,18 @@ async def test_an_organization_the_worker_is_not_assigned_is_never_leased_to_it(
     assert await acquired_ids(store) == []
 
 
+async def test_an_acquire_for_several_organizations_takes_their_tasks_in_queue_order(store: Store) -> None:
+    low_acme = await add(store, organization="acme", priority=1)
+    high_globex = await add(store, organization="globex", priority=9)
+    await add(store, priority=5)
+    mid_acme = await add(store, organization="acme", priority=5)
+    last_globex = await add(store, organization="globex", priority=1)
+    await meet(store)
+    await change(store, organizations=("acme", "globex"))
+    assert await acquired_ids(store, limit=3) == [high_globex, mid_acme, low_acme]
+    assert await acquired_ids(store) == [last_globex]
+
+
 async def test_local_claims_take_every_organization_unless_the_filter_names_some(store: Store) -> None:
     acme, default = await add(store, organization="acme"), await add(store)
     local = Worker("node-a", "a-1", "w-1")
