@@ -307,7 +307,18 @@ async def test_cancel_removed_cancels_the_active_attempts_of_the_organizations_t
         [Revoked(i, held[i].lease.attempt_id, "noop") for i in (acme, default)], key=lambda r: r.task_id)
     assert [(await store.get(i)).state for i in (acme, globex, default)] == \
         [State.CANCELLING, State.LEASED, State.CANCELLING]
-    assert (await change(store, cancel_removed=True))[1] == []  # nothing taken away: nothing cancelled
+    assert (await change(store, cancel_removed=True))[1] == []  # no active attempt outside its organizations
+
+
+async def test_cancel_removed_alone_cancels_the_attempts_an_earlier_change_let_run(store: Store) -> None:
+    acme, default = await add(store, organization="acme"), await add(store)
+    await meet(store)
+    await change(store, organizations=("acme", "default"))
+    held = {c.task.id: c for c in (await acquire(store)).claimed}
+    assert (await change(store, organizations=("default",)))[1] == []
+    worker, cancelled = await change(store, cancel_removed=True)
+    assert (worker.organizations, cancelled) == (("default",), [Revoked(acme, held[acme].lease.attempt_id, "noop")])
+    assert [(await store.get(i)).state for i in (acme, default)] == [State.CANCELLING, State.LEASED]
 
 
 @pytest.mark.parametrize(("fields", "field"), [

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ..errors import WorkerNotFound
 from ..model import CertSeen, ClaimFilter, RemoteWorker, State, Worker, WorkerChange, WorkerState
 from .port import Acquired, Enroll, Node, Revoked
-from .registry import REMOTE_INSTANCE, acquire_filter, changed, first_record, met_again, node_taken, room, taken_away
+from .registry import REMOTE_INSTANCE, acquire_filter, changed, first_record, met_again, node_taken, room, spared
 from .rules import cancel_step
 
 if TYPE_CHECKING:
@@ -54,9 +54,9 @@ class MemoryRegistry:
         before = self._worker(worker_id)
         after = changed(before, change)
         self._workers[worker_id] = after
-        removed = taken_away(before, after, change)
-        cancelled = self._cancel_active(worker_id, now, lambda row: row.task.organization in removed) \
-            if removed else []
+        keep = spared(after, change)
+        cancelled = self._cancel_active(worker_id, now, lambda row: row.task.organization not in keep) \
+            if keep is not None else []
         return self._counted(after), cancelled
 
     async def revoke_worker(self, worker_id: str, *, now: float) -> tuple[RemoteWorker, list[Revoked]]:
