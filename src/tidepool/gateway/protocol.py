@@ -273,7 +273,11 @@ class Gateway:
             if answer is None:
                 out.append({"attempt_id": ending.attempt_id, "lost": NOT_YOURS if ending in taken else "revoked"})
             elif isinstance(answer, LeaseLost):
-                gone = await self._gone(worker.id, lease_of(ending.attempt_id, ending.lease_token), answer)
+                lease = lease_of(ending.attempt_id, ending.lease_token)
+                if (state := await self._ended_already(lease, ending.status)) is not None:
+                    out.append({"attempt_id": ending.attempt_id, "state": state.value})
+                    continue
+                gone = await self._gone(worker.id, lease, answer)
                 out.append({"attempt_id": ending.attempt_id, "lost": gone.reason})
             elif isinstance(answer, TidepoolError):
                 raise answer  # the store did not take it (StoreUnavailable): the worker sends it again
@@ -290,6 +294,20 @@ class Gateway:
             self.wake(1)
         log.info("task %s attempt %s of worker %s %s -> %s", task_id, ending.attempt_id, identity, ending.status,
                  state.value)
+
+    async def _ended_already(self, lease: Lease, status: str) -> State | None:
+        """The task's state when this attempt already ended with this status: the same ending sent again after
+        its answer was lost, answered as the first time, with no event (the task did not lose its lease). The
+        store forgets an ended lease's token, so the caller's ownership of the attempt, checked before, and
+        the task its token names stand for it."""
+        try:
+            task = await self.store.get(lease.task_id)
+        except (StoreUnavailable, TidepoolError):
+            return None
+        attempt = next((a for a in task.attempts if a.id == lease.attempt_id), None)
+        if attempt is None or attempt.finished_at is None or attempt.status != status:
+            return None
+        return task.state
 
     async def _gone(self, identity: str, lease: Lease, lost: LeaseLost) -> LeaseGone:
         reason = "cancelled" if isinstance(lost, TaskCancelling) else await self._reason(lease)
