@@ -134,6 +134,8 @@ class ResultBatch:
     final: bool
     payload: Any
     attempt_id: str = ""  # the attempt that emitted it
+    # as record_result answers: whether that call stored it (False: it was found stored under its key)
+    stored_now: bool = field(default=False, compare=False)
 
 
 @dataclass(slots=True)  # hot path: plain is 4x cheaper to build than frozen; treat as immutable

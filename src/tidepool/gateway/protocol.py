@@ -255,7 +255,7 @@ class Gateway:
         except LeaseLost as exc:
             raise await self._gone(worker.id, lease, exc) from None
         self.reports.result(worker.id, lease.task_id, ack)
-        return ack, self.registry.first_ack(ack)
+        return ack, ack.stored_now
 
     async def finish(self, worker: RemoteWorker, endings: Sequence[EndingIn]) -> dict[str, Any]:
         taken = _acknowledgements(endings) if worker.state is WorkerState.REVOKED else endings

@@ -172,7 +172,7 @@ def record_result(conn: sqlite3.Connection, batch: Batch, *, lease: Lease, resul
         return result_of(earlier)
     conn.execute(Q["insert_result"], (result.idempotency_key, lease.task_id, lease.attempt_id, result.plugin,
                                       result.sequence, result.sha256, result.final, json.dumps(result.payload), now))
-    return replace(result, attempt_id=lease.attempt_id)
+    return replace(result, attempt_id=lease.attempt_id, stored_now=True)
 
 
 # endings
