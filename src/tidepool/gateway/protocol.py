@@ -130,7 +130,9 @@ class Gateway:
             return self._answer([], worker.state)
         self.registry.seen(acquired.worker)
         claimed = acquired.claimed
-        if claimed and gone() and not keep:  # leased as it left: back to the queue at once, unless a repeat
+        # leased as it left: back to the queue at once (kept for a repeat of its request_id, they would block
+        # their tasks and count against the cap until they expire), unless a repeat already waits for them
+        if claimed and gone() and not (keep and superseded()):
             await self._hand_back(acquired.worker.id, claimed)
             claimed = []
         self._leased(acquired.worker.id, claimed)
