@@ -134,6 +134,8 @@ class ResultBatch:
     final: bool
     payload: Any
     attempt_id: str = ""  # the attempt that emitted it
+    # as record_result answers: whether that call stored it (False: it was found stored under its key)
+    stored_now: bool = field(default=False, compare=False)
 
 
 @dataclass(slots=True)  # hot path: plain is 4x cheaper to build than frozen; treat as immutable
@@ -263,7 +265,8 @@ class RemoteWorker:
 class WorkerChange:
     """An operator's change of a worker's record; None leaves a field as it is. `state` is enabled or
     disabled (a revoke is a verb of its own). With `cancel_removed`, the worker's active attempts of the
-    organizations this change takes from it are cancelled; without, they run to their end."""
+    organizations it is not assigned after this change are cancelled (also of those an earlier change took
+    away); without, they run to their end."""
 
     state: WorkerState | None = None
     max_concurrent_tasks: int | None = None

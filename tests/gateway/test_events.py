@@ -48,3 +48,20 @@ async def test_a_lease_that_expired_under_its_worker_is_published_once(make_node
         assert ended.body["endings"] == [{"attempt_id": lease["attempt_id"], "lost": "expired"}]
         assert lost == [{"task_id": task_id, "worker_id": "w1", "attempt_id": lease["attempt_id"], "type": "noop",
                          "reason": "expired"}]
+
+
+async def test_an_ending_sent_again_after_its_answer_was_lost_is_answered_as_the_first_time(
+        make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        lost: list[dict[str, Any]] = []
+        node.daemon.events.listen(lambda e: lost.append(e.data) if e.name == "task.lease_lost" else None)
+        await node.submit()
+        w1 = node.remote("w1")
+        lease = await w1.leased()
+        ending = {"endings": [{**lease_of(lease), "status": "succeeded"}]}
+        first = await w1.post("/w1/finish", ending)
+        again = await w1.post("/w1/finish", ending)
+        assert first.body == again.body == {"endings": [{"attempt_id": lease["attempt_id"], "state": "completed"}]}
+        other = await w1.post("/w1/finish", {"endings": [{**lease_of(lease), "status": "failed"}]})
+        assert other.body["endings"] == [{"attempt_id": lease["attempt_id"], "lost": "expired"}]
+        assert [e["attempt_id"] for e in lost] == [lease["attempt_id"]]  # for the other ending only

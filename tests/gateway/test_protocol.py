@@ -10,6 +10,8 @@ from typing import Any
 import anyio
 import pytest
 
+from tidepool.gateway.schemas import AcquireIn
+
 from .conftest import AUTO, MakeNode
 
 pytestmark = pytest.mark.parametrize("store_kind", ["sqlite", "postgres"])
@@ -74,6 +76,25 @@ async def test_an_acquire_sent_again_with_its_request_id_answers_the_same_lease(
         assert again.body["tasks"] == first.body["tasks"]
         other = await w1.acquire(request_id="r-2")
         assert other.body["tasks"][0]["attempt_id"] != first.body["tasks"][0]["attempt_id"]
+
+
+@pytest.mark.parametrize("request_id", [None, "r-1"])
+async def test_what_an_acquire_leased_as_its_client_left_goes_back_to_the_queue_at_once(
+        make_node: MakeNode, request_id: str | None) -> None:
+    async with make_node(gateway=AUTO) as node:
+        w1 = node.remote("w1")
+        await w1.acquire()  # enrolled
+        task_id = await node.submit()
+        gateway = node.daemon.gateway
+        worker = await gateway.store.get_worker("w1")
+        there = iter([True])  # the client is there when the claim begins, gone once it is answered
+
+        answer = await gateway.acquire(worker, AcquireIn(types=["noop"], request_id=request_id), version=None,
+                                       gone=lambda: not next(there, False), on_gone=lambda cancel: lambda: None)
+        assert answer["tasks"] == []
+        task = await node.task(task_id)
+        assert (task["state"], [a["status"] for a in task["attempts"]]) == ("pending", ["interrupted"])
+        assert (await w1.leased())["task"]["id"] == task_id  # not held for a repeat that may never come
 
 
 async def test_an_acquire_holds_for_wait_s_then_answers_no_task(make_node: MakeNode) -> None:

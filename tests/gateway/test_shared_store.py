@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from .conftest import AUTO, MakeNode, Node, Remote, open_control
-from .test_protocol import lease_of
+from .test_protocol import lease_of, sha256
 
 # A bound for what must happen at once; far under the 30 s an acquire holds and the renewal interval.
 AT_ONCE_S = 5.0
@@ -130,3 +130,15 @@ async def test_notes_of_an_attempt_another_gateway_handed_out_publish_each_phase
         for note in ({"phase": "initialize"}, {"phase": "run"}, {"phase": "run", "progress": {"fraction": 0.5}}):
             assert (await on_b.post("/w1/phase", {"notes": [{**lease_of(lease), **note}]})).body == {"lost": []}
         assert phases == ["initialize", "run"]
+
+
+async def test_a_result_sent_again_through_another_gateway_is_answered_as_a_repeat(make_node: MakeNode,
+                                                                                   tmp_path: Path) -> None:
+    async with two_gateways(make_node, tmp_path) as (a, b):
+        await a.submit()
+        lease = await a.remote("w1").leased()
+        payload = {"open": [22]}
+        result = {**lease_of(lease), "plugin": "noop", "sequence": 0, "idempotency_key": "k-1",
+                  "sha256": sha256(payload), "final": True, "payload": payload}
+        assert (await a.remote("w1").post("/w1/results", result)).status == 201
+        assert (await b.remote("w1").post("/w1/results", result)).status == 200  # the store found it stored

@@ -783,6 +783,13 @@ async def test_retry_into_a_full_queue_raises_queue_full_and_changes_nothing(sto
 # prune, phases
 
 
+async def test_record_result_says_whether_it_stored_the_batch_or_found_it_stored(store: Store) -> None:
+    c = await running(store)
+    stored = await store.record_result(c.lease, result("r1"), now=T0 + 1)
+    found = await store.record_result(c.lease, result("r1"), now=T0 + 2)  # its answer was lost: sent again
+    assert (stored, stored.stored_now, found.stored_now) == (found, True, False)
+
+
 async def test_prune_deletes_old_ended_tasks_with_their_attempts_and_results(store: Store) -> None:
     old = await running(store, type="old", idempotency_key="k-old")
     await store.record_result(old.lease, result("r-old"), now=T0)

@@ -251,6 +251,18 @@ async def test_an_organization_the_worker_is_not_assigned_is_never_leased_to_it(
     assert await acquired_ids(store) == []
 
 
+async def test_an_acquire_for_several_organizations_takes_their_tasks_in_queue_order(store: Store) -> None:
+    low_acme = await add(store, organization="acme", priority=1)
+    high_globex = await add(store, organization="globex", priority=9)
+    await add(store, priority=5)
+    mid_acme = await add(store, organization="acme", priority=5)
+    last_globex = await add(store, organization="globex", priority=1)
+    await meet(store)
+    await change(store, organizations=("acme", "globex"))
+    assert await acquired_ids(store, limit=3) == [high_globex, mid_acme, low_acme]
+    assert await acquired_ids(store) == [last_globex]
+
+
 async def test_local_claims_take_every_organization_unless_the_filter_names_some(store: Store) -> None:
     acme, default = await add(store, organization="acme"), await add(store)
     local = Worker("node-a", "a-1", "w-1")
@@ -321,7 +333,18 @@ async def test_cancel_removed_cancels_the_active_attempts_of_the_organizations_t
         [Revoked(i, held[i].lease.attempt_id, "noop") for i in (acme, default)], key=lambda r: r.task_id)
     assert [(await store.get(i)).state for i in (acme, globex, default)] == \
         [State.CANCELLING, State.LEASED, State.CANCELLING]
-    assert (await change(store, cancel_removed=True))[1] == []  # nothing taken away: nothing cancelled
+    assert (await change(store, cancel_removed=True))[1] == []  # no active attempt outside its organizations
+
+
+async def test_cancel_removed_alone_cancels_the_attempts_an_earlier_change_let_run(store: Store) -> None:
+    acme, default = await add(store, organization="acme"), await add(store)
+    await meet(store)
+    await change(store, organizations=("acme", "default"))
+    held = {c.task.id: c for c in (await acquire(store)).claimed}
+    assert (await change(store, organizations=("default",)))[1] == []
+    worker, cancelled = await change(store, cancel_removed=True)
+    assert (worker.organizations, cancelled) == (("default",), [Revoked(acme, held[acme].lease.attempt_id, "noop")])
+    assert [(await store.get(i)).state for i in (acme, default)] == [State.CANCELLING, State.LEASED]
 
 
 @pytest.mark.parametrize(("fields", "field"), [

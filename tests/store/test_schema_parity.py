@@ -14,9 +14,11 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from tidepool.model import ClaimFilter
 from tidepool.store.postgres import PostgresStore
 from tidepool.store.sqlite import SqliteStore
 from tidepool.store.sqlite.database import Q as SQLITE_QUERIES
+from tidepool.store.sqlite.work import claimable
 
 # "table t" -> its columns in order; "column t.c", "key t KIND (columns)" -> ""; "index i" -> its table and columns
 Schema = dict[str, str]
@@ -72,6 +74,22 @@ async def test_sqlite_finds_the_rows_of_each_pass_by_an_index(tmp_path: Path, na
     with sqlite3.connect(path) as conn:
         plan = [row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}", (0,) * sql.count("?"))]
     assert plan and all(step.startswith("SEARCH tasks USING INDEX") for step in plan), plan
+
+
+async def test_sqlite_reads_a_claim_for_organizations_from_each_ones_queue_index(tmp_path: Path) -> None:
+    """A remote worker's claim never reads the whole queue (whose head may be another organization's)."""
+    path = tmp_path / "tidepool.db"
+    await sqlite_schema(path)
+    statements: list[str] = []
+    with sqlite3.connect(path) as conn:
+        conn.set_trace_callback(statements.append)
+        claimable(conn, ClaimFilter(tag_sets=(frozenset({"lan"}),), organizations=("acme", "globex")), 5, 0.0,
+                  ("scan.*",))
+        conn.set_trace_callback(None)
+        plan = [row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {statements[-1]}")]
+    reads = [step for step in plan if " tasks " in f"{step} "]
+    assert len(reads) == 2 and all(
+        step.startswith("SEARCH tasks USING INDEX tasks_organization_queue (organization=?") for step in reads), plan
 
 
 def of_declared_table(store: str, item: str) -> bool:

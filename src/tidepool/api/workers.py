@@ -23,7 +23,8 @@ class WorkerPatch(BaseModel):
     max_concurrent_tasks: JsonInt | None = Field(None, ge=0, le=MAX_WORKERS)
     task_types: list[str] | None = Field(None, min_length=1, max_length=200, description="globs")
     organizations: list[str] | None = Field(None, max_length=200)
-    cancel_removed: bool = Field(False, description="cancel its active attempts of the organizations removed")
+    cancel_removed: bool = Field(
+        False, description="cancel its active attempts of the organizations it is not assigned")
 
     def to_change(self) -> WorkerChange:
         return WorkerChange(

@@ -132,7 +132,9 @@ class Gateway:
             return self._answer([], worker.state)
         self.registry.seen(acquired.worker, read_after=changes)
         claimed = acquired.claimed
-        if claimed and gone() and not keep:  # leased as it left: back to the queue at once, unless a repeat
+        # leased as it left: back to the queue at once (kept for a repeat of its request_id, they would block
+        # their tasks and count against the cap until they expire), unless a repeat already waits for them
+        if claimed and gone() and not (keep and superseded()):
             await self._hand_back(acquired.worker.id, claimed)
             claimed = []
         self._leased(acquired.worker.id, claimed)
@@ -266,7 +268,7 @@ class Gateway:
         except LeaseLost as exc:
             raise await self._gone(worker.id, lease, exc) from None
         self.reports.result(worker.id, lease.task_id, ack)
-        return ack, self.registry.first_ack(ack)
+        return ack, ack.stored_now
 
     async def finish(self, worker: RemoteWorker, endings: Sequence[EndingIn]) -> dict[str, Any]:
         taken = _acknowledgements(endings) if worker.state is WorkerState.REVOKED else endings
@@ -284,7 +286,11 @@ class Gateway:
             if answer is None:
                 out.append({"attempt_id": ending.attempt_id, "lost": NOT_YOURS if ending in taken else "revoked"})
             elif isinstance(answer, LeaseLost):
-                gone = await self._gone(worker.id, lease_of(ending.attempt_id, ending.lease_token), answer)
+                lease = lease_of(ending.attempt_id, ending.lease_token)
+                if (state := await self._ended_already(lease, ending.status)) is not None:
+                    out.append({"attempt_id": ending.attempt_id, "state": state.value})
+                    continue
+                gone = await self._gone(worker.id, lease, answer)
                 out.append({"attempt_id": ending.attempt_id, "lost": gone.reason})
             elif isinstance(answer, TidepoolError):
                 raise answer  # the store did not take it (StoreUnavailable): the worker sends it again
@@ -301,6 +307,20 @@ class Gateway:
             self.wake(1)
         log.info("task %s attempt %s of worker %s %s -> %s", task_id, ending.attempt_id, identity, ending.status,
                  state.value)
+
+    async def _ended_already(self, lease: Lease, status: str) -> State | None:
+        """The task's state when this attempt already ended with this status: the same ending sent again after
+        its answer was lost, answered as the first time, with no event (the task did not lose its lease). The
+        store forgets an ended lease's token, so the caller's ownership of the attempt, checked before, and
+        the task its token names stand for it."""
+        try:
+            task = await self.store.get(lease.task_id)
+        except (StoreUnavailable, TidepoolError):
+            return None
+        attempt = next((a for a in task.attempts if a.id == lease.attempt_id), None)
+        if attempt is None or attempt.finished_at is None or attempt.status != status:
+            return None
+        return task.state
 
     async def _gone(self, identity: str, lease: Lease, lost: LeaseLost) -> LeaseGone:
         reason = "cancelled" if isinstance(lost, TaskCancelling) else await self._reason(lease)

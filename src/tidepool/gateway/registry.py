@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 from ..errors import Conflict, LeaseGone, WorkerRefused
 from ..events import EventBus
-from ..model import CertSeen, RemoteWorker, ResultBatch, WorkerChange, WorkerState, rfc3339
+from ..model import CertSeen, RemoteWorker, WorkerChange, WorkerState, rfc3339
 from ..store import Enroll, Revoked, Store
 from .control import Controls
 from .metrics import GatewayMetrics
@@ -28,7 +27,6 @@ from .tls import Peer
 log = logging.getLogger("tidepool.gateway")
 MEET_EVERY_S = 1.0
 TAGS_FOR_S = 1.0    # a submit's tag check reads the workers' slots at most this often
-MAX_ACKS = 100_000  # result keys remembered, to answer a repeat 200 rather than 201
 
 
 class WorkerRegistry:
@@ -41,7 +39,6 @@ class WorkerRegistry:
         self._metrics = metrics
         self._clock = clock
         self._met: dict[str, tuple[float, str, RemoteWorker]] = {}  # identity -> (when, fingerprint, record)
-        self._acks: OrderedDict[str, None] = OrderedDict()
         self._slots: tuple[float, list[frozenset[str]]] = (-TAGS_FOR_S, [])
         self._changes = 0  # records changed meanwhile: a read begun before a change is not kept
 
@@ -94,15 +91,6 @@ class WorkerRegistry:
             if write:
                 raise LeaseGone(f"worker {worker.id} is revoked", "revoked")
             raise WorkerRefused(worker.id, "worker_revoked", "revoked by an operator: its calls are refused for good")
-
-    def first_ack(self, ack: ResultBatch) -> bool:
-        """Whether this is the first acknowledgement of a result key this gateway gives."""
-        if ack.idempotency_key in self._acks:
-            return False
-        self._acks[ack.idempotency_key] = None
-        if len(self._acks) > MAX_ACKS:
-            self._acks.popitem(last=False)
-        return True
 
     # the operator's side
 

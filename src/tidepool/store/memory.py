@@ -196,9 +196,9 @@ class MemoryStore(ScanVerbs, MemoryRegistry):
                     if earlier.sha256 != batch.sha256:
                         raise Conflict(f"result key {batch.idempotency_key} was stored with another sha256")
                     return earlier
-        batch = dataclasses.replace(batch, attempt_id=lease.attempt_id)
+        batch = dataclasses.replace(batch, attempt_id=lease.attempt_id, stored_now=False)
         row.results.append(batch)
-        return batch
+        return dataclasses.replace(batch, stored_now=True)
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
         return await finish_alone(self, lease, outcome, now=now, policy=policy)

@@ -22,7 +22,7 @@ from .registry import (
     node_taken,
     reported,
     room,
-    taken_away,
+    spared,
     worth_saving,
 )
 from .rules import cancel_step
@@ -65,9 +65,9 @@ class MemoryRegistry:
         before = self._worker(worker_id)
         after = changed(before, change)
         self._workers[worker_id] = after
-        removed = taken_away(before, after, change)
-        cancelled = self._cancel_active(worker_id, now, lambda row: row.task.organization in removed) \
-            if removed else []
+        keep = spared(after, change)
+        cancelled = self._cancel_active(worker_id, now, lambda row: row.task.organization not in keep) \
+            if keep is not None else []
         return self._counted(after), cancelled
 
     async def revoke_worker(self, worker_id: str, *, now: float) -> tuple[RemoteWorker, list[Revoked]]:

@@ -176,7 +176,7 @@ class WorkerPort(Protocol):
         """Record phases and progress (leased -> running on the first); lost leases by attempt id."""
     async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
         """Store a result batch once: sent again under its key, the stored one (Conflict if its sha256 differs).
-        The acknowledged batch comes back."""
+        The acknowledged batch comes back, its stored_now saying whether this call stored it."""
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
         """End the attempt; the task's new state. finish_many of this one ending, its error raised."""
     async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:

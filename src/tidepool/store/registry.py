@@ -91,12 +91,11 @@ def _organizations(names: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(check_organization("organizations", n) for n in names))
 
 
-def taken_away(before: RemoteWorker, after: RemoteWorker, change: WorkerChange) -> tuple[str, ...]:
-    """The organizations whose active attempts a change cancels: those it took from the worker, when it
-    says cancel_removed."""
-    if not change.cancel_removed:
-        return ()
-    return tuple(sorted(set(before.organizations) - set(after.organizations)))
+def spared(after: RemoteWorker, change: WorkerChange) -> tuple[str, ...] | None:
+    """When a change says cancel_removed, the organizations whose active attempts it leaves be: the worker's
+    assignment after it, so that the attempts of every other organization are cancelled, also of those an
+    earlier change took away; None when it cancels nothing."""
+    return after.organizations if change.cancel_removed else None
 
 
 SEEN_EVERY_S = 1.0  # an acquire saves a last_seen this much newer than the saved one, not every one

@@ -8,6 +8,10 @@
 -- Each picked row takes its slot's values by array subscript. (Version 1 joined the rows to an
 -- unnest() of the slots, which the planner, sorting off and tiny estimates, ran as a nested loop
 -- re-reading the arrays per row: quadratic in the slots of one grouped claim.)
+-- With organizations named (a remote worker's claim), each one's head is read from its own queue index,
+-- tasks_organization_queue, and the first rows of them all are kept: on tasks_queue, a claim for an
+-- organization with few queued tasks read the whole queue. Rows an organization's head locked beyond
+-- those kept stay locked until the claim's transaction ends (other claims skip them meanwhile).
 -- Sorting is off in here: the queue index gives the order, and the row estimates for these
 -- filters are often far too low (a burst of submits after an ANALYZE of an idle queue), on which
 -- the planner would sort the whole queue for every claim. jit is off: the penalty costs of a
@@ -30,16 +34,30 @@ AS $claim$
 BEGIN
     RETURN QUERY
     WITH picked AS (
-        SELECT t.id, t.priority, t.created_at FROM tasks t
-        WHERE t.state IN ('pending', 'retry_wait') AND t.available_at <= p_now
-          AND t.attempt < t.max_attempts
-          AND (p_type_patterns IS NULL OR t.type ~ ANY(p_type_patterns))
-          AND (p_organizations IS NULL OR t.organization = ANY(p_organizations))
-          AND (cardinality(t.required_tags) = 0 OR EXISTS (
-              SELECT 1 FROM jsonb_array_elements(p_tag_sets) AS ts(tags)
-              WHERE t.required_tags <@ ARRAY(SELECT jsonb_array_elements_text(ts.tags))))
-        ORDER BY t.priority DESC, t.created_at, t.id LIMIT p_limit
-        FOR NO KEY UPDATE OF t SKIP LOCKED
+        SELECT a.id, a.priority, a.created_at FROM (
+            SELECT t.id, t.priority, t.created_at FROM tasks t
+            WHERE p_organizations IS NULL
+              AND t.state IN ('pending', 'retry_wait') AND t.available_at <= p_now
+              AND t.attempt < t.max_attempts
+              AND (p_type_patterns IS NULL OR t.type ~ ANY(p_type_patterns))
+              AND (cardinality(t.required_tags) = 0 OR EXISTS (
+                  SELECT 1 FROM jsonb_array_elements(p_tag_sets) AS ts(tags)
+                  WHERE t.required_tags <@ ARRAY(SELECT jsonb_array_elements_text(ts.tags))))
+            ORDER BY t.priority DESC, t.created_at, t.id LIMIT p_limit
+            FOR NO KEY UPDATE OF t SKIP LOCKED) a
+        UNION ALL
+        (SELECT o.id, o.priority, o.created_at FROM unnest(p_organizations) AS org(name) CROSS JOIN LATERAL (
+            SELECT t.id, t.priority, t.created_at FROM tasks t
+            WHERE t.organization = org.name
+              AND t.state IN ('pending', 'retry_wait') AND t.available_at <= p_now
+              AND t.attempt < t.max_attempts
+              AND (p_type_patterns IS NULL OR t.type ~ ANY(p_type_patterns))
+              AND (cardinality(t.required_tags) = 0 OR EXISTS (
+                  SELECT 1 FROM jsonb_array_elements(p_tag_sets) AS ts(tags)
+                  WHERE t.required_tags <@ ARRAY(SELECT jsonb_array_elements_text(ts.tags))))
+            ORDER BY t.priority DESC, t.created_at, t.id LIMIT p_limit
+            FOR NO KEY UPDATE OF t SKIP LOCKED) o
+         ORDER BY o.priority DESC, o.created_at, o.id LIMIT p_limit)
     ), numbered AS (
         SELECT p.id, row_number() OVER (ORDER BY p.priority DESC, p.created_at, p.id)::integer AS n FROM picked p
     ), leased AS (

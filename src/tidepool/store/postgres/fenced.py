@@ -48,7 +48,7 @@ class FencedWrites:
             if not fenced:
                 raise await why_lost(conn, lease)
             if stored:
-                return replace(batch, attempt_id=lease.attempt_id)
+                return replace(batch, attempt_id=lease.attempt_id, stored_now=True)
             earlier = await conn.fetchrow(SQL["earlier_result"], batch.idempotency_key)
         if earlier is None:  # its task was pruned between the two statements
             raise StoreUnavailable(f"result key {batch.idempotency_key} changed hands during the write; retry")

@@ -37,7 +37,7 @@ from ..registry import (
     postgres_regex,
     reported,
     room,
-    taken_away,
+    spared,
     worth_saving,
 )
 from ..rows import task_of, worker_of, worker_values
@@ -86,8 +86,8 @@ class Registry:
             before = await _locked(conn, worker_id)
             after = changed(before, change)
             await conn.execute(SQL["save_worker"], *_values(after))
-            removed = taken_away(before, after, change)
-            cancelled = await _cancel_held(conn, worker_id, now, removed) if removed else []
+            keep = spared(after, change)
+            cancelled = await _cancel_held(conn, worker_id, now, keep) if keep is not None else []
             await self._notices.worker_changed(conn, after, cancelled)
             return await _read(conn, worker_id), cancelled
 
@@ -157,9 +157,9 @@ async def _locked(conn: Conn, worker_id: str) -> RemoteWorker:
     return await _read(conn, worker_id)
 
 
-async def _cancel_held(conn: Conn, worker_id: str, now: float, organizations: Sequence[str] | None) -> list[Revoked]:
+async def _cancel_held(conn: Conn, worker_id: str, now: float, keep: Sequence[str] | None) -> list[Revoked]:
     rows = await conn.fetch(SQL["cancel_held"], worker_id, now, CANCELLING,
-                            None if organizations is None else list(organizations))
+                            None if keep is None else list(keep))
     return [Revoked(r[0], r[1], r[2]) for r in rows]
 
 

@@ -33,10 +33,10 @@ WHERE id = $1
 SELECT 1 FROM nodes WHERE node_id = $1
 
 -- name: cancel_held
--- The worker's leased and running tasks (of the organizations $4, unless NULL) -> $3 (cancelling), as a
--- cancel moves them.
+-- The worker's leased and running tasks (of the organizations not in $4, unless NULL) -> $3 (cancelling), as
+-- a cancel moves them.
 UPDATE tasks SET state = $3, cancel_requested_at = $2, updated_at = $2
-WHERE node_id = $1 AND state IN {working} AND ($4::text[] IS NULL OR organization = ANY($4::text[]))
+WHERE node_id = $1 AND state IN {working} AND ($4::text[] IS NULL OR organization <> ALL($4::text[]))
 RETURNING id, lease_attempt_id, type
 
 -- name: attempt_owners

@@ -241,7 +241,7 @@ class RemoteStore(RemoteQueue):
             raise self._refused([lease], exc)[lease.attempt_id] from None
         if answer.status in (200, 201):
             return ResultBatch(batch.plugin, batch.sequence, batch.idempotency_key, body["sha256"], batch.final,
-                               batch.payload, lease.attempt_id)
+                               batch.payload, lease.attempt_id, stored_now=answer.status == 201)
         if answer.status == 409:
             raise Conflict(f"result key {batch.idempotency_key}: {answer.error_message()}")
         if answer.status == 410:

@@ -60,11 +60,20 @@ SELECT organization, count(*) FROM tasks WHERE state IN {unfinished} GROUP BY or
 -- workers
 
 -- name: claimable
--- `{types}`: `AND type IN (?, ...)`, the names claimed, unless any type will do, then the organizations
--- and type globs of a remote worker's acquire; `{tags}`: one clause per free slot's tag set.
+-- `{types}`: `AND type IN (?, ...)`, the names claimed, unless any type will do, then the type globs of a
+-- remote worker's acquire; `{tags}`: one clause per free slot's tag set.
 SELECT {task_columns} FROM tasks INDEXED BY tasks_queue
 WHERE state IN {queued} AND available_at <= ? AND attempt < max_attempts {types} AND (required_tags = '[]' {tags})
 ORDER BY priority DESC, created_at, id LIMIT ?
+
+-- name: claimable_of_organization
+-- One organization's share of a remote worker's claim, read in queue order from that organization's own
+-- queue index (on tasks_queue, a claim for an organization with few queued tasks would read the whole queue);
+-- claimable joins one per organization with UNION ALL and keeps the first rows of them all.
+SELECT * FROM (SELECT {task_columns} FROM tasks INDEXED BY tasks_organization_queue
+WHERE organization = ? AND state IN {queued} AND available_at <= ? AND attempt < max_attempts {types}
+  AND (required_tags = '[]' {tags})
+ORDER BY priority DESC, created_at, id LIMIT ?)
 
 -- name: claimable_tags
 OR NOT EXISTS (SELECT 1 FROM json_each(required_tags) WHERE value NOT IN ({marks}))

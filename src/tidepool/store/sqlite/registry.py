@@ -33,7 +33,7 @@ from ..registry import (
     node_taken,
     reported,
     room,
-    taken_away,
+    spared,
     worth_saving,
 )
 from ..rows import worker_of, worker_values
@@ -93,8 +93,8 @@ def change(conn: sqlite3.Connection, batch: Batch, *, worker_id: str, change: Wo
     before = read_worker(conn, worker_id)
     after = changed(before, change)
     _save(conn, after)
-    removed = taken_away(before, after, change)
-    cancelled = _cancel_held(conn, worker_id, now, removed) if removed else []
+    keep = spared(after, change)
+    cancelled = _cancel_held(conn, worker_id, now, keep) if keep is not None else []
     return read_worker(conn, worker_id), cancelled
 
 
@@ -108,13 +108,13 @@ def revoke(conn: sqlite3.Connection, batch: Batch, *, worker_id: str, now: float
 
 
 def _cancel_held(conn: sqlite3.Connection, worker_id: str, now: float,
-                 organizations: Sequence[str] | None) -> list[Revoked]:
-    """The worker's leased and running tasks (of these organizations, when named) -> cancelling, as a cancel
-    moves them."""
+                 keep: Sequence[str] | None) -> list[Revoked]:
+    """The worker's leased and running tasks (of the organizations not in keep, when given) -> cancelling, as
+    a cancel moves them."""
     narrow, args = "", [worker_id]
-    if organizations is not None:
-        narrow = f"AND organization IN ({marks(len(organizations))})"
-        args.extend(organizations)
+    if keep:
+        narrow = f"AND organization NOT IN ({marks(len(keep))})"
+        args.extend(keep)
     held = [r for r in conn.execute(Q["held_by"].format(organizations=narrow), args).fetchall()
             if r[3] != State.CANCELLING]
     for task_id, _, _, state in held:

@@ -54,9 +54,6 @@ def claimable(conn: sqlite3.Connection, where: ClaimFilter, limit: int, now: flo
     if where.types is not None:
         types = f"AND type IN ({marks(len(where.types))})"
         args.extend(where.types)
-    if where.organizations is not None:
-        types += f" AND organization IN ({marks(len(where.organizations))})"
-        args.extend(where.organizations)
     if type_globs:
         types += " AND (" + " OR ".join(["type GLOB ?"] * len(type_globs)) + ")"
         args.extend(sqlite_glob(g) for g in type_globs)
@@ -65,7 +62,11 @@ def claimable(conn: sqlite3.Connection, where: ClaimFilter, limit: int, now: flo
         tags.append(Q["claimable_tags"].format(marks=marks(len(tag_set))))
         args.extend(sorted(tag_set))
     args.append(limit)
-    return conn.execute(Q["claimable"].format(types=types, tags=" ".join(tags)), args).fetchall()
+    if where.organizations is None:
+        return conn.execute(Q["claimable"].format(types=types, tags=" ".join(tags)), args).fetchall()
+    share = Q["claimable_of_organization"].format(types=types, tags=" ".join(tags))
+    sql = " UNION ALL ".join([share] * len(where.organizations)) + " ORDER BY priority DESC, created_at, id LIMIT ?"
+    return conn.execute(sql, [x for org in where.organizations for x in (org, *args)] + [limit]).fetchall()
 
 
 def lease(conn: sqlite3.Connection, leased: list[tuple[Worker, Claimed, float]]) -> None:
@@ -171,7 +172,7 @@ def record_result(conn: sqlite3.Connection, batch: Batch, *, lease: Lease, resul
         return result_of(earlier)
     conn.execute(Q["insert_result"], (result.idempotency_key, lease.task_id, lease.attempt_id, result.plugin,
                                       result.sequence, result.sha256, result.final, json.dumps(result.payload), now))
-    return replace(result, attempt_id=lease.attempt_id)
+    return replace(result, attempt_id=lease.attempt_id, stored_now=True)
 
 
 # endings
