@@ -52,6 +52,7 @@ class Parking:
         self._generation = 0
         self._tried: dict[str, int] = {}  # identity -> the generation of its last claim that leased nothing
         self._held: dict[str, int] = {}  # identity -> its acquires parked
+        self.changes = 0  # every wake and every worker's own: a claim begun at the same count finds the same
 
     def __len__(self) -> int:
         return len(self._parked)
@@ -93,6 +94,7 @@ class Parking:
     def wake(self, n: int = 1) -> int:
         """Wake up to n parked acquires not woken yet; how many."""
         self._generation += 1
+        self.changes += 1
         woken = 0
         for parked in self._parked:
             if woken >= n:
@@ -108,6 +110,7 @@ class Parking:
 
     def wake_identity(self, identity: str) -> None:
         """Every parked acquire of one worker: its record changed, or a live attempt of its ended."""
+        self.changes += 1
         for parked in self._parked:
             if parked.identity == identity:
                 parked.set(0)

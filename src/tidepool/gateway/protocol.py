@@ -42,6 +42,7 @@ from .attempts import Book, lease_of, worker_token
 from .control import Controls
 from .metrics import GatewayMetrics
 from .parking import Parking
+from .quiet import EmptyAnswers
 from .registry import WorkerRegistry
 from .replays import Replays
 from .reports import AttemptEvents
@@ -65,6 +66,7 @@ class Gateway:
         self.max_body_kb = max_body_kb
         self._clock = clock
         self.parking = Parking()
+        self.empty = EmptyAnswers()
         self.controls = Controls(parked=self.parking.identities)
         self.book = Book()
         self.reports = AttemptEvents(events, self.book, store)
@@ -126,7 +128,7 @@ class Gateway:
 
         hold_s = min(body.wait_s, self.settings.max_wait_s) if self.parking.may_hold(worker.id) else 0.0
         changes = self.registry.changes
-        acquired = await self._hold(worker.id, claim, hold_s=hold_s,
+        acquired = await self._hold(worker, claim, ask=(where, slots, version), hold_s=hold_s,
                                     gone=lambda: gone() or superseded(), on_gone=on_gone)
         if acquired is None:  # the client went away while it was held: nothing leased
             return self._answer([], worker.state)
@@ -141,10 +143,13 @@ class Gateway:
         self.registry.refuse_unless_served(acquired.worker, write=False)
         return self._answer(claimed, acquired.worker.state)
 
-    async def _hold(self, identity: str, claim: Callable[[], Any], *, hold_s: float, gone: Callable[[], bool],
-                    on_gone: Callable[[Callable[[], None]], Callable[[], None]]) -> Acquired | None:
+    async def _hold(self, worker: RemoteWorker, claim: Callable[[], Any], *, ask: object, hold_s: float,
+                    gone: Callable[[], bool], on_gone: Callable[[Callable[[], None]], Callable[[], None]],
+                    ) -> Acquired | None:
         """Claim, and while nothing came of it, wait for a wake and claim again, until hold_s is over. Each
-        claim is shielded: once begun it is answered, so no lease it makes is lost to the deadline."""
+        claim is shielded: once begun it is answered, so no lease it makes is lost to the deadline. A claim
+        that would find what this worker's last empty one found (quiet.py) is not made: it waits at once."""
+        identity = worker.id
         parked = self.parking.park(identity)
         acquired: Acquired | None = None
         claimed_once: Acquired
@@ -155,13 +160,27 @@ class Gateway:
                     self.parking.arm(parked)
                     if gone():
                         return None
+                    changes, now = self.parking.changes, self._clock()
+                    if worker.state is WorkerState.ENABLED and self.empty.still_empty(
+                            identity, ask, changes=changes, now=now, trust_s=self.settings.max_wait_s):
+                        acquired = acquired or Acquired(worker, [])
+                        if hold_s <= 0:
+                            break
+                        self.parking.came_back_empty(parked)  # a wake handed on to it goes on: it has tried since
+                        await parked.wait()
+                        continue
                     with anyio.CancelScope(shield=True):
                         acquired = claimed_once = await claim()
                     if claimed_once.claimed:
+                        self.empty.forget(identity)
                         self.parking.leased(parked)
                         break
                     self.parking.came_back_empty(parked)
-                    if claimed_once.worker.state is not WorkerState.ENABLED or hold_s <= 0:
+                    if claimed_once.worker.state is not WorkerState.ENABLED:
+                        self.empty.forget(identity)
+                        break
+                    self.empty.note(identity, ask, changes=changes, now=now)
+                    if hold_s <= 0:
                         break
                     await parked.wait()
             finally:

@@ -6,6 +6,8 @@ A phase note carries an attempt's phase and progress but not the plugin that rep
 A result names its plugin (`task.result` has it). A phase is published when it changes, though notes repeat it.
 A lease that expired under the worker is published once per attempt, as `task.lease_lost`, when the gateway
 first refuses a write behind it; not once another attempt holds the task, whose events share its task id.
+A task's end is published as a local attempt's is, with bare arguments (events.py): its data is built only if
+something reads it. Its lease carries `node_id` beside a local lease's fields, so it is published with its data.
 """
 
 from __future__ import annotations
@@ -55,8 +57,7 @@ class AttemptEvents:
             self._events.publish("task.retry_scheduled", task_id=task_id, worker_id=identity, error=error,
                                  type=task_type)
         elif state.terminal:
-            self._events.publish("task.finished", task_id=task_id, worker_id=identity, state=state.value,
-                                 error=error, type=task_type)
+            self._events.publish("task.finished", task_id, identity, state.value, error, task_type)
 
     async def lost(self, identity: str, task_id: str, attempt_id: str, reason: str) -> None:
         """A write refused for `reason`: a lease the worker no longer holds is said once."""
