@@ -24,7 +24,7 @@ SCOPE_MAX_BYTES = 64 * 1024
 
 class ScanState(enum.StrEnum):
     """A scan's state. The stores keep RUNNING and the ends; PENDING is how a running scan reads while
-    nothing of it has run yet (its first job's first task is queued and has used no attempt)."""
+    nothing of it has run yet (its first job's first task is queued and has started no attempt)."""
 
     PENDING = "pending"
     RUNNING = "running"
@@ -121,8 +121,8 @@ class NewScan:
 @dataclass(frozen=True, slots=True)
 class Job:
     """One step of one scan. `task_id` is its latest task (None while waiting or skipped unstarted);
-    `attempts` and `error` are that task's; `tasks` counts the tasks it has had (the next one's retry
-    number)."""
+    `attempts` (those it has started, an interrupted one included) and `error` are that task's; `tasks`
+    counts the tasks it has had (the next one's retry number)."""
 
     index: int
     step: str
@@ -164,9 +164,12 @@ class ScopeRefused(Exception):
 
 def merge_scope(scope: Mapping[str, Any], learned: Mapping[str, Any] | None) -> dict[str, Any]:
     """The scan's scope after a step that learned `learned`: merged at the top level, the newer key winning.
-    ScopeRefused when it is not JSON or its compact JSON would pass SCOPE_MAX_BYTES."""
-    merged = {**scope, **(learned or {})}
+    ScopeRefused when it is not a mapping, not JSON, or its compact JSON would pass SCOPE_MAX_BYTES."""
+    if learned is not None and not isinstance(learned, Mapping):  # a plugin may have set ctx.scope to anything
+        raise ScopeRefused("scope_not_json", f"ctx.scope must be a mapping of names to JSON values, not a "
+                           f"{type(learned).__name__}")
     try:
+        merged = {**scope, **(learned or {})}
         size = len(canonical_json(merged).encode())
     except (TypeError, ValueError) as exc:
         raise ScopeRefused("scope_not_json", f"ctx.scope holds a value JSON cannot carry: {exc}") from None
@@ -269,9 +272,11 @@ def shown(stored: JobState, task_state: State | None) -> JobState:
 
 
 def shown_scan(stored: ScanState, jobs: Sequence[Job]) -> ScanState:
-    """What a scan reads as, from its stored state and its jobs as shown."""
+    """What a scan reads as, from its stored state and its jobs as shown (none when they are being pruned)."""
+    if stored is not ScanState.RUNNING or not jobs:
+        return stored
     first = jobs[0]
-    if stored is ScanState.RUNNING and first.state is JobState.QUEUED and first.tasks == 1 and not first.attempts:
+    if first.state is JobState.QUEUED and first.tasks == 1 and not first.attempts:
         return ScanState.PENDING  # only one job is started at a time: every later one is waiting
     return stored
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from typing import Any
 
+import anyio
 import asyncpg
 import pytest
 
@@ -13,7 +15,7 @@ from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, Outcome
 from tidepool.scans import SCOPE_MAX_BYTES, JobState, NewScan, Scan, ScanState, StepSpec
 from tidepool.store import Store
 from tidepool.store.memory import MemoryStore
-from tidepool.store.port import Ending, ScanMove
+from tidepool.store.port import Ending, ScanCancel, ScanMove
 from tidepool.store.sqlite import SqliteStore
 
 from .conftest import LEASE_S, POLICY, T0
@@ -103,6 +105,38 @@ async def test_same_key_and_body_is_the_scan_itself_another_body_a_conflict_crea
     assert len((await store.list_tasks()).tasks) == 1
 
 
+@pytest.mark.parametrize("kind", ["postgres"])
+async def test_two_submits_of_one_key_at_once_on_two_nodes_are_one_scan_or_a_conflict(store: Store) -> None:
+    """The later submit's insert waits for the earlier one's transaction, then finds its scan by the key."""
+    from tidepool.store.postgres import PostgresStore
+    from tidepool.store.postgres import scans as pg_scans
+
+    other = PostgresStore(store.url, schema=store.schema)  # type: ignore[attr-defined]
+    await other.open()
+    try:
+        for key, payload, expected in (("k1", {"target": "a"}, None), ("k2", {"target": "b"}, Conflict)):
+            answers: list[tuple[Scan, bool] | Exception] = []
+
+            async def submit(body: NewScan, answers: list[tuple[Scan, bool] | Exception] = answers) -> None:
+                try:
+                    answers.append(await other.add_scan(body, now=T0 + 1))
+                except Conflict as exc:
+                    answers.append(exc)
+
+            first = NewScan("web", WEB.steps, payload={"target": "a"}, idempotency_key=key)
+            async with anyio.create_task_group() as tg, store._db.conn() as conn, conn.transaction():  # type: ignore[attr-defined]
+                scan, created = await pg_scans.add_scan(conn, first, T0, None)
+                tg.start_soon(submit, NewScan("web", WEB.steps, payload=payload, idempotency_key=key))
+                await wait_for_a_lock_wait(store)  # the other node's insert of the key waits for this one
+            if expected is None:
+                assert created and answers == [(await store.get_scan(scan.id), False)]
+            else:
+                assert isinstance(answers[0], Conflict) and key in str(answers[0])
+        assert len((await store.list_scans()).scans) == 2 and len((await store.list_tasks()).tasks) == 2
+    finally:
+        await other.close()
+
+
 async def test_a_scan_over_max_queued_is_refused_and_creates_nothing(store: Store) -> None:
     await store.add(NewTask("noop"), now=T0)
     with pytest.raises(QueueFull):
@@ -169,6 +203,18 @@ async def test_a_retried_attempt_of_a_step_is_the_same_job_and_task(store: Store
     assert states(scan) == ["success", "queued", "waiting"] and scan.jobs[0].attempts == 2
 
 
+async def test_an_interrupted_attempt_of_a_scans_first_step_counts_as_started(store: Store) -> None:
+    """An interruption gives its attempt back to the task's count, but it ran: the scan is no longer pending."""
+    scan, _ = await store.add_scan(WEB, now=T0)
+    claimed = await claim_step(store, scan, 0)
+    await store.finish(claimed.lease, Outcome(AttemptStatus.INTERRUPTED), now=T0 + 1, policy=POLICY)
+    scan = await store.get_scan(scan.id)
+    assert scan.state is ScanState.RUNNING and states(scan) == ["queued", "waiting", "waiting"]
+    assert scan.jobs[0].attempts == 1 and (await store.get(claimed.task.id)).attempt == 0
+    assert [s.id for s in (await store.list_scans(state=ScanState.RUNNING)).scans] == [scan.id]
+    assert (await store.list_scans(state=ScanState.PENDING)).scans == []
+
+
 @pytest.mark.parametrize("outcome, shown", [(FAILED_FOR_GOOD, "failed"), (TIMED_OUT, "timeout")])
 async def test_a_step_failed_or_timed_out_fails_the_scan_and_skips_the_rest(
         store: Store, outcome: Outcome, shown: str) -> None:
@@ -212,6 +258,14 @@ async def test_a_scope_past_its_bound_or_not_json_fails_that_step_saying_why(sto
     other = await end_step(store, other, 0, learned(ports={80, 443}))
     error = (await store.get(other.jobs[0].task_id or "")).error
     assert error is not None and error.code == "scope_not_json" and other.state is ScanState.FAILED
+
+    for not_a_mapping in (["port", 80], "port=80"):  # a plugin that replaced ctx.scope with something else
+        third, _ = await store.add_scan(WEB, now=T0)
+        third = await end_step(store, third, 0, Outcome(AttemptStatus.SUCCEEDED, scope=not_a_mapping))  # type: ignore[arg-type]
+        task = await store.get(third.jobs[0].task_id or "")
+        assert task.state is State.FAILED and task.attempt == 1 < task.max_attempts  # not retried: it would fail again
+        assert task.error is not None and task.error.code == "scope_not_json" and "mapping" in task.error.message
+        assert third.state is ScanState.FAILED
 
 
 async def test_a_steps_task_is_retried_as_its_job_not_on_its_own(store: Store) -> None:
@@ -281,6 +335,43 @@ async def test_a_steps_task_cancelled_on_its_own_cancels_the_scan(store: Store) 
     await store.request_cancel(scan.jobs[0].task_id or "", now=T0 + 1)
     scan = await store.get_scan(scan.id)
     assert scan.state is ScanState.CANCELLED and states(scan) == ["cancelled", "skipped", "skipped"]
+
+
+@pytest.mark.parametrize("kind", ["postgres"])
+async def test_a_cancel_that_meets_its_scans_step_ending_under_it_cancels_the_next_steps_task(store: Store) -> None:
+    """The cancel reads the live task before it locks it: a step that ends meanwhile leaves the next step's task
+    live, and the cancel takes that one instead, in the same call."""
+    from tidepool.store.postgres import scans as pg_scans
+
+    scan, _ = await store.add_scan(WEB, now=T0)
+    step = await claim_step(store, scan, 0)
+    answers: list[ScanCancel] = []
+
+    async def cancel() -> None:
+        answers.append(await store.cancel_scan(scan.id, now=T0 + 2))
+
+    async with anyio.create_task_group() as tg, store._db.conn() as ending, ending.transaction():  # type: ignore[attr-defined]
+        await pg_scans.locked_task(ending, step.task.id)  # the step's end holds its task, as finish does
+        tg.start_soon(cancel)
+        await wait_for_a_lock_wait(store)  # the cancel read the step's task as live and waits for it
+        await ending.execute("UPDATE tasks SET state = 'completed', finished_at = $2, lease_token = NULL "
+                             "WHERE id = $1", step.task.id, T0 + 1)
+        await pg_scans.step_ended(ending, [], scan_id=scan.id, index=0, task_id=step.task.id,
+                                  state=State.COMPLETED, learned={"port": 80}, now=T0 + 1)
+    scan = await store.get_scan(scan.id)
+    assert answers[0].state is ScanState.CANCELLED and answers[0].task_id == scan.jobs[1].task_id
+    assert states(scan) == ["success", "cancelled", "skipped"] and scan.scope == {"port": 80}
+
+
+async def wait_for_a_lock_wait(store: Store) -> None:
+    """Until one of the store's connections waits for a row lock."""
+    admin = await asyncpg.connect(store.url)  # type: ignore[attr-defined]
+    try:
+        while not await admin.fetchval("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 "
+                                       "AND wait_event_type = 'Lock'", f"tidepool {store.schema}"):  # type: ignore[attr-defined]
+            await anyio.sleep(0.01)
+    finally:
+        await admin.close()
 
 
 async def test_an_ended_scan_other_than_cancelled_cannot_be_cancelled(store: Store) -> None:
@@ -408,10 +499,13 @@ async def test_a_jobs_tasks_are_unique_by_scan_index_and_retry_number(store: Sto
 
 
 async def test_scans_list_newest_first_by_state_and_profile_in_pages(store: Store) -> None:
-    ids = [(await store.add_scan(NewScan(p, (StepSpec("a"), StepSpec("b"))), now=T0 + i))[0].id
-           for i, p in enumerate(["web", "web", "dns", "web"])]
-    await end_step(store, await store.get_scan(ids[1]), 0, learned(), now=T0 + 10)
+    async def submit(i: int, profile: str) -> str:
+        return (await store.add_scan(NewScan(profile, (StepSpec("a"), StepSpec("b"))), now=T0 + i))[0].id
+
+    ids = [await submit(0, "web"), await submit(1, "web")]
+    await end_step(store, await store.get_scan(ids[1]), 0, learned(), now=T0 + 10)  # starts an attempt of ids[0]'s too
     await store.cancel_scan(ids[0], now=T0 + 11)
+    ids += [await submit(2, "dns"), await submit(3, "web")]  # nothing of these has run
     page = await store.list_scans(limit=3)
     assert [s.id for s in page.scans] == ids[::-1][:3] and page.next_cursor == ids[1]
     rest = await store.list_scans(limit=3, cursor=page.next_cursor)
@@ -420,6 +514,34 @@ async def test_scans_list_newest_first_by_state_and_profile_in_pages(store: Stor
     assert by == {ScanState.PENDING: [ids[3], ids[2]], ScanState.RUNNING: [ids[1]], ScanState.CANCELLED: [ids[0]],
                   ScanState.SUCCEEDED: [], ScanState.FAILED: []}
     assert [s.id for s in (await store.list_scans(profile="web", state=ScanState.PENDING)).scans] == [ids[3]]
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+async def test_a_scan_is_read_with_its_jobs_as_of_one_time_on_sqlite(store: Store) -> None:
+    """A prune that lands between the read of a scan's row and of its jobs is not seen by either."""
+    assert isinstance(store, SqliteStore) and store._reader is not None
+    scan, _ = await store.add_scan(NewScan("one", (StepSpec("a"),)), now=T0)
+    scan = await end_step(store, scan, 0, learned(port=80))
+    prune: list[str] = [scan.id]  # the scan the next read of jobs sees pruned just before it runs
+
+    def prune_before_the_jobs_are_read(statement: str) -> None:
+        if "FROM scan_jobs" in statement and prune:
+            with contextlib.closing(sqlite3.connect(store.path)) as other, other:
+                other.execute("DELETE FROM scan_jobs WHERE scan_id = ?", (prune[0],))
+                other.execute("DELETE FROM scans WHERE id = ?", (prune.pop(),))
+
+    store._reader.set_trace_callback(prune_before_the_jobs_are_read)
+    try:
+        assert await store.get_scan(scan.id) == scan and not prune
+        with pytest.raises(ScanNotFound):
+            await store.get_scan(scan.id)
+        second, _ = await store.add_scan(NewScan("one", (StepSpec("a"),)), now=T0 + 1)
+        second = await end_step(store, second, 0, learned())
+        prune.append(second.id)
+        assert (await store.list_scans()).scans == [second] and not prune
+        assert (await store.list_scans()).scans == []
+    finally:
+        store._reader.set_trace_callback(None)
 
 
 async def test_ended_scans_are_pruned_with_their_tasks(store: Store) -> None:

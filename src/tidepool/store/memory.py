@@ -372,6 +372,11 @@ class MemoryStore(ScanVerbs, MemoryRegistry):
         row = None if task_id is None else self._rows.get(task_id)
         return None if row is None else row.task
 
+    def attempts_started(self, task_id: str | None) -> int:
+        """The attempts a task has started, an interrupted one (given back to its count) included."""
+        row = None if task_id is None else self._rows.get(task_id)
+        return 0 if row is None else len(row.attempts)
+
     def insert_step(self, new: NewTask, now: float, step: tuple[str, int, int]) -> Task:
         task = self._insert(new, now)
         self._rows[task.id].scan = step

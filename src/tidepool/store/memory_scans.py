@@ -256,7 +256,7 @@ class MemoryScans:
         task = self._task(job.task_id)
         state: State | None = None if task is None else task.state
         return Job(index, job.step.type, shown(job.state, state), job.task_id,
-                   0 if task is None else task.attempt, None if task is None else task.error, job.tasks)
+                   self._store.attempts_started(job.task_id), None if task is None else task.error, job.tasks)
 
     def prune(self, before: float) -> None:
         for scan_id in [i for i, r in self.rows.items()

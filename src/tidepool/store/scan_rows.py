@@ -1,7 +1,7 @@
 """The scans' rows both SQL adapters read, and what a scan's next move writes, decided alike for both.
 
-A scan row is SCAN_COLUMNS; a job row JOB_COLUMNS followed by its task's state, attempt and error (a
-LEFT JOIN: NULL once the task is pruned). A scan step's task row names its scan, job index and retry
+A scan row is SCAN_COLUMNS; a job row JOB_COLUMNS followed by its task's state, attempts started and error
+(a LEFT JOIN: NULL once the task is pruned). A scan step's task row names its scan, job index and retry
 number (tasks.scan_id, scan_index, scan_retry), so the transaction that ends it finds its scan.
 """
 
@@ -47,7 +47,7 @@ def job_values(scan_id: str, new: NewScan) -> list[tuple[Any, ...]]:
 
 
 def job_of(row: Sequence[Any]) -> Job:
-    """A Job from a JOB_COLUMNS row and its task's (state, attempt, error)."""
+    """A Job from a JOB_COLUMNS row and its task's (state, attempts started, error)."""
     task_state = None if row[7] is None else State(row[7])
     return Job(row[1], json.loads(row[2])["type"], shown(JobState(row[3]), task_state), row[4],
                row[8] or 0, None if row[9] is None else error_of(row[9]), row[5])

@@ -23,6 +23,7 @@ from .connection import Conn
 from .statements import SQL
 
 Moves = list[ScanMove]
+LOCK_TRIES = 5  # a cancel's tries at locking the live task of a scan that keeps moving on
 
 
 class Told:
@@ -100,20 +101,29 @@ async def apply(conn: Conn, moves: Moves, scan: Stored, w: Writes, now: float) -
 
 async def add_scan(conn: Conn, new: NewScan, now: float, max_queued: int | None) -> tuple[Scan, bool]:
     """The scan and its first job's task; (existing, False) for a key used with the same body."""
-    if new.idempotency_key:
-        found = await conn.fetchrow(SQL["scan_by_key"], new.idempotency_key)
-        if found is not None:
-            if found[1] != new.fingerprint():
-                raise Conflict(f"idempotency_key {new.idempotency_key!r} was used with another scan body")
-            return await read(conn, found[0]), False
+    if new.idempotency_key and (existing := await _keyed(conn, new)) is not None:
+        return existing, False
     if max_queued is not None:
         await queue.check_queue_room(conn, 1, max_queued)
     scan_id = new_id(now)
     if await conn.fetchval(SQL["insert_scan"], *scan_values(scan_id, new, now)) is None:
-        raise Conflict(f"idempotency_key {new.idempotency_key!r} is being used meanwhile; submit it again")
+        # a submit of the same key beside this one committed first (the insert waited for it): it is seen now
+        if (existing := await _keyed(conn, new)) is None:  # and was pruned in between: rare enough to report
+            raise StoreUnavailable(f"idempotency_key {new.idempotency_key!r} changed hands during the submit; retry")
+        return existing, False
     await conn.execute(SQL["insert_jobs"], scan_id, [j[2] for j in job_values(scan_id, new)])
     await _start(conn, scan_id, now)
     return await read(conn, scan_id), True
+
+
+async def _keyed(conn: Conn, new: NewScan) -> Scan | None:
+    """The scan that holds new's idempotency key; Conflict when it was submitted with another body."""
+    found = await conn.fetchrow(SQL["scan_by_key"], new.idempotency_key)
+    if found is None:
+        return None
+    if found[1] != new.fingerprint():
+        raise Conflict(f"idempotency_key {new.idempotency_key!r} was used with another scan body")
+    return await read(conn, found[0])
 
 
 async def retry_job(conn: Conn, scan_id: str, index: int, now: float) -> Scan:
@@ -142,19 +152,12 @@ async def cancel(conn: Conn, scan_id: str, now: float, moves: Moves, *,
                  lock_task: Callable[[Conn, str], Awaitable[Any]],
                  cancel_task: Callable[[Conn, Any, str, float, Moves], Awaitable[CancelAnswer]]) -> ScanCancel:
     """cancel_scan's transaction. The started job's task is locked before the scan's row, as its end does."""
-    unlocked = await stored(conn, scan_id, lock=False)
-    if unlocked is None:
-        raise ScanNotFound(scan_id)
-    task_id = _live_task(unlocked)
-    task = None if task_id is None else await lock_task(conn, task_id)
-    scan = await _stored(conn, scan_id)
+    task_id, task, scan = await _lock_live(conn, scan_id, lock_task)
     state = ScanState(scan.row[2])
     if state is ScanState.CANCELLED or (state is ScanState.RUNNING and scan.row[12] is not None):
         return ScanCancel(state, False)
     if state.ended:
         raise Conflict(f"scan {scan_id} is {state.value}; only a running scan can be cancelled")
-    if _live_task(scan) != task_id:
-        raise StoreUnavailable(f"scan {scan_id} moved on while it was being cancelled; cancel it again")
     await conn.execute(SQL["cancel_scan"], now, scan_id)
     answer = None
     if task_id is not None and task is not None and not State(task[0]).terminal:
@@ -168,6 +171,42 @@ async def cancel(conn: Conn, scan_id: str, now: float, moves: Moves, *,
                 if job[3] == JobState.WAITING:
                     await conn.execute(SQL["set_job"], JobState.SKIPPED.value, scan.id, i)
     return ScanCancel(ScanState((await conn.fetchrow(SQL["scan"], scan_id))[2]), True, task_id, answer)
+
+
+class _MovedOn(Exception):
+    """The scan's live task changed between reading it and locking it."""
+
+
+async def _lock_live(conn: Conn, scan_id: str,
+                     lock_task: Callable[[Conn, str], Awaitable[Any]]) -> tuple[str | None, Any, Stored]:
+    """The scan's live task (id and locked row, None when it has none) and the scan, both locked in that order.
+    The live task is read before it is locked, so a step that ends (or a reconciler that starts the next job)
+    in between leaves another one live: the locks are given back (a savepoint rolled back) and taken again on
+    the new one, never the task's after the scan's, which would deadlock with a step's end."""
+    for _ in range(LOCK_TRIES - 1):
+        try:
+            async with conn.transaction():
+                found = await _locked_live(conn, scan_id, lock_task)
+                if _live_task(found[2]) != found[0]:
+                    raise _MovedOn
+                return found
+        except _MovedOn:
+            continue
+    found = await _locked_live(conn, scan_id, lock_task)
+    if _live_task(found[2]) != found[0]:  # a scan moving on this fast is not an ordinary race any more
+        raise StoreUnavailable(f"scan {scan_id} moved on {LOCK_TRIES} times while it was being cancelled; "
+                               "cancel it again")
+    return found
+
+
+async def _locked_live(conn: Conn, scan_id: str,
+                       lock_task: Callable[[Conn, str], Awaitable[Any]]) -> tuple[str | None, Any, Stored]:
+    unlocked = await stored(conn, scan_id, lock=False)
+    if unlocked is None:
+        raise ScanNotFound(scan_id)
+    task_id = _live_task(unlocked)
+    task = None if task_id is None else await lock_task(conn, task_id)
+    return task_id, task, await _stored(conn, scan_id)
 
 
 def _live_task(scan: Stored) -> str | None:

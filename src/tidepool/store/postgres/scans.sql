@@ -9,8 +9,9 @@ SELECT {scan_columns} FROM scans WHERE id = $1 FOR UPDATE
 SELECT {scan_columns} FROM scans WHERE id = $1
 
 -- name: jobs
--- Jobs with their latest tasks' state, attempt and error (NULL once the task is pruned), by scan and index.
-SELECT j.scan_id, j.idx, j.step, j.state, j.task_id, j.tasks, j.scope_before, t.state, t.attempt, t.error
+-- Jobs with their latest tasks' state, attempts started (an interrupted one included) and error (NULL once
+-- the task is pruned), by scan and index.
+SELECT j.scan_id, j.idx, j.step, j.state, j.task_id, j.tasks, j.scope_before, t.state, t.attempt_rows, t.error
 FROM scan_jobs j LEFT JOIN tasks t ON t.id = j.task_id WHERE j.scan_id = ANY($1::text[]) ORDER BY j.scan_id, j.idx
 
 -- name: scan_scope
@@ -53,14 +54,14 @@ WHERE id = $3
 
 -- name: list_scans
 -- The filters given (`where`) joined by AND; first_job_queued, a condition without comments (it is
--- inlined), is a running scan nothing of which has run: its first job's first task is queued and has used
+-- inlined), is a running scan nothing of which has run: its first job's first task is queued and has started
 -- no attempt (one job is started at a time, so every later one is waiting).
 -- The page's size is the `limit` parameter.
 SELECT {scan_columns} FROM scans s WHERE {where} ORDER BY id DESC LIMIT {limit}
 
 -- name: first_job_queued
 EXISTS (SELECT 1 FROM scan_jobs j JOIN tasks t ON t.id = j.task_id
-        WHERE j.scan_id = s.id AND j.idx = 0 AND j.state = 'started' AND j.tasks = 1 AND t.attempt = 0
+        WHERE j.scan_id = s.id AND j.idx = 0 AND j.state = 'started' AND j.tasks = 1 AND t.attempt_rows = 0
           AND t.state IN {queued})
 
 -- name: stalled_scans

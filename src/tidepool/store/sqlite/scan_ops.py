@@ -6,7 +6,9 @@ scan inside a task's end are scan_steps.py's.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
+from collections.abc import Iterator
 from typing import Any
 
 from ...errors import Conflict, InvalidRequest, ScanNotFound
@@ -116,13 +118,34 @@ def advance_scans(conn: sqlite3.Connection, batch: Batch, *, scan_ids: list[str]
 # reads (on the reader connection, or inside a write)
 
 
+@contextlib.contextmanager
+def one_snapshot(conn: sqlite3.Connection) -> Iterator[None]:
+    """A scan's row and its jobs' read as of one time: on the reader (autocommit) a read transaction of their
+    own, so a step's end or a prune between the statements cannot tear them; inside a write, that write's."""
+    if conn.in_transaction:
+        yield
+        return
+    conn.execute("BEGIN")
+    try:
+        yield
+    finally:
+        conn.execute("COMMIT")
+
+
 def read(conn: sqlite3.Connection, scan_id: str) -> Scan:
-    scan = _stored(conn, scan_id)
+    with one_snapshot(conn):
+        scan = _stored(conn, scan_id)
     return scan_of(scan.row, scan.jobs)
 
 
 def list_scans(conn: sqlite3.Connection, *, state: ScanState | None, profile: str | None, limit: int,
                cursor: str | None) -> ScanPage:
+    with one_snapshot(conn):
+        return _page(conn, state=state, profile=profile, limit=limit, cursor=cursor)
+
+
+def _page(conn: sqlite3.Connection, *, state: ScanState | None, profile: str | None, limit: int,
+          cursor: str | None) -> ScanPage:
     where, args = ["1 = 1"], []
     if state is ScanState.PENDING:
         where.append(f"s.state = 'running' AND {QS['first_job_queued']}")

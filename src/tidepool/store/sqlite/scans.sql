@@ -5,8 +5,10 @@
 SELECT {scan_columns} FROM scans WHERE id = ?
 
 -- name: jobs
--- A scan's jobs with their latest tasks' state, attempt and error (NULL once the task is pruned).
-SELECT j.scan_id, j.idx, j.step, j.state, j.task_id, j.tasks, j.scope_before, t.state, t.attempt, t.error
+-- A scan's jobs with their latest tasks' state, attempts started (an interrupted one included: it has its
+-- row) and error (NULL once the task is pruned).
+SELECT j.scan_id, j.idx, j.step, j.state, j.task_id, j.tasks, j.scope_before, t.state,
+       (SELECT count(*) FROM attempts a WHERE a.task_id = t.id), t.error
 FROM scan_jobs j LEFT JOIN tasks t ON t.id = j.task_id WHERE j.scan_id IN ({marks}) ORDER BY j.scan_id, j.idx
 
 -- name: scan_scope
@@ -47,14 +49,14 @@ SELECT scan_id, scan_index FROM tasks WHERE id = ?
 
 -- name: list_scans
 -- The filters given (`where`) joined by AND; first_job_queued, a condition without comments (it is
--- inlined), is a running scan nothing of which has run: its first job's first task is queued and has used
+-- inlined), is a running scan nothing of which has run: its first job's first task is queued and has started
 -- no attempt (one job is started at a time, so every later one is waiting).
 SELECT {scan_columns} FROM scans s WHERE {where} ORDER BY id DESC LIMIT ?
 
 -- name: first_job_queued
 EXISTS (SELECT 1 FROM scan_jobs j JOIN tasks t ON t.id = j.task_id
-        WHERE j.scan_id = s.id AND j.idx = 0 AND j.state = 'started' AND j.tasks = 1 AND t.attempt = 0
-          AND t.state IN {queued})
+        WHERE j.scan_id = s.id AND j.idx = 0 AND j.state = 'started' AND j.tasks = 1 AND t.state IN {queued}
+          AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.task_id = t.id))
 
 -- name: stalled_scans
 -- Running scans without a live task: a job whose task ended without its end applied, or none started.
