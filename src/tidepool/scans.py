@@ -280,6 +280,3 @@ def shown_scan(stored: ScanState, jobs: Sequence[Job]) -> ScanState:
         return ScanState.PENDING  # only one job is started at a time: every later one is waiting
     return stored
 
-
-def scope_text(scope: Mapping[str, Any]) -> str:
-    return canonical_json(dict(scope))

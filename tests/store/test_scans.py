@@ -11,7 +11,17 @@ import asyncpg
 import pytest
 
 from tidepool.errors import Conflict, InvalidRequest, QueueFull, ScanNotFound
-from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, Outcome, State, TaskError, Worker
+from tidepool.model import (
+    AttemptStatus,
+    Claimed,
+    ClaimFilter,
+    NewTask,
+    Outcome,
+    State,
+    TaskError,
+    Worker,
+    canonical_json,
+)
 from tidepool.scans import SCOPE_MAX_BYTES, JobState, NewScan, Scan, ScanState, StepSpec
 from tidepool.store import Store
 from tidepool.store.memory import MemoryStore
@@ -266,6 +276,32 @@ async def test_a_scope_past_its_bound_or_not_json_fails_that_step_saying_why(sto
         assert task.state is State.FAILED and task.attempt == 1 < task.max_attempts  # not retried: it would fail again
         assert task.error is not None and task.error.code == "scope_not_json" and "mapping" in task.error.message
         assert third.state is ScanState.FAILED
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_a_scope_is_stored_as_the_compact_json_its_bound_is_measured_in(store: Store) -> None:
+    """A scope just within its bound in compact UTF-8 would pass it with json.dumps' escapes and spaces."""
+    name = "é" * (SCOPE_MAX_BYTES // 2 - 20)  # two bytes each in UTF-8, six as an escape
+    scan, _ = await store.add_scan(WEB, now=T0)
+    scan = await end_step(store, scan, 0, learned(name=name, seen=[1, 2]))
+    assert scan.state is ScanState.RUNNING and scan.scope == {"name": name, "seen": [1, 2]}
+    step = await store.get(scan.jobs[1].task_id or "")
+    stored_scope = await raw_value(store, "SELECT scope FROM scans WHERE id = ?", scan.id)
+    stored_payload = await raw_value(store, "SELECT payload FROM tasks WHERE id = ?", step.id)
+    assert stored_scope == canonical_json(scan.scope) and len(stored_scope.encode()) <= SCOPE_MAX_BYTES
+    assert stored_payload == canonical_json(step.payload)
+
+
+async def raw_value(store: Store, sql: str, arg: str) -> str:
+    """One column as the store keeps it (`?` is the one parameter)."""
+    if isinstance(store, SqliteStore):
+        with contextlib.closing(sqlite3.connect(store.path)) as conn:
+            return str(conn.execute(sql, (arg,)).fetchone()[0])
+    conn = await asyncpg.connect(store.url, server_settings={"search_path": store.schema})  # type: ignore[attr-defined]
+    try:
+        return str(await conn.fetchval(sql.replace("?", "$1"), arg))
+    finally:
+        await conn.close()
 
 
 async def test_a_steps_task_is_retried_as_its_job_not_on_its_own(store: Store) -> None:

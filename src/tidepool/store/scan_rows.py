@@ -3,6 +3,9 @@
 A scan row is SCAN_COLUMNS; a job row JOB_COLUMNS followed by its task's state, attempts started and error
 (a LEFT JOIN: NULL once the task is pruned). A scan step's task row names its scan, job index and retry
 number (tasks.scan_id, scan_index, scan_retry), so the transaction that ends it finds its scan.
+
+A scan's payload and scope, and its steps' task payloads, are stored as the compact JSON their bounds are
+measured in (canonical_json), not json.dumps' default, whose escapes and spaces would store more.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..model import NewTask, State
+from ..model import NewTask, State, canonical_json
 from ..scans import (
     Job,
     JobState,
@@ -37,7 +40,7 @@ JOB_COLUMNS = "scan_id, idx, step, state, task_id, tasks, scope_before"
 
 def scan_values(scan_id: str, new: NewScan, now: float) -> tuple[Any, ...]:
     """A new scan's row: SCAN_COLUMNS, then its fingerprint."""
-    return (scan_id, new.profile, ScanState.RUNNING.value, new.organization, json.dumps(new.payload), "{}",
+    return (scan_id, new.profile, ScanState.RUNNING.value, new.organization, canonical_json(new.payload), "{}",
             new.priority, new.continue_on_failure, new.idempotency_key, now, now, None, None, new.fingerprint())
 
 
@@ -122,11 +125,11 @@ def writes(stored: Stored, *, now: float, ended: tuple[int, JobState] | None = N
         job = stored.jobs[p.start]
         task = step_task(StepSpec.of_json(json.loads(job[2])), payload=loads(row[4]), scope=p.scope,
                          priority=row[6], organization=row[3])
-        start = (p.start, task, json.dumps(p.scope), job[5])
+        start = (p.start, task, canonical_json(p.scope), job[5])
         move = ScanMove(move.scan_id, move.profile, move.index, move.job, type=task.type, started=p.start)
     if p.finish is not None:
         move = ScanMove(move.scan_id, move.profile, move.index, move.job, move.task_id, move.type, move.started,
                         p.finish)
     quiet = move == ScanMove(stored.id, row[1])
-    return Writes(changed, start, p.finish or ScanState.RUNNING, json.dumps(p.scope),
+    return Writes(changed, start, p.finish or ScanState.RUNNING, canonical_json(p.scope),
                   now if p.finish is not None else None, None if quiet else move)

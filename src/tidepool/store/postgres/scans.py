@@ -7,13 +7,12 @@ task is inserted and notified in the transaction that ended the step before it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from ...errors import Conflict, InvalidRequest, ScanNotFound, StoreUnavailable, TaskNotFound
-from ...model import AttemptStatus, Outcome, State, new_id
+from ...model import AttemptStatus, Outcome, State, canonical_json, new_id
 from ...scans import JobState, NewScan, Scan, ScanState, ScopeRefused, job_state_of, merge_scope, retry_from
 from ..port import CancelAnswer, ScanCancel, ScanMove, ScanPage
 from ..rows import loads
@@ -85,7 +84,7 @@ async def apply(conn: Conn, moves: Moves, scan: Stored, w: Writes, now: float) -
     if w.start is not None:
         index, task, scope_before, retry = w.start
         task_id = new_id(now)
-        await conn.execute(SQL["insert_step"], task_id, task.type, json.dumps(task.payload), task.priority,
+        await conn.execute(SQL["insert_step"], task_id, task.type, canonical_json(task.payload), task.priority,
                            task.max_attempts, task.timeout_s, sorted(task.required_tags), now, task.organization,
                            scan.id, index, retry)
         await conn.execute(SQL["start_job"], task_id, scope_before, scan.id, index)

@@ -70,8 +70,11 @@ def request_cancel(conn: sqlite3.Connection, batch: Batch, *, task_id: str, now:
 
 
 def retry(conn: sqlite3.Connection, batch: Batch, *, task_id: str, now: float, max_queued: int | None) -> Task:
-    target = retry_step(State(task_row(conn, task_id)[4]))
-    scan_id, index = conn.execute(Q["task_state"], (task_id,)).fetchone()[2:4]
+    row = conn.execute(Q["task_state"], (task_id,)).fetchone()  # (state, type, scan_id, scan_index)
+    if row is None:
+        raise TaskNotFound(task_id)
+    target = retry_step(State(row[0]))
+    scan_id, index = row[2], row[3]
     if scan_id is not None:
         raise Conflict(step_retry_refused(task_id, scan_id, index))
     _check_room(conn, batch, 1, max_queued)

@@ -11,7 +11,7 @@ import json
 import sqlite3
 from dataclasses import replace
 
-from ...model import AttemptStatus, Outcome, State, new_id
+from ...model import AttemptStatus, Outcome, State, canonical_json, new_id
 from ...scans import JobState, ScopeRefused, job_state_of, merge_scope
 from .. import sql
 from ..rows import loads
@@ -70,7 +70,7 @@ def apply(conn: sqlite3.Connection, batch: Batch, scan: Stored, w: Writes, now: 
         index, task, scope_before, retry = w.start
         task_id = new_id(now)
         conn.execute(QS["insert_step"], (
-            task_id, task.type, json.dumps(task.payload), task.priority, task.max_attempts, task.timeout_s,
+            task_id, task.type, canonical_json(task.payload), task.priority, task.max_attempts, task.timeout_s,
             json.dumps(sorted(task.required_tags)), now, now, now, task.organization, scan.id, index, retry))
         conn.execute(QS["start_job"], (task_id, scope_before, scan.id, index))
         if batch.queued is not None:

@@ -44,9 +44,6 @@ UPDATE scans SET cancel_requested_at = ?, updated_at = ? WHERE id = ?
 UPDATE scans SET state = 'running', scope = ?, updated_at = ?, finished_at = NULL, cancel_requested_at = NULL
 WHERE id = ?
 
--- name: step_of_task
-SELECT scan_id, scan_index FROM tasks WHERE id = ?
-
 -- name: list_scans
 -- The filters given (`where`) joined by AND; first_job_queued, a condition without comments (it is
 -- inlined), is a running scan nothing of which has run: its first job's first task is queued and has started
