@@ -10,7 +10,7 @@ import anyio
 import asyncpg
 import pytest
 
-from tidepool.errors import Conflict, InvalidRequest, QueueFull, ScanNotFound
+from tidepool.errors import Conflict, InvalidRequest, QueueFull, ScanNotFound, TaskNotFound
 from tidepool.model import (
     AttemptStatus,
     Claimed,
@@ -599,9 +599,12 @@ async def test_a_scan_is_read_with_its_jobs_as_of_one_time_on_sqlite(store: Stor
 
 async def test_ended_scans_are_pruned_with_their_tasks(store: Store) -> None:
     done, _ = await store.add_scan(NewScan("one", (StepSpec("a"),)), now=T0)
-    await end_step(store, done, 0, learned())
-    live, _ = await store.add_scan(NewScan("one", (StepSpec("a"),)), now=T0)
+    done = await end_step(store, done, 0, learned())
+    live, _ = await store.add_scan(NewScan("one", (StepSpec("a"),)), now=T0 + 2)
     await store.prune(before=T0 + 100)
     with pytest.raises(ScanNotFound):
         await store.get_scan(done.id)
-    assert (await store.get_scan(live.id)).state is ScanState.PENDING
+    with pytest.raises(TaskNotFound):
+        await store.get(done.jobs[0].task_id or "")
+    live = await store.get_scan(live.id)
+    assert live.state is ScanState.PENDING and (await store.get(live.jobs[0].task_id or "")).state is State.PENDING

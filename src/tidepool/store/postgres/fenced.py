@@ -80,9 +80,12 @@ class FencedWrites:
             if answer is None:
                 by_task.setdefault(endings[i].lease.task_id, []).append(i)
 
+        tried = set(fast)  # the grouped completion refused them (a scan's step, say): not asked twice
+
         async def end(indexes: list[int]) -> None:
             for i in indexes:
-                answers[i] = await self._finish_one(endings[i], policy, maybe_written=i in maybe_written)
+                answers[i] = await self._finish_one(endings[i], policy, maybe_written=i in maybe_written,
+                                                    grouped=i not in tried)
 
         if by_task:
             async with anyio.create_task_group() as tg:
@@ -90,14 +93,15 @@ class FencedWrites:
                     tg.start_soon(end, indexes)
         return cast("list[State | TidepoolError]", answers)  # every slot answered above
 
-    async def _finish_one(self, ending: Ending, policy: RetryPolicy, *,
-                          maybe_written: bool = False) -> State | TidepoolError:
+    async def _finish_one(self, ending: Ending, policy: RetryPolicy, *, maybe_written: bool = False,
+                          grouped: bool = True) -> State | TidepoolError:
         """One ending; its error returned, not raised. `maybe_written`: an earlier write of it may have
-        committed unanswered, so meeting its own fence is not yet a refusal."""
+        committed unanswered, so meeting its own fence is not yet a refusal. `grouped`: a bare success may
+        try the grouped completion first (not when it was refused there already)."""
         lease = ending.lease
         try:
             try:
-                return await self._finish(ending, policy)
+                return await self._finish(ending, policy, grouped=grouped)
             except LeaseLost:
                 if maybe_written and (done := await self._ended(lease, ending.now)) is not None:
                     return done  # that earlier try did land
@@ -119,9 +123,9 @@ class FencedWrites:
         ended = row is not None and row[1] not in ("leased", "running", "expired")
         return State(row[0]) if ended else None
 
-    async def _finish(self, ending: Ending, policy: RetryPolicy) -> State:
+    async def _finish(self, ending: Ending, policy: RetryPolicy, *, grouped: bool = True) -> State:
         lease, outcome, now = ending.lease, ending.outcome, ending.now
-        if completable_at_once([ending])[0] and await self._completions((lease, now, outcome.progress)):
+        if grouped and completable_at_once([ending])[0] and await self._completions((lease, now, outcome.progress)):
             return State.COMPLETED
         moves: scans.Moves = []
         async with self._db.conn() as conn, conn.transaction():
