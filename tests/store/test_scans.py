@@ -256,6 +256,23 @@ async def test_with_continue_on_failure_every_step_runs_and_the_scan_ends_failed
     assert scan.state is ScanState.FAILED and states(scan) == ["success", "failed", "success"]
 
 
+async def test_several_steps_successes_in_one_call_move_each_scan_and_a_refused_one_fails_alone(
+        store: Store) -> None:
+    """Step successes of one call end together where a store groups them; one whose scope its scan refuses
+    still fails alone, saying why, and the others move their scans as if each had ended on its own."""
+    scans = [(await store.add_scan(WEB, now=T0))[0] for _ in range(3)]
+    claimed = {c.task.id: c for c in await store.claim(NODE, NET, limit=10, now=T0, lease_s=LEASE_S)}
+    outcomes = [learned(seen=0), learned(blob="x" * SCOPE_MAX_BYTES), learned(seen=2)]
+    ends = [Ending(claimed[s.jobs[0].task_id or ""].lease, o, T0 + 1) for s, o in zip(scans, outcomes, strict=True)]
+    assert await store.finish_many(ends, policy=POLICY) == [State.COMPLETED, State.FAILED, State.COMPLETED]
+    ok, refused, other = [await store.get_scan(s.id) for s in scans]
+    assert states(ok) == states(other) == ["success", "queued", "waiting"]
+    assert (ok.scope, other.scope) == ({"seen": 0}, {"seen": 2}) and ok.jobs[1].task_id != other.jobs[1].task_id
+    assert refused.state is ScanState.FAILED and states(refused) == ["failed", "skipped", "skipped"]
+    nexts = [await store.get(s.jobs[1].task_id or "") for s in (ok, other)]
+    assert [t.payload for t in nexts] == [{**WEB.payload, "seen": 0}, {**WEB.payload, "seen": 2}]
+
+
 async def test_a_scope_past_its_bound_or_not_json_fails_that_step_saying_why(store: Store) -> None:
     scan, _ = await store.add_scan(WEB, now=T0)
     scan = await end_step(store, scan, 0, learned(blob="x" * SCOPE_MAX_BYTES))

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
-from ...model import AttemptStatus, Outcome, State, canonical_json, new_id
+from ...model import AttemptStatus, Lease, Outcome, State, canonical_json, new_id
 from ...scans import JobState, ScopeRefused, job_state_of, merge_scope
 from .. import sql
 from ..rows import loads
 from ..scan_rows import Stored, Writes, writes
-from .writer import Batch
+from .database import Q, error_code
+from .writer import FILE_FAULTS, Batch
 
 QS = sql.queries(__package__, "scans.sql")  # the scans' statements, by name
 
@@ -36,6 +39,78 @@ def stored(conn: sqlite3.Connection, scan_id: str) -> Stored | None:
     if row is None:
         return None
     return Stored(row, conn.execute(QS["jobs"].format(marks="?"), (scan_id,)).fetchall())
+
+
+def succeeded(conn: sqlite3.Connection, batch: Batch, ends: Sequence[tuple[Lease, float, Outcome]]) -> set[str]:
+    """Bare successes of one writer round that are scan steps, ended and their scans moved on together: one
+    statement completes them all, one reads their scans and one their jobs, the writes follow. The attempt ids
+    done. Any that is not plain (a scope the scan refuses, a task that is not its job's live one, two of one
+    scan) undoes the lot and leaves every one to the one-by-one way, which says why."""
+    return set().union(*(moved(conn, batch, ends[i:i + CHUNK]) for i in range(0, len(ends), CHUNK)))
+
+
+def moved(conn: sqlite3.Connection, batch: Batch, ends: Sequence[tuple[Lease, float, Outcome]]) -> set[str]:
+    if not ends:
+        return set()
+    conn.execute("SAVEPOINT steps")
+    moves, queued = len(batch.moves), batch.queued
+    try:
+        done = move_all(conn, batch, ends)
+    except Exception as exc:
+        if error_code(exc) in FILE_FAULTS or not conn.in_transaction:
+            raise
+        done = None
+    if done is None:
+        conn.execute("ROLLBACK TO steps")
+        del batch.moves[moves:]
+        batch.queued = queued
+    conn.execute("RELEASE steps")
+    return done or set()
+
+
+def move_all(conn: sqlite3.Connection, batch: Batch, ends: Sequence[tuple[Lease, float, Outcome]]) -> set[str] | None:
+    by_attempt = {lease.attempt_id: (lease, now, outcome) for lease, now, outcome in ends}
+    ended: list[tuple[str, str, int]] = conn.execute(
+        QS["complete_steps"].format(rows=",".join([QS["complete_steps_row"]] * len(ends))),
+        [x for lease, now, o in ends for x in (lease.task_id, lease.attempt_id, lease.token, now, progress(o))],
+    ).fetchall()
+    if not ended:
+        return set()
+    scans = read(conn, [scan_id for _, scan_id, _ in ended])
+    if len(scans) != len(ended):
+        return None  # two of one scan, or a scan gone
+    planned = []
+    for attempt_id, scan_id, index in ended:
+        lease, now, outcome = by_attempt[attempt_id]
+        scan = scans[scan_id]
+        if not scan.is_current(index, lease.task_id):
+            return None
+        try:
+            planned.append((scan, writes(scan, now=now, ended=(index, JobState.SUCCESS), learned=outcome.scope),
+                            now))
+        except ScopeRefused:
+            return None
+    conn.execute(Q["attempts_succeeded"].format(rows=",".join(["(?, ?)"] * len(ended))),
+                 [x for attempt_id, _, _ in ended for x in (attempt_id, by_attempt[attempt_id][1])])
+    apply_all(conn, batch, planned)
+    return {attempt_id for attempt_id, _, _ in ended}
+
+
+CHUNK = 200  # endings per statement: 5 parameters each
+
+
+def progress(outcome: Outcome) -> str | None:
+    return None if outcome.progress is None else json.dumps(outcome.progress)
+
+
+def read(conn: sqlite3.Connection, scan_ids: list[str]) -> dict[str, Stored]:
+    """These scans with their jobs, by id: two statements for the lot."""
+    marks = ",".join("?" * len(scan_ids))
+    jobs: dict[str, list[Any]] = {}
+    for job in conn.execute(QS["jobs"].format(marks=marks), scan_ids):
+        jobs.setdefault(job[0], []).append(job)
+    scans = conn.execute(QS["scans"].format(marks=marks), scan_ids)
+    return {row[0]: Stored(row, jobs.get(row[0], [])) for row in scans}
 
 
 def step_ended(conn: sqlite3.Connection, batch: Batch, *, scan_id: str, index: int, task_id: str, state: State,
@@ -63,20 +138,30 @@ def advance(conn: sqlite3.Connection, batch: Batch, scan: Stored, now: float) ->
 
 
 def apply(conn: sqlite3.Connection, batch: Batch, scan: Stored, w: Writes, now: float) -> None:
-    for index, state in w.jobs:
-        conn.execute(QS["set_job"], (state.value, scan.id, index))
-    move = w.move
-    if w.start is not None:
-        index, task, scope_before, retry = w.start
-        task_id = new_id(now)
-        conn.execute(QS["insert_step"], (
-            task_id, task.type, canonical_json(task.payload), task.priority, task.max_attempts, task.timeout_s,
-            json.dumps(sorted(task.required_tags)), now, now, now, task.organization, scan.id, index, retry))
-        conn.execute(QS["start_job"], (task_id, scope_before, scan.id, index))
-        if batch.queued is not None:
-            batch.queued += 1
+    apply_all(conn, batch, [(scan, w, now)])
+
+
+def apply_all(conn: sqlite3.Connection, batch: Batch, planned: Sequence[tuple[Stored, Writes, float]]) -> None:
+    """The scans' moves written, each statement run once for the lot (executemany)."""
+    jobs, steps, starts, scans = [], [], [], []
+    for scan, w, now in planned:
+        jobs += [(state.value, scan.id, index) for index, state in w.jobs]
+        move = w.move
+        if w.start is not None:
+            index, task, scope_before, retry = w.start
+            task_id = new_id(now)
+            steps.append((task_id, task.type, canonical_json(task.payload), task.priority, task.max_attempts,
+                          task.timeout_s, json.dumps(sorted(task.required_tags)), now, now, now, task.organization,
+                          scan.id, index, retry))
+            starts.append((task_id, scope_before, scan.id, index))
+            if move is not None:
+                move = replace(move, task_id=task_id)
+        scans.append((w.state.value, w.scope, now, w.finished_at, scan.id))
         if move is not None:
-            move = replace(move, task_id=task_id)
-    conn.execute(QS["move_scan"], (w.state.value, w.scope, now, w.finished_at, scan.id))
-    if move is not None:
-        batch.moves.append(move)
+            batch.moves.append(move)
+    conn.executemany(QS["set_job"], jobs)
+    conn.executemany(QS["insert_step"], steps)
+    conn.executemany(QS["start_job"], starts)
+    conn.executemany(QS["move_scan"], scans)
+    if batch.queued is not None:
+        batch.queued += len(steps)

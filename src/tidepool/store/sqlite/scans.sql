@@ -67,3 +67,19 @@ DELETE FROM scan_jobs WHERE scan_id IN (SELECT id FROM scans WHERE finished_at <
 
 -- name: prune_scans
 DELETE FROM scans WHERE finished_at < ?
+
+-- name: complete_steps
+-- Step successes of one writer round completed together behind their fences (as `complete` does for plain
+-- tasks), returning what finds each one's scan.
+UPDATE tasks SET state = 'completed', phase = NULL, progress = coalesce(v.column5, progress), error = NULL,
+                 updated_at = v.column4, finished_at = v.column4, lease_token = NULL
+FROM (VALUES {rows}) AS v
+WHERE tasks.id = v.column1 AND tasks.lease_attempt_id = v.column2 AND tasks.lease_token = v.column3
+  AND +tasks.state IN {working} AND tasks.lease_expires_at > v.column4 AND tasks.scan_id IS NOT NULL
+RETURNING tasks.lease_attempt_id, tasks.scan_id, tasks.scan_index
+
+-- name: complete_steps_row
+(?, ?, ?, ?, ?)
+
+-- name: scans
+SELECT {scan_columns} FROM scans WHERE id IN ({marks})

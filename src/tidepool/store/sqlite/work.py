@@ -191,8 +191,11 @@ class FinishOp(Grouped):
     def run_group(cls, conn: sqlite3.Connection, batch: Batch, ops: list[Any]) -> list[tuple[Any, None]]:
         flat: list[tuple[Ending, RetryPolicy]] = [(e, op.policy) for op in ops for e in op.endings]
         fast = completable_at_once([e for e, _ in flat])
-        done = complete(conn, [(e.lease, e.now, progress_text(e.outcome.progress))
-                               for (e, _), f in zip(flat, fast, strict=True) if f])
+        # scan steps first (one pass for all of them): the plain ones left then all meet complete's fence
+        done = scan_steps.succeeded(conn, batch, [(e.lease, e.now, e.outcome)
+                                                  for (e, _), f in zip(flat, fast, strict=True) if f])
+        done |= complete(conn, [(e.lease, e.now, progress_text(e.outcome.progress))
+                                for (e, _), f in zip(flat, fast, strict=True) if f and e.lease.attempt_id not in done])
         results: list[State | TidepoolError] = []
         for (e, policy), f in zip(flat, fast, strict=True):
             if f and e.lease.attempt_id in done:
