@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         Figure(b, "bare sqlite3, claim+complete 64 a transaction", m["bare"], "tasks/s",
                f"{runs}; this machine now"),
         Figure(b, "daemon at the defaults / ceiling, claim 1", 100 * m["drain1"] / m["ceil1"], "%"),
-        Figure(b, f"daemon at the defaults / bare sqlite3 (claim_batch {scb})", 100 * m["drain1"] / m["bare"], "%",
+        Figure(b, "daemon at the defaults / bare sqlite3", 100 * m["drain1"] / m["bare"], "%",
                "the goal: at least 30 %"),
         Figure(b, "drain wall, /readyz .. all completed seen", m["wall1"], "s",
                "shipped defaults; claiming starts just before /readyz"),
