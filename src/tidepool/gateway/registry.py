@@ -1,9 +1,11 @@
 """The gateway's side of the worker registry: who is calling and whether it is served, and the operator's
 changes (enable, disable, limits, organizations, revoke) carried to the worker at once.
 
-The registry itself lives in the store (one record per certificate identity). A call's record is read at most
-once a second per identity (its last_seen is that precise); the acquire reads it again in its own
-transaction, so a state, a cap or an organization always applies to the next lease. A change made through this
+The registry itself lives in the store (one record per certificate identity). A call's record is read (and its
+last_seen saved) at most every MEET_EVERY_S per identity, so last_seen is that precise: a parked worker's
+acquires come back every few seconds, and a store write each was most of what an idle fleet cost the gateway.
+The acquire reads the record again in its own transaction, so a state, a cap or an organization always applies
+to the next lease. A change made through this
 node reaches the worker's control stream and its parked acquires at once; one made through another gateway of
 the same PostgreSQL store as well, by the store's notice (heard_change): the record is read again at the
 worker's next call, so a revoke refuses its writes at once here too.
@@ -25,7 +27,7 @@ from .parking import Parking
 from .tls import Peer
 
 log = logging.getLogger("tidepool.gateway")
-MEET_EVERY_S = 1.0
+MEET_EVERY_S = 5.0  # far below how long /v1/nodes waits before it calls a remote worker gone
 TAGS_FOR_S = 1.0    # a submit's tag check reads the workers' slots at most this often
 
 
