@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 Labels = tuple[str, ...]
+UNKNOWN = "unknown"  # a label an event did not carry (every task event names its type; this is the fallback)
 
 
 class Counter:

@@ -21,8 +21,10 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from .errors import StoreUnavailable
 from .events import Event, EventBus
-from .metric_series import Counter, Histogram, gauge
+from .metric_series import UNKNOWN, Counter, Histogram, gauge
 from .model import TERMINAL, Phase, State
+from .node_gauges import GUARDS, guard_families, pool_families
+from .scan_metrics import ScanMetrics
 
 if TYPE_CHECKING:
     from .guards import GuardStats
@@ -34,8 +36,6 @@ __all__ = ["CONTENT_TYPE", "Metrics"]
 log = logging.getLogger("tidepool.metrics")
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the classic text format every Prometheus version reads
 QUEUE_STATES = ("pending", "leased", "running", "retry_wait", "cancelling")
-GUARDS = ("memory", "disk")
-UNKNOWN = "unknown"  # a label an event did not carry (every task event names its type; this is the fallback)
 MAX_OPEN_ATTEMPTS = 100_000  # attempts whose end was never seen (store down at finish) must not pile up
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
                     600.0, 1800.0, 3600.0)
@@ -49,8 +49,6 @@ RECONCILER_ACTIONS = ("expired", "promoted", "cancelled", "pruned", "unserviceab
 KILL_REASON_NAMES = (*KILL_REASONS.values(), *LIMITS, "limit", "lease_lost")
 WORKER_KINDS = ("baseline", "demand")
 WORKER_STOPS = ("idle", "retired", "shutdown")
-SCAN_ENDS = ("cancelled", "failed", "succeeded")
-JOB_ENDS = ("cancelled", "failed", "success", "timeout")  # a job skipped is told by its scan's end
 
 
 class Metrics:
@@ -113,17 +111,13 @@ class Metrics:
                                        "schedule")
         self.schedule_skipped = Counter("tidepool_schedule_skipped", "Schedule ticks skipped, by schedule and "
                                          "reason (overlap, missed, queue_full, refused).", "schedule", "reason")
-        self.scans_created = Counter("tidepool_scans_created", "Scans created on this node (submitted to its API "
-                                     "or started by a schedule), by profile.", "profile")
-        self.scans_finished = Counter("tidepool_scans_finished", "Scans that ended, by profile and state, as this "
-                                      "node saw them end.", "profile", "state")
-        self.scan_steps = Counter("tidepool_scan_steps_finished", "Scan steps (jobs) that ended, by profile and the "
-                                  "job's state, as this node saw them end.", "profile", "state")
+        self.scans = ScanMetrics()
+        self.scans_created, self.scans_finished, self.scan_steps = self.scans.series
         self._series = (self.created, self.finished, self.retries, self.task_duration, self.phase_duration,
                         self.plugin_duration, self.pickup_latency, self.lease_renewals, self.lease_renewal_errors,
                         self.lease_losses, self.reconciler_actions, self.reconciler_passes, self.plugin_kills,
                         self.workers_started, self.workers_stopped, self.reloads, self.schedule_fired,
-                        self.schedule_skipped, self.scans_created, self.scans_finished, self.scan_steps)
+                        self.schedule_skipped, *self.scans.series)
         self._tripped = dict.fromkeys(GUARDS, 0)
         # task id -> [attempt start, current phase, phase start, stopped while a plugin ran]
         self._open: dict[str, list[Any]] = {}
@@ -144,9 +138,7 @@ class Metrics:
             "guard.cleared": self._guard_cleared,
             "schedule.fired": self._schedule_fired,
             "schedule.skipped": self._schedule_skipped,
-            "scan.created": self._scan_created,
-            "scan.step": self._scan_step,
-            "scan.finished": self._scan_finished,
+            **self.scans.handlers,
         }
 
         self.registry = CollectorRegistry(auto_describe=False)
@@ -284,16 +276,6 @@ class Metrics:
     def _guard_cleared(self, d: dict[str, Any], ts: float) -> None:
         self._tripped[d["guard"]] = 0
 
-    def _scan_created(self, d: dict[str, Any], ts: float) -> None:
-        self.scans_created.inc((d.get("profile") or UNKNOWN,))
-
-    def _scan_step(self, d: dict[str, Any], ts: float) -> None:
-        if d.get("state") in JOB_ENDS:  # a step's task queued is counted as a task created
-            self.scan_steps.inc((d.get("profile") or UNKNOWN, d["state"]))
-
-    def _scan_finished(self, d: dict[str, Any], ts: float) -> None:
-        self.scans_finished.inc((d.get("profile") or UNKNOWN, d.get("state") or UNKNOWN))
-
     # scraping
 
     async def render(self) -> bytes:
@@ -316,7 +298,7 @@ class Metrics:
     def collect(self) -> Iterator[Metric]:
         yield gauge("tidepool_info", "This node: its id and the tidepool version.", {"node_id": self._info[0],
                                                                                   "version": self._info[1]}, 1)
-        yield from self._pool_families()
+        yield from pool_families(self._pool(), draining=self._draining())
         store_up = self._queue is not None
         yield gauge("tidepool_store_up", "1 if the store answered the last scrape's queue query.", {}, store_up)
         if self._queue is not None:
@@ -331,7 +313,7 @@ class Metrics:
             for organization, n in sorted(self._organizations.items()):
                 by_organization.add_metric([organization], n)
             yield by_organization
-        yield from self._guard_families()
+        yield from guard_families(self._guards(), self._tripped)
         self._know_task_types()
         for series in self._series:
             yield series.family()
@@ -348,39 +330,7 @@ class Metrics:
         self.finished.know(product(types, TERMINAL_STATES))
         for histogram in (self.task_duration, self.pickup_latency):
             histogram.know(types)
-        profiles = list(self._profiles())
-        self.scans_created.know((p,) for p in profiles)
-        self.scans_finished.know(product(profiles, SCAN_ENDS))
-        self.scan_steps.know(product(profiles, JOB_ENDS))
-
-    def _pool_families(self) -> Iterator[Metric]:
-        stats = self._pool()
-        workers = GaugeMetricFamily("tidepool_workers", "Live worker coroutines, by kind.", labels=["kind"])
-        workers.add_metric(["baseline"], stats.baseline)
-        workers.add_metric(["demand"], stats.demand)
-        yield workers
-        yield gauge("tidepool_workers_busy", "Workers executing a task.", {}, stats.busy)
-        yield gauge("tidepool_pool_min_workers", "pool.min_workers now in force.", {}, stats.min_workers)
-        yield gauge("tidepool_pool_max_workers", "pool.max_workers now in force.", {}, stats.max_workers)
-        yield gauge("tidepool_pool_claiming", "1 while the pool claims work.", {}, stats.claiming)
-        yield gauge("tidepool_draining", "1 once shutdown began.", {}, self._draining())
-
-    def _guard_families(self) -> Iterator[Metric]:
-        stats = self._guards()
-        tripped = dict(self._tripped) if stats is None else {g: int(g in stats.tripped) for g in GUARDS}
-        family = GaugeMetricFamily("tidepool_guard_tripped", "1 while a host guard stops claiming.",
-                                   labels=["guard"])
-        for guard, value in tripped.items():
-            family.add_metric([guard], value)
-        yield family
-        if stats is not None:
-            free = GaugeMetricFamily("tidepool_guard_free_bytes", "Free memory and state-directory disk, as "
-                                     "last measured by the guards.", labels=["guard"])
-            for guard, mb in (("memory", stats.free_memory_mb), ("disk", stats.free_disk_mb)):
-                if mb is not None:
-                    free.add_metric([guard], mb * 2**20)
-            yield free
-
+        self.scans.know(self._profiles())
 
 class _Collector:
     """Hands the registry the families of a Metrics object at scrape time."""

@@ -26,16 +26,13 @@ from .engine import Engine, EngineConfig
 from .errors import ConfigError, StoreUnavailable
 from .events import EventBus, first_id_of_this_run
 from .fleet import GoneNodes, fence_after_s
-from .gateway.listener import serve_gateway
 from .gateway.parking import WakerWithGateway
-from .gateway.protocol import Gateway
-from .gateway.tls import Credentials
-from .gateway.watch import Watch
 from .guards import Guards
 from .leases import LeaseKeeper
 from .lifecycle import retry_policy
 from .metrics import Metrics
 from .model import QUEUED, AttemptStatus, new_id
+from .node_gateway import NodeGateway
 from .nodelock import file_safe, node_lock
 from .nodes import Heartbeat
 from .operations import NodeOperations, NodeParts, NodeStatus, store_answers
@@ -46,7 +43,9 @@ from .reconciler import Reconciler, ReconcilerConfig
 from .remote_node import RemoteOperations, attach_remote
 from .resources import ResourcePool
 from .scheduler import Scheduler
-from .settings import BUILTIN_TYPES, Settings
+from .settings import Settings
+from .startable import check_startable as check_startable  # `tidepool config check` asks it here
+from .startable import check_state_dir, plugin_registry, say_left_out
 from .store import Node, open_store
 from .store.remote import RemoteStore
 from .systemd import Notifier, report_status, run_watchdog
@@ -78,7 +77,7 @@ class Daemon:
         # Absolute: a command runs in its work directory, where a relative {workdir} (state_dir = "./var",
         # the example's) would not resolve.
         self.work_root = settings.node.state_dir.absolute() / "work" / file_safe(self.node_id)
-        self._build(settings, _registry(settings))
+        self._build(settings, plugin_registry(settings))
         self.heartbeat = Heartbeat(self.store, self._describe, interval_s=settings.node.heartbeat_s,
                                    on_saved=self.leases.heard)
         self.gone_nodes = GoneNodes(self.store, node_id=self.node_id, policy=lambda: self.engine.policy,
@@ -90,16 +89,13 @@ class Daemon:
         self._forced = False
         self._reload_when_ready = False  # a SIGHUP came while the node was starting
         self._drain_wait: anyio.CancelScope | None = None  # a second SIGINT cuts the current wait short
-        self._credentials: Credentials | None = None  # the gateway's TLS, when it listens
 
     def _build(self, settings: Settings, registry: Registry) -> None:
         """The parts, each after what it needs. One waker first: a freed slot, a cleared guard, a submit, a
         promoted retry, a schedule's tick and another node's submit all mean claimable work may be waiting."""
         self.waker = WakerWithGateway(also=lambda n: self.gateway.wake(n))  # remote workers' parked acquires too
-        self.gateway = Gateway(self.store, self.events, settings=settings.gateway, lease=settings.lease,
-                               policy=lambda: self.engine.policy, max_body_kb=settings.api.max_body_kb)
-        self.gateway_watch = Watch(self.gateway)
-        self.events.listen(self.gateway_watch.on_event)
+        self.node_gateway = NodeGateway(self.store, self.events, settings, policy=lambda: self.engine.policy)
+        self.gateway = self.node_gateway.gateway
         self.guards = Guards(self.events, state_dir=settings.node.state_dir,
                              min_free_memory_mb=settings.guards.min_free_memory_mb,
                              min_free_disk_mb=settings.guards.min_free_disk_mb, on_clear=self.waker.wake_max)
@@ -151,13 +147,13 @@ class Daemon:
         """
         token = load_token(self.settings.api.token_file, self.settings.api.listen)
         check_state_dir(self.settings.node.state_dir)
-        self._credentials = Credentials(self.settings.gateway) if self.settings.gateway.listen else None
+        self.node_gateway.read_credentials(self.settings)
         with node_lock(self.node_id, work_root=self.work_root, db_path=self.settings.db_path()):
             await self.store.open(migrate=self.settings.store.migrate)
             try:
                 await self._recover()
                 async with anyio.create_task_group() as tg:
-                    await self._start(tg, token, self._credentials)
+                    await self._start(tg, token)
                     task_status.started()
                     if self._reload_when_ready:
                         tg.start_soon(self.reload)
@@ -180,20 +176,18 @@ class Daemon:
         await self.reconciler.recover(node_id=self.node_id, instance_id=self.instance_id,
                                       interrupted=self._unwritten.read())
         self._unwritten.forget()  # written now (or their leases were gone already)
-        _say_left_out(self.settings)
+        say_left_out(self.settings)
         await self._sync_schedules(self.settings)
         await self.engine.remove_leftover_workdirs()
 
-    async def _start(self, tg: TaskGroup, token: str | None, credentials: Credentials | None) -> None:
+    async def _start(self, tg: TaskGroup, token: str | None) -> None:
         await tg.start(self._handle_signals)  # first: from here on a SIGTERM drains, never kills
         await tg.start(self.leases.run)
         await tg.start(partial(self.store.watch, self.waker.wake))  # other nodes' submits wake us
         await tg.start(self.heartbeat.run)
         await tg.start(self.guards.run)  # a first measure before the first claim
         await tg.start(partial(serve_api, self.ops, self.settings.api.listen, token=token))
-        if credentials is not None:  # bound before the pool starts, as the API is
-            await tg.start(self.gateway_watch.run)
-            await tg.start(partial(serve_gateway, self.gateway, credentials, self.settings.gateway.listen))
+        await self.node_gateway.start(tg, self.settings)
         _quiet_gc()
         await tg.start(self.pool.run)
         if self.remote is None:  # a remote worker's gateway runs these, where the store is
@@ -207,7 +201,7 @@ class Daemon:
         log.info("node %s ready: tidepool %s on %s, store %s, api %s, workers %d..%d; %s%s", self.node_id,
                  __version__, _loop_name(), redacted(self.settings.store.url), self.settings.api.listen,
                  self.pool.config.min_workers, self.pool.config.max_workers, self.settings.ready_summary(),
-                 f"; gateway https://{self.settings.gateway.listen}" if credentials is not None else "")
+                 f"; gateway https://{self.settings.gateway.listen}" if self.node_gateway.credentials else "")
 
     def shutdown(self) -> None:
         self._shutdown.set()
@@ -325,7 +319,7 @@ class Daemon:
         where = self.config_path or "defaults"
         try:
             new = settings_mod.load(self.config_path)
-            registry = _registry(new)
+            registry = plugin_registry(new)
             if self.remote is not None:  # a rotated certificate is presented from the next connection on
                 self.remote.use_certificates(cert_file=new.store.cert_file, key_file=new.store.key_file,
                                              ca_file=new.store.ca_file)
@@ -340,7 +334,7 @@ class Daemon:
         if self._configure(new, registry) and not any(k in changed for k in config_reload.POOL_SIZES):
             changed.append("pool sizes (back to the file's from PATCH /v1/pool)")
         self.settings = new
-        _say_left_out(new)
+        say_left_out(new)
         # Even when the file did not change: an API save or delete since may have taken a schedule from it,
         # and a SIGHUP is how an operator puts the file's back (README). Bounded: the signal handler waits
         # for this, and a SIGTERM must not wait behind a store that does not answer.
@@ -360,9 +354,7 @@ class Daemon:
         self.guards.configure(new.guards)
         self.claims.configure(new.claimed_types())
         self.scheduler.configure(new.pool)
-        self.gateway.configure(new.gateway, new.lease)
-        if self._credentials is not None:  # new connections get the files' certificates; live ones keep theirs
-            self._credentials.reload(new.gateway)
+        self.node_gateway.configure(new)
         return self.pool.configure(new.pool)
 
     async def _sync_schedules(self, settings: Settings, *, timeout_s: float = math.inf) -> None:
@@ -379,42 +371,10 @@ async def serve(settings: Settings, *, config_path: Path | None = None, notifier
     await daemon.run(task_status=task_status)
 
 
-def check_startable(settings: Settings) -> None:
-    """What a daemon of these settings would refuse before it starts anything, by the calls it starts with
-    (`tidepool config check`): the store URL, each type's plugins with allow/deny, the resource slots, the
-    API's token. Nothing is opened, bound or connected; ConfigError names what is wrong."""
-    open_store(settings.store.url, section=settings.store)
-    _registry(settings)
-    ResourcePool.from_settings(settings.resources)
-    load_token(settings.api.token_file, settings.api.listen)
-    check_state_dir(settings.node.state_dir)
-    if settings.gateway.listen:
-        Credentials(settings.gateway)
-
-
-def check_state_dir(state_dir: Path) -> None:
-    """node.state_dir holds the SQLite file and the plugins' work directories: created when missing, but
-    a file there would fail every command plugin's attempt, one retry after another."""
-    if state_dir.exists() and not state_dir.is_dir():
-        raise ConfigError(f"config: node.state_dir: {state_dir} is not a directory")
-
-
 def _hurry_commands(heartbeat_s: float) -> None:
     """A fencing node's commands get SIGKILL within half a heartbeat, whatever their kill_grace_s: the
     fleet may call the node gone one heartbeat after the fence, and run its tasks elsewhere."""
     command.hurry(time.monotonic() + heartbeat_s / 2)
-
-
-def _registry(settings: Settings) -> Registry:
-    return Registry.from_settings(settings.plugins, settings.all_types, kill_grace_s=settings.execution.kill_grace_s)
-
-
-def _say_left_out(settings: Settings) -> None:
-    """The built-in types plugins.allow/deny leave out: their tasks wait for a node that defines them."""
-    left_out = sorted(set(BUILTIN_TYPES) - set(settings.all_types))
-    if left_out:
-        log.warning("built-in task types %s are not defined on this node: plugins.allow/deny leave out their "
-                    "plugins", ", ".join(left_out))
 
 
 def _quiet_gc() -> None:

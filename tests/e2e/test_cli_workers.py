@@ -93,9 +93,28 @@ def test_an_organization_taken_away_with_cancel_removed_cancels_its_attempts(gat
 
     changed = workers_cli("set", "scanner-a", "--orgs", "acme", "--cancel-removed")
     assert changed.returncode == OK, changed.stderr
-    assert changed.stdout.rstrip().endswith("organizations acme); attempts of the organizations removed are "
-                                            "cancelled")
+    assert changed.stdout.rstrip().endswith("organizations acme); its attempts of the organizations it is not "
+                                            "assigned are cancelled")
     assert gateway.daemon.task(task["id"])["state"] == "cancelling"
+
+
+@pytest.mark.e2e
+def test_cancel_removed_alone_cancels_the_attempts_an_earlier_set_let_run(gateway: Gateway, workers_cli: Cli) -> None:
+    worker = gateway.worker("scanner-a")
+    worker.acquire()
+    workers_cli("enable", "scanner-a")
+    task = gateway.daemon.submit("sleep", {"seconds": 60})  # of the organization "default"
+    assert len(worker.acquire()[1]["tasks"]) == 1
+    narrowed = workers_cli("set", "scanner-a", "--orgs", "acme")
+    assert narrowed.returncode == OK, narrowed.stderr
+    assert gateway.daemon.task(task["id"])["state"] == "leased"  # without --cancel-removed it runs on
+
+    cancelled = workers_cli("set", "scanner-a", "--cancel-removed")
+    assert cancelled.returncode == OK, cancelled.stderr
+    assert cancelled.stdout.rstrip().endswith("organizations acme); its attempts of the organizations it is not "
+                                              "assigned are cancelled")
+    assert gateway.daemon.task(task["id"])["state"] == "cancelling"
+    assert gateway.record("scanner-a")["organizations"] == ["acme"]  # nothing else of the worker changed
 
 
 @pytest.mark.e2e

@@ -64,10 +64,6 @@ def cmd_revoke(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_set(args: argparse.Namespace, settings: Settings) -> int:
-    if args.cancel_removed and args.orgs is None:
-        print("tidepool: workers set: --cancel-removed cancels attempts of the organizations --orgs removes; "
-              "give --orgs", file=sys.stderr)
-        return USAGE
     change: dict[str, Any] = {}
     if args.max is not None:
         change["max_concurrent_tasks"] = args.max
@@ -75,9 +71,11 @@ def cmd_set(args: argparse.Namespace, settings: Settings) -> int:
         change["task_types"] = _names(args.types)
     if args.orgs is not None:
         change["organizations"] = _names(args.orgs)
-        change["cancel_removed"] = args.cancel_removed
+    if args.cancel_removed:  # alone too: the attempts of organizations an earlier set took away
+        change["cancel_removed"] = True
     if not change:
-        print("tidepool: workers set: give at least one of --max, --types and --orgs", file=sys.stderr)
+        print("tidepool: workers set: give at least one of --max, --types, --orgs and --cancel-removed",
+              file=sys.stderr)
         return USAGE
     return _change(args, settings, "PATCH", "", change)
 
@@ -113,7 +111,7 @@ def said(worker: dict[str, Any], *, cancel_removed: bool = False) -> str:
         head += ": it takes nothing until enabled"
     settings_ = (f"max {worker['max_concurrent_tasks']} live, types {','.join(worker['task_types']) or '-'}, "
                  f"organizations {','.join(worker['organizations']) or '-'}")
-    tail = "; attempts of the organizations removed are cancelled" if cancel_removed else ""
+    tail = "; its attempts of the organizations it is not assigned are cancelled" if cancel_removed else ""
     return f"{head} ({settings_}){tail}"
 
 
@@ -135,9 +133,10 @@ def add_commands(add: Any) -> None:
     action("enable", cmd_enable, "let it take tasks (a pending worker's enrollment)")
     action("disable", cmd_disable, "drain it: no new tasks, its running attempts finish")
     action("revoke", cmd_revoke, "refuse it for good: its attempts are cancelled, its connections closed")
-    p = action("set", cmd_set, "change what it may take")
+    p = action("set", cmd_set, "change what it may take; cancel what it may no longer take")
     p.add_argument("--max", type=int, metavar="N", help="the most attempts it may hold at once")
     p.add_argument("--types", metavar="A,B", help="the task types it may take (globs), comma separated")
     p.add_argument("--orgs", metavar="A,B", help="the organizations whose tasks it may take, comma separated")
     p.add_argument("--cancel-removed", action="store_true",
-                   help="cancel its attempts of the organizations --orgs removes (else they finish)")
+                   help="cancel its active attempts of every organization it is not assigned (after --orgs, if "
+                        "given), also of those an earlier set took away; without it they run to their end")

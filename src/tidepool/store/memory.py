@@ -26,20 +26,19 @@ from ..model import (
     ResultBatch,
     State,
     Task,
-    TaskError,
     Worker,
-    cancel_deadline_error,
     new_id,
     new_token,
 )
-from ..scans import NewScan, ScopeRefused, job_state_of
+from ..scans import NewScan, ScopeRefused
 from ..schedules import Fired, Schedule
 from . import rules
+from .memory_reconciler import MemoryReconciler
 from .memory_registry import MemoryRegistry
 from .memory_scans import MemoryScans, ScanVerbs
-from .port import CancelAnswer, Ended, Ending, Expired, Node, Page, PhaseNote
+from .port import CancelAnswer, Ending, Node, Page, PhaseNote
 from .registry import glob_matches
-from .rules import batch_answer, cancel_step, check_room, expiry_outcome, finish_alone, may_end, retry_step
+from .rules import batch_answer, cancel_step, check_room, finish_alone, may_end, retry_step
 
 
 @dataclasses.dataclass
@@ -61,7 +60,7 @@ class _Row:
                          for a in self.attempts]
 
 
-class MemoryStore(ScanVerbs, MemoryRegistry):
+class MemoryStore(ScanVerbs, MemoryRegistry, MemoryReconciler):
     def __init__(self) -> None:
         self._rows: dict[str, _Row] = {}
         self._keys: dict[str, str] = {}
@@ -270,72 +269,6 @@ class MemoryStore(ScanVerbs, MemoryRegistry):
             fired.extend(outcome)
         return fired
 
-    # the reconciler
-
-    async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
-                            keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
-                            ) -> list[Expired]:
-        expired = []
-        for row in self._rows.values():
-            lease = row.lease
-            if lease is None or not row.task.state.active:
-                continue
-            mine = node_id is not None and row.task.node_id == node_id and row.lease_instance != keep_instance
-            if mine or (node_id is None and lease.expires_at <= now):
-                self._end(row, expiry_outcome(lease.attempt_id, interrupted), now, policy)
-                expired.append(Expired(row.task.id, lease.attempt_id, row.task.state, row.task.type))
-        self._scans.flush()
-        return expired
-
-    async def promote_due(self, *, now: float) -> int:
-        due = [r for r in self._rows.values() if r.task.state is State.RETRY_WAIT and r.task.available_at <= now]
-        for row in due:
-            row.update(state=step(State.RETRY_WAIT, Event.PROMOTE), updated_at=now)
-        return len(due)
-
-    async def finish_cancels(self, *, now: float, deadline_s: float) -> list[Ended]:
-        done = []
-        for row in self._rows.values():
-            if row.task.state is State.CANCELLING and (row.cancel_requested_at or now) + deadline_s <= now:
-                error = cancel_deadline_error(deadline_s)
-                if row.lease is not None:
-                    row.set_attempt(row.lease.attempt_id, status=AttemptStatus.CANCELLED, finished_at=now,
-                                    error=error)
-                row.update(state=step(State.CANCELLING, Event.CANCEL_ACK), finished_at=now, updated_at=now,
-                           phase=None, error=error)
-                row.lease = None
-                done.append(Ended(row.task.id, row.task.type))
-                self._step_ended(row, now)
-        self._scans.flush()
-        return done
-
-    async def prune(self, *, before: float) -> int:
-        old = [i for i, r in self._rows.items()
-               if r.task.state.terminal and r.task.finished_at is not None and r.task.finished_at < before]
-        for task_id in old:
-            row = self._rows.pop(task_id)
-            if row.task.idempotency_key:
-                self._keys.pop(row.task.idempotency_key, None)
-        self._nodes = {k: n for k, n in self._nodes.items() if n.heartbeat_at >= before}
-        self._scans.prune(before)
-        return len(old)
-
-    async def queued_tag_sets(self) -> list[frozenset[str]]:
-        found = {frozenset(r.task.required_tags) for r in self._rows.values() if r.task.state in QUEUED}
-        return [tags for tags in found if tags]
-
-    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[Ended]:
-        error = TaskError("unserviceable", message, retryable=False)
-        failed = []
-        for row in self._rows.values():
-            if row.task.state in QUEUED and frozenset(row.task.required_tags) == tags:
-                row.update(state=step(row.task.state, Event.UNSERVICEABLE), error=error, finished_at=now,
-                           updated_at=now, phase=None)
-                failed.append(Ended(row.task.id, row.task.type))
-                self._step_ended(row, now)
-        self._scans.flush()
-        return failed
-
     # the fleet: one process, nothing to lock and nothing to hear
 
     async def lock_node(self, node_id: str, instance_id: str) -> None:
@@ -367,25 +300,6 @@ class MemoryStore(ScanVerbs, MemoryRegistry):
         if row.fingerprint != new.fingerprint():
             raise Conflict(f"idempotency_key {new.idempotency_key!r} was used with another body")
         return row.task
-
-    def task_or_none(self, task_id: str | None) -> Task | None:
-        row = None if task_id is None else self._rows.get(task_id)
-        return None if row is None else row.task
-
-    def attempts_started(self, task_id: str | None) -> int:
-        """The attempts a task has started, an interrupted one (given back to its count) included."""
-        row = None if task_id is None else self._rows.get(task_id)
-        return 0 if row is None else len(row.attempts)
-
-    def insert_step(self, new: NewTask, now: float, step: tuple[str, int, int]) -> Task:
-        task = self._insert(new, now)
-        self._rows[task.id].scan = step
-        return task
-
-    def _step_ended(self, row: _Row, now: float, learned: dict[str, Any] | None = None) -> None:
-        """A scan step's task that ended for good moves its scan on."""
-        if row.scan is not None and row.task.state.terminal:
-            self._scans.job_ended(row.scan[0], row.scan[1], row.task.id, job_state_of(row.task.state), learned, now)
 
     def check_room(self, n: int, max_queued: int | None) -> None:
         self._check_room(n, max_queued)

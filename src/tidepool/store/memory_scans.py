@@ -27,7 +27,7 @@ from ..scans import (
 from .port import ScanCancel, ScanListener, ScanMove, ScanPage
 
 if TYPE_CHECKING:
-    from .memory import MemoryStore
+    from .memory import MemoryStore, _Row
 
 
 @dataclasses.dataclass
@@ -54,9 +54,13 @@ class ScanRow:
 
 
 class ScanVerbs:
-    """The scan verbs of the memory store, on its MemoryScans."""
+    """The scan verbs of the memory store, on its MemoryScans, and its task rows' side of a scan."""
 
     _scans: MemoryScans
+    _rows: dict[str, _Row]
+
+    if TYPE_CHECKING:
+        def _insert(self, new: NewTask, now: float) -> Task: ...
 
     async def add_scan(self, new: NewScan, *, now: float, max_queued: int | None = None) -> tuple[Scan, bool]:
         return self._scans.add(new, now, max_queued)
@@ -79,6 +83,27 @@ class ScanVerbs:
 
     def on_scan_moves(self, listener: ScanListener | None) -> None:
         self._scans.on_moves(listener)
+
+    # the hooks the store's task rows call, and MemoryScans calls back
+
+    def task_or_none(self, task_id: str | None) -> Task | None:
+        row = None if task_id is None else self._rows.get(task_id)
+        return None if row is None else row.task
+
+    def attempts_started(self, task_id: str | None) -> int:
+        """The attempts a task has started, an interrupted one (given back to its count) included."""
+        row = None if task_id is None else self._rows.get(task_id)
+        return 0 if row is None else len(row.attempts)
+
+    def insert_step(self, new: NewTask, now: float, step: tuple[str, int, int]) -> Task:
+        task = self._insert(new, now)
+        self._rows[task.id].scan = step
+        return task
+
+    def _step_ended(self, row: _Row, now: float, learned: dict[str, Any] | None = None) -> None:
+        """A scan step's task that ended for good moves its scan on."""
+        if row.scan is not None and row.task.state.terminal:
+            self._scans.job_ended(row.scan[0], row.scan[1], row.task.id, job_state_of(row.task.state), learned, now)
 
 
 class MemoryScans:

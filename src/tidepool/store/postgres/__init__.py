@@ -27,7 +27,7 @@ from anyio.abc import TaskStatus
 
 from ... import schedules
 from ...errors import Conflict, LeaseLost, ScheduleNotFound, StoreUnavailable, TaskNotFound, TidepoolError
-from ...lifecycle import Event, RetryPolicy, step
+from ...lifecycle import RetryPolicy
 from ...model import (
     CANCELLED_ON_REQUEST,
     CertSeen,
@@ -40,15 +40,13 @@ from ...model import (
     ResultBatch,
     State,
     Task,
-    TaskError,
     Worker,
     WorkerChange,
-    cancel_deadline_error,
 )
 from ...scans import NewScan
 from ...schedules import Fired, Schedule
 from ..notices import Notice
-from ..port import Acquired, CancelAnswer, Ended, Ending, Enroll, Expired, Node, Page, PhaseNote, Revoked
+from ..port import Acquired, CancelAnswer, Ending, Enroll, Node, Page, PhaseNote, Revoked
 from ..rows import (
     SCHEMA_VERSION,
     attempt_of,
@@ -60,13 +58,14 @@ from ..rows import (
     schedule_values,
     task_of,
 )
-from ..rules import cancel_step, expiry_outcome, progress_text, retry_step, step_retry_refused
+from ..rules import cancel_step, progress_text, retry_step, step_retry_refused
 from . import migrations, queue, scans
 from .claims import Claims
 from .connection import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, DRIVER_ERRORS, Connections, channel_for, said
-from .fenced import FencedWrites, expiry, lease_arrays, lost, write_ends
+from .fenced import FencedWrites, lease_arrays, lost
 from .firing import fire
 from .notices import Notices
+from .reconciler import ReconcilerPasses
 from .registry import Registry
 from .scan_verbs import ScanVerbs
 from .scans import locked_task
@@ -74,10 +73,9 @@ from .session import Session
 from .statements import SQL
 
 __all__ = ["CALL_TIMEOUT_S", "CONNECT_TIMEOUT_S", "DRIVER_ERRORS", "SCHEMA_VERSION", "PostgresStore", "channel_for"]
-SWEEP = 500  # rows per reconciler transaction: bounded locks and WAL per step
 
 
-class PostgresStore(ScanVerbs):
+class PostgresStore(ScanVerbs, ReconcilerPasses):
     """The store of a fleet. `schema` (else the URL's `?schema=NAME`, else "tidepool") holds its tables,
     so several fleets or test runs can share one database. Each call answers within call_timeout_s (a call
     over many rows, as a batch submit, a millisecond more for each), or raises StoreUnavailable."""
@@ -302,82 +300,6 @@ class PostgresStore(ScanVerbs):
                     await conn.execute(SQL["notify"], str(created))
             fired.extend(these)
         return fired
-
-    # the reconciler: each pass takes only rows no other node holds (SKIP LOCKED), in bounded steps
-
-    async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
-                            keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
-                            ) -> list[Expired]:
-        args: list[Any]
-        if node_id is None:
-            sql, args = SQL["expiring"], [now, SWEEP]
-        else:
-            sql, args = SQL["expiring_of_node"], [node_id, keep_instance, SWEEP]
-        expired: list[Expired] = []
-        while True:
-            moves: scans.Moves = []
-            async with self._db.conn(rows=SWEEP) as conn, conn.transaction():
-                rows = await conn.fetch(sql, *args)
-                ends = [(Lease(r[4], r[5], r[6], now), o, expiry(r, o, policy, now))
-                        for r in rows for o in (expiry_outcome(r[5], interrupted),)]
-                if ends:
-                    await write_ends(conn, ends, now)
-                for r, (lease, _, end) in zip(rows, ends, strict=True):
-                    if r[8] is not None and end.state.terminal:  # a scan's step: its scan moves on
-                        await scans.step_ended(conn, moves, scan_id=r[8], index=r[9], task_id=lease.task_id,
-                                               state=end.state, learned=None, now=now)
-            self._told(moves)
-            expired.extend(Expired(lease.task_id, lease.attempt_id, end.state, r[7])
-                           for (lease, _, end), r in zip(ends, rows, strict=True))
-            if len(rows) < SWEEP:
-                return expired
-
-    async def promote_due(self, *, now: float) -> int:
-        async with self._db.conn() as conn:
-            promoted = await conn.fetchval(SQL["promote"], now, step(State.RETRY_WAIT, Event.PROMOTE).value)
-        return int(promoted)
-
-    async def finish_cancels(self, *, now: float, deadline_s: float) -> list[Ended]:
-        error = cancel_deadline_error(deadline_s)
-        state = step(State.CANCELLING, Event.CANCEL_ACK).value
-        return await self._sweep(SQL["finish_cancels"], now - deadline_s, now, error_text(error), state)
-
-    async def prune(self, *, before: float) -> int:
-        pruned = 0
-        while True:
-            async with self._db.conn(rows=SWEEP) as conn:
-                n = int(await conn.fetchval(SQL["prune"], before, SWEEP))
-            pruned += n
-            if n < SWEEP:
-                break
-        async with self._db.conn() as conn:
-            await conn.execute(SQL["prune_nodes"], before)
-        while True:  # the scans ended before `before`, with their jobs (their tasks went above)
-            async with self._db.conn(rows=SWEEP) as conn:
-                if int(await conn.fetchval(SQL["prune_scans"], before, SWEEP)) < SWEEP:
-                    break
-        return pruned
-
-    async def queued_tag_sets(self) -> list[frozenset[str]]:
-        async with self._db.conn() as conn:
-            rows = await conn.fetch(SQL["queued_tag_sets"])
-        return [frozenset(r[0]) for r in rows]
-
-    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[Ended]:
-        error = TaskError("unserviceable", message, retryable=False)
-        state = step(State.PENDING, Event.UNSERVICEABLE).value
-        return await self._sweep(SQL["fail_unserviceable"], sorted(tags), state, error_text(error), now)
-
-    async def _sweep(self, sql: str, *args: Any) -> list[Ended]:
-        """Run a statement that ends up to SWEEP tasks and returns their ids and types, until it ends fewer:
-        one short transaction each, never one long one holding every row's lock."""
-        ended: list[Ended] = []
-        while True:
-            async with self._db.conn(rows=SWEEP) as conn:
-                rows = await conn.fetch(sql, *args, SWEEP)
-            ended.extend(Ended(r[0], r[1]) for r in rows)
-            if len(rows) < SWEEP:
-                return ended
 
     # the fleet
 
