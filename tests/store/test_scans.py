@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -271,6 +272,70 @@ async def test_several_steps_successes_in_one_call_move_each_scan_and_a_refused_
     assert refused.state is ScanState.FAILED and states(refused) == ["failed", "skipped", "skipped"]
     nexts = [await store.get(s.jobs[1].task_id or "") for s in (ok, other)]
     assert [t.payload for t in nexts] == [{**WEB.payload, "seen": 0}, {**WEB.payload, "seen": 2}]
+
+
+@contextlib.asynccontextmanager
+async def traced_writer(adapter: Store, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[list[str]]:
+    """The SQLite adapter opened with every statement its writer runs recorded, in order."""
+    assert isinstance(adapter, SqliteStore)
+    statements: list[str] = []
+    connect = adapter._db.connect_writer
+
+    def traced(migrate: bool) -> tuple[sqlite3.Connection, int]:
+        conn, version = connect(migrate)
+        conn.set_trace_callback(statements.append)
+        return conn, version
+
+    monkeypatch.setattr(adapter._db, "connect_writer", traced)
+    await adapter.open()
+    try:
+        yield statements
+    finally:
+        await adapter.close()
+
+
+def step_pass(statements: list[str]) -> list[str]:
+    """The statements of the pass that ends step successes together and moves their scans."""
+    return [s for s in statements if s.endswith("steps") or "RETURNING tasks.lease_attempt_id" in s
+            or "FROM scans" in s or "scan_jobs" in s]
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+async def test_a_round_of_plain_successes_on_sqlite_runs_no_scan_step_statement(
+        adapter: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with traced_writer(adapter, monkeypatch) as statements:
+        await adapter.add_scan(WEB, now=T0)  # a scan's step queued beside them, not ended in this round
+        await adapter.add_many([NewTask("noop") for _ in range(50)], now=T0)
+        claimed = await adapter.claim(NODE, ClaimFilter(types=("noop",)), limit=50, now=T0, lease_s=LEASE_S)
+        statements.clear()
+        ends = [Ending(c.lease, learned(), T0 + 1) for c in claimed]
+        assert await adapter.finish_many(ends, policy=POLICY) == [State.COMPLETED] * 50
+        assert step_pass(statements) == []
+        begin, tasks, attempts, commit = statements  # the grouped completion alone, in its transaction
+        assert (begin, commit) == ("BEGIN IMMEDIATE", "COMMIT")
+        assert "UPDATE tasks SET state = 'completed'" in tasks
+        assert "UPDATE attempts SET status = 'succeeded'" in attempts
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+async def test_a_mixed_round_on_sqlite_completes_the_plain_ones_and_moves_its_scans_together(
+        adapter: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with traced_writer(adapter, monkeypatch) as statements:
+        scans = [(await adapter.add_scan(WEB, now=T0))[0] for _ in range(3)]
+        plain = [(await adapter.add(NewTask("noop"), now=T0))[0] for _ in range(4)]
+        claimed = {c.task.id: c for c in await adapter.claim(NODE, NET, limit=10, now=T0, lease_s=LEASE_S)}
+        order = [plain[0].id, scans[0].jobs[0].task_id, plain[1].id, scans[1].jobs[0].task_id, plain[2].id,
+                 scans[2].jobs[0].task_id, plain[3].id]
+        statements.clear()
+        ends = [Ending(claimed[i or ""].lease, learned(seen=i), T0 + 1) for i in order]
+        assert await adapter.finish_many(ends, policy=POLICY) == [State.COMPLETED] * 7
+        assert not [s for s in statements if s == "SAVEPOINT op"], "no ending went the one-by-one way"
+        assert len([s for s in step_pass(statements) if "RETURNING" in s]) == 1, "the three steps ended together"
+        assert "ROLLBACK TO steps" not in statements
+        for scan, task_id in zip(scans, order[1::2], strict=True):
+            moved = await adapter.get_scan(scan.id)
+            assert states(moved) == ["success", "queued", "waiting"] and moved.scope == {"seen": task_id}
+        assert [(await adapter.get(t.id)).state for t in plain] == [State.COMPLETED] * 4
 
 
 async def test_a_scope_past_its_bound_or_not_json_fails_that_step_saying_why(store: Store) -> None:

@@ -8,6 +8,7 @@ statements that end any task read its scan_id, and a task without one goes on as
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import replace
@@ -22,6 +23,7 @@ from .database import Q, error_code
 from .writer import FILE_FAULTS, Batch
 
 QS = sql.queries(__package__, "scans.sql")  # the scans' statements, by name
+log = logging.getLogger("tidepool.store.sqlite")
 
 
 def checked(conn: sqlite3.Connection, scan_id: str, outcome: Outcome) -> Outcome:
@@ -42,7 +44,8 @@ def stored(conn: sqlite3.Connection, scan_id: str) -> Stored | None:
 
 
 def succeeded(conn: sqlite3.Connection, batch: Batch, ends: Sequence[tuple[Lease, float, Outcome]]) -> set[str]:
-    """Bare successes of one writer round that are scan steps, ended and their scans moved on together: one
+    """Bare successes of one writer round that the plain completion refused: the scan steps among them ended
+    and their scans moved on together (a task outside scans or a lost lease is left as it is): one
     statement completes them all, one reads their scans and one their jobs, the writes follow. The attempt ids
     done. Any that is not plain (a scope the scan refuses, a task that is not its job's live one, two of one
     scan) undoes the lot and leaves every one to the one-by-one way, which says why."""
@@ -59,6 +62,10 @@ def moved(conn: sqlite3.Connection, batch: Batch, ends: Sequence[tuple[Lease, fl
     except Exception as exc:
         if error_code(exc) in FILE_FAULTS or not conn.in_transaction:
             raise
+        # not the file's fault: a bug here would otherwise send every round the slow way unseen
+        shown = [lease.attempt_id for lease, _, _ in ends[:SHOWN]]
+        log.warning("%d bare successes (attempts %s%s) did not end together as scan steps: each ends on its "
+                    "own", len(ends), ", ".join(shown), ", ..." if len(ends) > SHOWN else "", exc_info=exc)
         done = None
     if done is None:
         conn.execute("ROLLBACK TO steps")
@@ -97,6 +104,7 @@ def move_all(conn: sqlite3.Connection, batch: Batch, ends: Sequence[tuple[Lease,
 
 
 CHUNK = 200  # endings per statement: 5 parameters each
+SHOWN = 5  # attempt ids a warning names: a chunk's 200 would flood the log each round
 
 
 def progress(outcome: Outcome) -> str | None:

@@ -181,8 +181,8 @@ def record_result(conn: sqlite3.Connection, batch: Batch, *, lease: Lease, resul
 @dataclass(frozen=True, eq=False)
 class FinishOp(Grouped):
     """Attempts ending: the bare successes of the finish_many calls of one transaction completed a few
-    statements at a time, every other ending (and every success that fast path refused) alone in its own
-    savepoint."""
+    statements at a time (the scan steps among them, refused by that, in a pass of their own that moves their
+    scans too), every other ending (and every success those refused) alone in its own savepoint."""
 
     endings: tuple[Ending, ...]
     policy: RetryPolicy
@@ -191,11 +191,12 @@ class FinishOp(Grouped):
     def run_group(cls, conn: sqlite3.Connection, batch: Batch, ops: list[Any]) -> list[tuple[Any, None]]:
         flat: list[tuple[Ending, RetryPolicy]] = [(e, op.policy) for op in ops for e in op.endings]
         fast = completable_at_once([e for e, _ in flat])
-        # scan steps first (one pass for all of them): the plain ones left then all meet complete's fence
-        done = scan_steps.succeeded(conn, batch, [(e.lease, e.now, e.outcome)
-                                                  for (e, _), f in zip(flat, fast, strict=True) if f])
-        done |= complete(conn, [(e.lease, e.now, progress_text(e.outcome.progress))
-                                for (e, _), f in zip(flat, fast, strict=True) if f and e.lease.attempt_id not in done])
+        bare = [e for (e, _), f in zip(flat, fast, strict=True) if f]
+        # the plain ones first: complete's fence refuses scan steps, and only what it refused meets the step
+        # pass, so a round without steps runs no step statement
+        done = complete(conn, [(e.lease, e.now, progress_text(e.outcome.progress)) for e in bare])
+        done |= scan_steps.succeeded(conn, batch, [(e.lease, e.now, e.outcome)
+                                                   for e in bare if e.lease.attempt_id not in done])
         results: list[State | TidepoolError] = []
         for (e, policy), f in zip(flat, fast, strict=True):
             if f and e.lease.attempt_id in done:
