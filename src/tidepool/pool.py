@@ -214,6 +214,7 @@ class Pool:
         c.min_workers, c.max_workers, c.idle_timeout_s = new_min, new_max, new_idle
         self.waker.max_permits = new_max
         self._reconcile_baseline("resize")
+        self._give_back_unserved()
         self._events.publish("pool.resized", min_workers=new_min, max_workers=new_max,
                              idle_timeout_s=c.idle_timeout_s)
         self.waker.wake_all()  # so workers over the new sizes notice and retire
@@ -288,6 +289,7 @@ class Pool:
                 reason = "retired" if self._claiming else "shutdown"
         finally:
             del self._workers[worker.id]
+            self._give_back_unserved()
             if self._parked:  # a claim counted this worker in: another must start what it parked
                 self.waker.wake(len(self._parked))
             self._events.publish("worker.stopped", worker_id=worker.id, kind=worker.kind, reason=reason)
@@ -302,8 +304,21 @@ class Pool:
         idle workers no other claim or parked task is meant for), at most claim_batch; 0 when a claim in
         flight already counts this worker in (it waits for what that claim parks). A claim asking for free
         resource slots takes one: it cannot tell how many of its tasks one slot would serve."""
-        free = len(self._workers) - self._busy - self._claimed_for - len(self._parked)
+        free = self._staying_idle() - self._claimed_for - len(self._parked)
         return min(1 if where.tag_sets else self.config.claim_batch, free)
+
+    def _staying_idle(self) -> int:
+        """Idle workers that will start a task: not the ones marked to retire."""
+        return sum(1 for w in self._workers.values() if not (w.busy or w.retire))
+
+    def _give_back_unserved(self, *, starting: int = 0) -> None:
+        """Give back the parked tasks beyond the idle workers left to take them (the rest retired or left
+        since a claim counted them in): nobody would start them until a busy worker finished its task, and
+        their leases would be renewed all that while. `starting`: idle workers about to start a task of
+        their own claim, not a parked one."""
+        takers = max(0, self._staying_idle() - starting - self._claimed_for)
+        while len(self._parked) > takers:
+            self._engine.give_back_parked(self._parked.pop())
 
     async def _claim(self, worker: _WorkerState, identity: Worker) -> tuple[Claimed, Held | None] | None:
         """Claim for every free worker: the first task for this one, the rest parked for the others."""
@@ -311,7 +326,7 @@ class Pool:
             # The outcomes just posted (this worker's among them) go to the store first, and the claim joins
             # them in the same write transaction: in a busy pool one commit instead of two per round of tasks.
             await anyio.lowlevel.checkpoint()
-            if not self._claiming:
+            if not self._claiming or worker.retire:
                 return None
         where = self._claim_filter()
         limit = self._claim_limit(where)
@@ -323,6 +338,8 @@ class Pool:
                 await self._claim_answered()
             finally:
                 self._awaiting_answer -= 1
+            if worker.retire:  # resized down meanwhile: what that claim parked goes to the workers staying
+                return None
             return self._take_parked(worker)
         self._in_claim += 1
         self._claimed_for += limit
@@ -354,6 +371,7 @@ class Pool:
             self._engine.release_unstarted()
             self._parked.clear()
             return None
+        self._give_back_unserved(starting=1)  # the workers it counted in may have retired or left meanwhile
         if len(claimed) - 1 > self._awaiting_answer:  # those are woken by the answer; the rest are asleep
             self.waker.wake(len(claimed) - 1 - self._awaiting_answer)
         self._leased(claimed[0], identity.worker_id)

@@ -167,3 +167,48 @@ async def test_work_that_arrives_while_one_claim_serves_every_worker_is_started_
         with anyio.fail_after(5):
             await node.until(lambda: node.pool.statistics().busy == 1)
         gate.set()
+
+
+class HeldClaim(RecordingStore):
+    """The real store; its first claim waits, before it looks at the queue, until `go` is set."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.out, self.go = anyio.Event(), anyio.Event()
+
+    async def claim(self, worker: Worker, where: ClaimFilter, *, limit: int, now: float,
+                    lease_s: float) -> list[Claimed]:
+        if not self.out.is_set():
+            self.out.set()
+            await self.go.wait()
+            now = time.time()  # it looks now: at what was submitted meanwhile too
+        return await super().claim(worker, where, limit=limit, now=now, lease_s=lease_s)
+
+
+async def test_a_claim_for_workers_that_retire_meanwhile_gives_their_tasks_back_and_never_runs_more_than_max(
+        tmp_path: Path) -> None:
+    """The one claim out counts three idle workers; the pool shrinks to one before it answers. The two
+    tasks it leased for the retired workers go back to the queue at once (they would wait for the one
+    worker left, however long its task runs), and the retired workers start none of them."""
+    store = HeldClaim(tmp_path / "tidepool.db")
+    gate, plugins = gated()
+    config = PoolConfig(min_workers=3, max_workers=3, poll_interval_s=30.0)
+    async with running_node(store, plugins, pool=config, work_root=tmp_path) as node:
+        with anyio.fail_after(5):
+            await store.out.wait()
+        ids = await node.submit_many("blocked", 3)
+        node.pool.resize(min_workers=1, max_workers=1)
+        store.go.set()
+        await running(node, 1)
+        with anyio.fail_after(2):  # while the one running task still runs
+            while [(await node.store.get(i)).state for i in ids].count(State.PENDING) < 2:
+                await anyio.sleep(0.01)
+        assert store.claims == [(3, 3)]
+        given_back = [t for t in [await node.store.get(i) for i in ids] if t.state is State.PENDING]
+        assert [[a.status for a in t.attempts] for t in given_back] == [[AttemptStatus.INTERRUPTED]] * 2
+        assert all(t.attempt == 0 for t in given_back), "given back, no attempt charged"
+        assert sum(e.name == "plugin.started" for e in node.seen) == 1
+        assert node.pool.statistics().busy == 1
+        gate.set()
+        tasks = [await node.finished(task_id) for task_id in ids]
+    assert [t.state for t in tasks] == [State.COMPLETED] * 3
