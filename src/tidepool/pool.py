@@ -330,12 +330,22 @@ class Pool:
                 return None
         where = self._claim_filter()
         limit = self._claim_limit(where)
+        if limit <= 0 and not self._in_claim:
+            # No claim to wait for: the parked tasks that count this worker out are its to take (those that
+            # ended while they waited are dropped on the way, and no longer count).
+            if (taken := self._take_parked(worker)) is not None:
+                return taken
+            limit = self._claim_limit(where)
         if limit <= 0:
+            if not self._in_claim:
+                return None
             # Counted in by a claim in flight: wait for its answer, not in the waker, so that a wake coming
             # meanwhile (the claim may have looked before the work went in) finds no sleeper and is kept.
+            # A poll interval at most: a claim stuck in the store must not hold this worker.
             self._awaiting_answer += 1
             try:
-                await self._claim_answered()
+                with anyio.move_on_after(self.config.poll_interval_s):
+                    await self._claim_answered()
             finally:
                 self._awaiting_answer -= 1
             if worker.retire:  # resized down meanwhile: what that claim parked goes to the workers staying

@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 
 from tidepool.context import TaskContext
-from tidepool.model import AttemptStatus, Claimed, ClaimFilter, State, Worker
+from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, State, Worker
 from tidepool.pool import PoolConfig
 from tidepool.store.sqlite import SqliteStore
 
@@ -212,3 +212,26 @@ async def test_a_claim_for_workers_that_retire_meanwhile_gives_their_tasks_back_
         gate.set()
         tasks = [await node.finished(task_id) for task_id in ids]
     assert [t.state for t in tasks] == [State.COMPLETED] * 3
+
+
+async def test_a_worker_counted_out_only_by_a_stale_parked_id_claims_instead_of_waiting_for_no_claim(
+        tmp_path: Path) -> None:
+    """A parked id whose task ended while it waited (a cancel) still counts against the claim's limit; with
+    no claim in flight there is no answer to wait for: the worker drops it and claims."""
+    store = SqliteStore(tmp_path / "tidepool.db")
+    gate, plugins = gated()
+    config = PoolConfig(min_workers=2, max_workers=2, poll_interval_s=30.0)
+    async with running_node(store, plugins, pool=config, work_root=tmp_path) as node:
+        await node.submit_many("blocked", 1)
+        await running(node, 1)
+        await node.until(lambda: node.pool.statistics().claiming and not node.pool._in_claim)
+        idle = next(w for w in node.pool._workers.values() if not w.busy)
+        node.pool._parked.append("an-attempt-that-ended")
+        task, _ = await node.store.add(NewTask("blocked", {}), now=time.time())  # no wake: the sleeper sleeps on
+        task_id = task.id
+        with anyio.fail_after(2):
+            started = await node.pool._claim(idle, Worker("test-node", "i1", idle.id))
+        assert started is not None and started[0].task.id == task_id
+        node.engine.park(started[0], idle.id)
+        node.engine.give_back_parked(started[0].lease.attempt_id)
+        gate.set()
