@@ -91,6 +91,11 @@ class Waker:
         self.max_permits = max_permits
 
     def wake(self, n: int = 1) -> None:
+        self.wake_workers(n)
+
+    def wake_workers(self, n: int = 1) -> None:
+        """This pool's workers only, however the node's wake reaches others too: for a task already
+        leased here and parked for one of them, which is no new work for anyone else."""
         while n > 0 and self._waiters:
             self._waiters.popleft().set()
             n -= 1
@@ -291,7 +296,7 @@ class Pool:
             del self._workers[worker.id]
             self._give_back_unserved()
             if self._parked:  # a claim counted this worker in: another must start what it parked
-                self.waker.wake(len(self._parked))
+                self.waker.wake_workers(len(self._parked))
             self._events.publish("worker.stopped", worker_id=worker.id, kind=worker.kind, reason=reason)
 
     def _sleep_s(self, worker: _WorkerState, idle_s: float) -> float:
@@ -383,7 +388,7 @@ class Pool:
             return None
         self._give_back_unserved(starting=1)  # the workers it counted in may have retired or left meanwhile
         if len(claimed) - 1 > self._awaiting_answer:  # those are woken by the answer; the rest are asleep
-            self.waker.wake(len(claimed) - 1 - self._awaiting_answer)
+            self.waker.wake_workers(len(claimed) - 1 - self._awaiting_answer)
         self._leased(claimed[0], identity.worker_id)
         return claimed[0], None
 

@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 
 from tidepool.context import TaskContext
+from tidepool.gateway.parking import WakerWithGateway
 from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, State, Worker
 from tidepool.pool import PoolConfig
 from tidepool.store.sqlite import SqliteStore
@@ -234,4 +235,23 @@ async def test_a_worker_counted_out_only_by_a_stale_parked_id_claims_instead_of_
         assert started is not None and started[0].task.id == task_id
         node.engine.park(started[0], idle.id)
         node.engine.give_back_parked(started[0].lease.attempt_id)
+        gate.set()
+
+
+async def test_the_wake_for_tasks_a_claim_parked_reaches_only_this_pools_workers(tmp_path: Path) -> None:
+    """On a gateway the node's wake also wakes remote workers and their parked acquires, each then asking the
+    store for nothing: the tasks one claim parked for this pool's idle workers are no new work for them."""
+    reached: list[int] = []
+    store = RecordingStore(tmp_path / "tidepool.db")
+    gate, plugins = gated()
+    config = PoolConfig(min_workers=4, max_workers=4, poll_interval_s=30.0)
+    waker = WakerWithGateway(also=reached.append)
+    async with running_node(store, plugins, pool=config, work_root=tmp_path, waker=waker) as node:
+        await node.until(lambda: store.claims == [(4, 0)])
+        reached.clear()
+        await node.store.add_many([NewTask("blocked", {}) for _ in range(4)], now=time.time())
+        node.pool.wake(1)  # new work: for everyone; the worker it wakes claims for all four
+        await running(node, 4)
+        assert store.claims[1:] == [(4, 4)]
+        assert reached == [1], "the three parked tasks' hand-off went to the pool's workers only"
         gate.set()
