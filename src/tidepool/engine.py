@@ -114,6 +114,13 @@ class Engine:
             await anyio.to_thread.run_sync(_remove_all, leftover)
             log.info("cleared %d work directories left by an earlier process", len(leftover))
 
+    def give_back_parked(self, attempt_id: str) -> None:
+        """A parked task no idle worker is left to start (it retired or left): back to the queue at once,
+        its attempt not charged, rather than wait for a busy worker to finish."""
+        item = self._unstarted.pop(attempt_id, None)
+        if item is not None:
+            self._give_back(*item)
+
     def release_unstarted(self) -> None:
         """Shutdown: give back every parked task not started yet, at once (it must not wait for the
         drain: another node may run it meanwhile)."""

@@ -91,6 +91,11 @@ class Waker:
         self.max_permits = max_permits
 
     def wake(self, n: int = 1) -> None:
+        self.wake_workers(n)
+
+    def wake_workers(self, n: int = 1) -> None:
+        """This pool's workers only, however the node's wake reaches others too: for a task already
+        leased here and parked for one of them, which is no new work for anyone else."""
         while n > 0 and self._waiters:
             self._waiters.popleft().set()
             n -= 1
@@ -214,6 +219,7 @@ class Pool:
         c.min_workers, c.max_workers, c.idle_timeout_s = new_min, new_max, new_idle
         self.waker.max_permits = new_max
         self._reconcile_baseline("resize")
+        self._give_back_unserved()
         self._events.publish("pool.resized", min_workers=new_min, max_workers=new_max,
                              idle_timeout_s=c.idle_timeout_s)
         self.waker.wake_all()  # so workers over the new sizes notice and retire
@@ -288,8 +294,9 @@ class Pool:
                 reason = "retired" if self._claiming else "shutdown"
         finally:
             del self._workers[worker.id]
+            self._give_back_unserved()
             if self._parked:  # a claim counted this worker in: another must start what it parked
-                self.waker.wake(len(self._parked))
+                self.waker.wake_workers(len(self._parked))
             self._events.publish("worker.stopped", worker_id=worker.id, kind=worker.kind, reason=reason)
 
     def _sleep_s(self, worker: _WorkerState, idle_s: float) -> float:
@@ -302,8 +309,21 @@ class Pool:
         idle workers no other claim or parked task is meant for), at most claim_batch; 0 when a claim in
         flight already counts this worker in (it waits for what that claim parks). A claim asking for free
         resource slots takes one: it cannot tell how many of its tasks one slot would serve."""
-        free = len(self._workers) - self._busy - self._claimed_for - len(self._parked)
+        free = self._staying_idle() - self._claimed_for - len(self._parked)
         return min(1 if where.tag_sets else self.config.claim_batch, free)
+
+    def _staying_idle(self) -> int:
+        """Idle workers that will start a task: not the ones marked to retire."""
+        return sum(1 for w in self._workers.values() if not (w.busy or w.retire))
+
+    def _give_back_unserved(self, *, starting: int = 0) -> None:
+        """Give back the parked tasks beyond the idle workers left to take them (the rest retired or left
+        since a claim counted them in): nobody would start them until a busy worker finished its task, and
+        their leases would be renewed all that while. `starting`: idle workers about to start a task of
+        their own claim, not a parked one."""
+        takers = max(0, self._staying_idle() - starting - self._claimed_for)
+        while len(self._parked) > takers:
+            self._engine.give_back_parked(self._parked.pop())
 
     async def _claim(self, worker: _WorkerState, identity: Worker) -> tuple[Claimed, Held | None] | None:
         """Claim for every free worker: the first task for this one, the rest parked for the others."""
@@ -311,18 +331,30 @@ class Pool:
             # The outcomes just posted (this worker's among them) go to the store first, and the claim joins
             # them in the same write transaction: in a busy pool one commit instead of two per round of tasks.
             await anyio.lowlevel.checkpoint()
-            if not self._claiming:
+            if not self._claiming or worker.retire:
                 return None
         where = self._claim_filter()
         limit = self._claim_limit(where)
+        if limit <= 0 and not self._in_claim:
+            # No claim to wait for: the parked tasks that count this worker out are its to take (those that
+            # ended while they waited are dropped on the way, and no longer count).
+            if (taken := self._take_parked(worker)) is not None:
+                return taken
+            limit = self._claim_limit(where)
         if limit <= 0:
+            if not self._in_claim:
+                return None
             # Counted in by a claim in flight: wait for its answer, not in the waker, so that a wake coming
             # meanwhile (the claim may have looked before the work went in) finds no sleeper and is kept.
+            # A poll interval at most: a claim stuck in the store must not hold this worker.
             self._awaiting_answer += 1
             try:
-                await self._claim_answered()
+                with anyio.move_on_after(self.config.poll_interval_s):
+                    await self._claim_answered()
             finally:
                 self._awaiting_answer -= 1
+            if worker.retire:  # resized down meanwhile: what that claim parked goes to the workers staying
+                return None
             return self._take_parked(worker)
         self._in_claim += 1
         self._claimed_for += limit
@@ -354,8 +386,9 @@ class Pool:
             self._engine.release_unstarted()
             self._parked.clear()
             return None
+        self._give_back_unserved(starting=1)  # the workers it counted in may have retired or left meanwhile
         if len(claimed) - 1 > self._awaiting_answer:  # those are woken by the answer; the rest are asleep
-            self.waker.wake(len(claimed) - 1 - self._awaiting_answer)
+            self.waker.wake_workers(len(claimed) - 1 - self._awaiting_answer)
         self._leased(claimed[0], identity.worker_id)
         return claimed[0], None
 

@@ -25,7 +25,7 @@ from tidepool.leases import LeaseKeeper
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import ClaimFilter, NewTask, State, Task
 from tidepool.plugins import Plugin, PluginDef, Registry
-from tidepool.pool import Pool, PoolConfig
+from tidepool.pool import Pool, PoolConfig, Waker
 from tidepool.reconciler import Reconciler, ReconcilerConfig
 from tidepool.resources import ResourcePool
 from tidepool.settings import PluginSpec, PluginsSettings, TypeSettings
@@ -87,7 +87,7 @@ async def running_node(store: Store, plugins: dict[str, Plugin], *, types: dict[
                        policy: RetryPolicy | None = None, work_root: Path, registry: Registry | None = None,
                        resources: ResourcePool | None = None, guards: Guards | None = None,
                        engine_config: EngineConfig | None = None, events: EventBus | None = None,
-                       ) -> AsyncIterator[Node]:
+                       waker: Waker | None = None) -> AsyncIterator[Node]:
     if registry is None:
         types = types or {name: TypeSettings(plugins=(name,)) for name in plugins}
         registry = Registry({n: PluginDef(n, fn) for n, fn in plugins.items()}, types)
@@ -107,7 +107,7 @@ async def running_node(store: Store, plugins: dict[str, Plugin], *, types: dict[
         extra["promise_slots"] = slots.claiming  # as the daemon wires it
     the_pool = Pool(store, engine, leases, events, config=pool or PoolConfig(poll_interval_s=0.5),
                     node_id="test-node", instance_id="i1", claim_filter=claim_filter,
-                    may_claim=guards.ok if guards is not None else lambda: True, **extra)
+                    may_claim=guards.ok if guards is not None else lambda: True, waker=waker, **extra)
     if resources is not None:
         resources.on_free = lambda: the_pool.wake(1)
     if guards is not None:

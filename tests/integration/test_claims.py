@@ -10,7 +10,8 @@ from typing import Any
 import anyio
 
 from tidepool.context import TaskContext
-from tidepool.model import AttemptStatus, Claimed, ClaimFilter, State, Worker
+from tidepool.gateway.parking import WakerWithGateway
+from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, State, Worker
 from tidepool.pool import PoolConfig
 from tidepool.store.sqlite import SqliteStore
 
@@ -166,4 +167,91 @@ async def test_work_that_arrives_while_one_claim_serves_every_worker_is_started_
         answer.set()
         with anyio.fail_after(5):
             await node.until(lambda: node.pool.statistics().busy == 1)
+        gate.set()
+
+
+class HeldClaim(RecordingStore):
+    """The real store; its first claim waits, before it looks at the queue, until `go` is set."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.out, self.go = anyio.Event(), anyio.Event()
+
+    async def claim(self, worker: Worker, where: ClaimFilter, *, limit: int, now: float,
+                    lease_s: float) -> list[Claimed]:
+        if not self.out.is_set():
+            self.out.set()
+            await self.go.wait()
+            now = time.time()  # it looks now: at what was submitted meanwhile too
+        return await super().claim(worker, where, limit=limit, now=now, lease_s=lease_s)
+
+
+async def test_a_claim_for_workers_that_retire_meanwhile_gives_their_tasks_back_and_never_runs_more_than_max(
+        tmp_path: Path) -> None:
+    """The one claim out counts three idle workers; the pool shrinks to one before it answers. The two
+    tasks it leased for the retired workers go back to the queue at once (they would wait for the one
+    worker left, however long its task runs), and the retired workers start none of them."""
+    store = HeldClaim(tmp_path / "tidepool.db")
+    gate, plugins = gated()
+    config = PoolConfig(min_workers=3, max_workers=3, poll_interval_s=30.0)
+    async with running_node(store, plugins, pool=config, work_root=tmp_path) as node:
+        with anyio.fail_after(5):
+            await store.out.wait()
+        ids = await node.submit_many("blocked", 3)
+        node.pool.resize(min_workers=1, max_workers=1)
+        store.go.set()
+        await running(node, 1)
+        with anyio.fail_after(2):  # while the one running task still runs
+            while [(await node.store.get(i)).state for i in ids].count(State.PENDING) < 2:
+                await anyio.sleep(0.01)
+        assert store.claims == [(3, 3)]
+        given_back = [t for t in [await node.store.get(i) for i in ids] if t.state is State.PENDING]
+        assert [[a.status for a in t.attempts] for t in given_back] == [[AttemptStatus.INTERRUPTED]] * 2
+        assert all(t.attempt == 0 for t in given_back), "given back, no attempt charged"
+        assert sum(e.name == "plugin.started" for e in node.seen) == 1
+        assert node.pool.statistics().busy == 1
+        gate.set()
+        tasks = [await node.finished(task_id) for task_id in ids]
+    assert [t.state for t in tasks] == [State.COMPLETED] * 3
+
+
+async def test_a_worker_counted_out_only_by_a_stale_parked_id_claims_instead_of_waiting_for_no_claim(
+        tmp_path: Path) -> None:
+    """A parked id whose task ended while it waited (a cancel) still counts against the claim's limit; with
+    no claim in flight there is no answer to wait for: the worker drops it and claims."""
+    store = SqliteStore(tmp_path / "tidepool.db")
+    gate, plugins = gated()
+    config = PoolConfig(min_workers=2, max_workers=2, poll_interval_s=30.0)
+    async with running_node(store, plugins, pool=config, work_root=tmp_path) as node:
+        await node.submit_many("blocked", 1)
+        await running(node, 1)
+        await node.until(lambda: node.pool.statistics().claiming and not node.pool._in_claim)
+        idle = next(w for w in node.pool._workers.values() if not w.busy)
+        node.pool._parked.append("an-attempt-that-ended")
+        task, _ = await node.store.add(NewTask("blocked", {}), now=time.time())  # no wake: the sleeper sleeps on
+        task_id = task.id
+        with anyio.fail_after(2):
+            started = await node.pool._claim(idle, Worker("test-node", "i1", idle.id))
+        assert started is not None and started[0].task.id == task_id
+        node.engine.park(started[0], idle.id)
+        node.engine.give_back_parked(started[0].lease.attempt_id)
+        gate.set()
+
+
+async def test_the_wake_for_tasks_a_claim_parked_reaches_only_this_pools_workers(tmp_path: Path) -> None:
+    """On a gateway the node's wake also wakes remote workers and their parked acquires, each then asking the
+    store for nothing: the tasks one claim parked for this pool's idle workers are no new work for them."""
+    reached: list[int] = []
+    store = RecordingStore(tmp_path / "tidepool.db")
+    gate, plugins = gated()
+    config = PoolConfig(min_workers=4, max_workers=4, poll_interval_s=30.0)
+    waker = WakerWithGateway(also=reached.append)
+    async with running_node(store, plugins, pool=config, work_root=tmp_path, waker=waker) as node:
+        await node.until(lambda: store.claims == [(4, 0)])
+        reached.clear()
+        await node.store.add_many([NewTask("blocked", {}) for _ in range(4)], now=time.time())
+        node.pool.wake(1)  # new work: for everyone; the worker it wakes claims for all four
+        await running(node, 4)
+        assert store.claims[1:] == [(4, 4)]
+        assert reached == [1], "the three parked tasks' hand-off went to the pool's workers only"
         gate.set()
