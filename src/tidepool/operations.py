@@ -26,7 +26,7 @@ from .leases import LeaseKeeper
 from .metrics import Metrics
 from .model import CANCELLED_ON_REQUEST, NewTask, RemoteWorker, State, Task, WorkerChange, WorkerState, rfc3339
 from .plugins import Registry
-from .pool import Pool, Waker
+from .pool import Pool
 from .resources import ResourcePool
 from .scan_operations import ScanOperations, ScanParts
 from .scans import NewScan
@@ -34,6 +34,7 @@ from .schedules import Schedule, task_for, validate
 from .settings import Settings
 from .store import Page, Store, retry_step
 from .templates import PayloadCheck
+from .waker import Waker
 
 log = logging.getLogger("tidepool.service")  # the node's own lines, under the name they always had
 READY_PROBE_S = 2.0  # /readyz: a store slower than this to count the queue is as good as away

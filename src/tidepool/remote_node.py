@@ -12,10 +12,10 @@ from .leases import LeaseKeeper
 from .model import NewTask, State, Task
 from .operations import NodeOperations
 from .plugins import command
-from .pool import Waker
 from .schedules import Schedule
 from .store import Page
 from .store.remote import LeaseTerms, RemoteStore
+from .waker import Waker
 
 REVOKED_KILL_S = 0.2  # a revoked worker's commands get SIGKILL this soon, whatever their kill_grace_s
 

@@ -19,7 +19,6 @@ from .events import EventBus
 from .leases import LeaseKeeper
 from .model import CANCELLED_ON_REQUEST, State, canonical_json, rfc3339
 from .plugins import Registry
-from .pool import Waker
 from .resources import ResourcePool
 from .scans import SCOPE_MAX_BYTES, JobState, NewScan, Scan, ScanState, StepSpec
 from .schedules import Schedule, tick_key
@@ -28,6 +27,7 @@ from .settings.profiles import ProfileSettings
 from .store import Store
 from .store.port import ScanMove, ScanPage
 from .templates import PayloadCheck
+from .waker import Waker
 
 log = logging.getLogger("tidepool.scans")
 # A scan's payload travels in every step's task beside the scope: bounded as the scope is.

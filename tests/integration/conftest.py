@@ -25,12 +25,13 @@ from tidepool.leases import LeaseKeeper
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import ClaimFilter, NewTask, State, Task
 from tidepool.plugins import Plugin, PluginDef, Registry
-from tidepool.pool import Pool, PoolConfig, Waker
+from tidepool.pool import Pool, PoolConfig
 from tidepool.reconciler import Reconciler, ReconcilerConfig
 from tidepool.resources import ResourcePool
 from tidepool.settings import PluginSpec, PluginsSettings, TypeSettings
 from tidepool.store import Store
 from tidepool.store.sqlite import SqliteStore
+from tidepool.waker import Waker
 
 GRACE_S = 0.5  # a command's kill grace (SIGTERM to SIGKILL) in the registries registry_of builds
 

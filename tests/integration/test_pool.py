@@ -8,8 +8,9 @@ import pytest
 
 from tidepool.context import TaskContext
 from tidepool.model import State
-from tidepool.pool import PoolConfig, Waker
+from tidepool.pool import PoolConfig
 from tidepool.store.sqlite import SqliteStore
+from tidepool.waker import Waker
 
 from .conftest import running_node
 

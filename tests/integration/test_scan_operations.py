@@ -16,11 +16,11 @@ from tidepool.events import Event, EventBus
 from tidepool.leases import LeaseKeeper
 from tidepool.metrics import Metrics
 from tidepool.plugins import Registry
-from tidepool.pool import Waker
 from tidepool.resources import ResourcePool
 from tidepool.scan_operations import ScanOperations, ScanParts
 from tidepool.scans import ScanState
 from tidepool.store.sqlite import SqliteStore
+from tidepool.waker import Waker
 
 CONFIG = {"profiles": {"pair": {"steps": ["sleep", "noop"]}}, "types": {"sleep": {"plugins": ["sleep"],
                                                                                   "max_attempts": 5}}}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from ..pool import Waker
+from ..waker import Waker
 
 # Acquires one worker may have held at once; past it, an acquire claims once and is answered at once. A
 # remote worker holds one at a time: the cap only keeps one identity from parking any number of them.
