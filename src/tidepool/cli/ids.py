@@ -30,8 +30,7 @@ async def resolve(client: Client, given: str) -> str:
     allows, so the first two listed tell whether it names one task."""
     if not _PREFIX.fullmatch(given):
         return given
-    page = await client.list(limit=2, cursor=given.ljust(ID_DIGITS, "f"))
-    matches = [t["id"] for t in page["tasks"] if t["id"].startswith(given)]
+    matches = await _highest_two(client, given)
     if not matches:
         raise ApiError(404, "not_found", f"task {given} not found: no task id starts with it")
     if len(matches) > 1:
@@ -55,12 +54,26 @@ async def short_forms(client: Client, ids: list[str]) -> dict[str, str]:
 
 async def _unique(client: Client, task_id: str, prefix: str) -> str:
     while len(prefix) < ID_DIGITS:
-        page = await client.list(limit=2, cursor=prefix.ljust(ID_DIGITS, "f"))
-        others = [t["id"] for t in page["tasks"] if t["id"] != task_id and t["id"].startswith(prefix)]
+        others = [other for other in await _highest_two(client, prefix) if other != task_id]
         if not others:
             return prefix
         prefix = task_id[:max(_common(task_id, other) for other in others) + 1]
     return task_id
+
+
+async def _highest_two(client: Client, prefix: str) -> list[str]:
+    """The two highest ids that start with `prefix`. A list's cursor is exclusive, so the highest id the prefix
+    allows (its other digits all f) is not listed from itself: it is asked for on its own."""
+    top = prefix.ljust(ID_DIGITS, "f")
+    page = await client.list(limit=2, cursor=top)
+    found = [t["id"] for t in page["tasks"] if t["id"].startswith(prefix)]
+    try:
+        await client.get(top)
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+        return found
+    return [top, *found][:2]
 
 
 def _common(a: str, b: str) -> int:
