@@ -90,7 +90,9 @@ async def test_a_store_briefly_away_is_tried_again_and_flushed_means_written(sto
         await writer.flushed()
         assert writer.pending == 0
         assert [answers[c.task.id] for c in tasks] == [State.COMPLETED] * 3
-        assert len(flaky.calls) == 3, flaky.calls
+        # the first try carried all three; after the two refused tries the rest was written, in one call or,
+        # when the retries' times fell apart under load, in several
+        assert flaky.calls[0] == 3 and len(flaky.calls) >= 3 and flaky.away == 0, flaky.calls
         tg.cancel_scope.cancel()
     for c in tasks:
         assert (await store.get(c.task.id)).state is State.COMPLETED
