@@ -18,13 +18,14 @@ import anyio
 
 from .api.ops import ScanRequest
 from .api.schemas import NodeOut, PoolOut, ScheduleOut
+from .cancels import announce_cancel
 from .errors import Conflict, InvalidRequest, ScanNotFound, StoreUnavailable, TaskNotFound
 from .events import EventBus
 from .gateway.registry import WorkerRegistry
 from .guards import Guards
 from .leases import LeaseKeeper
 from .metrics import Metrics
-from .model import CANCELLED_ON_REQUEST, NewTask, RemoteWorker, State, Task, WorkerChange, WorkerState, rfc3339
+from .model import NewTask, RemoteWorker, State, Task, WorkerChange, WorkerState, rfc3339
 from .plugins import Registry
 from .pool import Pool
 from .resources import ResourcePool
@@ -197,14 +198,7 @@ class NodeOperations:
         answer = await self._store.request_cancel(task_id, now=time.time())
         if not answer.moved:  # a repeated cancel changes nothing, so there is nothing to say
             return answer.state
-        if answer.state is State.CANCELLING:
-            self.events.publish("task.cancel_requested", task_id=task_id, worker_id=None, type=answer.type)
-            held = self._parts.leases.find(task_id)
-            if held is not None:
-                held.stop("cancel")
-        elif answer.state is State.CANCELLED:
-            self.events.publish("task.finished", task_id=task_id, worker_id=None, state=answer.state.value,
-                                error=CANCELLED_ON_REQUEST.to_json(), type=answer.type)
+        announce_cancel(self.events, self._parts.leases, task_id, answer)
         log.info("task %s cancel requested -> %s", task_id, answer.state.value)
         return answer.state
 

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .api.ops import ScanRequest
+from .cancels import announce_cancel
 from .errors import InvalidRequest, ScanNotFound, StoreUnavailable
 from .events import EventBus
 from .leases import LeaseKeeper
-from .model import CANCELLED_ON_REQUEST, State, canonical_json, rfc3339
+from .model import canonical_json, rfc3339
 from .plugins import Registry
 from .resources import ResourcePool
 from .scans import SCOPE_MAX_BYTES, JobState, NewScan, Scan, ScanState, StepSpec
@@ -151,15 +152,7 @@ class ScanOperations:
         if not answer.moved:
             return answer.state
         if answer.task is not None and answer.task.moved and answer.task_id is not None:
-            task_id, task = answer.task_id, answer.task
-            if task.state is State.CANCELLING:
-                self.events.publish("task.cancel_requested", task_id=task_id, worker_id=None, type=task.type)
-                held = self._parts.leases.find(task_id)
-                if held is not None:
-                    held.stop("cancel")
-            elif task.state is State.CANCELLED:
-                self.events.publish("task.finished", task_id=task_id, worker_id=None, state=task.state.value,
-                                    error=CANCELLED_ON_REQUEST.to_json(), type=task.type)
+            announce_cancel(self.events, self._parts.leases, answer.task_id, answer.task)
         log.info("scan %s cancel requested -> %s", scan_id, answer.state.value)
         return answer.state
 
