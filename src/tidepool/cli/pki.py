@@ -5,19 +5,25 @@ from __future__ import annotations
 import argparse
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cryptography import x509
-
-from .. import pki
 from ..settings import Settings
 from .output import OK, TASK_FAILED, USAGE, complain
 
+if TYPE_CHECKING:
+    from ..pki import PkiError
+
+# The crypto (and the cryptography package, ~50 ms to import) is loaded by these commands only: the
+# parser of every command registers them.
+
 
 def cmd_init(args: argparse.Namespace, settings: Settings) -> int:
+    from .. import pki
+
     directory: Path = args.dir
     try:
-        lab = pki.init(directory, hosts=args.host, ca_days=args.ca_days, days=args.days, force=args.force)
+        lab = pki.init(directory, hosts=args.host, ca_days=args.ca_days or pki.CA_DAYS,
+                       days=args.days or pki.LEAF_DAYS, force=args.force)
     except pki.PkiError as exc:
         return _refused(exc)
     sans = ", ".join(_sans(lab.gateway.cert))
@@ -34,9 +40,11 @@ def cmd_init(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_issue(args: argparse.Namespace, settings: Settings) -> int:
+    from .. import pki
+
     directory: Path = args.dir
     try:
-        issued = pki.issue(directory, args.name, days=args.days, force=args.force)
+        issued = pki.issue(directory, args.name, days=args.days or pki.LEAF_DAYS, force=args.force)
     except pki.PkiError as exc:
         return _refused(exc)
     _wrote(issued.cert, f"worker {args.name}'s client certificate (clientAuth; CN {args.name})")
@@ -48,9 +56,11 @@ def cmd_issue(args: argparse.Namespace, settings: Settings) -> int:
     return OK
 
 
-def _refused(exc: pki.PkiError) -> int:
+def _refused(exc: PkiError) -> int:
+    from ..pki import BadName
+
     complain(f"tidepool pki: {exc}")
-    return USAGE if isinstance(exc, pki.BadName) else TASK_FAILED
+    return USAGE if isinstance(exc, BadName) else TASK_FAILED
 
 
 def _wrote(path: Path, what: str) -> None:
@@ -62,6 +72,8 @@ def _toml(path: Path) -> str:
 
 
 def _sans(cert_file: Path) -> list[str]:
+    from cryptography import x509
+
     cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     return [f"DNS {n}" for n in sans.get_values_for_type(x509.DNSName)] + [
@@ -89,15 +101,12 @@ def add_commands(add: Any) -> None:
     init.add_argument("--host", action="append", default=[], metavar="NAME",
                       help="a DNS name or IP address the gateway is reached by (repeatable); localhost, "
                            "127.0.0.1, ::1 and this machine's host name are always included")
-    init.add_argument("--days", type=_days, default=pki.LEAF_DAYS,
-                      help=f"the gateway certificate's validity (default {pki.LEAF_DAYS})")
-    init.add_argument("--ca-days", type=_days, default=pki.CA_DAYS,
-                      help=f"the CA's validity (default {pki.CA_DAYS})")
+    init.add_argument("--days", type=_days, help="the gateway certificate's validity (default a year)")
+    init.add_argument("--ca-days", type=_days, help="the CA's validity (default ten years)")
     init.add_argument("--force", action="store_true", help="replace an existing CA and gateway certificate")
     issue = sub.add_parser("issue", help="a worker's client certificate (CN = NAME) signed by DIR's CA")
     issue.set_defaults(func=cmd_issue)
     issue.add_argument("dir", type=Path, metavar="DIR")
     issue.add_argument("name", metavar="NAME", help="the worker's identity: a DNS name, also the files' name")
-    issue.add_argument("--days", type=_days, default=pki.LEAF_DAYS,
-                       help=f"validity (default {pki.LEAF_DAYS})")
+    issue.add_argument("--days", type=_days, help="validity (default a year)")
     issue.add_argument("--force", action="store_true", help="replace NAME's existing certificate and key")
