@@ -88,7 +88,7 @@ class Parking:
         parked.woken_by = parked.claiming_for = 0
         if unused:
             self._hand_on(parked.identity, unused)
-        if not any(p.identity == parked.identity for p in self._parked):
+        if parked.identity not in self._held:  # its last held acquire left
             self._tried.pop(parked.identity, None)
 
     def wake(self, n: int = 1) -> int:
@@ -131,7 +131,7 @@ class Parking:
                 return
 
     def identities(self) -> set[str]:
-        return {p.identity for p in self._parked}
+        return set(self._held)
 
 
 class WakerWithGateway(Waker):
