@@ -26,6 +26,23 @@ def sleep_forever(role):
         time.sleep(3600)
 """
 
+# leader -> middle -> {escaper (leaves the group with setsid), stubborn (ignores SIGTERM)}
+TREE = RECORD + """
+import signal
+def escaper():
+    os.setsid()
+    sleep_forever("escaper")
+def stubborn():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sleep_forever("stubborn")
+def middle():
+    fork(escaper)
+    fork(stubborn)
+    sleep_forever("middle")
+fork(middle)
+sleep_forever("leader")
+"""
+
 
 def pids(path: Path) -> dict[str, int]:
     try:

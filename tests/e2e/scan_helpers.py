@@ -9,27 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..process_trees import RECORD
+from ..process_trees import TREE
 from .conftest import Daemon
 
 SCAN_ENDED = ("succeeded", "failed", "cancelled")
 
-# leader -> middle -> {escaper (leaves the group with setsid), stubborn (ignores SIGTERM)}
-TREE = RECORD + """
-import signal
-def escaper():
-    os.setsid()
-    sleep_forever("escaper")
-def stubborn():
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sleep_forever("stubborn")
-def middle():
-    fork(escaper)
-    fork(stubborn)
-    sleep_forever("middle")
-fork(middle)
-sleep_forever("leader")
-"""
 # Succeeds once its flag file exists: a step that fails until the operator fixes what it needs.
 GATE = "import os, sys; sys.exit(0 if os.path.exists(sys.argv[1]) else 3)"
 

@@ -29,29 +29,13 @@ from tidepool.resources import ResourcePool
 from tidepool.settings import PluginSpec, ResourceSettings, TypeSettings
 from tidepool.store.sqlite import SqliteStore
 
-from ..process_trees import RECORD, gone, pids
+from ..process_trees import RECORD, TREE, gone, pids
 from .conftest import GRACE_S, Node, registry_of, running_node
 
 pytestmark = pytest.mark.timeout(60)
 
 PY = sys.executable
 
-# leader -> middle -> {escaper (leaves the group with setsid), stubborn (ignores SIGTERM)}
-TREE = RECORD + """
-import signal
-def escaper():
-    os.setsid()
-    sleep_forever("escaper")
-def stubborn():
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sleep_forever("stubborn")
-def middle():
-    fork(escaper)
-    fork(stubborn)
-    sleep_forever("middle")
-fork(middle)
-sleep_forever("leader")
-"""
 
 ALLOCATE = RECORD + """
 record("leader")
