@@ -42,7 +42,7 @@ from _harness import Daemon, Figure, arguments, free_port, fsync_note, median, r
 from gateway_load import LoadClient, cpu_percent
 from latency import percentile, ts
 from throughput import copy_store, drain, enqueue
-from tidepool import pki
+from tidepool.gateway import pki
 
 DEFAULTS: dict[str, Any] = {"rows": "drain,pickup,scale,revoke", "n": 20_000, "batch": 1000, "workers": 16,
                             "runs": 3, "pickups": 200, "identities": 100, "parked": 1000, "ramp_s": 25.0,

@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from tidepool import pki
+from tidepool.gateway import pki
 
 PARK_S = 25.0  # what a remote worker asks of the gateway
 

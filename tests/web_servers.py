@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from tidepool import pki
+from tidepool.gateway import pki
 
 LOOPBACK = "127.0.0.1"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -6,6 +6,6 @@ For plugin authors, `TaskContext` is what a plugin receives; for producers, `Cli
 __version__ = "0.1.0"  # before the imports below: modules they load read it
 
 from .client import ApiError, Client, Unreachable
-from .context import TaskContext
+from .execution.context import TaskContext
 
 __all__ = ["ApiError", "Client", "TaskContext", "Unreachable", "__version__"]

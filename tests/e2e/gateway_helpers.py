@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tidepool import pki
+from tidepool.gateway import pki
 
 from .conftest import TERMINAL, Daemon, Response, free_port, merge
 

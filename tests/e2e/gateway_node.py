@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tidepool import pki
+from tidepool.gateway import pki
 
 from .conftest import TOKEN, Daemon, free_port
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tidepool import pki
+from tidepool.gateway import pki
 
 from .conftest import Daemon, Response, free_port
 

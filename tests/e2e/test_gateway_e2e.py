@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tidepool import pki
+from tidepool.gateway import pki
 
 from ..conftest import POSTGRES_URL, postgres_admin
 from ..process_trees import RECORD, gone, pids

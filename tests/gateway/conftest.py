@@ -15,8 +15,8 @@ import aiohttp
 import anyio
 import pytest
 
-from tidepool import pki
-from tidepool.service import Daemon
+from tidepool.gateway import pki
+from tidepool.node.daemon import Daemon
 from tidepool.settings import Settings, parse
 
 from ..conftest import free_port

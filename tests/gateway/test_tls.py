@@ -13,7 +13,7 @@ import aiohttp
 import anyio
 import pytest
 
-from tidepool import pki
+from tidepool.gateway import pki
 from tidepool.settings import load
 
 from .conftest import AUTO, MakeNode, Remote, client_context, gateway_settings

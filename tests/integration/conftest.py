@@ -18,20 +18,20 @@ from typing import Any
 import anyio
 import pytest
 
-from tidepool.engine import Engine, EngineConfig
 from tidepool.events import Event, EventBus
-from tidepool.guards import Guards
-from tidepool.leases import LeaseKeeper
+from tidepool.execution.engine import Engine, EngineConfig
+from tidepool.execution.guards import Guards
+from tidepool.execution.leases import LeaseKeeper
+from tidepool.execution.pool import Pool, PoolConfig
+from tidepool.execution.resources import ResourcePool
+from tidepool.execution.waker import Waker
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import ClaimFilter, NewTask, State, Task
 from tidepool.plugins import Plugin, PluginDef, Registry
-from tidepool.pool import Pool, PoolConfig
-from tidepool.reconciler import Reconciler, ReconcilerConfig
-from tidepool.resources import ResourcePool
 from tidepool.settings import PluginSpec, PluginsSettings, TypeSettings
 from tidepool.store import Store
 from tidepool.store.sqlite import SqliteStore
-from tidepool.waker import Waker
+from tidepool.upkeep.reconciler import Reconciler, ReconcilerConfig
 
 GRACE_S = 0.5  # a command's kill grace (SIGTERM to SIGKILL) in the registries registry_of builds
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import anyio
 
-from tidepool.context import TaskContext
+from tidepool.execution.context import TaskContext
+from tidepool.execution.pool import PoolConfig
 from tidepool.gateway.parking import WakerWithGateway
 from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, State, Worker
-from tidepool.pool import PoolConfig
 from tidepool.store.sqlite import SqliteStore
 
 from .conftest import Node, running_node

@@ -25,10 +25,10 @@ import anyio.abc
 import psutil  # type: ignore[import-untyped]
 import pytest
 
-from tidepool.engine import Engine, EngineConfig
 from tidepool.errors import ConfigError
 from tidepool.events import EventBus
-from tidepool.leases import LeaseKeeper
+from tidepool.execution.engine import Engine, EngineConfig
+from tidepool.execution.leases import LeaseKeeper
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import State
 from tidepool.plugins import Registry, command

@@ -10,13 +10,13 @@ import anyio
 import pytest
 
 from tidepool.api.schemas import TaskDetailOut
-from tidepool.context import TaskContext
 from tidepool.errors import PluginError, StoreUnavailable
-from tidepool.leases import Held
+from tidepool.execution.context import TaskContext
+from tidepool.execution.leases import Held
+from tidepool.execution.pool import PoolConfig
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, Claimed, Lease, ResultBatch, State
 from tidepool.plugins import Plugin, PluginDef, Registry
-from tidepool.pool import PoolConfig
 from tidepool.settings import TypeSettings
 from tidepool.store.sqlite import SqliteStore
 

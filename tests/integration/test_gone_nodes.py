@@ -10,18 +10,17 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tidepool.context import TaskContext
-from tidepool.engine import Engine, EngineConfig
 from tidepool.events import EventBus
-from tidepool.fleet import GoneNodes, fence_after_s, gone_after_s
-from tidepool.leases import LeaseKeeper
+from tidepool.execution.context import TaskContext
+from tidepool.execution.engine import Engine, EngineConfig
+from tidepool.execution.leases import LeaseKeeper
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, ClaimFilter, NewTask, State, Worker
-from tidepool.nodes import HEARTBEAT_S
 from tidepool.plugins import PluginDef, Registry
 from tidepool.settings import TypeSettings
 from tidepool.store import Expired, Node
 from tidepool.store.sqlite import SqliteStore
+from tidepool.upkeep.fleet import HEARTBEAT_S, GoneNodes, fence_after_s, gone_after_s
 
 T0 = 1_700_000_000.0
 

@@ -10,12 +10,12 @@ import psutil  # type: ignore[import-untyped]
 import pytest
 
 from tidepool import cli
-from tidepool.context import TaskContext
 from tidepool.events import EventBus
-from tidepool.guards import MB, Guards
+from tidepool.execution.context import TaskContext
+from tidepool.execution.guards import MB, Guards
+from tidepool.execution.pool import PoolConfig
 from tidepool.model import State
-from tidepool.pool import PoolConfig
-from tidepool.service import Daemon
+from tidepool.node.daemon import Daemon
 from tidepool.settings import GuardSettings, parse
 from tidepool.store.sqlite import SqliteStore
 

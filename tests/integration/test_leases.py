@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from tidepool.errors import LeaseLost, StoreUnavailable
-from tidepool.leases import LeaseKeeper
+from tidepool.execution.leases import LeaseKeeper
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import ClaimFilter, NewTask, Phase, Worker
 from tidepool.store import PhaseNote

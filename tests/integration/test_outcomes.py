@@ -9,12 +9,12 @@ from pathlib import Path
 
 import anyio
 
+from tidepool.backoff import Backoff
 from tidepool.errors import LeaseLost, StoreUnavailable, TidepoolError
-from tidepool.leases import Held
+from tidepool.execution.leases import Held
+from tidepool.execution.outcomes import OutcomeWriter, Posted, UnwrittenInterruptions
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, Outcome, State, TaskError, Worker
-from tidepool.outcomes import OutcomeWriter, Posted, UnwrittenInterruptions
-from tidepool.retry import Backoff
 from tidepool.store import Ending
 from tidepool.store.sqlite import SqliteStore
 

@@ -21,11 +21,11 @@ import pytest
 from aiohttp import web
 from anyio.abc import SocketAttribute
 
-from tidepool.context import TaskContext
 from tidepool.errors import ConfigError
+from tidepool.execution.context import TaskContext
+from tidepool.execution.resources import ResourcePool
 from tidepool.model import AttemptStatus, State, Task
 from tidepool.plugins import Plugin
-from tidepool.resources import ResourcePool
 from tidepool.settings import PluginSpec, ResourceSettings, TypeSettings
 from tidepool.store.sqlite import SqliteStore
 

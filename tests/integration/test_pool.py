@@ -6,11 +6,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tidepool.context import TaskContext
+from tidepool.execution.context import TaskContext
+from tidepool.execution.pool import PoolConfig
+from tidepool.execution.waker import Waker
 from tidepool.model import State
-from tidepool.pool import PoolConfig
 from tidepool.store.sqlite import SqliteStore
-from tidepool.waker import Waker
 
 from .conftest import running_node
 

@@ -12,15 +12,15 @@ import pytest
 
 from tidepool.errors import StoreUnavailable
 from tidepool.events import Event, EventBus
+from tidepool.execution.pool import PoolStats
 from tidepool.lifecycle import RetryPolicy
-from tidepool.metrics import Metrics
+from tidepool.metrics.exporter import Metrics
 from tidepool.model import ClaimFilter, NewTask, State, Worker
-from tidepool.pool import PoolStats
-from tidepool.reconciler import Reconciler, ReconcilerConfig
-from tidepool.service import Daemon
+from tidepool.node.daemon import Daemon
 from tidepool.settings import parse
 from tidepool.store import Node
 from tidepool.store.sqlite import SqliteStore
+from tidepool.upkeep.reconciler import Reconciler, ReconcilerConfig
 
 T0 = 1_700_000_000.0
 WIN = frozenset({"win10", "x64"})

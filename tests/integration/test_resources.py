@@ -11,13 +11,13 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from tidepool.context import TaskContext
-from tidepool.engine import EngineConfig
 from tidepool.errors import ConfigError, InvalidRequest, PluginError
+from tidepool.execution.context import TaskContext
+from tidepool.execution.engine import EngineConfig
+from tidepool.execution.pool import PoolConfig
+from tidepool.execution.resources import ResourcePool, Slot
 from tidepool.model import AttemptStatus, NewTask, State
-from tidepool.pool import PoolConfig
-from tidepool.resources import ResourcePool, Slot
-from tidepool.service import Daemon
+from tidepool.node.daemon import Daemon
 from tidepool.settings import ResourceSettings, TypeSettings, parse
 from tidepool.store.sqlite import SqliteStore
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import anyio
 
-from tidepool.context import TaskContext
+from tidepool.execution.context import TaskContext
 from tidepool.scans import JobState, ScanState
 from tidepool.store.sqlite import SqliteStore
 

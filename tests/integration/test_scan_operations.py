@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 
 from tidepool import settings
-from tidepool.api.ops import ScanRequest
+from tidepool.api.operations import ScanRequest
 from tidepool.errors import InvalidRequest
 from tidepool.events import Event, EventBus
-from tidepool.leases import LeaseKeeper
-from tidepool.metrics import Metrics
+from tidepool.execution.leases import LeaseKeeper
+from tidepool.execution.resources import ResourcePool
+from tidepool.execution.waker import Waker
+from tidepool.metrics.exporter import Metrics
+from tidepool.node.operations import ScanOperations, ScanParts
 from tidepool.plugins import Registry
-from tidepool.resources import ResourcePool
-from tidepool.scan_operations import ScanOperations, ScanParts
 from tidepool.scans import ScanState
 from tidepool.store.sqlite import SqliteStore
-from tidepool.waker import Waker
 
 CONFIG = {"profiles": {"pair": {"steps": ["sleep", "noop"]}}, "types": {"sleep": {"plugins": ["sleep"],
                                                                                   "max_attempts": 5}}}

@@ -9,8 +9,8 @@ from typing import Any
 
 import anyio
 
-from tidepool.context import TaskContext
 from tidepool.errors import PluginError
+from tidepool.execution.context import TaskContext
 from tidepool.scans import NewScan, Scan, ScanState, StepSpec
 from tidepool.store.sqlite import SqliteStore
 

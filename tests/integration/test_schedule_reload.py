@@ -10,8 +10,8 @@ import pytest
 from tidepool import settings
 from tidepool.errors import InvalidRequest
 from tidepool.model import NewTask
+from tidepool.node.daemon import Daemon
 from tidepool.schedules import Schedule
-from tidepool.service import Daemon
 
 T0 = 1_700_000_000.0
 

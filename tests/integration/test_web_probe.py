@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.web_servers import LOOPBACK, serving, tls_context
-from tidepool import pki
+from tidepool.gateway import pki
 from tidepool.model import State
 from tidepool.settings import TypeSettings
 from tidepool.store.sqlite import SqliteStore

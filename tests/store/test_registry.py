@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from tidepool.errors import Conflict, InvalidRequest, TaskCancelling, WorkerNotFound
-from tidepool.fleet import GoneNodes
 from tidepool.model import (
     CertSeen,
     Claimed,
@@ -29,6 +28,7 @@ from tidepool.model import (
 )
 from tidepool.store import Acquired, Enroll, Node, PhaseNote, Revoked, Store
 from tidepool.store.sqlite.database import MIGRATIONS
+from tidepool.upkeep.fleet import GoneNodes
 
 from .conftest import ANY, LEASE_S, POLICY, SUCCEEDED, T0
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from tidepool.completions import Completions
+from tidepool.logs import Completions
 
 
 class Clock:

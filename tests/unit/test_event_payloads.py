@@ -8,9 +8,9 @@ import pytest
 
 from tidepool import logs
 from tidepool.events import SHAPES, TASK_FINISHED, TASK_PHASE, EventBus, Filter
-from tidepool.metrics import Metrics
+from tidepool.execution.pool import PoolStats
+from tidepool.metrics.exporter import Metrics
 from tidepool.model import State
-from tidepool.pool import PoolStats
 
 
 def builds() -> int:

@@ -15,9 +15,9 @@ from pathlib import Path
 import anyio
 
 import tidepool
-from tidepool.api.fanout import Fanout
-from tidepool.api.sse import frame, frames
-from tidepool.api.stream_writer import Stream
+from tidepool.api.stream.fanout import Fanout
+from tidepool.api.stream.frames import frame, frames
+from tidepool.api.stream.writer import Stream
 from tidepool.events import EVENT_NAMES, Event, EventBus, Filter, first_id_of_this_run
 from tidepool.model import State
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from tidepool.events import EventBus
 from tidepool.gateway.control import Controls
-from tidepool.gateway.metrics import GatewayMetrics
 from tidepool.gateway.parking import Parking
 from tidepool.gateway.registry import WorkerRegistry
 from tidepool.gateway.tls import Peer
+from tidepool.metrics.gateway import GatewayMetrics
 from tidepool.model import CertSeen, WorkerState
 from tidepool.store.memory import MemoryStore
 

@@ -12,10 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tidepool.errors import StoreUnavailable
 from tidepool.events import EventBus
-from tidepool.guards import GuardStats
-from tidepool.metrics import Metrics
+from tidepool.execution.guards import GuardStats
+from tidepool.execution.pool import PoolStats
+from tidepool.metrics.exporter import Metrics
 from tidepool.model import Lease, State, new_id
-from tidepool.pool import PoolStats
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

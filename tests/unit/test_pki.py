@@ -9,7 +9,7 @@ import pytest
 from cryptography import x509
 from tests.handshake import client_context, handshake, server_context
 
-from tidepool import pki
+from tidepool.gateway import pki
 
 
 def test_make_lab_gives_a_gateway_and_workers_that_trust_each_other(tmp_path: Path) -> None:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tidepool import pki, settings
+from tidepool import settings
 from tidepool.api.schemas import TaskDetailOut
 from tidepool.errors import ConfigError
+from tidepool.gateway import pki
 from tidepool.model import Phase, State, Task, TaskError
 from tidepool.store import open_store
 from tidepool.store.remote import LeaseTerms, RemoteStore

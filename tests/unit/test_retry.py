@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from tidepool.retry import Backoff
+from tidepool.backoff import Backoff
 
 
 def test_waits_double_up_to_the_cap_and_end_after_the_tries() -> None:

@@ -9,15 +9,8 @@ import jsonschema_rs
 import pytest
 
 from tidepool.api import openapi
-from tidepool.api.scan_schemas import ScanOut
-from tidepool.api.schemas import (
-    NodeOut,
-    PoolOut,
-    ScheduleOut,
-    Shape,
-    TaskDetailOut,
-    TaskOut,
-)
+from tidepool.api.scans import ScanOut
+from tidepool.api.schemas import NodeOut, PoolOut, ScheduleOut, Shape, TaskDetailOut, TaskOut
 from tidepool.errors import (
     Conflict,
     InvalidRequest,
@@ -29,10 +22,10 @@ from tidepool.errors import (
     TaskNotFound,
     TidepoolError,
 )
-from tidepool.guards import GuardStats
+from tidepool.execution.guards import GuardStats
+from tidepool.execution.pool import PoolStats
+from tidepool.execution.resources import ResourceStats
 from tidepool.model import Attempt, AttemptStatus, Phase, ResultBatch, State, Task, TaskError
-from tidepool.pool import PoolStats
-from tidepool.resources import ResourceStats
 from tidepool.scans import Job, JobState, Scan, ScanState
 from tidepool.schedules import Schedule
 from tidepool.store import Node

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import anyio
 import pytest
 
-from tidepool.systemd import Notifier, StatusReporter, run_watchdog
+from tidepool.node.systemd import Notifier, StatusReporter, run_watchdog
 
 SENTINEL = "X_TEST_SENTINEL=1"
 
@@ -313,7 +313,7 @@ def test_closed_notifier_is_silent(receiver: Receiver, notifier: Notifier) -> No
 def test_faulthandler_leaves_a_traceback_on_abort() -> None:
     code = (
         "import os\n"
-        "from tidepool.systemd import enable_faulthandler\n"
+        "from tidepool.node.systemd import enable_faulthandler\n"
         "enable_faulthandler()\n"
         "enable_faulthandler()\n"
         "def stuck_in_the_loop():\n"

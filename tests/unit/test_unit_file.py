@@ -17,7 +17,7 @@ import pytest
 
 from tidepool import settings
 from tidepool.cli import EXIT_GRACE_S
-from tidepool.service import OUTCOME_FLUSH_S
+from tidepool.node.daemon import OUTCOME_FLUSH_S
 
 SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
 UNIT_TEXT = (SYSTEMD_DIR / "tidepool.service").read_text()

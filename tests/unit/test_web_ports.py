@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 from tests.web_servers import LOOPBACK, serving, tls_context
 
-from tidepool import pki
 from tidepool.errors import InvalidArgument
+from tidepool.gateway import pki
 from tidepool.plugins.netprobe import probe_web_ports
 
 pytestmark = pytest.mark.timeout(30)

@@ -5,6 +5,6 @@ It depends on the node only through `ops.Operations`, never on the service that 
 
 from .app import build_app, serve_api
 from .auth import load_token
-from .ops import Operations
+from .operations import Operations
 
 __all__ = ["Operations", "build_app", "load_token", "serve_api"]

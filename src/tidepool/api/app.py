@@ -16,15 +16,15 @@ from pydantic import BaseModel, ValidationError
 
 from ..client import API_HEADER
 from ..errors import InvalidRequest, TaskNotFound, TidepoolError
-from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ..http.bodies import body_error
+from ..http.guard import KEEPALIVE_TIMEOUT_S, ConnectionGuard, GuardedSite
+from ..metrics.exporter import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..model import ORGANIZATION_PATTERN, State
 from ..settings import api_address
 from . import openapi, scans, stream, workers
 from .auth import TOKEN, require_token
-from .body_errors import body_error
 from .browsers import browser_guard, no_framing
-from .guard import KEEPALIVE_TIMEOUT_S, ConnectionGuard, GuardedSite
-from .ops import Operations
+from .operations import Operations
 from .schemas import MAX_LIST_LIMIT, NoFields, PoolPatch, ScheduleIn, SubmitBatch, SubmitTask, TaskDetailOut, TaskOut
 
 M = TypeVar("M", bound=BaseModel)

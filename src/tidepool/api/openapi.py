@@ -14,7 +14,7 @@ from .. import __version__
 from ..gateway import schemas as w1
 from ..model import ORGANIZATION_PATTERN, State
 from ..scans import ScanState
-from .scan_schemas import ScanOut, ScanPageOut, ScanStateOut, SubmitScan
+from .scans import ScanOut, ScanPageOut, ScanStateOut, SubmitScan
 from .schemas import (
     CURSOR_PATTERN,
     MAX_LIST_LIMIT,

@@ -15,7 +15,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
 
-from ..guards import GuardStats
+from ..execution.guards import GuardStats
+from ..execution.resources import ResourceStats
 from ..model import (
     DEFAULT_ORGANIZATION,
     ORGANIZATION_PATTERN,
@@ -28,7 +29,6 @@ from ..model import (
     WorkerState,
     rfc3339,
 )
-from ..resources import ResourceStats
 from ..scans import ScanState
 from ..schedules import MAX_NAME_LEN, NAME_PATTERN, CatchUp, Overlap, Schedule
 from ..settings import MAX_WORKERS, Tag
@@ -37,7 +37,7 @@ from ..store import Node
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-    from ..pool import PoolStats
+    from ..execution.pool import PoolStats
 
 MAX_LIST_LIMIT = 1000
 CURSOR_PATTERN = r"^([0-9a-f]{32})?$"  # a next_cursor is a task id (model.new_id); empty is the first page

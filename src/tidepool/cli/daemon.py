@@ -23,8 +23,8 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     import anyio
 
     from .. import logs
-    from ..service import serve
-    from ..systemd import Notifier, enable_faulthandler
+    from ..node.daemon import serve
+    from ..node.systemd import Notifier, enable_faulthandler
 
     logs.setup(settings.log.level, settings.log.format)
     # Until the daemon listens for it (the store opened, the API bound), a SIGHUP must not end the process
@@ -90,7 +90,7 @@ def _have_uvloop() -> bool:
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    from ..service import redacted
+    from ..node.daemon import redacted
     from ..store import SCHEMA_VERSION, open_store
 
     if settings.store.remote:
@@ -115,7 +115,7 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
-    from ..service import check_startable, redacted  # the daemon's modules: not loaded for the client commands
+    from ..node.daemon import check_startable, redacted  # the daemon's modules: not loaded for the client commands
 
     check_startable(settings)
     effective = settings.model_dump(mode="json")

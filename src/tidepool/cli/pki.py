@@ -11,14 +11,14 @@ from ..settings import Settings
 from .output import OK, TASK_FAILED, USAGE, complain
 
 if TYPE_CHECKING:
-    from ..pki import PkiError
+    from ..gateway.pki import PkiError
 
 # The crypto (and the cryptography package, ~50 ms to import) is loaded by these commands only: the
 # parser of every command registers them.
 
 
 def cmd_init(args: argparse.Namespace, settings: Settings) -> int:
-    from .. import pki
+    from ..gateway import pki
 
     directory: Path = args.dir
     try:
@@ -40,7 +40,7 @@ def cmd_init(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_issue(args: argparse.Namespace, settings: Settings) -> int:
-    from .. import pki
+    from ..gateway import pki
 
     directory: Path = args.dir
     try:
@@ -57,7 +57,7 @@ def cmd_issue(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _refused(exc: PkiError) -> int:
-    from ..pki import BadName
+    from ..gateway.pki import BadName
 
     complain(f"tidepool pki: {exc}")
     return USAGE if isinstance(exc, BadName) else TASK_FAILED

@@ -12,7 +12,7 @@ import anyio
 from aiohttp import web
 from anyio.abc import TaskStatus
 
-from ..api.guard import HEADER_TIMEOUT_S, KEEPALIVE_TIMEOUT_S, LISTEN_BACKLOG, ConnectionGuard
+from ..http.guard import HEADER_TIMEOUT_S, KEEPALIVE_TIMEOUT_S, LISTEN_BACKLOG, ConnectionGuard
 from ..settings import api_address
 from .protocol import Gateway
 from .routes import build_app

@@ -21,6 +21,7 @@ from ..api.schemas import TaskDetailOut
 from ..errors import Conflict, InvalidRequest, LeaseGone, LeaseLost, StoreUnavailable, TaskCancelling, TidepoolError
 from ..events import EventBus
 from ..lifecycle import RetryPolicy
+from ..metrics.gateway import GatewayMetrics
 from ..model import (
     AttemptStatus,
     CertSeen,
@@ -40,12 +41,10 @@ from ..settings import GatewaySettings, LeaseSettings
 from ..store import Acquired, Ending, PhaseNote, Store
 from .attempts import Book, lease_of, worker_token
 from .control import Controls
-from .metrics import GatewayMetrics
-from .parking import Parking
-from .quiet import EmptyAnswers
+from .events import AttemptEvents
+from .parking import EmptyAnswers, Parking
 from .registry import WorkerRegistry
 from .replays import Replays
-from .reports import AttemptEvents
 from .schemas import AcquireIn, EndingIn, LeaseIn, NoteIn, ResultIn
 from .tls import Peer
 

@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 from ..errors import Conflict, LeaseGone, WorkerRefused
 from ..events import EventBus
+from ..metrics.gateway import GatewayMetrics
 from ..model import CertSeen, RemoteWorker, WorkerChange, WorkerState, rfc3339
 from ..store import Enroll, Revoked, Store
 from .control import Controls
-from .metrics import GatewayMetrics
 from .parking import Parking
 from .tls import Peer
 

@@ -10,9 +10,9 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from ..api.app import ApiError, parse
-from ..api.guard import ConnectionGuard
 from ..client import API_HEADER
 from ..errors import LeaseGone, TidepoolError, WorkerRefused
+from ..http.guard import ConnectionGuard
 from ..model import RemoteWorker
 from .control import frame
 from .protocol import Gateway

@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..context import TaskContext
 from ..errors import ConfigError, PluginError
+from ..execution.context import TaskContext
 from ..settings import PluginSpec, PluginsSettings, TypeSettings, plugin_permitted
 
 Plugin = Callable[[TaskContext], Awaitable[None]]

@@ -9,8 +9,8 @@ from typing import Any
 
 import anyio
 
-from ..context import TaskContext
 from ..errors import ConfigError, InvalidArgument, LimitExceeded, PluginError
+from ..execution.context import TaskContext
 from ..settings import PluginSpec
 from . import Plugin
 from .command import CommandLimits, check_template, ran_out_of_files, render_argv, run_command, scrubbed_env

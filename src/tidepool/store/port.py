@@ -1,9 +1,11 @@
-"""The store's ports: what a worker needs from durable storage, what the queue needs, and their small types.
+"""The store's ports: the verbs of each noun an adapter stores, what a worker may call, what the queue
+calls, and their small types.
 
-Every worker write is fenced by attempt id + lease token. A worker (pool, engine, lease keeper, outcome
-writer) depends on WorkerPort only, so an adapter that reaches the store from afar (over HTTPS, for a
-remote worker) implements just that. The daemon's queue, API and reconciler use QueuePort; an adapter of
-a whole store is both, Store.
+The verbs are grouped as the adapters' modules are (tasks, leases, schedules, upkeep, scans, workers), so
+one verb is found in the same-named module of every adapter. Every worker write is fenced by attempt id +
+lease token. Execution depends on WorkerPort only, so an adapter that reaches the store from afar (over
+HTTPS, for a remote worker) implements just that side whole; the daemon, its API and its upkeep use
+QueuePort; an adapter of a whole store is both, Store.
 """
 
 from __future__ import annotations
@@ -164,8 +166,9 @@ class Acquired:
     claimed: list[Claimed]
 
 
-class WorkerPort(Protocol):
-    """The verbs of a worker: lease tasks, keep and note them, store their results, end them."""
+class LeaseVerbs(Protocol):
+    """The verbs of a worker (each adapter's leases.py): lease tasks, keep and note them, store their
+    results, end them. Every write is fenced by attempt id + lease token."""
 
     async def claim(self, worker: Worker, where: ClaimFilter, *, limit: int, now: float,
                     lease_s: float) -> list[Claimed]:
@@ -183,30 +186,11 @@ class WorkerPort(Protocol):
         """End many attempts at once (one transaction where the store can). Each ending gets, in order, its task's
         new state or its own error: LeaseLost / TaskCancelling when its fence refused it, StoreUnavailable when it
         was not written. Never raises on account of one ending; an empty list gives []."""
-    async def save_node(self, node: Node) -> None:
-        """Create or replace the registry row of node.node_id (registration, heartbeat, stop)."""
-    async def watch(self, wake: Callable[[int], None], *,
-                    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Until cancelled: call wake(n) when another node made n tasks claimable (PostgreSQL LISTEN).
-
-        Hints only: a missed wake-up costs latency (the pool's poll stays), never correctness.
-        In-process adapters have nothing to hear: the daemon wakes its own pool on submit.
-        """
 
 
-class QueuePort(Protocol):
-    """The verbs of the queue: its lifecycle, producers, readers, schedules, the reconciler, the fleet."""
+class TaskVerbs(Protocol):
+    """The queue's tasks (each adapter's tasks.py): producers and readers, cancels and retries."""
 
-    async def open(self, *, migrate: bool = True) -> int:
-        """Connect; with `migrate`, bring the schema up to this version's. Returns the schema version the store
-        had (0: none yet). SchemaMismatch when it is newer, or older and `migrate` is false."""
-    async def close(self) -> None: ...
-    async def write_failure(self) -> str | None:
-        """Why writes fail now though reads may still answer (SQLite: its last write transaction failed, or
-        its file is corrupt or gone; PostgreSQL: the server takes no writes, as a standby after a failover
-        does), else None. StoreUnavailable when the store does not answer at all."""
-
-    # producers
     async def add(self, new: NewTask, *, now: float, max_queued: int | None = None) -> tuple[Task, bool]:
         """Insert a task; with a known idempotency_key return (existing, False) or raise Conflict."""
     async def add_many(self, batch: Sequence[NewTask], *, now: float,
@@ -230,7 +214,10 @@ class QueuePort(Protocol):
         """failed/timed_out/cancelled -> pending with max_attempts more attempts; else Conflict. QueueFull
         when the queue holds max_queued tasks already: a retry queues a task as a submit does."""
 
-    # schedules
+
+class ScheduleVerbs(Protocol):
+    """Schedules (each adapter's schedules.py): saved, listed, paused, and their due ticks fired once."""
+
     async def save_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
         """Create or update a schedule by name; its next tick is recomputed when its timing changed."""
     async def list_schedules(self) -> list[Schedule]: ...
@@ -248,7 +235,11 @@ class QueuePort(Protocol):
         is skipped (reason "queue_full"), as a submit would be refused. `new_task` makes a tick's task or scan
         (schedules.fire)."""
 
-    # the reconciler
+
+class UpkeepVerbs(Protocol):
+    """The reconciler's passes and the fleet of nodes (each adapter's upkeep.py): expiry, retries due, cancel
+    deadlines, pruning, unserviceable tags; one process per node id, and the nodes' rows."""
+
     async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
                             keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
                             ) -> list[Expired]:
@@ -267,13 +258,25 @@ class QueuePort(Protocol):
 
         Safe to run on several nodes at once: each task moved is returned by one call only.
         """
+    async def save_node(self, node: Node) -> None:
+        """Create or replace the registry row of node.node_id (registration, heartbeat, stop)."""
+    async def lock_node(self, node_id: str, instance_id: str) -> None:
+        """Hold node_id for this process until close(); ConfigError naming the holder if another process has it.
 
-    # scans: a scan's jobs and their tasks move in the transactions that end those tasks. A worker's success
-    # of a step task, the merge of what it learned into the scan's scope and the next step's task are one
-    # transaction; a step that ends failed, timed_out or cancelled (however it ended: an expiry, a cancel,
-    # the reconciler) ends the scan or lets it go on as the scan says. A job has at most one live task; a
-    # job's tasks are unique by (scan, index, retry number). A step task that is retried on its own (the task
-    # retry, not the job's) is refused: it would run outside its scan's order.
+        PostgreSQL: a session advisory lock. SQLite relies on the daemon's lock file; memory has one process.
+        """
+    async def list_nodes(self) -> list[Node]:
+        """Every node that has registered, by node_id."""
+
+
+class ScanVerbs(Protocol):
+    """Scans (each adapter's scans.py). A scan's jobs and their tasks move in the transactions that end those
+    tasks: a worker's success of a step task, the merge of what it learned into the scan's scope and the next
+    step's task are one transaction; a step that ends failed, timed_out or cancelled (however it ended: an
+    expiry, a cancel, the reconciler) ends the scan or lets it go on as the scan says. A job has at most one
+    live task; a job's tasks are unique by (scan, index, retry number). A step task that is retried on its
+    own (the task retry, not the job's) is refused: it would run outside its scan's order."""
+
     async def add_scan(self, new: NewScan, *, now: float, max_queued: int | None = None) -> tuple[Scan, bool]:
         """Insert a scan and its first job's task in one transaction. With a known idempotency_key (keys of
         scans are their own, not tasks'): (existing, False), or Conflict when it was used with another body.
@@ -305,18 +308,12 @@ class QueuePort(Protocol):
         advance_scans' own. To announce them, and to wake a worker for the tasks they created (PostgreSQL
         notifies the other nodes as for any submit)."""
 
-    # the fleet: one process per node id, the registry
-    async def lock_node(self, node_id: str, instance_id: str) -> None:
-        """Hold node_id for this process until close(); ConfigError naming the holder if another process has it.
 
-        PostgreSQL: a session advisory lock. SQLite relies on the daemon's lock file; memory has one process.
-        """
-    async def list_nodes(self) -> list[Node]:
-        """Every node that has registered, by node_id."""
+class RemoteWorkerVerbs(Protocol):
+    """The worker registry (each adapter's workers.py): the remote workers a gateway serves, one record per
+    certificate identity, and their acquires. Their attempts carry the identity as node_id; they are not
+    nodes (no row of the fleet), so only their leases' expiry ever expires them."""
 
-    # the worker registry: the remote workers a gateway serves, one record per certificate identity. Their
-    # attempts carry the identity as node_id; they are not nodes (no row in the node registry), so only
-    # their leases' expiry ever expires them.
     async def meet_worker(self, identity: str, *, cert: CertSeen, address: str | None, now: float,
                           enroll: Enroll, max_concurrent_tasks: int) -> RemoteWorker:
         """Record a contact of `identity`. The first creates its record (pending under manual enrollment,
@@ -349,6 +346,32 @@ class QueuePort(Protocol):
     async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
         """The node_id of each attempt named (a remote worker's identity, for its attempts); unknown ids are
         left out."""
+
+
+class WorkerPort(LeaseVerbs, Protocol):
+    """What execution/ may call: a worker's verbs, and the wake-ups of work another node made claimable. An
+    adapter that reaches the store from afar (a remote worker's gateway) implements this side whole."""
+
+    async def watch(self, wake: Callable[[int], None], *,
+                    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Until cancelled: call wake(n) when another node made n tasks claimable (PostgreSQL LISTEN).
+
+        Hints only: a missed wake-up costs latency (the pool's poll stays), never correctness.
+        In-process adapters have nothing to hear: the daemon wakes its own pool on submit.
+        """
+
+
+class QueuePort(TaskVerbs, ScheduleVerbs, UpkeepVerbs, ScanVerbs, RemoteWorkerVerbs, Protocol):
+    """The rest: the store's lifecycle and the queue's verbs, for the daemon, its API and its upkeep."""
+
+    async def open(self, *, migrate: bool = True) -> int:
+        """Connect; with `migrate`, bring the schema up to this version's. Returns the schema version the store
+        had (0: none yet). SchemaMismatch when it is newer, or older and `migrate` is false."""
+    async def close(self) -> None: ...
+    async def write_failure(self) -> str | None:
+        """Why writes fail now though reads may still answer (SQLite: its last write transaction failed, or
+        its file is corrupt or gone; PostgreSQL: the server takes no writes, as a standby after a failover
+        does), else None. StoreUnavailable when the store does not answer at all."""
 
 
 class Store(WorkerPort, QueuePort, Protocol):

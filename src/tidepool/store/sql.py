@@ -5,7 +5,7 @@ the files' and a gap is an error. A query file holds sections, each opened by a 
 may name what both adapters share, filled in when the file is loaded: the state sets of `rules` as
 `{queued}`, `{active}`, `{working}`, `{terminal}`, `{unfinished}`, and the column lists of `rows` as
 `{task_columns}`, `{attempt_columns}`, `{result_columns}`, `{schedule_columns}`, `{node_columns}`,
-`{worker_columns}`, and of `scan_rows` as `{scan_columns}`. Any
+`{worker_columns}`, and of `rows` as `{scan_columns}`. Any
 other text stays as it is: a `{marks}` for the adapter to fill per call (a list of `?` marks, say), or
 braces of PostgreSQL's own.
 """
@@ -15,13 +15,13 @@ from __future__ import annotations
 import re
 from importlib import resources
 
-from . import rows, rules, scan_rows
+from . import rows, rules
 
 SHARED = {"queued": rules.QUEUED_SQL, "active": rules.ACTIVE_SQL, "working": rules.WORKING_SQL,
           "terminal": rules.TERMINAL_SQL, "unfinished": rules.UNFINISHED_SQL, "task_columns": rows.TASK_COLUMNS,
           "attempt_columns": rows.ATTEMPT_COLUMNS, "result_columns": rows.RESULT_COLUMNS,
           "schedule_columns": rows.SCHEDULE_COLUMNS, "node_columns": rows.NODE_COLUMNS,
-          "worker_columns": rows.WORKER_COLUMNS, "scan_columns": scan_rows.SCAN_COLUMNS}
+          "worker_columns": rows.WORKER_COLUMNS, "scan_columns": rows.SCAN_COLUMNS}
 NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 SHARED_NAME = re.compile(r"\{(" + "|".join(SHARED) + r")\}")
 MIGRATION = re.compile(r"^(\d{3})_\w+\.sql$")

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import anyio
 
-from tidepool.errors import LimitExceeded, PluginError
-
+from ...errors import LimitExceeded, PluginError
 from .output import Capture, CommandResult
 from .processes import PROCESSES, RUN_COOKIE
 from .spawn import rlimits, spawn

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
-from tidepool.errors import PluginError
+from ...errors import PluginError
 
 log = logging.getLogger("tidepool.plugins")
 

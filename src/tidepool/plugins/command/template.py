@@ -6,7 +6,7 @@ import os
 import string
 from collections.abc import Mapping, Sequence
 
-from tidepool.errors import InvalidArgument
+from ...errors import InvalidArgument
 
 # Placeholders the caller fills in; every other name is a top-level payload field.
 _CALLER_FIELDS = frozenset({"task_id", "attempt", "workdir"})

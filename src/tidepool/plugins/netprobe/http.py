@@ -11,8 +11,7 @@ import anyio
 from multidict import CIMultiDictProxy
 from yarl import URL
 
-from tidepool.errors import InvalidArgument, PluginError
-
+from ...errors import InvalidArgument, PluginError
 from .targets import parse_url, require_positive, shown, url_problem
 from .tls import RecordingContext, new_ssl_context, tls_facts
 

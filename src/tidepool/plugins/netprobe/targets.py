@@ -8,7 +8,7 @@ import re
 
 from yarl import URL
 
-from tidepool.errors import InvalidArgument
+from ...errors import InvalidArgument
 
 DEFAULT_PORTS = (80, 443)
 MAX_PORT = 65535

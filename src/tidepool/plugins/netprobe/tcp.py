@@ -10,8 +10,7 @@ from typing import Any
 
 import anyio
 
-from tidepool.errors import InvalidArgument, PluginError
-
+from ...errors import InvalidArgument, PluginError
 from .targets import require_positive, shown, validate_ports, validate_target
 
 # Errors of our own host (out of descriptors, buffers or ephemeral ports), not facts about the target.

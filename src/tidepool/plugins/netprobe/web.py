@@ -8,8 +8,7 @@ from typing import Any
 import aiohttp
 import anyio
 
-from tidepool.errors import InvalidArgument, PluginError
-
+from ...errors import InvalidArgument, PluginError
 from .http import http_probe
 from .targets import require_positive, shown, validate_target
 

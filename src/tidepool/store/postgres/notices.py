@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from ...model import RemoteWorker, new_token
 from ..notices import Notice, NoticeKind
 from ..port import Revoked
-from ..registry import REMOTE_INSTANCE
+from ..rules import REMOTE_INSTANCE
 from .connection import Conn
 from .statements import SQL
 

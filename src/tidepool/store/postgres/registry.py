@@ -27,7 +27,8 @@ from ...model import (
     new_token,
 )
 from ..port import Acquired, Enroll, Revoked
-from ..registry import (
+from ..rows import task_of, worker_of, worker_values
+from ..rules import (
     REMOTE_INSTANCE,
     acquire_filter,
     changed,
@@ -40,7 +41,6 @@ from ..registry import (
     spared,
     worth_saving,
 )
-from ..rows import task_of, worker_of, worker_values
 from .claims import exactly
 from .connection import Conn, Connections
 from .notices import Notices

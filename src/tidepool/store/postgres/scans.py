@@ -15,8 +15,7 @@ from ...errors import Conflict, InvalidRequest, ScanNotFound, StoreUnavailable, 
 from ...model import AttemptStatus, Outcome, State, canonical_json, new_id
 from ...scans import JobState, NewScan, Scan, ScanState, ScopeRefused, job_state_of, merge_scope, retry_from
 from ..port import CancelAnswer, ScanCancel, ScanMove, ScanPage
-from ..rows import loads
-from ..scan_rows import Stored, Writes, job_values, scan_of, scan_values, writes
+from ..rows import Stored, Writes, job_values, loads, scan_of, scan_values, writes
 from . import queue
 from .connection import Conn
 from .statements import SQL

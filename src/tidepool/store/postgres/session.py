@@ -15,8 +15,8 @@ from collections.abc import Callable
 import anyio
 from anyio.abc import TaskStatus
 
+from ...backoff import Backoff
 from ...errors import ConfigError, StoreUnavailable
-from ...retry import Backoff
 from ..port import Node
 from ..rows import node_of
 from .connection import DRIVER_ERRORS, Conn, Connections, said

@@ -33,7 +33,7 @@ from .queue import RemoteQueue
 from .wire import RECONNECT, REQUEST_TIMEOUT_S, Answer, Calls, Refusal, Wire, client_tls, instant, task_of
 
 if TYPE_CHECKING:
-    from ...leases import Held
+    from ...execution.leases import Held
 
 PARK_S = 25.0            # asked of the gateway, which holds an acquire at most its gateway.max_wait_s
 RESULT_TIMEOUT_S = 30.0  # a result batch may be large

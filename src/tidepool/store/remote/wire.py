@@ -18,10 +18,10 @@ import aiohttp
 import anyio
 
 from ... import __version__
+from ...backoff import Backoff
 from ...errors import ConfigError, StoreError, StoreUnavailable
 from ...logs import Outage
 from ...model import Phase, State, Task, TaskError
-from ...retry import Backoff
 
 CONNECT_TIMEOUT_S = 5.0  # a gateway that does not complete a TLS handshake in this long is away
 REQUEST_TIMEOUT_S = 10.0  # a renewal, phase note or ending not answered in this long is tried again

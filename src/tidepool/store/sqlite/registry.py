@@ -24,9 +24,11 @@ from ...model import (
     new_token,
 )
 from ..port import Acquired, Enroll, Revoked
-from ..registry import (
+from ..rows import worker_of, worker_values
+from ..rules import (
     REMOTE_INSTANCE,
     acquire_filter,
+    cancel_step,
     changed,
     first_record,
     met_again,
@@ -36,8 +38,6 @@ from ..registry import (
     spared,
     worth_saving,
 )
-from ..rows import worker_of, worker_values
-from ..rules import cancel_step
 from .database import Q
 from .reads import task_of
 from .work import claimable, lease, marks

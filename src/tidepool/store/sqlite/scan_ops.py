@@ -15,8 +15,8 @@ from ...errors import Conflict, InvalidRequest, ScanNotFound
 from ...model import State, new_id
 from ...scans import JobState, NewScan, Scan, ScanState, retry_from
 from ..port import ScanCancel, ScanMove, ScanPage
+from ..rows import Stored, job_values, scan_of, scan_values, writes
 from ..rules import check_room
-from ..scan_rows import Stored, job_values, scan_of, scan_values, writes
 from . import queue_ops, scan_steps
 from .scan_steps import QS
 from .writer import Batch

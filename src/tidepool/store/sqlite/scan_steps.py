@@ -17,8 +17,7 @@ from typing import Any
 from ...model import AttemptStatus, Lease, Outcome, State, canonical_json, new_id
 from ...scans import JobState, ScopeRefused, job_state_of, merge_scope
 from .. import sql
-from ..rows import loads
-from ..scan_rows import Stored, Writes, writes
+from ..rows import Stored, Writes, loads, writes
 from .database import Q, error_code
 from .writer import FILE_FAULTS, Batch
 

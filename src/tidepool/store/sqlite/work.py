@@ -17,9 +17,8 @@ from ...errors import Conflict, LeaseLost, TaskCancelling, TidepoolError
 from ...lifecycle import RetryPolicy, decide_end
 from ...model import AttemptStatus, Claimed, ClaimFilter, Lease, Outcome, ResultBatch, State, Worker, new_id, new_token
 from ..port import Ending, PhaseNote
-from ..registry import sqlite_glob
 from ..rows import error_text, result_of
-from ..rules import completable_at_once, may_end, progress_text
+from ..rules import completable_at_once, may_end, progress_text, sqlite_glob
 from . import scan_steps
 from .database import Q
 from .reads import task_of

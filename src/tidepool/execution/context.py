@@ -1,0 +1,97 @@
+"""TaskContext: what a Python plugin sees of its task, and how it reports back."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import anyio.lowlevel
+
+from ..errors import InvalidArgument
+from ..model import ResultBatch, Task, sha256_of
+from .resources import Slot
+
+
+class TaskContext:
+    """Handed to every plugin of one attempt.
+
+    `scope` is shared by the attempt's plugins: what an earlier one puts there, later ones see.
+    `resource` is the slot acquired in the prepare phase, None for a task that needs no tags.
+    """
+
+    def __init__(self, task: Task, *, attempt_id: str, workdir: str, resource: Slot | None = None,
+                 report_progress: Callable[[TaskContext, float, str], None],
+                 store_result: Callable[[ResultBatch], Awaitable[ResultBatch]]) -> None:
+        self.task = task
+        self.attempt_id = attempt_id
+        self._workdir = workdir
+        self.resource = resource
+        self.scope: dict[str, Any] = {}
+        self.plugin = ""
+        self._log: logging.LoggerAdapter[logging.Logger] | None = None
+        self._report_progress = report_progress
+        self._store_result = store_result
+        self._sequence: dict[str, int] = {}
+        self.workdir_used = False             # set once a plugin asks for workdir; the stop phase removes it
+        self.exit_status: int | None = None   # set by command plugins, kept on the attempt
+        self.stderr_tail: str | None = None
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        return self.task.payload
+
+    @property
+    def workdir(self) -> str:
+        """This attempt's own directory. It is not made for a plugin: one that wants it makes it, and the
+        stop phase removes it however the attempt ended (asked for, it is looked for there)."""
+        self.workdir_used = True
+        return self._workdir
+
+    @property
+    def log(self) -> logging.LoggerAdapter[logging.Logger]:
+        """A logger bound to the task id and the running plugin: each line starts with them."""
+        if self._log is None or self._log.extra != {"task_id": self.task.id, "plugin": self.plugin}:
+            self._log = _PluginLog(_PLUGIN_LOG, {"task_id": self.task.id, "plugin": self.plugin})
+        return self._log
+
+    def enter_plugin(self, name: str) -> None:
+        self.plugin = name
+
+    async def checkpoint(self) -> None:
+        """A safe point: raises the attempt's cancellation here if a cancel or timeout is pending."""
+        await anyio.lowlevel.checkpoint()
+
+    def progress(self, fraction: float, message: str = "") -> None:
+        self._report_progress(self, min(1.0, max(0.0, float(fraction))), message)
+
+    async def emit(self, result: Any, *, final: bool = False, key: str | None = None) -> ResultBatch:
+        """Store a result batch; the same key and content twice is acknowledged once, the same key with other
+        content is refused (Conflict). A key of the plugin's own is its task's (stored as `<task id>:<key>`):
+        the same key in another task is another result, not that one's acknowledgement. Without a key, each
+        emit of the attempt is its own."""
+        sequence = self._sequence.get(self.plugin, 0)
+        self._sequence[self.plugin] = sequence + 1
+        stored_key = f"{self.task.id}:{key}" if key else f"{self.attempt_id}:{self.plugin}:{sequence}"
+        try:
+            digest = sha256_of(result)
+        except (TypeError, ValueError) as exc:  # a set, an object, NaN: stored, no client could read it back
+            raise InvalidArgument("result", f"not JSON: {exc}") from None
+        batch = ResultBatch(self.plugin, sequence, stored_key, digest, final, result, self.attempt_id)
+        ack = await self._store_result(batch)
+        if ack != batch and self._sequence[self.plugin] == sequence + 1:
+            self._sequence[self.plugin] = sequence  # an earlier batch acknowledged: this number is still free
+        return ack
+
+
+_PLUGIN_LOG = logging.getLogger("tidepool.plugin")
+
+
+class _PluginLog(logging.LoggerAdapter[logging.Logger]):
+    """Lines that start "task <id> plugin <name>:", as every line about a task starts with its id (the text
+    format shows no extra fields); the JSON format has both as fields too."""
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+        assert self.extra is not None
+        kwargs["extra"] = {**kwargs.get("extra", {}), **self.extra}  # the task and plugin are not the caller's
+        return f"task {self.extra['task_id']} plugin {self.extra['plugin']}: {msg}", kwargs

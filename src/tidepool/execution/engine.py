@@ -1,0 +1,432 @@
+"""Runs one claimed task through its phases: initialize -> prepare -> run plugins -> stop.
+
+Each attempt runs in its own cancel scope (cancel, shutdown interrupt and lost leases fire it);
+prepare acquires a resource slot when the task needs tags (tasks that need none skip it at no
+cost); the run phase is bounded by the task's timeout and each plugin by its own; the stop phase
+always runs, shielded and bounded by stop_timeout_s, and releases the slot whatever happened.
+The outcome is posted to the OutcomeWriter, which writes it fenced by the lease while the worker
+goes on to its next task, and reports it (events, logs) once the store has answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.lowlevel
+
+from ..backoff import Backoff
+from ..errors import LeaseLost, PluginError, StoreUnavailable, TidepoolError
+from ..events import EventBus
+from ..lifecycle import RetryPolicy, retry_policy
+from ..logs import Completions
+from ..model import CANCELLED_ON_REQUEST, AttemptStatus, Claimed, Outcome, Phase, ResultBatch, State, Task, TaskError
+from ..plugins import PluginDef, Registry, denied
+from ..plugins.builtin import remove_workdir
+from ..plugins.command import kill_leftover_runs
+from ..store import WorkerPort
+from .context import TaskContext
+from .leases import Held, LeaseKeeper
+from .outcomes import OutcomeWriter, Posted
+from .resources import ResourcePool, Slot
+
+if TYPE_CHECKING:
+    from ..settings import ExecutionSettings, RetrySettings
+import asyncio
+
+log = logging.getLogger("tidepool.engine")
+MAX_RAN = 10_000  # plugins remembered between two supervisor ticks, for the held-up loop's warning
+RESULT_RETRY = Backoff(0.1, 1.0)  # between tries of a result write while the store does not answer
+FENCED = TaskError("interrupted", "stopped by its node's fence: no heartbeat saved, the fleet would run it elsewhere")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    timeout_s: float = 600.0
+    prepare_timeout_s: float = 60.0
+    stop_timeout_s: float = 30.0
+    keep_workdirs: bool = False
+
+    @classmethod
+    def of(cls, section: ExecutionSettings) -> EngineConfig:
+        return cls(timeout_s=section.timeout_s, prepare_timeout_s=section.prepare_timeout_s,
+                   stop_timeout_s=section.stop_timeout_s)
+
+
+class Engine:
+    def __init__(self, store: WorkerPort, registry: Registry, leases: LeaseKeeper, events: EventBus, *,
+                 config: EngineConfig, policy: RetryPolicy, work_root: Path,
+                 resources: ResourcePool | None = None, clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self.registry = registry
+        self._leases = leases
+        self._events = events
+        self.config = config
+        self.policy = policy
+        self._work_root = work_root
+        self.resources = resources
+        self._clock = clock
+        self._unstarted: dict[str, tuple[Claimed, Held, str]] = {}  # parked for an idle worker, not started
+        self._running: dict[str, tuple[TaskContext, Held, str]] = {}  # started, outcome not posted yet
+        self._ran: dict[str, str] = {}  # task id -> plugin, of what ran since plugins_since_asked() was
+        self.outcomes = OutcomeWriter(store, policy=lambda: self.policy, report=self._written)
+        self.completions = Completions(log)
+
+    def configure(self, registry: Registry, execution: ExecutionSettings, retry: RetrySettings) -> None:
+        """A reload's task types, deadlines and retry policy, for the attempts that start from now on."""
+        self.registry = registry
+        self.config = EngineConfig.of(execution)
+        self.policy = retry_policy(retry)
+
+    def park(self, claimed: Claimed, worker_id: str) -> None:
+        """A task a claim leased for another idle worker: its lease is held (renewed, and stoppable: a cancel or
+        a shutdown ends it at once) until that worker takes it with take_parked()."""
+        held = self._leases.hold(claimed.lease)
+        held.waiting = self._stopped_waiting
+        self._unstarted[claimed.lease.attempt_id] = (claimed, held, worker_id)
+
+    def take_parked(self, attempt_id: str) -> tuple[Claimed, Held] | None:
+        """The parked task to run now, or None if it ended while it waited (given back, or stopped)."""
+        item = self._unstarted.pop(attempt_id, None)
+        if item is None:
+            return None
+        item[1].waiting = None  # its turn: from here a stop cancels its scope
+        return item[0], item[1]
+
+    async def remove_leftover_workdirs(self) -> None:
+        """At start, before any attempt runs here: what an earlier process left (it was killed before its stop
+        phases ran) belongs to no attempt any more. First the commands it left running: nothing watches them
+        now, and beside their own retries they would use twice what exists once (a licence) and write into
+        the directories. Then the work directories."""
+        killed = await anyio.to_thread.run_sync(kill_leftover_runs, self._work_root)  # reads all of /proc
+        if killed:
+            log.warning("killed %d processes of commands left running by an earlier process", killed)
+        if self.config.keep_workdirs or not self._work_root.is_dir():
+            return
+        leftover = [str(p) for p in self._work_root.iterdir()]
+        if leftover:
+            await anyio.to_thread.run_sync(_remove_all, leftover)
+            log.info("cleared %d work directories left by an earlier process", len(leftover))
+
+    def give_back_parked(self, attempt_id: str) -> None:
+        """A parked task no idle worker is left to start (it retired or left): back to the queue at once,
+        its attempt not charged, rather than wait for a busy worker to finish."""
+        item = self._unstarted.pop(attempt_id, None)
+        if item is not None:
+            self._give_back(*item)
+
+    def release_unstarted(self) -> None:
+        """Shutdown: give back every parked task not started yet, at once (it must not wait for the
+        drain: another node may run it meanwhile)."""
+        items = list(self._unstarted.values())
+        self._unstarted.clear()
+        for item in items:
+            self._give_back(*item)
+
+    def plugins_since_asked(self) -> dict[str, str]:
+        """Task id -> plugin of every attempt that ran since the last call: running then, started since, or
+        running now (its latest plugin; "" before the first). What held the event loop up is among them."""
+        now = {ctx.task.id: ctx.plugin for ctx, _, _ in self._running.values()}
+        ran, self._ran = {**self._ran, **now}, now
+        return ran
+
+    def abandon_running(self) -> None:
+        """Shutdown, once running tasks had their time to stop: post every attempt still running as
+        interrupted, which puts its task back to pending without using an attempt. Left to expire with the
+        lease, it would be charged as a crash after the restart, and could fail a task the operator only
+        stopped the node under. What such an attempt posts later is refused by its lease's fence."""
+        items = list(self._running.values())
+        self._running.clear()
+        for ctx, held, worker_id in items:
+            log.warning("task %s attempt %s did not stop in time at shutdown: recorded as interrupted", ctx.task.id,
+                        held.lease.attempt_id)
+            self._conclude(ctx.task, held, Outcome(AttemptStatus.INTERRUPTED, TaskError(
+                "interrupted", "interrupted by shutdown; did not stop in time")), worker_id)
+
+    def _stopped_waiting(self, held: Held) -> None:
+        """A parked task was stopped before a worker took it: it ends now, without a phase (nothing ran)."""
+        item = self._unstarted.pop(held.lease.attempt_id, None)
+        if item is None:
+            return
+        if held.why == "cancel":
+            self._conclude(item[0].task, held, Outcome(AttemptStatus.CANCELLED, CANCELLED_ON_REQUEST), item[2])
+        elif held.why in ("interrupt", "fenced"):
+            self._give_back(*item)
+        else:  # its lease is gone: nothing of it may be written
+            self._conclude(item[0].task, held, None, item[2])
+
+    def _give_back(self, claimed: Claimed, held: Held, worker_id: str) -> None:
+        outcome = Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "released unstarted"))
+        self._conclude(claimed.task, held, outcome, worker_id)
+
+    async def run(self, claimed: Claimed, worker_id: str, *, held: Held | None = None) -> None:
+        """Execute one attempt and post how it ended (written behind: see OutcomeWriter)."""
+        task, lease = claimed.task, claimed.lease
+        held = held or self._leases.hold(lease)
+        # partial, not a lambda over ctx: a context holding a closure over itself is a reference cycle,
+        # and every object of the attempt would wait for the cycle collector (measured: ~10 per task).
+        ctx = TaskContext(task, attempt_id=lease.attempt_id, workdir=f"{self._work_root}/{lease.attempt_id}",
+                          report_progress=partial(self._progress, held, worker_id),
+                          store_result=partial(self._result, held, worker_id))
+        self._running[lease.attempt_id] = (ctx, held, worker_id)
+        try:
+            outcome = await self._attempt(ctx, held, worker_id)
+        except BaseException:
+            if self._running.pop(lease.attempt_id, None) is not None:
+                self._leases.release(held)
+            raise
+        if self._running.pop(lease.attempt_id, None) is not None:  # else abandoned at shutdown, posted already
+            self._conclude(task, held, outcome, worker_id)
+
+    async def _attempt(self, ctx: TaskContext, held: Held, worker_id: str) -> Outcome | None:
+        outcome = None
+        with held.scope:
+            try:
+                outcome = await self._phases(ctx, held, worker_id)
+            finally:
+                self._enter(ctx, held, worker_id, Phase.STOP)
+                if self._has_cleanup(ctx):
+                    with anyio.move_on_after(self.config.stop_timeout_s, shield=True) as stopping:
+                        await self._clean_up(ctx)
+                    if stopping.cancelled_caught:  # a VM left running or unreverted: the operator must know
+                        log.warning("task %s attempt %s: stop phase cut short after execution.stop_timeout_s "
+                                    "(%gs); %s", ctx.task.id, held.lease.attempt_id, self.config.stop_timeout_s,
+                                    f"resource {ctx.resource} released before its stop hook finished"
+                                    if ctx.resource is not None else "its work directory may be left behind")
+        if outcome is None:
+            outcome = self._cut_short(ctx, held)
+        if outcome is None:
+            return None  # the lease is gone: nothing of this attempt may be written
+        # However it ended, the last command's exit status and stderr tail stay on the attempt, for the operator.
+        outcome.exit_status, outcome.stderr_tail = ctx.exit_status, ctx.stderr_tail
+        return outcome
+
+    def _cut_short(self, ctx: TaskContext, held: Held) -> Outcome | None:
+        """How an attempt whose scope was cancelled ended; None when its lease is gone."""
+        if held.why == "cancel":
+            return Outcome(AttemptStatus.CANCELLED, CANCELLED_ON_REQUEST)
+        if held.why == "interrupt":
+            return Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "interrupted by shutdown"))
+        if held.why == "fenced":  # written if the lease is still ours when the store answers: back at once
+            return Outcome(AttemptStatus.INTERRUPTED, FENCED)
+        if held.why is None and held.scope.cancelled_caught:  # the run phase's deadline passed
+            return self._timed_out(ctx.task, f"run phase timed out after {self._run_timeout_s(ctx.task)}s")
+        return None
+
+    async def _phases(self, ctx: TaskContext, held: Held, worker_id: str) -> Outcome:
+        task = ctx.task
+        self._enter(ctx, held, worker_id, Phase.INITIALIZE)
+        try:
+            plugins = self.registry.plugins_for(task.type)
+            self._enter(ctx, held, worker_id, Phase.PREPARE)
+            tags = self._required_tags(task)
+            if tags:  # the host-only fast path skips this: no await, no scope
+                ctx.resource = await self._acquire(task, tags)
+            await _cancelled_yet(held)
+            self._enter(ctx, held, worker_id, Phase.RUN)
+            # The attempt's own scope carries the run deadline: one scope per task, not two. It is not
+            # reset afterwards (a timer each time): once the plugins are done nothing in it awaits
+            # unshielded, so a deadline passing then changes nothing.
+            held.scope.deadline = anyio.current_time() + self._run_timeout_s(task)
+            for plugin in plugins:
+                await self._run_plugin(ctx, held, plugin, worker_id)
+            return Outcome(AttemptStatus.SUCCEEDED, scope=ctx.scope)
+        except _PluginTimedOut as exc:
+            return self._timed_out(task, str(exc))
+        except PluginError as exc:  # the traceback only of what escaped: a PluginError says all it means to
+            log.warning("task %s attempt %s failed: %s (%s)", task.id, held.lease.attempt_id, exc, exc.code,
+                        exc_info=isinstance(exc, Escaped))
+            return Outcome(AttemptStatus.FAILED, TaskError(exc.code, str(exc), exc.retryable))
+        except Exception as exc:
+            log.exception("task %s attempt %s: plugin %s raised", task.id, held.lease.attempt_id, ctx.plugin)
+            return Outcome(AttemptStatus.FAILED, TaskError("plugin_error", f"{type(exc).__name__}: {exc}"))
+
+    async def _run_plugin(self, ctx: TaskContext, held: Held, plugin: PluginDef, worker_id: str) -> None:
+        await _cancelled_yet(held)
+        if not self.registry.allowed(plugin.name):  # allow/deny apply at run time too
+            raise denied(plugin.name, ctx.task.type)
+        ctx.enter_plugin(plugin.name)
+        if len(self._ran) < MAX_RAN:  # read (and emptied) every supervisor tick; bounded all the same
+            self._ran[ctx.task.id] = plugin.name
+        self._events.publish("plugin.started", ctx.task.id, worker_id, plugin.name)
+        started, outcome = time.monotonic(), "stopped"  # unless it returns or raises: the attempt was stopped
+        own_deadline = None  # no scope of its own unless it has a timeout: one scope per task costs enough
+        try:
+            if plugin.timeout_s is None:
+                await call_plugin(plugin, ctx)
+            else:
+                with anyio.move_on_after(plugin.timeout_s) as own_deadline:
+                    await call_plugin(plugin, ctx)
+            # It returned; a plugin may have swallowed what stopped it. Its attempt's stop (the run deadline,
+            # a cancel, a lost lease, a shutdown) comes first, as though the plugin had let it through ...
+            await _cancelled_yet(held)
+            if own_deadline is not None and own_deadline.cancel_called:  # ... then its own deadline
+                outcome = "timed_out"
+                raise _PluginTimedOut(f"plugin {plugin.name} timed out after {plugin.timeout_s}s")
+            outcome = "succeeded"
+        except Exception:
+            # One that turned its attempt's stop into an error of its own was stopped all the same.
+            await _cancelled_yet(held)
+            if outcome == "stopped":
+                outcome = "failed"
+            raise
+        finally:  # every plugin.started has its plugin.finished, however the plugin ended
+            self._events.publish("plugin.finished", ctx.task.id, worker_id, plugin.name,
+                                 round(time.monotonic() - started, 6), outcome)
+
+    def _required_tags(self, task: Task) -> frozenset[str]:
+        type_tags = self.registry.required_tags(task.type)
+        return type_tags.union(task.required_tags) if task.required_tags else type_tags
+
+    async def _acquire(self, task: Task, tags: frozenset[str]) -> Slot:
+        if self.resources is None:
+            raise PluginError(f"task needs tags {sorted(tags)} but this node has no resources",
+                              code="unserviceable", retryable=False)
+        slot = await self.resources.acquire(tags, timeout_s=self.config.prepare_timeout_s)
+        log.debug("task %s holds resource %s", task.id, slot)
+        return slot
+
+    def _has_cleanup(self, ctx: TaskContext) -> bool:
+        return ctx.resource is not None or (ctx.workdir_used and not self.config.keep_workdirs)
+
+    async def _clean_up(self, ctx: TaskContext) -> None:
+        """The stop phase's work: runs shielded and bounded, whatever ended the attempt."""
+        if ctx.resource is not None and self.resources is not None:
+            try:
+                await self.resources.stop(ctx.resource)
+            finally:  # released even when the stop hook overran stop_timeout_s
+                self.resources.release(ctx.resource)
+        if ctx.workdir_used and not self.config.keep_workdirs:
+            await anyio.to_thread.run_sync(remove_workdir, ctx.workdir)
+
+    def _enter(self, ctx: TaskContext, held: Held, worker_id: str, phase: Phase) -> None:
+        self._leases.note(held, phase)
+        self._events.publish("task.phase", ctx.task.id, worker_id, phase.value, held.lease.attempt_id)
+
+    def _progress(self, held: Held, worker_id: str, ctx: TaskContext, fraction: float, message: str) -> None:
+        progress = {"fraction": fraction, "message": message}
+        self._leases.note(held, Phase.RUN, progress)
+        self._events.publish("task.progress", task_id=ctx.task.id, worker_id=worker_id, plugin=ctx.plugin,
+                             **progress)
+
+    async def _result(self, held: Held, worker_id: str, batch: ResultBatch) -> ResultBatch:
+        """Store a plugin's result batch. A store that does not answer is tried again for as long as this node
+        holds the lease: an outage costs the plugin a wait, never its attempt (the fence keeps a retry safe).
+        Once the lease keeper gives the lease up it cancels the attempt, this wait included: its end is the
+        lease's, not the plugin's (no StoreUnavailable for the plugin to take for its own failure)."""
+        for wait in RESULT_RETRY.delays():  # without end: the lease keeper ends the wait with the lease
+            try:
+                ack = await self._store.record_result(held.lease, batch, now=self._clock())
+                break
+            except StoreUnavailable:
+                if held.why is not None:
+                    raise
+            await anyio.sleep(wait)
+        self._events.publish("task.result", task_id=held.lease.task_id, worker_id=worker_id, plugin=ack.plugin,
+                             sequence=ack.sequence, idempotency_key=ack.idempotency_key, final=ack.final)
+        return ack
+
+    def _conclude(self, task: Task, held: Held, outcome: Outcome | None, worker_id: str) -> None:
+        """Post the attempt's outcome; its lease is kept (and renewed) until the outcome is written."""
+        if outcome is None:
+            self._leases.release(held)
+            log.warning("task %s attempt %s abandoned: lease lost, outcome not recorded", task.id,
+                        held.lease.attempt_id)
+            self._events.publish("task.lease_lost", task_id=task.id, worker_id=worker_id,
+                                 attempt_id=held.lease.attempt_id, type=task.type)
+            return
+        self._leases.attempt_over(held)
+        outcome.progress = held.progress
+        self.outcomes.post(Posted(task, held, outcome, worker_id, self._clock()))
+
+    def _written(self, posted: Posted, answer: State | TidepoolError) -> None:
+        """The store's answer to a posted outcome: said in events and logs, once."""
+        self._leases.release(posted.held)
+        task, outcome, worker_id = posted.task, posted.outcome, posted.worker_id
+        attempt_id = posted.held.lease.attempt_id
+        if isinstance(answer, LeaseLost):
+            log.warning("task %s attempt %s outcome %s rejected: %s", task.id, attempt_id, outcome.status, answer)
+            self._events.publish("task.lease_lost", task_id=task.id, worker_id=worker_id, attempt_id=attempt_id,
+                                 type=task.type)
+            return
+        if isinstance(answer, TidepoolError):  # the store stayed away, or refused the move: the lease will expire
+            log.error("task %s attempt %s outcome %s not recorded: %s", task.id, attempt_id, outcome.status, answer)
+            return
+        error = None if outcome.error is None else outcome.error.to_json()
+        if answer is State.RETRY_WAIT:
+            self._events.publish("task.retry_scheduled", task_id=task.id, worker_id=worker_id, error=error,
+                                 attempt=task.attempt, type=task.type)
+            log.info("task %s attempt %s %s -> retry_wait (%s)", task.id, attempt_id, outcome.status,
+                     outcome.error.message if outcome.error else "")
+        elif answer.terminal:
+            self._events.publish("task.finished", task.id, worker_id, answer.value, error, task.type)
+            if answer is State.COMPLETED:
+                self.completions.completed(task.id, attempt_id)  # one line each, up to a budget a second
+            else:
+                log.info("task %s attempt %s -> %s", task.id, attempt_id, answer.value)
+        else:
+            log.info("task %s attempt %s %s -> %s", task.id, attempt_id, outcome.status, answer.value)
+
+    def _run_timeout_s(self, task: Task) -> float:
+        """The task's own timeout, else its type's, else execution.timeout_s."""
+        settings = self.registry.types.get(task.type)
+        return task.timeout_s or (settings and settings.timeout_s) or self.config.timeout_s
+
+    def _timed_out(self, task: Task, message: str) -> Outcome:
+        settings = self.registry.types.get(task.type)
+        retry = settings is not None and settings.retry_on_timeout
+        return Outcome(AttemptStatus.TIMED_OUT, TaskError("timeout", message, retry))
+
+
+def _remove_all(paths: list[str]) -> None:
+    for path in paths:
+        remove_workdir(path)
+
+
+class _PluginTimedOut(Exception):
+    pass
+
+
+async def _cancelled_yet(held: Held) -> None:
+    """A safe point between phases and plugins: deliver a pending cancel, else go on without yielding."""
+    if held.scope.cancel_called:
+        await anyio.lowlevel.checkpoint()
+
+
+# One call of a plugin within an attempt: whatever the plugin raises ends that attempt, never its worker.
+#
+# A library's SystemExit, a KeyboardInterrupt of the plugin's own, or a CancelledError nobody asked for
+# (awaiting a task it cancelled itself) would otherwise end the worker's loop as though the pool were
+# stopping it. Each becomes the attempt's failure; a cancellation that is ours goes on up.
+
+class Escaped(PluginError):
+    """What a plugin raised that is no Exception, as the failure of its attempt; the original is the cause."""
+
+
+async def call_plugin(plugin: PluginDef, ctx: TaskContext) -> None:
+    """Run a plugin. What it raises that is no Exception fails its attempt, as Escaped; a cancellation of
+    ours (the attempt stopped, a deadline, shutdown) goes on up."""
+    try:
+        await plugin.run(ctx)
+    except (Exception, GeneratorExit):  # GeneratorExit: the coroutine itself is being closed
+        raise
+    except BaseException as exc:
+        # Ours only if a cancellation of this task is under way: anyio delivers every one of its scopes'
+        # through asyncio's counted cancel. A stray one while the attempt's stop is pending but not yet
+        # delivered (or under a shield) becomes the failure below, and the engine delivers the stop
+        # at its next safe point.
+        if isinstance(exc, anyio.get_cancelled_exc_class()) and _being_cancelled():
+            raise
+        raise Escaped(f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} raised") from exc
+
+
+def _being_cancelled() -> bool:
+    """A cancellation of this task is under way (anyio delivers its scopes' through asyncio's, counted)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

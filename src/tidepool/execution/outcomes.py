@@ -1,0 +1,169 @@
+"""Writes how attempts ended, behind the workers.
+
+A worker posts its attempt's outcome and goes straight on to claim its next task, so the claim and
+the outcome reach the store together instead of one round trip after the other. Outcomes that queue
+while a write is in flight share the next one: one store call for many. Each write is fenced by its
+lease, so trying it again while the store is briefly away is safe; what the store answered is
+reported (events, logs) only once it is durable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+from anyio.abc import TaskStatus
+
+from ..backoff import Backoff
+from ..errors import StoreUnavailable, TidepoolError
+from ..lifecycle import RetryPolicy
+from ..model import AttemptStatus, Outcome, State, Task
+from ..store import Ending, WorkerPort
+from .leases import Held
+
+log = logging.getLogger("tidepool.outcomes")
+# Four tries again, 3.75 s of waits in all, then the outcome is given up on; the lease is renewed meanwhile
+# (see Engine). The store does not retry a write itself: this is the one retry of an outcome.
+RETRY = Backoff(first_s=0.25, cap_s=2.0, tries=4)
+
+
+@dataclass(eq=False, slots=True)
+class Posted:
+    """One attempt's outcome, waiting to be written; `now` is when the attempt ended (the fence's time)."""
+
+    task: Task
+    held: Held
+    outcome: Outcome
+    worker_id: str
+    now: float
+    tries: int = 0
+    retry_at: float = 0.0  # monotonic: not before this after a try the store did not answer
+
+
+class OutcomeWriter:
+    def __init__(self, store: WorkerPort, *, policy: Callable[[], RetryPolicy],
+                 report: Callable[[Posted, State | TidepoolError], None],
+                 retry: Backoff = RETRY) -> None:
+        self._store = store
+        self._policy = policy
+        self._report = report
+        self._retry = retry
+        self._queue: list[Posted] = []     # ready to be written
+        self._waiting: list[Posted] = []   # to be tried again at their retry_at
+        self._flying: list[Posted] = []  # being written now
+        self._given_up: list[Posted] = []  # interruptions the store never took (see unwritten)
+        self._posted = anyio.Event()
+        self._flushed = anyio.Event()
+        self._flushed.set()
+
+    def post(self, posted: Posted) -> None:
+        self._queue.append(posted)
+        if self._flushed.is_set():
+            self._flushed = anyio.Event()
+        self._posted.set()
+
+    def unwritten(self) -> list[Posted]:
+        """The outcomes posted and not written: still tried (in flight ones included), and the interruptions
+        given up on (only a shutdown interrupts, and it keeps them for the next start)."""
+        return self._given_up + self._waiting + self._queue + self._flying
+
+    @property
+    def unsent(self) -> bool:
+        """Outcomes are posted that the next write will take, and none is being written: they go out as
+        soon as this writer's task runs."""
+        return bool(self._queue) and not self._flying
+
+    @property
+    def pending(self) -> int:
+        """Outcomes posted and not yet answered by the store."""
+        return len(self._queue) + len(self._waiting) + len(self._flying)
+
+    async def flushed(self) -> None:
+        """Until every outcome posted so far has been written (or given up on)."""
+        while self.pending:
+            await self._flushed.wait()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            now = anyio.current_time()
+            due = [p for p in self._waiting if p.retry_at <= now]
+            if not self._queue and not due:
+                self._posted = anyio.Event()
+                wait_s = min((p.retry_at for p in self._waiting), default=now + 3600.0) - now
+                with anyio.move_on_after(wait_s):
+                    await self._posted.wait()
+                continue
+            self._waiting = [p for p in self._waiting if p.retry_at > now]
+            batch, self._queue = due + self._queue, []  # the retried first: they waited longest
+            self._flying = batch
+            try:
+                self._waiting.extend(await self._write(batch))
+            finally:
+                self._flying = []
+            if not self.pending:
+                self._flushed.set()
+
+    async def _write(self, batch: list[Posted]) -> list[Posted]:
+        """Write a batch and report each answer; the outcomes to try again because the store was away."""
+        endings = [Ending(p.held.lease, p.outcome, p.now, resent=p.tries > 0) for p in batch]
+        try:
+            answers: list[State | TidepoolError] = await self._store.finish_many(endings, policy=self._policy())
+        except Exception as exc:  # the adapter failed as a whole: every outcome of the batch shares it
+            if not isinstance(exc, StoreUnavailable):
+                log.exception("outcomes of %d tasks: finish_many failed", len(batch))
+            unavailable = exc if isinstance(exc, StoreUnavailable) else StoreUnavailable(f"finish_many failed: {exc}")
+            answers = [unavailable] * len(batch)
+        again = []
+        for posted, answer in zip(batch, answers, strict=True):
+            delay_s = self._retry.delay(posted.tries) if isinstance(answer, StoreUnavailable) else None
+            if delay_s is not None:
+                posted.tries += 1
+                posted.retry_at = anyio.current_time() + delay_s
+                log.warning("task %s attempt %s: outcome not written yet, retrying in %.1fs: %s", posted.task.id,
+                            posted.held.lease.attempt_id, delay_s, answer)
+                again.append(posted)
+                continue
+            if isinstance(answer, StoreUnavailable) and posted.outcome.status is AttemptStatus.INTERRUPTED:
+                self._given_up.append(posted)
+            try:
+                self._report(posted, answer)
+            except Exception:  # a bug in reporting must not stop the writing of everyone's outcomes
+                log.exception("task %s attempt %s: reporting its outcome failed", posted.task.id,
+                              posted.held.lease.attempt_id)
+        return again
+
+
+class UnwrittenInterruptions:
+    """Attempts a shutdown interrupted but could not record so (the store was away), kept in a file of the
+    node's state dir until its next start writes them: left to expire, each would be charged as a crash
+    and could fail a task that never failed (an interruption is not charged to the task's attempts)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def keep(self, attempt_ids: Iterable[str]) -> None:
+        ids = sorted(attempt_ids)
+        if not ids:
+            return
+        try:
+            self.path.write_text(json.dumps({"interrupted": ids}))
+        except OSError as exc:
+            log.warning("cannot keep %d interrupted attempts for the next start in %s: %s", len(ids), self.path, exc)
+
+    def read(self) -> frozenset[str]:
+        """The kept attempt ids; forget() them once they are written."""
+        try:
+            return frozenset(json.loads(self.path.read_text())["interrupted"])
+        except FileNotFoundError:
+            return frozenset()
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("unreadable %s, ignored: %s", self.path, exc)
+            return frozenset()
+
+    def forget(self) -> None:
+        self.path.unlink(missing_ok=True)

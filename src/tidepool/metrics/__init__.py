@@ -1,0 +1,2 @@
+"""Metrics: the node's Prometheus exporter and its families.
+"""

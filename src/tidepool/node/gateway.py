@@ -1,0 +1,43 @@
+"""A node's gateway for remote workers: the worker protocol over this node's store, the watch that tells
+its workers of API cancels and of other gateways' notices, and, when gateway.listen is set, the mutual-TLS
+listener, whose certificates are read at start and again on each reload."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+from anyio.abc import TaskGroup
+
+from ..events import EventBus
+from ..gateway.listener import serve_gateway
+from ..gateway.protocol import Gateway
+from ..gateway.tls import Credentials
+from ..gateway.watch import Watch
+from ..lifecycle import RetryPolicy
+from ..settings import Settings
+from ..store import Store
+
+
+class NodeGateway:
+    def __init__(self, store: Store, events: EventBus, settings: Settings,
+                 policy: Callable[[], RetryPolicy]) -> None:
+        self.gateway = Gateway(store, events, settings=settings.gateway, lease=settings.lease,
+                               policy=policy, max_body_kb=settings.api.max_body_kb)
+        self.watch = Watch(self.gateway)
+        events.listen(self.watch.on_event)
+        self.credentials: Credentials | None = None  # the listener's TLS, when it listens
+
+    def read_credentials(self, settings: Settings) -> None:
+        self.credentials = Credentials(settings.gateway) if settings.gateway.listen else None
+
+    async def start(self, tg: TaskGroup, settings: Settings) -> None:
+        """The watch and the listener, when this node listens: bound before the pool starts, as the API is."""
+        if self.credentials is not None:
+            await tg.start(self.watch.run)
+            await tg.start(partial(serve_gateway, self.gateway, self.credentials, settings.gateway.listen))
+
+    def configure(self, new: Settings) -> None:
+        self.gateway.configure(new.gateway, new.lease)
+        if self.credentials is not None:  # new connections get the files' certificates; live ones keep theirs
+            self.credentials.reload(new.gateway)
