@@ -16,8 +16,9 @@ def package(tmp_path: Path) -> Iterator[Path]:
     root = tmp_path / "fake_migrations"
     root.mkdir()
     (root / "__init__.py").write_text("")
+    (root / "sql").mkdir()
     sys.path.insert(0, str(tmp_path))
-    yield root
+    yield root / "sql"
     sys.path.remove(str(tmp_path))
     sys.modules.pop("fake_migrations", None)
 

@@ -1,12 +1,12 @@
-"""SQL kept in .sql files beside the adapter that runs it: numbered migrations and named queries.
+"""SQL kept in .sql files in the `sql/` folder of the adapter that runs it: numbered migrations and named
+queries, under the same file names in both dialects.
 
 A migration is `NNN_what.sql`; its number is the schema version it brings the store to, so the order is
 the files' and a gap is an error. A query file holds sections, each opened by a `-- name: X` line. A query
 may name what both adapters share, filled in when the file is loaded: the state sets of `rules` as
 `{queued}`, `{active}`, `{working}`, `{terminal}`, `{unfinished}`, and the column lists of `rows` as
 `{task_columns}`, `{attempt_columns}`, `{result_columns}`, `{schedule_columns}`, `{node_columns}`,
-`{worker_columns}`, and of `rows` as `{scan_columns}`. Any
-other text stays as it is: a `{marks}` for the adapter to fill per call (a list of `?` marks, say), or
+`{worker_columns}` and `{scan_columns}`. Any other text stays as it is: a `{marks}` for the adapter to fill per call (a list of `?` marks, say), or
 braces of PostgreSQL's own.
 """
 
@@ -28,8 +28,8 @@ MIGRATION = re.compile(r"^(\d{3})_\w+\.sql$")
 
 
 def queries(package: str, file: str) -> dict[str, str]:
-    """The named sections of `file` in `package`, by name, what both adapters share filled in."""
-    parts = NAME.split(resources.files(package).joinpath(file).read_text(encoding="utf-8"))
+    """The named sections of `package`'s sql/`file`, by name, what both adapters share filled in."""
+    parts = NAME.split(resources.files(package).joinpath("sql", file).read_text(encoding="utf-8"))
     named = dict(zip(parts[1::2], parts[2::2], strict=True))
     if len(named) != len(parts) // 2:
         raise RuntimeError(f"{package}/{file}: a query name is used twice")
@@ -37,9 +37,9 @@ def queries(package: str, file: str) -> dict[str, str]:
 
 
 def migrations(package: str) -> list[tuple[int, str]]:
-    """The migration scripts of `package` as (the version each brings the schema to, its text), in order."""
+    """The migration scripts in `package`'s sql/ as (the version each brings the schema to, its text), in order."""
     found: dict[int, str] = {}
-    for entry in resources.files(package).iterdir():
+    for entry in resources.files(package).joinpath("sql").iterdir():
         if m := MIGRATION.match(entry.name):
             if int(m.group(1)) in found:
                 raise RuntimeError(f"{package}: two migrations are numbered {m.group(1)}")

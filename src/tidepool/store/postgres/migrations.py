@@ -9,7 +9,7 @@ from .. import sql
 from .connection import Conn
 
 MIGRATIONS = sql.migrations(__package__)
-CLAIM_FUNCTION = resources.files(__package__).joinpath("claim.sql").read_text(encoding="utf-8")
+CLAIM_FUNCTION = resources.files(__package__).joinpath("sql", "claim.sql").read_text(encoding="utf-8")
 MIGRATE_TIMEOUT_S = 60.0  # a migration may rewrite a big table: it runs once, at open, not as a store call
 MIGRATE_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))"
 
