@@ -6,6 +6,12 @@ When stderr is the journal (systemd sets JOURNAL_STREAM to its device:inode), ea
 with `<N>`, the syslog priority journald reads and strips, and the timestamp is left to journald.
 `lifecycle` is an event bus listener that writes the steps of tasks the engine does not log itself
 (created, leased, each phase, each plugin) at debug level, and worker starts and stops at info.
+
+Completed tasks are logged within a budget (Completions): one line per task up to LINES_PER_S a second,
+then the rest counted in one line when the second is over. A failure, a retry, a timeout or a cancel is
+always logged at once. A pool finishing thousands of no-op tasks a second would otherwise spend about as
+much of its event loop on writing their lines as on running them, and journald's default rate limit
+(10,000 lines per 30 s for a service) would drop most of them anyway.
 """
 
 from __future__ import annotations
@@ -181,20 +187,13 @@ def lifecycle(event: Event) -> None:
                         extra={"worker_id": d.get("worker_id")})
 
 
-# The log lines of tasks that completed: one per task up to a budget a second, then one line a second.
-#
-# A failure, a retry, a timeout or a cancel is always logged at once, by the engine. A completion is
-# routine: at a few a second each gets its `task <id> attempt <id> -> completed` line, as an operator
-# greps for; past LINES_PER_S in a second the rest are counted and said in one line when the second is
-# over. A pool finishing thousands of no-op tasks a second would otherwise spend about as much of its
-# event loop on writing their lines as on running them, and journald's default rate limit (10,000
-# lines per 30 s for a service) would drop most of them anyway.
-
 LINES_PER_S = 100  # completions logged one by one in a second; the rest are counted
 WINDOW_S = 1.0
 
 
 class Completions:
+    """The `task <id> attempt <id> -> completed` lines an operator greps for, within LINES_PER_S a second."""
+
     def __init__(self, logger: logging.Logger, *, lines_per_s: int = LINES_PER_S,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self._log = logger

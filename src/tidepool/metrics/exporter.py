@@ -1,10 +1,12 @@
-"""Prometheus metrics of one node: counters and histograms fed by the event bus, gauges read at scrape time.
+"""The node's Prometheus exporter: counters and histograms fed by the event bus, gauges read at scrape time.
 
 Every series whose label values are known is exported from the start, at zero: the task types this node
 defines (read at each scrape, so a reload's new types appear too) by terminal state, the reconciler's
 actions, the workers' kinds and reasons, and so on. The families come from a registry of this node's
 own, so several daemons in one process (tests) do not clash. Durations are measured between event
-timestamps.
+timestamps. The gauges read at scrape time are the pool's workers and the host guards; the scans'
+series count scans created and ended, and their steps ended, by profile (every profile this node defines
+at zero before its first scan).
 """
 
 from __future__ import annotations
@@ -377,8 +379,6 @@ def _kill_reason(error: dict[str, Any] | None) -> str | None:
     return KILL_REASONS.get(code or "")
 
 
-# The gauges a scrape reads from this node's live parts: its pool's workers and the host guards.
-
 GUARDS = ("memory", "disk")
 
 
@@ -410,10 +410,6 @@ def guard_families(stats: GuardStats | None, tripped_by_events: dict[str, int]) 
                 free.add_metric([guard], mb * 2**20)
         yield free
 
-
-# The scans' series of a node's metrics: scans created and ended, and their steps ended, by profile.
-#
-# Every profile this node defines gets its series, at zero, before its first scan.
 
 SCAN_ENDS = ("cancelled", "failed", "succeeded")
 JOB_ENDS = ("cancelled", "failed", "success", "timeout")  # a job skipped is told by its scan's end

@@ -2,6 +2,12 @@
 
 A row is a sequence in the order of its column list. Where the adapters store a value differently (a tag
 list is a PostgreSQL array but JSON text in SQLite), the function takes that value already decoded.
+
+A scan row is SCAN_COLUMNS; a job row JOB_COLUMNS followed by its task's state, attempts started and error
+(a LEFT JOIN: NULL once the task is pruned). A scan step's task row names its scan, job index and retry
+number (tasks.scan_id, scan_index, scan_retry), so the transaction that ends it finds its scan. A scan's
+payload and scope, and its steps' task payloads, are stored as the compact JSON their bounds are measured
+in (canonical_json), not json.dumps' default, whose escapes and spaces would store more.
 """
 
 from __future__ import annotations
@@ -146,14 +152,7 @@ def worker_values(w: RemoteWorker, *, lists: Callable[[tuple[str, ...]], Any]) -
             json.dumps([list(s) for s in w.slots]), w.version, seen, w.first_seen, w.last_seen, w.address)
 
 
-# The scans' rows both SQL adapters read, and what a scan's next move writes, decided alike for both.
-#
-# A scan row is SCAN_COLUMNS; a job row JOB_COLUMNS followed by its task's state, attempts started and error
-# (a LEFT JOIN: NULL once the task is pruned). A scan step's task row names its scan, job index and retry
-# number (tasks.scan_id, scan_index, scan_retry), so the transaction that ends it finds its scan.
-#
-# A scan's payload and scope, and its steps' task payloads, are stored as the compact JSON their bounds are
-# measured in (canonical_json), not json.dumps' default, whose escapes and spaces would store more.
+# scans: their rows, and what a scan's next move writes, decided alike for both SQL adapters
 
 SCAN_COLUMNS = ("id, profile, state, organization, payload, scope, priority, continue_on_failure, idempotency_key, "
                 "created_at, updated_at, finished_at, cancel_requested_at")

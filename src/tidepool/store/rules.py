@@ -1,5 +1,11 @@
-"""What every store adapter decides alike: room checks, cancel and retry steps, expiry outcomes, who may
-end an attempt, and the state sets their SQL names, rendered from the model."""
+"""The rules every store adapter decides alike: room checks, cancel and retry steps, expiry outcomes, who may
+end an attempt, the state sets their SQL names (rendered from the model), and the remote workers of the
+registry: their first record, a later contact, an operator's change, which organizations a change takes
+away, the room an acquire has, and which task types a worker's globs allow.
+
+A task type glob is an fnmatch pattern with only `*` (any run of characters) and `?` (any one): every
+other character, `[` included, means itself, so the stores' SQL matches exactly what Python does.
+"""
 
 from __future__ import annotations
 
@@ -127,12 +133,7 @@ def step_retry_refused(task_id: str, scan_id: str, index: int) -> str:
             f"(POST /v1/scans/{scan_id}/jobs/{index}/retry), so the steps after it run again")
 
 
-# What every store decides alike about the remote workers of the registry: their first record, a later
-# contact, an operator's change, which organizations a change takes away, the room an acquire has, and
-# which task types a worker's globs allow.
-#
-# A task type glob is an fnmatch pattern with only `*` (any run of characters) and `?` (any one): every
-# other character, `[` included, means itself, so the stores' SQL matches exactly what Python does.
+# the worker registry
 
 ORGANIZATION = re.compile(ORGANIZATION_PATTERN)
 MAX_ORGANIZATIONS = 256

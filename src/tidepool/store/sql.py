@@ -6,8 +6,8 @@ the files' and a gap is an error. A query file holds sections, each opened by a 
 may name what both adapters share, filled in when the file is loaded: the state sets of `rules` as
 `{queued}`, `{active}`, `{working}`, `{terminal}`, `{unfinished}`, and the column lists of `rows` as
 `{task_columns}`, `{attempt_columns}`, `{result_columns}`, `{schedule_columns}`, `{node_columns}`,
-`{worker_columns}` and `{scan_columns}`. Any other text stays as it is: a `{marks}` for the adapter to fill per call (a list of `?` marks, say), or
-braces of PostgreSQL's own.
+`{worker_columns}` and `{scan_columns}`. Any other text stays as it is: a `{marks}` for the adapter to
+fill per call (a list of `?` marks, say), or braces of PostgreSQL's own.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
-"""Gone nodes: the attempts of a node that stopped heartbeating are expired within seconds, not a lease later.
+"""The fleet: this node's heartbeat, and the nodes gone, whose attempts are expired within seconds, not a lease later.
 
-Every node saves its row every `heartbeat_s` and counts as alive for three of them. A node not heard
+Every node saves its row every `heartbeat_s` (Heartbeat: saved at start, re-saved every heartbeat, marked
+stopped at the end) and counts as alive for three of them. The rows are what `GET /v1/nodes` and
+`tidepool nodes` show: which nodes share the store, what they accept, and whether each is alive. A node
+that cannot reach the store keeps running and says so once per outage; its row goes stale, which is the
+truth other nodes should see. A node not heard
 of for longer than that (and not stopped cleanly) is gone: each surviving node's watch expires the
 gone node's leases at once, as ended when the node was last heard of, so they run again elsewhere
 without waiting out the lease. The gone node cannot be working on them any more: its own lease
@@ -117,14 +121,7 @@ def _utc(ts: float) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(ts))
 
 
-# This node's row in the fleet's registry: saved at start, re-saved every heartbeat, marked stopped at the end.
-#
-# The registry is what `GET /v1/nodes` and `tidepool nodes` show: which nodes share the store, what
-# they accept, and whether each is alive (heard from within three of its own heartbeats). A node
-# that cannot reach the store keeps running and says so once per outage; its row goes stale, which
-# is the truth other nodes should see.
-
-log = logging.getLogger("tidepool.nodes")
+heartbeat_log = logging.getLogger("tidepool.nodes")  # the name the heartbeat's lines always had
 HEARTBEAT_S = 2.0
 LEAVE_TIMEOUT_S = 2.0  # a clean shutdown waits this long at most to say it stopped
 
@@ -141,7 +138,7 @@ class Heartbeat:
         self.interval_s = interval_s
         self._clock = clock
         self._monotonic = monotonic
-        self._outage = Outage(log)
+        self._outage = Outage(heartbeat_log)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await self.beat()
@@ -171,5 +168,5 @@ class Heartbeat:
             try:
                 await self._store.save_node(replace(node, stopped_at=now))
             except StoreUnavailable as exc:
-                log.warning("node %s could not record its stop: %s", node.node_id, exc)
+                heartbeat_log.warning("node %s could not record its stop: %s", node.node_id, exc)
 
