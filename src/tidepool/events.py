@@ -69,7 +69,9 @@ PLUGIN_FINISHED = Shape("plugin.finished", "task_id", "worker_id", "plugin", "du
 TASK_FINISHED = Shape("task.finished", "task_id", "worker_id", "state", "error", "type")
 
 
-class Waker(Protocol):
+class Sleeper(Protocol):
+    """A reader waiting for the next event: woken once, when one is published."""
+
     def wake(self) -> None: ...
 
 
@@ -189,7 +191,7 @@ class EventBus:
         self._encoded: list[bytes | None] = [None] * ring_size
         self.first_id = first_id
         self.next_id = first_id
-        self._sleeping: set[Waker] = set()
+        self._sleeping: set[Sleeper] = set()
         self._subscribers: set[Subscription] = set()
         self._by_task: dict[str, list[Subscription]] = {}  # filtered on a task id (and maybe names)
         self._by_name_only: list[Subscription] = []         # filtered on names alone
@@ -251,11 +253,11 @@ class EventBus:
             for sub in routes:
                 sub.hand(event)
 
-    def wake_at_next_publish(self, sleeper: Waker) -> None:
+    def wake_at_next_publish(self, sleeper: Sleeper) -> None:
         """Call sleeper.wake() once, at the next publish (or at close): an unfiltered reader's wait."""
         self._sleeping.add(sleeper)
 
-    def stop_waking(self, sleeper: Waker) -> None:
+    def stop_waking(self, sleeper: Sleeper) -> None:
         self._sleeping.discard(sleeper)
 
     @property

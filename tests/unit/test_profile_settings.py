@@ -4,7 +4,7 @@ import pytest
 
 from tidepool import settings
 from tidepool.errors import ConfigError
-from tidepool.node import daemon
+from tidepool.node import startup
 from tidepool.settings import ProfileSettings, TypeSettings
 
 
@@ -24,7 +24,7 @@ def test_a_step_naming_a_plugin_is_a_type_of_that_one_plugin_and_a_type_keeps_it
     assert loaded.all_types["slow"].max_attempts == 1
     assert loaded.all_types["noop"] == settings.BUILTIN_TYPES["noop"]
     assert loaded.all_profiles["web"].continue_on_failure is True
-    daemon.check_startable(loaded)  # the registry builds every step's type
+    startup.check_startable(loaded)  # the registry builds every step's type
 
 
 @pytest.mark.parametrize(("profiles", "more", "named"), [

@@ -90,20 +90,9 @@ def _have_uvloop() -> bool:
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    from ..node.daemon import redacted
-    from ..store import SCHEMA_VERSION, open_store
+    from ..node.startup import migrate, redacted
 
-    if settings.store.remote:
-        raise ConfigError("config: store.url: a remote worker has no schema of its own; run tidepool migrate on "
-                          "its gateway")
-
-    async def migrate() -> int:
-        store = open_store(settings.store.url)
-        found = await store.open(migrate=True)
-        await store.close()
-        return found
-
-    found, current = asyncio.run(migrate()), SCHEMA_VERSION
+    found, current = asyncio.run(migrate(settings))
     where = f"store {redacted(settings.store.url)}"
     if found == current:
         print(f"{where}: the schema is current (version {current}); nothing to do")
@@ -115,7 +104,7 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
-    from ..node.daemon import check_startable, redacted  # the daemon's modules: not loaded for the client commands
+    from ..node.startup import check_startable, redacted  # the daemon's modules: not loaded for the client commands
 
     check_startable(settings)
     effective = settings.model_dump(mode="json")

@@ -7,7 +7,6 @@ import gc
 import logging
 import math
 import os
-import re
 import signal
 import socket
 import time
@@ -45,8 +44,7 @@ from .gateway import NodeGateway
 from .lock import file_safe, node_lock
 from .operations import NodeOperations, NodeParts, NodeStatus, store_answers
 from .remote import RemoteOperations, attach_remote
-from .startup import check_startable as check_startable  # `tidepool config check` asks it here
-from .startup import check_state_dir, plugin_registry, say_left_out
+from .startup import check_state_dir, plugin_registry, redacted, say_left_out
 from .systemd import Notifier, report_status, run_watchdog
 
 log = logging.getLogger("tidepool.service")
@@ -390,8 +388,3 @@ def _quiet_gc() -> None:
 def _loop_name() -> str:
     return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
 
-
-def redacted(url: str) -> str:
-    """The URL with its password, if any, as ***: for logs and messages. libpq takes one in the query too."""
-    url = re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
-    return re.sub(r"([?&](?:ssl)?password=)[^&]*", r"\1***", url)

@@ -1,9 +1,10 @@
-"""What a node's settings must pass before it starts, checked by the calls a daemon starts with, and what
-they leave out."""
+"""A node's start-up checks: what its settings must pass before it starts, checked by the calls a daemon
+starts with, what they leave out, and the store's schema brought up to date (`tidepool migrate`)."""
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 from ..api import load_token
@@ -12,7 +13,7 @@ from ..execution.resources import ResourcePool
 from ..gateway.tls import Credentials
 from ..plugins import Registry
 from ..settings import BUILTIN_TYPES, Settings
-from ..store import open_store
+from ..store import SCHEMA_VERSION, open_store
 
 log = logging.getLogger("tidepool.service")  # the node's own lines, under the name they always had
 
@@ -28,6 +29,23 @@ def check_startable(settings: Settings) -> None:
     check_state_dir(settings.node.state_dir)
     if settings.gateway.listen:
         Credentials(settings.gateway)
+
+
+async def migrate(settings: Settings) -> tuple[int, int]:
+    """Create or upgrade the store's schema: the version it had (0: none) and the one it has now."""
+    if settings.store.remote:
+        raise ConfigError("config: store.url: a remote worker has no schema of its own; run tidepool migrate on "
+                          "its gateway")
+    store = open_store(settings.store.url)
+    found = await store.open(migrate=True)
+    await store.close()
+    return found, SCHEMA_VERSION
+
+
+def redacted(url: str) -> str:
+    """The URL with its password, if any, as ***: for logs and messages. libpq takes one in the query too."""
+    url = re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
+    return re.sub(r"([?&](?:ssl)?password=)[^&]*", r"\1***", url)
 
 
 def check_state_dir(state_dir: Path) -> None:
