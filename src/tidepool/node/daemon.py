@@ -1,4 +1,8 @@
-"""The composition root: builds a node from settings, runs it, drains it on SIGTERM, reloads on SIGHUP."""
+"""The daemon: one node built from its settings (the composition root), run, drained on SIGTERM, reloaded
+on SIGHUP.
+
+A remote worker is built of the same parts but its store, which is its gateway: it runs no upkeep (no
+reconciler, scheduler, heartbeat or watch for gone nodes), since those run where the queue is."""
 
 from __future__ import annotations
 
@@ -156,7 +160,8 @@ class Daemon:
                         tg.start_soon(self.reload)
                     await self._shutdown.wait()
                     await self._drain()
-                    await self.heartbeat.leave()
+                    if self.remote is None:
+                        await self.heartbeat.leave()
                     tg.cancel_scope.cancel()
             finally:
                 with anyio.CancelScope(shield=True):
@@ -181,7 +186,8 @@ class Daemon:
         await tg.start(self._handle_signals)  # first: from here on a SIGTERM drains, never kills
         await tg.start(self.leases.run)
         await tg.start(partial(self.store.watch, self.waker.wake))  # other nodes' submits wake us
-        await tg.start(self.heartbeat.run)
+        if self.remote is None:  # the fleet's rows live in the store; a gateway knows its workers by their calls
+            await tg.start(self.heartbeat.run)
         await tg.start(self.guards.run)  # a first measure before the first claim
         await tg.start(partial(serve_api, self.ops, self.settings.api.listen, token=token))
         await self.node_gateway.start(tg, self.settings)
