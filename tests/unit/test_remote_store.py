@@ -15,8 +15,8 @@ from tidepool.gateway import pki
 from tidepool.model import Phase, State, Task, TaskError
 from tidepool.store import open_store
 from tidepool.store.remote import LeaseTerms, RemoteStore
-from tidepool.store.remote.control import Standing, sse_events
-from tidepool.store.remote.wire import client_tls, task_of
+from tidepool.store.remote.database import client_tls, task_of
+from tidepool.store.remote.workers import Standing, sse_events
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -125,9 +125,9 @@ def test_a_disabled_worker_asks_only_while_its_control_stream_is_down() -> None:
 def test_a_parked_acquire_s_lease_is_placed_within_its_request_s_span(lab: pki.Lab, skew_s: float,
                                                                        expected: float) -> None:
     store = RemoteStore("https://127.0.0.1:8471", **files(lab))
-    store.terms = LeaseTerms(lease_s=4.0, renew_after_s=1.0)
+    store._leases.terms = LeaseTerms(lease_s=4.0, renew_after_s=1.0)
     # Sent at monotonic 98, answered at 101; the gateway granted the lease at its 1000, for 4 s.
-    assert store._lease_end(1004.0, sent=98.0, received=101.0, received_clock=1001.0 + skew_s) == expected
+    assert store._leases._lease_end(1004.0, sent=98.0, received=101.0, received_clock=1001.0 + skew_s) == expected
 
 
 def test_a_remote_worker_cannot_be_a_gateway_too(lab: pki.Lab, tmp_path: Path) -> None:
@@ -146,7 +146,7 @@ def test_an_acquire_never_asks_for_more_than_the_gateway_takes() -> None:
     # gateway's bound, else every claim of a large pool would be refused with 400.
     from tidepool.gateway.schemas import MAX_ACQUIRE as GATEWAY_MAX
     from tidepool.settings.sections import PoolSettings
-    from tidepool.store.remote.adapter import MAX_ACQUIRE
+    from tidepool.store.remote.leases import MAX_ACQUIRE
 
     assert MAX_ACQUIRE == GATEWAY_MAX
     assert PoolSettings.model_fields["claim_batch"].metadata[-1].le > MAX_ACQUIRE

@@ -1,11 +1,12 @@
-"""What a remote worker hears of its gateway's registry: its standing (enabled, disabled, revoked,
-pending) as the last answer or the control stream said it, and the control stream followed, acted
-on at once, and reconnected with jittered backoff whenever it drops."""
+"""A remote worker's standing in its gateway's registry (enabled, disabled, revoked, pending), as the last
+answer or the control stream said it, and that control stream: followed, acted on at once, reconnected
+with jittered backoff whenever it drops.
+
+The registry itself is the gateway's: its verbs refuse here with RemoteNode, naming the gateway to ask."""
 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
@@ -13,11 +14,12 @@ import aiohttp
 import anyio
 from anyio.abc import TaskStatus
 
-from ...errors import StoreUnavailable
+from ...errors import RemoteNode, StoreUnavailable
 from ...logs import Outage
-from .wire import RECONNECT, Answer, Refusal, Wire, checked, parse_json, reason
+from ...model import RemoteWorker
+from ..port import Acquired, Revoked
+from .database import RECONNECT, Answer, Refusal, Wire, checked, log, parse_json, reason
 
-log = logging.getLogger("tidepool.remote")
 CONTROL_IDLE_S = 45.0  # no byte (event or heartbeat comment) for this long: the stream is dead, reconnect
 STABLE_S = 5.0  # a stream up this long starts the backoff again; one dropped sooner keeps backing off
 
@@ -147,3 +149,34 @@ async def sse_events(content: AsyncIterable[bytes]) -> AsyncIterator[tuple[str, 
                 name = value
             elif field == "data":
                 data.append(value)
+
+
+# the registry's verbs, the gateway's
+
+
+async def meet_worker(gateway_url: str) -> RemoteWorker:
+    raise RemoteNode(gateway_url)
+
+
+async def list_workers(gateway_url: str) -> list[RemoteWorker]:
+    raise RemoteNode(gateway_url)
+
+
+async def get_worker(gateway_url: str) -> RemoteWorker:
+    raise RemoteNode(gateway_url)
+
+
+async def change_worker(gateway_url: str) -> tuple[RemoteWorker, list[Revoked]]:
+    raise RemoteNode(gateway_url)
+
+
+async def revoke_worker(gateway_url: str) -> tuple[RemoteWorker, list[Revoked]]:
+    raise RemoteNode(gateway_url)
+
+
+async def acquire(gateway_url: str) -> Acquired:
+    raise RemoteNode(gateway_url)
+
+
+async def attempt_owners(gateway_url: str) -> dict[str, str]:
+    raise RemoteNode(gateway_url)

@@ -1,4 +1,5 @@
-"""The worker's store port over a gateway's /w1 routes, for a remote worker (store.url = "https://…").
+"""A remote worker's leases: the worker verbs over its gateway's /w1 routes (claims as acquires, renewals,
+phase notes, results, endings), and which of its leases are still live here.
 
 Claims are acquires. One claim at a time is parked at the gateway (a long poll it answers the moment
 a task it may take exists); the others meanwhile ask without waiting, so however the pool shares its
@@ -17,23 +18,16 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
-from anyio.abc import TaskStatus
 
 from ...errors import Conflict, InvalidRequest, LeaseLost, StoreError, StoreUnavailable, TaskCancelling, TidepoolError
 from ...lifecycle import RetryPolicy
-from ...model import Claimed, ClaimFilter, Lease, Outcome, Phase, ResultBatch, State, Worker, new_id, sha256_of
-from ..port import Ending, Node, PhaseNote
-from ..rules import finish_alone
-from .control import ControlStream, Standing, log
-from .fence import LocalLeases, ended_here
-from .queue import RemoteQueue
-from .wire import RECONNECT, REQUEST_TIMEOUT_S, Answer, Calls, Refusal, Wire, client_tls, instant, task_of
-
-if TYPE_CHECKING:
-    from ...execution.leases import Held
+from ...model import Claimed, ClaimFilter, Lease, Phase, ResultBatch, State, Worker, new_id, sha256_of
+from ..port import Ending, PhaseNote
+from .database import RECONNECT, REQUEST_TIMEOUT_S, Answer, Calls, Refusal, instant, log, task_of
+from .workers import Standing
 
 PARK_S = 25.0            # asked of the gateway, which holds an acquire at most its gateway.max_wait_s
 RESULT_TIMEOUT_S = 30.0  # a result batch may be large
@@ -49,41 +43,38 @@ class LeaseTerms:
     renew_after_s: float = 10.0
 
 
-class RemoteStore(RemoteQueue):
-    def __init__(self, url: str, *, cert_file: str, key_file: str, ca_file: str,
-                 monotonic: Callable[[], float] = time.monotonic, clock: Callable[[], float] = time.time) -> None:
-        super().__init__(url)
-        self._wire = Wire(url, client_tls(cert_file=cert_file, key_file=key_file, ca_file=ca_file))
+class HeldAttempt(Protocol):
+    """An attempt the lease keeper holds, as the gateway's cancels and revoke reach it: its lease, and how
+    to stop it (`why`: "cancel" or "lost")."""
+
+    @property
+    def lease(self) -> Lease: ...
+    def stop(self, why: str) -> None: ...
+
+
+class GatewayLeases:
+    """The worker verbs of one remote worker, sent to its gateway, and the one claim parked there."""
+
+    def __init__(self, url: str, calls: Calls, standing: Standing, *, monotonic: Callable[[], float],
+                 clock: Callable[[], float]) -> None:
+        self.url = url
+        self._calls = calls
+        self._standing = standing
         self._monotonic = monotonic
         self._clock = clock
         self.terms = LeaseTerms()
         self._on_terms: Callable[[LeaseTerms], None] = lambda terms: None
-        self._leases = LocalLeases(monotonic)
-        self._wake: Callable[[int], None] = lambda n: None  # the pool's, from watch()
-        self._wake_max: Callable[[], None] = lambda: None
-        self._held: Callable[[], Sequence[Held]] = list  # the lease keeper's attempts, once attached
+        self._live = LocalLeases(monotonic)
+        self.wake: Callable[[int], None] = lambda n: None  # the pool's, from watch()
+        self._held: Callable[[], Sequence[HeldAttempt]] = list  # the lease keeper's attempts, once attached
         self._on_revoked: Callable[[], None] = lambda: None
-        self.standing = Standing(on_enabled=lambda: self._wake_max(), on_revoked=self._revoked)
-        self._control = ControlStream(self._wire, self.standing, cancel=self._cancel,
-                                      wake_max=lambda: self._wake_max())
         self._parked = False
         self._park_scope: anyio.CancelScope | None = None
         self._stopping = False
-        self._calls = Calls(self._wire, log, monotonic)
 
-    # wiring
-
-    def attach(self, *, held: Callable[[], Sequence[Held]], on_terms: Callable[[LeaseTerms], None],
-               wake_max: Callable[[], None], on_revoked: Callable[[], None]) -> None:
-        """The node's parts: the lease keeper's attempts, for the gateway's cancels and revoke; on_terms(terms)
-        to renew at the gateway's pace; wake_max() to wake every idle worker (enabled again, a control stream
-        back: wake-ups may have been missed); on_revoked() once every attempt was told to stop."""
-        self._held, self._on_terms, self._wake_max, self._on_revoked = held, on_terms, wake_max, on_revoked
-
-    def use_certificates(self, *, cert_file: str, key_file: str, ca_file: str) -> None:
-        """A reload: the files read again (a rotated certificate, a new CA bundle), for the connections made
-        from now on; ConfigError naming the key, and nothing changed, when one cannot be loaded."""
-        self._wire.tls = client_tls(cert_file=cert_file, key_file=key_file, ca_file=ca_file)
+    def attach(self, *, held: Callable[[], Sequence[HeldAttempt]], on_terms: Callable[[LeaseTerms], None],
+               on_revoked: Callable[[], None]) -> None:
+        self._held, self._on_terms, self._on_revoked = held, on_terms, on_revoked
 
     def stop_acquiring(self) -> None:
         """A drain: claim nothing more; a parked acquire comes back with what the gateway leased meanwhile."""
@@ -91,24 +82,11 @@ class RemoteStore(RemoteQueue):
         if self._park_scope is not None:
             self._park_scope.cancel()
 
-    async def open(self, *, migrate: bool = True) -> int:
-        """Nothing is sent: a gateway away at start is reached when it comes back. A worker has no schema."""
-        self._wire.open()
-        return 0
-
-    async def close(self) -> None:
-        await self._wire.close()
-
-    async def write_failure(self) -> str | None:
-        if self.standing.state in ("revoked", "pending"):
-            return f"the gateway {self.url} has this worker {self.standing.state}"
-        return self._calls.gone
-
     # claims
 
     async def claim(self, worker: Worker, where: ClaimFilter, *, limit: int, now: float,
                     lease_s: float) -> list[Claimed]:
-        if self._stopping or not self.standing.may_acquire():
+        if self._stopping or not self._standing.may_acquire():
             return []
         if self._parked:  # another claim waits at the gateway already, and tries it again while it is away
             return [] if self._calls.gone else await self._acquire(where, limit, wait_s=0.0, request_id=new_id())
@@ -118,7 +96,7 @@ class RemoteStore(RemoteQueue):
         finally:
             self._parked = False
         if claimed:
-            self._wake(1)  # someone else parks while this worker runs what it got
+            self.wake(1)  # someone else parks while this worker runs what it got
         return claimed
 
     async def _park(self, where: ClaimFilter, limit: int) -> list[Claimed]:
@@ -156,20 +134,20 @@ class RemoteStore(RemoteQueue):
         try:
             answer = self._calls.ok(await self._calls.post("/w1/acquire", body, timeout_s=wait_s + REQUEST_TIMEOUT_S))
         except Refusal as exc:
-            self.standing.refused(exc)
+            self._standing.refused(exc)
             return []
         received, received_clock = self._monotonic(), self._clock()
         with self._calls.reading("/w1/acquire"):
             data = answer.body
             self._learn(LeaseTerms(float(data["lease_s"]), float(data["renew_after_s"])))
-            self.standing.heard(str(data.get("worker_state", "enabled")))
+            self._standing.heard(str(data.get("worker_state", "enabled")))
             claimed = []
             for item in data["tasks"]:
                 task = task_of(item["task"])
                 until = self._lease_end(instant(item["lease_expires_at"]), sent=sent, received=received,
                                         received_clock=received_clock)
                 lease = Lease(task.id, item["attempt_id"], item["lease_token"], received_clock + until - received)
-                self._leases.granted(lease.attempt_id, until)
+                self._live.granted(lease.attempt_id, until)
                 claimed.append(Claimed(task, lease))
         return claimed
 
@@ -190,7 +168,7 @@ class RemoteStore(RemoteQueue):
     # the lease keeper's writes
 
     async def renew(self, leases: Sequence[Lease], *, now: float, lease_s: float) -> dict[str, LeaseLost]:
-        live, lost = self._leases.split(leases)
+        live, lost = self._live.split(leases)
         if not live:
             return lost
         sent = self._monotonic()
@@ -204,17 +182,17 @@ class RemoteStore(RemoteQueue):
             for lease in live:
                 item = answered.get(lease.attempt_id, {"status": "lost", "reason": "not in the gateway's answer"})
                 if item["status"] == "held":
-                    self._leases.granted(lease.attempt_id, sent + self.terms.lease_s)
+                    self._live.granted(lease.attempt_id, sent + self.terms.lease_s)
                 elif item["status"] == "cancel":
-                    self._leases.cancelling(lease.attempt_id)
+                    self._live.cancelling(lease.attempt_id)
                     lost[lease.attempt_id] = TaskCancelling(lease.task_id, lease.attempt_id)
                 else:
-                    lost[lease.attempt_id] = self._leases.lost(lease, item.get("reason"))
-            self.standing.heard(str(answer.body.get("worker_state", self.standing.state)))
+                    lost[lease.attempt_id] = self._live.lost(lease, item.get("reason"))
+            self._standing.heard(str(answer.body.get("worker_state", self._standing.state)))
         return lost
 
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
-        live_leases, lost = self._leases.split([n.lease for n in notes])
+        live_leases, lost = self._live.split([n.lease for n in notes])
         live = [n for n in notes if n.lease.attempt_id not in lost]
         if not live:
             return lost
@@ -227,10 +205,10 @@ class RemoteStore(RemoteQueue):
             return lost | self._refused(live_leases, exc)
         with self._calls.reading("/w1/phase"):
             gone = set(answer.body["lost"])
-        return lost | {x.attempt_id: self._leases.lost(x, None) for x in live_leases if x.attempt_id in gone}
+        return lost | {x.attempt_id: self._live.lost(x, None) for x in live_leases if x.attempt_id in gone}
 
     async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
-        if not self._leases.alive(lease.attempt_id):
+        if not self._live.alive(lease.attempt_id):
             raise ended_here(lease)
         body = {"attempt_id": lease.attempt_id, "lease_token": lease.token, "plugin": batch.plugin,
                 "sequence": batch.sequence, "idempotency_key": batch.idempotency_key,
@@ -245,20 +223,17 @@ class RemoteStore(RemoteQueue):
         if answer.status == 409:
             raise Conflict(f"result key {batch.idempotency_key}: {answer.error_message()}")
         if answer.status == 410:
-            raise self._leases.lost(lease, _reason(answer))
+            raise self._live.lost(lease, _reason(answer))
         raise InvalidRequest("result", f"the gateway refused it ({answer.status}): {answer.error_message()}")
 
     # the outcome writer's endings
-
-    async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
-        return await finish_alone(self, lease, outcome, now=now, policy=policy)
 
     async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
         """The gateway applies its own retry policy; `policy` and each ending's `now` are its to decide."""
         answers: dict[str, State | TidepoolError] = {}
         live = []
         for e in endings:
-            if self._leases.alive(e.lease.attempt_id):
+            if self._live.alive(e.lease.attempt_id):
                 live.append(e)
             else:
                 answers[e.lease.attempt_id] = ended_here(e.lease)
@@ -267,7 +242,7 @@ class RemoteStore(RemoteQueue):
             answers |= await self._finish(live)
         for e in endings:
             if not isinstance(answers[e.lease.attempt_id], StoreUnavailable):
-                self._leases.forget(e.lease.attempt_id)
+                self._live.forget(e.lease.attempt_id)
         return [answers[e.lease.attempt_id] for e in endings]
 
     async def _last_progress(self, endings: list[Ending]) -> None:
@@ -282,7 +257,7 @@ class RemoteStore(RemoteQueue):
         """Tried again while the gateway is away (a restart outlasts the outcome writer's few tries), for as long
         as every lease of the batch lasts here: each try is fenced, and past that no ending may go out."""
         body = {"endings": [_ending(e) for e in endings]}
-        budget_s = min(self.terms.lease_s, *(self._leases.time_left(e.lease.attempt_id) for e in endings))
+        budget_s = min(self.terms.lease_s, *(self._live.time_left(e.lease.attempt_id) for e in endings))
         try:
             answer = await self._calls.post_within("/w1/finish", body, budget_s=budget_s)
         except Refusal as exc:
@@ -298,30 +273,21 @@ class RemoteStore(RemoteQueue):
         result: dict[str, State | TidepoolError] = {}
         for e in endings:
             item = answered.get(e.lease.attempt_id, {"lost": "not in the gateway's answer"})
-            result[e.lease.attempt_id] = State(item["state"]) if item.get("state") else self._leases.lost(
+            result[e.lease.attempt_id] = State(item["state"]) if item.get("state") else self._live.lost(
                 e.lease, item.get("lost"))
         return result
 
-    # the node
+    # the gateway's cancels and revoke
 
-    async def save_node(self, node: Node) -> None:
-        """Nothing to save: the gateway's registry hears of this worker from its acquires and renewals."""
-
-    async def watch(self, wake: Callable[[int], None], *,
-                    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Follow the gateway's control stream: its cancels, this worker's state, and wake-ups for the pool."""
-        self._wake = wake
-        await self._control.run(wake, task_status=task_status)
-
-    def _cancel(self, attempt_id: str) -> None:
+    def cancel(self, attempt_id: str) -> None:
         for held in self._held():
             if held.lease.attempt_id == attempt_id:
                 log.info("task %s attempt %s: the gateway asks to cancel it; stopping", held.lease.task_id,
                          attempt_id)
-                self._leases.cancelling(attempt_id)
+                self._live.cancelling(attempt_id)
                 held.stop("cancel")
 
-    def _revoked(self) -> None:
+    def revoked(self) -> None:
         """Revoked: every attempt stops now and writes nothing (the gateway refuses it, and cancels them)."""
         for held in self._held():
             held.stop("lost")
@@ -330,8 +296,8 @@ class RemoteStore(RemoteQueue):
             self._park_scope.cancel()
 
     def _refused(self, leases: Sequence[Lease], exc: Refusal) -> dict[str, LeaseLost]:
-        self.standing.refused(exc)
-        return {x.attempt_id: self._leases.lost(x, exc.code) for x in leases}
+        self._standing.refused(exc)
+        return {x.attempt_id: self._live.lost(x, exc.code) for x in leases}
 
 
 def _ending(e: Ending) -> dict[str, Any]:
@@ -354,3 +320,54 @@ def _reason(answer: Answer) -> str | None:
     if reason is None and isinstance(answer.body, dict):
         reason = answer.body.get("reason")
     return str(reason) if reason is not None else None
+
+
+class LocalLeases:
+    """Which leases are still live here: each one's end on this host's monotonic clock, and the attempts the
+    gateway asked to stop. A write for a lease past its end is not sent: the worker writes nothing more for
+    an attempt it could not renew in time (another worker may run it by now)."""
+
+    def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._monotonic = monotonic
+        self._until: dict[str, float] = {}  # attempt id -> monotonic end of its lease as known here
+        self._cancelling: set[str] = set()  # the gateway asked to stop these: their cancel may still be written
+
+    def granted(self, attempt_id: str, until: float) -> None:
+        """Granted or renewed, to end at monotonic `until`."""
+        self._until[attempt_id] = until
+
+    def cancelling(self, attempt_id: str) -> None:
+        """The gateway takes this attempt's cancel whatever its lease: its ending may go out after the end."""
+        self._cancelling.add(attempt_id)
+
+    def alive(self, attempt_id: str) -> bool:
+        until = self._until.get(attempt_id)
+        return attempt_id in self._cancelling or (until is not None and self._monotonic() < until)
+
+    def time_left(self, attempt_id: str) -> float:
+        """Seconds until the lease ends here; unbounded for a cancel's attempt, whose ending is taken anyway."""
+        if attempt_id in self._cancelling:
+            return float("inf")
+        return self._until.get(attempt_id, 0.0) - self._monotonic()
+
+    def split(self, leases: Sequence[Lease]) -> tuple[list[Lease], dict[str, LeaseLost]]:
+        """The leases still live here, and the others as lost (nothing is to be sent for them)."""
+        live = [x for x in leases if self.alive(x.attempt_id)]
+        return live, {x.attempt_id: ended_here(x) for x in leases if not self.alive(x.attempt_id)}
+
+    def lost(self, lease: Lease, reason: str | None) -> LeaseLost:
+        """The gateway says the lease is gone, and why: a cancel's attempt may still say it stopped."""
+        if reason == "cancelled":
+            self.cancelling(lease.attempt_id)
+            return TaskCancelling(lease.task_id, lease.attempt_id)
+        self.forget(lease.attempt_id)
+        return LeaseLost(lease.task_id, lease.attempt_id, f"the gateway says the lease is lost ({reason or 'lost'})")
+
+    def forget(self, attempt_id: str) -> None:
+        self._until.pop(attempt_id, None)
+        self._cancelling.discard(attempt_id)
+
+
+def ended_here(lease: Lease) -> LeaseLost:
+    return LeaseLost(lease.task_id, lease.attempt_id, "lease ended here before a renewal got through; nothing "
+                                                       "more is written for it")

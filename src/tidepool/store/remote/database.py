@@ -1,6 +1,8 @@
-"""A remote worker's HTTPS session with its gateway: one keep-alive connection pool that presents the
-worker's client certificate and verifies the gateway's, JSON in and out, and the gateway's refusals
-turned into the project's errors. Also the reading of the task JSON the gateway hands out."""
+"""A remote worker's database, which is its gateway: one HTTPS session with it, a keep-alive connection
+pool that presents the worker's client certificate and verifies the gateway's, JSON in and out, the
+gateway's refusals turned into the project's errors, and the task JSON it hands out read back.
+
+Nothing of the queue is kept on this host: every write goes to the gateway, which keeps it in its store."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from ...errors import ConfigError, StoreError, StoreUnavailable
 from ...logs import Outage
 from ...model import Phase, State, Task, TaskError
 
+log = logging.getLogger("tidepool.remote")
 CONNECT_TIMEOUT_S = 5.0  # a gateway that does not complete a TLS handshake in this long is away
 REQUEST_TIMEOUT_S = 10.0  # a renewal, phase note or ending not answered in this long is tried again
 # Tries again after a failure: 0.5 s doubling to 15 s, each wait drawn from its upper half, so that the
@@ -117,7 +120,7 @@ class Calls:
     """The adapter's calls of the gateway: whether it answered the last one (for the readiness probe), its
     outages said once each, a call tried again while it restarts, and answers read as the protocol's."""
 
-    def __init__(self, wire: Wire, log: logging.Logger, monotonic: Callable[[], float]) -> None:
+    def __init__(self, wire: Wire, monotonic: Callable[[], float]) -> None:
         self._wire = wire
         self._monotonic = monotonic
         self._away = Outage(log)
