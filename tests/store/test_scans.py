@@ -73,7 +73,7 @@ def states(scan: Scan) -> list[str]:
 async def end_behind_the_store(store: Store, task_id: str, state: State, *, now: float) -> None:
     """End a task as a crash between two writes would leave it: its row ended, its scan not moved."""
     if isinstance(store, MemoryStore):
-        row = store._rows[task_id]
+        row = store._db.tasks[task_id]
         row.update(state=state, finished_at=now, updated_at=now)
         row.lease = None
     elif isinstance(store, SqliteStore):
