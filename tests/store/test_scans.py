@@ -448,6 +448,19 @@ async def test_a_step_failed_as_unserviceable_fails_the_scan_by_the_next_pass(st
     assert scan.jobs[1].error is not None and scan.jobs[1].error.code == "unserviceable"
 
 
+async def test_a_lenient_scans_step_failed_as_unserviceable_starts_the_next_step_and_says_so(store: Store) -> None:
+    steps = (StepSpec("probe", required_tags=("net",)), StepSpec("report"))
+    scan, _ = await store.add_scan(NewScan("lenient", steps, continue_on_failure=True), now=T0)
+    moves: list[ScanMove] = []
+    store.on_scan_moves(moves.extend)
+    ended = await store.fail_unserviceable(frozenset({"net"}), now=T0 + 100, message="no resource has tags ['net']")
+    assert [e.task_id for e in ended] == [scan.jobs[0].task_id]
+    await store.advance_scans(now=T0 + 100)
+    scan = await store.get_scan(scan.id)
+    assert states(scan) == ["failed", "queued"]
+    assert any(m.task_id == scan.jobs[1].task_id for m in moves)
+
+
 async def test_a_steps_task_cancelled_on_its_own_cancels_the_scan(store: Store) -> None:
     scan, _ = await store.add_scan(WEB, now=T0)
     await store.request_cancel(scan.jobs[0].task_id or "", now=T0 + 1)

@@ -17,7 +17,7 @@ from .database import Database
 def expire_leases(db: Database, *, now: float, policy: RetryPolicy, node_id: str | None, keep_instance: str | None,
                   interrupted: frozenset[str]) -> list[Expired]:
     expired = []
-    for row in db.tasks.values():
+    for row in list(db.tasks.values()):  # a step ended here may insert its next job's task
         lease = row.lease
         if lease is None or not row.task.state.active:
             continue
@@ -38,7 +38,7 @@ def promote_due(db: Database, *, now: float) -> int:
 
 def finish_cancels(db: Database, *, now: float, deadline_s: float) -> list[Ended]:
     done = []
-    for row in db.tasks.values():
+    for row in list(db.tasks.values()):  # a step ended here may insert its next job's task
         if row.task.state is State.CANCELLING and (row.cancel_requested_at or now) + deadline_s <= now:
             error = cancel_deadline_error(deadline_s)
             if row.lease is not None:
@@ -72,7 +72,7 @@ def queued_tag_sets(db: Database) -> list[frozenset[str]]:
 def fail_unserviceable(db: Database, tags: frozenset[str], *, now: float, message: str) -> list[Ended]:
     error = TaskError("unserviceable", message, retryable=False)
     failed = []
-    for row in db.tasks.values():
+    for row in list(db.tasks.values()):  # a step ended here may insert its next job's task
         if row.task.state in QUEUED and frozenset(row.task.required_tags) == tags:
             row.update(state=step(row.task.state, Event.UNSERVICEABLE), error=error, finished_at=now,
                        updated_at=now, phase=None)
