@@ -39,7 +39,7 @@ from ..model import (
 )
 from ..settings import GatewaySettings, LeaseSettings
 from ..store import Acquired, Ending, PhaseNote, Store
-from .attempts import Book, lease_of, worker_token
+from .attempts import RemoteAttempts, lease_of, worker_token
 from .control import Controls
 from .events import AttemptEvents
 from .parking import EmptyAnswers, Parking
@@ -67,8 +67,8 @@ class Gateway:
         self.parking = Parking()
         self.empty = EmptyAnswers()
         self.controls = Controls(parked=self.parking.identities)
-        self.book = Book()
-        self.reports = AttemptEvents(events, self.book, store)
+        self.attempts = RemoteAttempts()
+        self.reports = AttemptEvents(events, self.attempts, store)
         self.replays = Replays()
         self.metrics = GatewayMetrics(held=lambda: len(self.parking), streams=self.controls.open_streams)
         self.registry = WorkerRegistry(store, events, self.controls, self.parking, self.metrics, clock=clock)
@@ -214,10 +214,10 @@ class Gateway:
 
     async def _owned(self, worker: RemoteWorker, items: Sequence[LeaseIn]) -> set[str]:
         """The attempt ids of `items` that are the caller's; the others are said in the log, once per call. An
-        attempt's owner never changes, so one the book holds for the caller (this gateway handed it out, or the
+        attempt's owner never changes, so one the gateway knows as the caller's (it handed it out, or the
         store said so before) needs no read; the store is asked only about the rest."""
         ids = [i.attempt_id for i in items]
-        mine = {a for a in ids if (booked := self.book.get(a)) is not None and booked.identity == worker.id}
+        mine = {a for a in ids if (known := self.attempts.get(a)) is not None and known.identity == worker.id}
         unknown = [a for a in ids if a not in mine]
         if unknown:
             owners = await self.store.attempt_owners(unknown)
