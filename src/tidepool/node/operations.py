@@ -355,7 +355,7 @@ def announce_cancel(events: EventBus, leases: LeaseKeeper, task_id: str, answer:
 #
 # `ScanOperations` implements `api.ops.ScanOps`; `NodeOperations.scans` is the node's one.
 
-log = logging.getLogger("tidepool.scans")
+scan_log = logging.getLogger("tidepool.scans")  # the scans' own lines, apart from the node's
 # A scan's payload travels in every step's task beside the scope: bounded as the scope is.
 PAYLOAD_MAX_BYTES = SCOPE_MAX_BYTES
 
@@ -428,7 +428,7 @@ class ScanOperations:
             return self.new_scan(ScanRequest(schedule.profile, dict(schedule.payload), schedule.priority,
                                              idempotency_key=tick_key(schedule, tick)))
         except InvalidRequest as exc:  # the tick is skipped as "refused": say why, once per tick
-            log.error("schedule %s: the scan of its tick %s is refused: %s", schedule.name, rfc3339(tick), exc)
+            scan_log.error("schedule %s: the scan of its tick %s is refused: %s", schedule.name, rfc3339(tick), exc)
             raise
 
     async def announce(self, scan_id: str) -> None:
@@ -437,7 +437,7 @@ class ScanOperations:
         try:
             scan = await self._store.get_scan(scan_id)
         except (ScanNotFound, StoreUnavailable) as exc:
-            log.warning("scan %s created; its events are not told: %s", scan_id, exc)
+            scan_log.warning("scan %s created; its events are not told: %s", scan_id, exc)
             self._parts.waker.wake(1)
             return
         self.created(scan)
@@ -478,13 +478,13 @@ class ScanOperations:
             return answer.state
         if answer.task is not None and answer.task.moved and answer.task_id is not None:
             announce_cancel(self.events, self._parts.leases, answer.task_id, answer.task)
-        log.info("scan %s cancel requested -> %s", scan_id, answer.state.value)
+        scan_log.info("scan %s cancel requested -> %s", scan_id, answer.state.value)
         return answer.state
 
     async def retry(self, scan_id: str, index: int) -> Scan:
         scan = await self._store.retry_job(scan_id, index, now=time.time(), max_queued=self._settings.pool.max_queued)
         job = scan.jobs[index]
-        log.info("scan %s job %d (%s) retried by request: task %s", scan_id, index, job.step, job.task_id)
+        scan_log.info("scan %s job %d (%s) retried by request: task %s", scan_id, index, job.step, job.task_id)
         self._step_started(scan.id, scan.profile, index, job.step, job.task_id, scan.priority)
         self._parts.waker.wake(1)
         return scan
@@ -496,8 +496,8 @@ class ScanOperations:
         first = scan.jobs[0]
         self.events.publish("scan.created", scan_id=scan.id, task_id=first.task_id, worker_id=None,
                             profile=scan.profile, organization=scan.organization, steps=len(scan.jobs))
-        log.info("scan %s created: profile %s, %d steps, job 0 (%s) task %s", scan.id, scan.profile, len(scan.jobs),
-                 first.step, first.task_id)
+        scan_log.info("scan %s created: profile %s, %d steps, job 0 (%s) task %s", scan.id, scan.profile,
+                      len(scan.jobs), first.step, first.task_id)
         self._step_started(scan.id, scan.profile, 0, first.step, first.task_id, scan.priority)
         self._parts.waker.wake(1)
 
@@ -510,15 +510,15 @@ class ScanOperations:
                 self.events.publish("scan.step", scan_id=move.scan_id, task_id=None, worker_id=None,
                                     profile=move.profile, index=move.index, state=move.job.value)
                 # its task's own line says a success; a step that failed is the scan's news
-                log.log(logging.DEBUG if move.job is JobState.SUCCESS else logging.INFO, "scan %s job %d ended %s",
-                        move.scan_id, move.index, move.job.value)
+                scan_log.log(logging.DEBUG if move.job is JobState.SUCCESS else logging.INFO,
+                             "scan %s job %d ended %s", move.scan_id, move.index, move.job.value)
             if move.started is not None and move.task_id is not None:
                 self._step_started(move.scan_id, move.profile, move.started, move.type, move.task_id, None)
                 created += 1
             if move.finished is not None:
                 self.events.publish("scan.finished", scan_id=move.scan_id, task_id=None, worker_id=None,
                                     profile=move.profile, state=move.finished.value)
-                log.info("scan %s finished %s", move.scan_id, move.finished.value)
+                scan_log.info("scan %s finished %s", move.scan_id, move.finished.value)
         if created:
             self._parts.waker.wake(created)
 
