@@ -29,7 +29,6 @@ from ..execution.leases import LeaseKeeper
 from ..execution.outcomes import UnwrittenInterruptions
 from ..execution.pool import NodeClaims, Pool, PoolConfig
 from ..execution.resources import ResourcePool
-from ..gateway.parking import WakerWithGateway
 from ..lifecycle import retry_policy
 from ..metrics.exporter import Metrics
 from ..model import QUEUED, AttemptStatus, new_id
@@ -41,7 +40,7 @@ from ..upkeep.fleet import GoneNodes, Heartbeat, fence_after_s
 from ..upkeep.reconciler import Reconciler, ReconcilerConfig
 from ..upkeep.scheduler import Scheduler
 from . import reload
-from .gateway import NodeGateway
+from .gateway import NodeGateway, WakerWithGateway
 from .lock import file_safe, node_lock
 from .operations import NodeOperations, NodeParts, NodeStatus, store_answers
 from .remote import RemoteOperations, attach_remote
