@@ -4,7 +4,7 @@ renew, phase notes, results and endings, each for the identity its certificate n
 Every write is fenced by the store on task, attempt and token; the gateway adds the caller: an attempt whose
 owner (its node_id, fixed when the attempt was made) is not the caller is refused as a lease it does not hold,
 without telling whose it is. The owner never changes, so reading it before the fenced write cannot race.
-The gateway publishes the events of the attempts (reports.py), so the node's event stream and dashboard show
+The gateway publishes the events of the attempts (events.py), so the node's event stream and dashboard show
 the remote work as well.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 
 import anyio
 
-from ..api.schemas import TaskDetailOut
 from ..errors import Conflict, InvalidRequest, LeaseGone, LeaseLost, StoreUnavailable, TaskCancelling, TidepoolError
 from ..events import EventBus
+from ..http.answers import TaskDetailOut
 from ..lifecycle import RetryPolicy
 from ..metrics.gateway import GatewayMetrics
 from ..model import (
@@ -147,7 +147,7 @@ class Gateway:
                     ) -> Acquired | None:
         """Claim, and while nothing came of it, wait for a wake and claim again, until hold_s is over. Each
         claim is shielded: once begun it is answered, so no lease it makes is lost to the deadline. A claim
-        that would find what this worker's last empty one found (quiet.py) is not made: it waits at once."""
+        that would find what this worker's last empty one found (EmptyAnswers) is not made: it waits at once."""
         identity = worker.id
         parked = self.parking.park(identity)
         acquired: Acquired | None = None

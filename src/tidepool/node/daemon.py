@@ -29,6 +29,7 @@ from ..execution.leases import LeaseKeeper
 from ..execution.outcomes import UnwrittenInterruptions
 from ..execution.pool import NodeClaims, Pool, PoolConfig
 from ..execution.resources import ResourcePool
+from ..gateway.openapi import WORKER_PROTOCOL
 from ..lifecycle import retry_policy
 from ..metrics.exporter import Metrics
 from ..model import QUEUED, AttemptStatus, new_id
@@ -184,7 +185,8 @@ class Daemon:
         await tg.start(partial(self.store.watch, self.waker.wake))  # other nodes' submits wake us
         await tg.start(self.heartbeat.run)
         await tg.start(self.guards.run)  # a first measure before the first claim
-        await tg.start(partial(serve_api, self.ops, self.settings.api.listen, token=token))
+        await tg.start(partial(serve_api, self.ops, self.settings.api.listen, token=token,
+                               worker_protocol=WORKER_PROTOCOL))
         await self.node_gateway.start(tg, self.settings)
         _quiet_gc()
         await tg.start(self.pool.run)

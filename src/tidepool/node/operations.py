@@ -1,7 +1,8 @@
 """The node's operations as its API asks for them: submits checked against this node's task types and
 the fleet's resources, cancels that stop a running attempt, retries, pool sizes, schedules, readiness.
 
-`NodeOperations` implements `api.ops.Operations`; the daemon builds one and hands it to the API.
+`NodeOperations` implements `api.operations.Operations`, answering with domain objects and the API's plain
+views, which the API renders; the daemon builds one and hands it to the API.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from typing import Any
 
 import anyio
 
-from ..api.operations import ScanRequest
-from ..api.schemas import NodeOut, PoolOut, ScheduleOut
+from ..api.operations import NodesView, PoolView, ScanRequest, ScheduleView
 from ..errors import Conflict, InvalidRequest, ScanNotFound, StoreUnavailable, TaskNotFound
 from ..events import EventBus
 from ..execution.guards import Guards
@@ -234,21 +234,22 @@ class NodeOperations:
             log.info("pool resized: min %d max %d idle %.1fs", pool.config.min_workers, pool.config.max_workers,
                      pool.config.idle_timeout_s)
 
-    async def pool_view(self) -> dict[str, Any]:
+    async def pool_view(self) -> PoolView:
         stats = self._parts.pool.statistics()
         counts = await self._store.counts()
-        return PoolOut.of(stats, node_id=self._node_id, draining=self._status.draining,
-                          queue={s: counts.get(State(s), 0) for s in QUEUE_STATES},
-                          guards=self._parts.guards.statistics(),
-                          resources=self._parts.resources.statistics().resources,
-                          pending_restart=self._status.pending_restart).to_json()
+        return PoolView(stats, node_id=self._node_id, draining=self._status.draining,
+                        queue={s: counts.get(State(s), 0) for s in QUEUE_STATES},
+                        guards=self._parts.guards.statistics(),
+                        resources=self._parts.resources.statistics().resources,
+                        pending_restart=self._status.pending_restart)
 
-    async def nodes_view(self) -> list[dict[str, Any]]:
+    async def nodes_view(self) -> NodesView:
+        """The registry's nodes and the remote workers served (a pending one is no part of the fleet yet)."""
         now = time.time()
-        nodes = [NodeOut.of(node, now=now).to_json() for node in await self._store.list_nodes()]
+        nodes = await self._store.list_nodes()
         heard_within_s = self._settings.gateway.max_wait_s + self._settings.lease.duration_s
-        return nodes + [NodeOut.of_remote(w, now=now, heard_within_s=heard_within_s).to_json()
-                        for w in await self._parts.workers.list_workers() if w.state is not WorkerState.PENDING]
+        remote = [w for w in await self._parts.workers.list_workers() if w.state is not WorkerState.PENDING]
+        return NodesView(nodes, remote, now=now, heard_within_s=heard_within_s)
 
     # remote workers
 
@@ -266,22 +267,22 @@ class NodeOperations:
 
     # schedules
 
-    async def schedules_view(self) -> list[dict[str, Any]]:
+    async def schedules_view(self) -> list[ScheduleView]:
         return [await self.schedule_view(schedule) for schedule in await self._store.list_schedules()]
 
-    async def schedule_view(self, schedule: Schedule) -> dict[str, Any]:
-        """The schedule's JSON with the state of its last task or scan (gone, if pruned: null)."""
+    async def schedule_view(self, schedule: Schedule) -> ScheduleView:
+        """The schedule with the state of its last task or scan (gone, if pruned: None)."""
         if schedule.profile is not None:
             scan_state = None
             if schedule.last_task_id is not None:
                 with contextlib.suppress(ScanNotFound):
                     scan_state = (await self._store.get_scan(schedule.last_task_id)).state
-            return ScheduleOut.of(schedule, last_scan_state=scan_state).to_json()
+            return ScheduleView(schedule, last_scan_state=scan_state)
         state = None
         if schedule.last_task_id is not None:
             with contextlib.suppress(TaskNotFound):
                 state = (await self._store.get(schedule.last_task_id)).state
-        return ScheduleOut.of(schedule, last_task_state=state).to_json()
+        return ScheduleView(schedule, last_task_state=state)
 
     async def save_schedule(self, schedule: Schedule) -> Schedule:
         validate(schedule)
@@ -353,7 +354,7 @@ def announce_cancel(events: EventBus, leases: LeaseKeeper, task_id: str, answer:
 # types, with each step's task defaults resolved; cancels that stop the running step; retries of a job; and the
 # events of every scan move the store reports, wherever it was made (a worker's finish, the reconciler).
 #
-# `ScanOperations` implements `api.ops.ScanOps`; `NodeOperations.scans` is the node's one.
+# `ScanOperations` implements `api.operations.ScanOps`; `NodeOperations.scans` is the node's one.
 
 scan_log = logging.getLogger("tidepool.scans")  # the scans' own lines, apart from the node's
 # A scan's payload travels in every step's task beside the scope: bounded as the scope is.
