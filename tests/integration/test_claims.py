@@ -11,8 +11,8 @@ import anyio
 
 from tidepool.execution.context import TaskContext
 from tidepool.execution.pool import PoolConfig
-from tidepool.gateway.parking import WakerWithGateway
 from tidepool.model import AttemptStatus, Claimed, ClaimFilter, NewTask, State, Worker
+from tidepool.node.gateway import WakerWithGateway
 from tidepool.store.sqlite import SqliteStore
 
 from .conftest import Node, running_node

@@ -9,11 +9,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tidepool.api.schemas import TaskDetailOut
 from tidepool.errors import PluginError, StoreUnavailable
 from tidepool.execution.context import TaskContext
 from tidepool.execution.leases import Held
 from tidepool.execution.pool import PoolConfig
+from tidepool.http.answers import TaskDetailOut
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, Claimed, Lease, ResultBatch, State
 from tidepool.plugins import Plugin, PluginDef, Registry

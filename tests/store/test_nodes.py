@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 from anyio.abc import TaskStatus
 
-from tidepool.api.schemas import NodeOut
+from tidepool.api.node import NodeOut
 from tidepool.errors import ConfigError
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, NewTask, Outcome, State, TaskError, Worker

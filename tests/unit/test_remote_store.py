@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from tidepool import settings
-from tidepool.api.schemas import TaskDetailOut
 from tidepool.errors import ConfigError
 from tidepool.gateway import pki
+from tidepool.http.answers import TaskDetailOut
 from tidepool.model import Phase, State, Task, TaskError
 from tidepool.store import open_store
 from tidepool.store.remote import LeaseTerms, RemoteStore

@@ -9,8 +9,10 @@ import jsonschema_rs
 import pytest
 
 from tidepool.api import openapi
+from tidepool.api.node import NodeOut, PoolOut
+from tidepool.api.operations import PoolView
 from tidepool.api.scans import ScanOut
-from tidepool.api.schemas import NodeOut, PoolOut, ScheduleOut, Shape, TaskDetailOut, TaskOut
+from tidepool.api.schedules import ScheduleOut
 from tidepool.errors import (
     Conflict,
     InvalidRequest,
@@ -25,6 +27,7 @@ from tidepool.errors import (
 from tidepool.execution.guards import GuardStats
 from tidepool.execution.pool import PoolStats
 from tidepool.execution.resources import ResourceStats
+from tidepool.http.answers import Answer, TaskDetailOut, TaskOut
 from tidepool.model import Attempt, AttemptStatus, Phase, ResultBatch, State, Task, TaskError
 from tidepool.scans import Job, JobState, Scan, ScanState
 from tidepool.schedules import Schedule
@@ -62,7 +65,7 @@ def _document(**kwargs: Any) -> dict[str, Any]:
     return openapi.document(ROUTES, **kwargs)
 
 
-def _conforms(shape: Shape) -> dict[str, Any]:
+def _conforms(shape: Answer) -> dict[str, Any]:
     """The shape's JSON, checked against its schema in the document."""
     schemas = _document()["components"]["schemas"]
     body = shape.to_json()
@@ -128,9 +131,9 @@ def test_a_profile_schedule_shows_its_last_scan_and_no_type() -> None:
 def test_the_pool_shows_its_sizes_queue_guards_and_resources() -> None:
     stats = PoolStats(2, 16, 30.0, 3, 1, 2, 1, True)
     guards = GuardStats(("disk",), 0, 100, None, 50)
-    body = _conforms(PoolOut.of(stats, node_id="n1", draining=False, queue={"pending": 4, "running": 1},
-                                guards=guards, resources={"gpu": ResourceStats(("cuda",), 2, 1)},
-                                pending_restart=["api.listen"]))
+    body = _conforms(PoolOut.of(PoolView(stats, node_id="n1", draining=False, queue={"pending": 4, "running": 1},
+                                         guards=guards, resources={"gpu": ResourceStats(("cuda",), 2, 1)},
+                                         pending_restart=["api.listen"])))
     assert body == {
         "node_id": "n1", "min_workers": 2, "max_workers": 16, "idle_timeout_s": 30.0, "workers": 3, "busy": 1,
         "baseline": 2, "demand": 1, "claiming": True, "draining": False, "queue": {"pending": 4, "running": 1},

@@ -1,6 +1,7 @@
-"""The HTTP API (aiohttp): routes, errors as JSON, and serving on TCP or a unix socket.
+"""The HTTP API (aiohttp): the operator's routes and the dashboard, served on TCP or a unix socket.
 
-It depends on the node only through `ops.Operations`, never on the service that builds the node.
+It depends on the node only through `operations.Operations`, never on the node that implements it, and on the
+gateway not at all: what it shares with the gateway is in `http/`.
 """
 
 from .app import build_app, serve_api

@@ -1,5 +1,5 @@
-"""What a web page the operator happens to open may not do with the API: act on it from another origin
-(cross-site request forgery), or reach it under a name of its own (DNS rebinding).
+"""The browser guard: what a web page the operator happens to open may not do with the API, act on it from
+another origin (cross-site request forgery) or reach it under a name of its own (DNS rebinding).
 
 Both matter for a daemon without a token (on loopback: load_token refuses it elsewhere), which serves
 any request that reaches its port. A browser sends an `Origin` header with every cross-origin POST,
@@ -17,11 +17,13 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from ..http.refusals import error
+
 UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
 def forbidden(message: str) -> web.Response:
-    return web.json_response({"error": {"code": "forbidden", "message": message}}, status=403)
+    return error(403, "forbidden", message)
 
 
 def browser_guard() -> Middleware:

@@ -1,55 +1,40 @@
 """The OpenAPI 3.1 document of the API: the node's routes, each described by the pydantic models that validate
-its requests and shape its answers, and a bearer scheme only on a node that has a token."""
+its requests and shape its answers, and a bearer scheme only on a node that has a token. The routes of the
+worker protocol are described too on a node that serves remote workers: the node hands their description in
+(ServerPaths), so the API never imports the gateway."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
 from typing import Any
 
+from aiohttp import web
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from .. import __version__
-from ..gateway import schemas as w1
+from ..http.answers import ErrorOut, TaskDetailOut
+from ..http.openapi import Operation, ServerPaths
 from ..model import ORGANIZATION_PATTERN, State
 from ..scans import ScanState
+from .auth import TOKEN
+from .listing import CURSOR_PATTERN, MAX_LIST_LIMIT
+from .node import HealthOut, NodesOut, PoolOut, PoolPatch
+from .operations import DAEMON
 from .scans import ScanOut, ScanPageOut, ScanStateOut, SubmitScan
-from .schemas import (
-    CURSOR_PATTERN,
-    MAX_LIST_LIMIT,
-    ErrorOut,
-    EventOut,
-    HealthOut,
-    IdsOut,
-    NodesOut,
-    PageOut,
-    PoolOut,
-    PoolPatch,
-    RetryOut,
-    ScheduleIn,
-    ScheduleOut,
-    SchedulesOut,
-    StateOut,
-    SubmitBatch,
-    SubmitTask,
-    TaskDetailOut,
-)
+from .schedules import ScheduleIn, ScheduleOut, SchedulesOut
+from .stream import EventOut
+from .tasks import IdsOut, PageOut, RetryOut, StateOut, SubmitBatch, SubmitTask
 from .workers import WorkerOut, WorkerPatch, WorkersOut
 
+# The worker protocol's routes, as the node hands them in (None: an app built without them).
+WORKER_PROTOCOL: web.AppKey[ServerPaths | None] = web.AppKey("worker_protocol")
 ERRORS = {"400": "invalid input, naming the field", "401": "missing or wrong bearer token",
           "403": "a change asked from another origin, or (without a token) a Host that is not a loopback name",
           "404": "no such task, schedule or scan", "408": "the body did not arrive in time",
           "409": "conflicts with the task's or scan's state, an earlier submit or the node's (draining)",
           "413": "body over api.max_body_kb", "415": "body is not application/json",
-          "429": "queue over pool.max_queued", "503": "store unavailable, or too many event streams",
-          "410": "the lease is gone (error.reason: expired, cancelled, revoked, superseded)"}
-W1_ERRORS = {"403": "the registry refuses the worker (worker_pending, worker_revoked) or its certificate names no one"}
-W1_TAG = "worker protocol"
-# The worker protocol is served on gateway.listen (mutual TLS: the client certificate is the worker's identity),
-# not beside /v1: each of its paths names that server.
-W1_SERVERS = [{"url": "https://{gateway}", "description": "gateway.listen; a client certificate of "
-               "gateway.client_ca_file is required", "variables": {"gateway": {"default": "localhost:8471"}}}]
+          "429": "queue over pool.max_queued", "503": "store unavailable, or too many event streams"}
 BODY_ERRORS = ("400", "408", "413", "415")
 # Routes the document leaves out: the dashboard, its files, the metrics text and the document itself.
 UNDOCUMENTED = frozenset({"/", "/static", "/metrics", "/v1/openapi.json"})
@@ -81,22 +66,6 @@ EVENTS = (_param("task_id", "query", {"type": "string"}),
                  description="event names or globs, repeated or comma-separated"),
           _param("last_event_id", "query", EVENT_ID, description="as Last-Event-ID, for clients that cannot set it"),
           _param("Last-Event-ID", "header", EVENT_ID))
-
-
-@dataclass(frozen=True)
-class Operation:
-    id: str                     # its operationId
-    summary: str
-    ok: Mapping[str, type[BaseModel] | None]  # status -> the answer's model (None: no body)
-    errors: tuple[str, ...] = ()
-    body: type[BaseModel] | None = None
-    params: Sequence[dict[str, Any]] = ()
-    open: bool = False          # answered without the token
-    route: str | None = None    # the router's path, when one route serves several documented paths
-    media: str = "application/json"
-    # a field of the answer -> the operations that take it as their parameter of that name
-    links: Mapping[str, Sequence[str]] = field(default_factory=dict)
-    tag: str | None = None      # the worker protocol's operations are tagged apart
 
 
 def _schedule_action(name: str, summary: str) -> Operation:
@@ -168,47 +137,31 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/healthz"): Operation("healthz", "the process answers", {"200": HealthOut}, open=True),
     ("get", "/readyz"): Operation("readyz", "ready to work", {"200": HealthOut, "503": HealthOut}, open=True),
 }
-W1_BODY_ERRORS = ("400", "403", "408", "413", "415", "503")
-W1_OPERATIONS: dict[tuple[str, str], Operation] = {
-    ("post", "/w1/acquire"): Operation(
-        "acquire", "lease tasks, held up to min(wait_s, gateway.max_wait_s) until one exists",
-        {"200": w1.AcquireOut}, W1_BODY_ERRORS, body=w1.AcquireIn, tag=W1_TAG),
-    ("post", "/w1/renew"): Operation(
-        "renew", "extend leases; each is held, to cancel, or lost", {"200": w1.RenewOut},
-        (*W1_BODY_ERRORS, "410"), body=w1.RenewIn, tag=W1_TAG),
-    ("post", "/w1/phase"): Operation(
-        "notePhases", "record phases and progress", {"200": w1.PhaseOut}, (*W1_BODY_ERRORS, "410"),
-        body=w1.PhaseIn, tag=W1_TAG),
-    ("post", "/w1/results"): Operation(
-        "recordResult", "store a result batch once (200: its key was stored already; 409: with another sha256)",
-        {"201": w1.ResultAckOut, "200": w1.ResultAckOut}, (*W1_BODY_ERRORS, "409", "410"), body=w1.ResultIn,
-        tag=W1_TAG),
-    ("post", "/w1/finish"): Operation(
-        "finish", "end attempts", {"200": w1.FinishOut}, (*W1_BODY_ERRORS, "410"), body=w1.FinishIn, tag=W1_TAG),
-    ("get", "/w1/control"): Operation(
-        "controlStream", "server-sent events for this worker: cancel, worker, wake", {"200": w1.ControlOut},
-        ("403",), media="text/event-stream", tag=W1_TAG),
-}
-# Each model with the mode it is documented in: what a request may hold, or what an answer holds.
-ANSWERS: set[type[BaseModel]] = {ErrorOut, *(m for ops in (OPERATIONS, W1_OPERATIONS) for op in ops.values()
-                                              for m in op.ok.values() if m), w1.LeaseGoneOut}
-REQUESTS: tuple[type[BaseModel], ...] = (SubmitTask, SubmitBatch, PoolPatch, ScheduleIn, SubmitScan, WorkerPatch,
-                                         *w1.REQUESTS)
-MODELS: list[tuple[type[BaseModel], JsonSchemaMode]] = [
-    *((m, "validation") for m in REQUESTS),
-    *((m, "serialization") for m in sorted(ANSWERS, key=lambda m: m.__name__)),
-]
+# The models the document holds: what a request may hold, or what an answer holds.
+ANSWERS: set[type[BaseModel]] = {ErrorOut, *(m for op in OPERATIONS.values() for m in op.ok.values() if m)}
+REQUESTS: tuple[type[BaseModel], ...] = (SubmitTask, SubmitBatch, PoolPatch, ScheduleIn, SubmitScan, WorkerPatch)
+
+
+async def document_json(request: web.Request) -> web.Response:
+    """GET /v1/openapi.json: the document of the routes this app serves, for the node it serves."""
+    routes = {(route.method.lower(), route.resource.canonical) for route in request.app.router.routes()
+              if route.resource is not None}
+    daemon = request.app[DAEMON]
+    return web.json_response(document(routes, task_types=sorted(daemon.registry.types),
+                                      profiles=sorted(daemon.scans.profiles), bearer=request.app[TOKEN] is not None,
+                                      workers=request.app[WORKER_PROTOCOL], serves_workers=daemon.serves_workers))
 
 
 def document(routes: Collection[tuple[str, str]], *, task_types: Sequence[str] = (), profiles: Sequence[str] = (),
-             bearer: bool = False, worker_protocol: bool = False) -> dict[str, Any]:
+             bearer: bool = False, workers: ServerPaths | None = None, serves_workers: bool = False) -> dict[str, Any]:
     """The document of `routes` (method and path, as the router holds them); `task_types` (the node's known
     types) become the enum of a task's type, and `profiles` (its scan profiles) that of a scan's; `bearer`: the
-    node has a token, which every route but the probes needs; `worker_protocol`: the node is a gateway, whose
-    /w1 routes (on their own listener) are described too. A route no operation describes is an error, so that
-    a new route cannot go undocumented."""
+    node has a token, which every route but the probes needs; `workers`: the worker protocol's routes, whose
+    bodies are among the schemas whenever given; `serves_workers`: the node is a gateway, whose /w1 routes (on
+    their own listener) are described too. A route no operation describes is an error, so that a new route
+    cannot go undocumented."""
     _undocumented(routes)
-    _, defs = models_json_schema(MODELS, ref_template="#/components/schemas/{model}")
+    _, defs = models_json_schema(_models(workers), ref_template="#/components/schemas/{model}")
     schemas = defs["$defs"]
     if task_types:
         schemas["SubmitTask"]["properties"]["type"]["enum"] = list(task_types)
@@ -220,21 +173,36 @@ def document(routes: Collection[tuple[str, str]], *, task_types: Sequence[str] =
     for (method, path), op in OPERATIONS.items():
         if (method, op.route or path) in routes or ("*", op.route or path) in routes:
             paths.setdefault(path, {})[method] = _operation(op, bearer=bearer)
-    for (method, path), op in W1_OPERATIONS.items() if worker_protocol else ():
-        item = paths.setdefault(path, {"servers": W1_SERVERS})
-        item[method] = {**_operation(op, bearer=False), "tags": [W1_TAG], "security": [{"mutualTLS": []}]}
+    if workers is not None and serves_workers:
+        _add_paths(paths, workers)
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "tidepool", "version": __version__,
                  "description": "The HTTP API of a tidepool node: tasks, scans, pool, schedules, nodes, events."},
         "paths": paths, "components": {"schemas": schemas}}
-    schemes = {**({"mutualTLS": {"type": "mutualTLS"}} if worker_protocol else {}),
+    schemes = {**(workers.schemes if workers is not None and serves_workers else {}),
                **({"bearer": {"type": "http", "scheme": "bearer"}} if bearer else {})}
     if schemes:
         doc["components"]["securitySchemes"] = schemes
     if bearer:
         doc["security"] = [{"bearer": []}]
     return doc
+
+
+def _models(workers: ServerPaths | None) -> list[tuple[type[BaseModel], JsonSchemaMode]]:
+    """Each model with the mode it is documented in, the requests first and the answers by name."""
+    requests = (*REQUESTS, *(workers.requests if workers is not None else ()))
+    answers = ANSWERS | (workers.answers() if workers is not None else set())
+    return [*((m, "validation") for m in requests),
+            *((m, "serialization") for m in sorted(answers, key=lambda m: m.__name__))]
+
+
+def _add_paths(paths: dict[str, dict[str, Any]], workers: ServerPaths) -> None:
+    """The other server's routes: each path names its server, each operation its tag and security schemes."""
+    for (method, path), op in workers.operations.items():
+        item = paths.setdefault(path, {"servers": workers.servers})
+        item[method] = {**_operation(op, bearer=False), "tags": [workers.tag],
+                        "security": [{name: [] for name in workers.schemes}]}
 
 
 def _undocumented(routes: Collection[tuple[str, str]]) -> None:
@@ -253,8 +221,7 @@ def _operation(op: Operation, *, bearer: bool) -> dict[str, Any]:
             answer["links"] = {target: {"operationId": target, "parameters": {name: f"$response.body#/{name}"}}
                                for name, targets in op.links.items() for target in targets}
     for status in (*op.errors, "403", *(("401",) if bearer and not op.open else ())):
-        shape = w1.LeaseGoneOut if status == "410" else ErrorOut  # a lost lease's error says why
-        responses[status] = _answer((W1_ERRORS if op.tag else ERRORS).get(status) or ERRORS[status], shape)
+        responses[status] = _answer(op.said.get(status) or ERRORS[status], op.error_bodies.get(status, ErrorOut))
     out: dict[str, Any] = {"operationId": op.id, "summary": op.summary, "responses": responses}
     if op.body is not None:
         out["requestBody"] = {"required": True, **_content(op.body)}

@@ -1,23 +1,26 @@
-"""What the HTTP API asks of the node it serves: the one interface between `api/` and the rest.
+"""The operations protocol: what the HTTP API asks of the node it serves, the one interface between `api/` and
+the rest.
 
 The routes parse and answer; everything they do to the queue, the pool or the schedules goes through
-`Operations`. The node's implementation is `tidepool.node.operations.NodeOperations`; a test may serve any
-object that has these members.
+`Operations`, which answers with domain objects and, where an answer holds more than one, the plain views
+declared here: the API renders them. The node's implementation is `tidepool.node.operations.NodeOperations`;
+a test may serve any object that has these members.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+
+from aiohttp import web
 
 if TYPE_CHECKING:
     from ..events import EventBus
     from ..model import NewTask, RemoteWorker, State, Task, WorkerChange
     from ..scans import Scan, ScanState
     from ..schedules import Schedule
-    from ..store import Page
-    from ..store.port import ScanPage
+    from ..store.port import Node, Page, ScanPage
 
 
 class TaskTypes(Protocol):
@@ -60,6 +63,87 @@ class ScanOps(Protocol):
     async def retry(self, scan_id: str, index: int) -> Scan: ...
 
 
+class PoolFigures(Protocol):
+    """The pool's sizes and how many of its workers do what (the node's: execution's pool statistics)."""
+
+    @property
+    def min_workers(self) -> int: ...
+    @property
+    def max_workers(self) -> int: ...
+    @property
+    def idle_timeout_s(self) -> float: ...
+    @property
+    def workers(self) -> int: ...
+    @property
+    def busy(self) -> int: ...
+    @property
+    def baseline(self) -> int: ...
+    @property
+    def demand(self) -> int: ...
+    @property
+    def claiming(self) -> bool: ...
+
+
+class GuardFigures(Protocol):
+    """The host guards' floors and what they last measured (the node's: execution's guard statistics)."""
+
+    @property
+    def tripped(self) -> Sequence[str]: ...
+    @property
+    def min_free_memory_mb(self) -> int: ...
+    @property
+    def min_free_disk_mb(self) -> int: ...
+    @property
+    def free_memory_mb(self) -> int | None: ...
+    @property
+    def free_disk_mb(self) -> int | None: ...
+
+
+class ResourceFigures(Protocol):
+    """One resource: its slots, how many are in use, and their tags."""
+
+    @property
+    def tags(self) -> Sequence[str]: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def in_use(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """The pool as GET /v1/pool shows it: its figures beside the node's own state, the queue by unfinished
+    state (in the whole store), the host guards and the resources."""
+
+    pool: PoolFigures
+    node_id: str
+    draining: bool
+    queue: Mapping[str, int]
+    guards: GuardFigures
+    resources: Mapping[str, ResourceFigures]
+    pending_restart: list[str]  # settings a reload read that apply at the next start
+
+
+@dataclass(frozen=True, slots=True)
+class NodesView:
+    """The fleet as GET /v1/nodes shows it, read at `now`: the nodes of the store's registry, and the remote
+    workers a gateway serves (each alive while served and heard from within `heard_within_s`)."""
+
+    nodes: Sequence[Node]
+    remote_workers: Sequence[RemoteWorker]
+    now: float
+    heard_within_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleView:
+    """A schedule with the state of the last task or scan it made (None: none yet, or pruned since)."""
+
+    schedule: Schedule
+    last_task_state: State | None = None
+    last_scan_state: ScanState | None = None
+
+
 class Operations(Protocol):
     """The node as its API sees it. Errors are the project's own (InvalidRequest, TaskNotFound, Conflict,
     QueueFull, StoreUnavailable): the API turns each into its status."""
@@ -100,13 +184,13 @@ class Operations(Protocol):
 
     async def retry(self, task_id: str) -> Task: ...
 
-    async def pool_view(self) -> dict[str, Any]: ...
+    async def pool_view(self) -> PoolView: ...
 
     def resize(self, **sizes: Any) -> None:
         """ValueError when the sizes contradict each other; Conflict while the node drains."""
         ...
 
-    async def nodes_view(self) -> list[dict[str, Any]]: ...
+    async def nodes_view(self) -> NodesView: ...
 
     async def list_workers(self) -> list[RemoteWorker]: ...
 
@@ -122,9 +206,9 @@ class Operations(Protocol):
         """Its attempts are cancelled and its connections closed at once."""
         ...
 
-    async def schedules_view(self) -> list[dict[str, Any]]: ...
+    async def schedules_view(self) -> list[ScheduleView]: ...
 
-    async def schedule_view(self, schedule: Schedule) -> dict[str, Any]: ...
+    async def schedule_view(self, schedule: Schedule) -> ScheduleView: ...
 
     async def save_schedule(self, schedule: Schedule) -> Schedule: ...
 
@@ -137,3 +221,6 @@ class Operations(Protocol):
         ...
 
     async def render_metrics(self) -> bytes: ...
+
+
+DAEMON: web.AppKey[Operations] = web.AppKey("daemon")  # the node the API serves, as its operations

@@ -8,10 +8,11 @@ from typing import Literal, Self
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..http.answers import Answer, Instant
+from ..http.bodies import JsonInt, no_body, parse
 from ..model import RemoteWorker, WorkerChange, WorkerState
 from ..settings import MAX_WORKERS
-from . import app as api  # its routes are added by the app module itself: read at call time
-from .schemas import Instant, JsonInt, Shape
+from .operations import DAEMON
 
 Name = Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f,]+$")
 
@@ -35,12 +36,12 @@ class WorkerPatch(BaseModel):
             cancel_removed=self.cancel_removed)
 
 
-class CertOut(Shape):
+class CertOut(Answer):
     fingerprint: str = Field(description="SHA-256 of the certificate (DER), lowercase hex")
     not_after: Instant
 
 
-class WorkerOut(Shape):
+class WorkerOut(Answer):
     """A remote worker as the registry holds it; `live`: its leased, running and cancelling attempts."""
 
     id: str
@@ -61,34 +62,28 @@ class WorkerOut(Shape):
         return cls.model_validate(worker)
 
 
-class WorkersOut(Shape):
+class WorkersOut(Answer):
     workers: list[WorkerOut]
 
 
 async def list_workers(request: web.Request) -> web.Response:
-    workers = await request.app[api.DAEMON].list_workers()
+    workers = await request.app[DAEMON].list_workers()
     return web.json_response({"workers": [WorkerOut.of(w).to_json() for w in workers]})
 
 
 async def get_worker(request: web.Request) -> web.Response:
-    worker = await request.app[api.DAEMON].get_worker(request.match_info["id"])
+    worker = await request.app[DAEMON].get_worker(request.match_info["id"])
     return web.json_response(WorkerOut.of(worker).to_json())
 
 
 async def patch_worker(request: web.Request) -> web.Response:
-    body = await api.parse(request, WorkerPatch)
-    worker = await request.app[api.DAEMON].change_worker(request.match_info["id"], body.to_change())
+    body = await parse(request, WorkerPatch)
+    worker = await request.app[DAEMON].change_worker(request.match_info["id"], body.to_change())
     return web.json_response(WorkerOut.of(worker).to_json())
 
 
 async def revoke_worker(request: web.Request) -> web.Response:
-    await api.no_body(request)
-    worker = await request.app[api.DAEMON].revoke_worker(request.match_info["id"])
+    await no_body(request)
+    worker = await request.app[DAEMON].revoke_worker(request.match_info["id"])
     return web.json_response(WorkerOut.of(worker).to_json(), status=202)
 
-
-def add_routes(app: web.Application) -> None:
-    app.router.add_get("/v1/workers", list_workers)
-    app.router.add_get("/v1/workers/{id}", get_worker)
-    app.router.add_patch("/v1/workers/{id}", patch_worker)
-    app.router.add_post("/v1/workers/{id}/revoke", revoke_worker)

@@ -1,12 +1,13 @@
-"""What the gateway remembers of the attempts it handed out, and the lease token a remote worker holds.
+"""Remote attempts: what the gateway remembers of the attempts remote workers run, and the lease token a remote
+worker holds for each.
 
 The token a worker gets is its task's id and the store's lease token, joined by a dot: every write the worker
 sends names its task that way, so any gateway of the store (after a restart too) can fence it without a
 look-up. Forging the task id gains nothing: the store fences on all three of task, attempt and token.
-The book keeps each attempt's task, type, owner and last phase for the events the gateway publishes; an attempt
-another gateway (or an earlier process) handed out is booked at its first note, its type read from the store.
-An entry's owner is always one the gateway established (it handed the attempt out, or the store named the owner
-before the write that booked it), so the writes of that owner are taken as its own without a read.
+Each attempt's task, type, owner and last phase are kept for the events the gateway publishes; an attempt
+another gateway (or an earlier process) handed out is known from its first note, its type read from the store.
+An attempt's owner is always one the gateway established (it handed the attempt out, or the store named the
+owner before the write that made it known), so the writes of that owner are taken as its own without a read.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from ..model import Lease
 
-MAX_BOOKED = 200_000  # far beyond the attempts a fleet runs at once: the oldest are forgotten past it
+MAX_KNOWN = 200_000  # far beyond the attempts a fleet runs at once: the oldest are forgotten past it
 
 
 def worker_token(task_id: str, token: str) -> str:
@@ -30,7 +31,9 @@ def lease_of(attempt_id: str, lease_token: str) -> Lease:
 
 
 @dataclass(slots=True)
-class Booked:
+class RemoteAttempt:
+    """One attempt a remote worker runs, as the gateway knows it."""
+
     task_id: str
     type: str | None  # None: not read yet (an attempt this gateway did not hand out)
     identity: str
@@ -38,49 +41,51 @@ class Booked:
     lost: bool = False        # its loss was published
 
 
-class Book:
+class RemoteAttempts:
+    """The remote attempts by attempt id, oldest first, and which one holds each task."""
+
     def __init__(self) -> None:
-        self._attempts: OrderedDict[str, Booked] = OrderedDict()
+        self._attempts: OrderedDict[str, RemoteAttempt] = OrderedDict()
         self._by_task: dict[str, str] = {}
 
-    def add(self, attempt_id: str, booked: Booked) -> None:
-        self._attempts[attempt_id] = booked
-        self._by_task[booked.task_id] = attempt_id
+    def add(self, attempt_id: str, attempt: RemoteAttempt) -> None:
+        self._attempts[attempt_id] = attempt
+        self._by_task[attempt.task_id] = attempt_id
         self._trim()
 
     def _trim(self) -> None:
-        while len(self._attempts) > MAX_BOOKED:
+        while len(self._attempts) > MAX_KNOWN:
             self.drop(next(iter(self._attempts)))
 
-    def get(self, attempt_id: str) -> Booked | None:
+    def get(self, attempt_id: str) -> RemoteAttempt | None:
         return self._attempts.get(attempt_id)
 
-    def known(self, attempt_id: str, task_id: str, identity: str) -> Booked:
-        """The attempt's entry, booked now if this gateway did not hand it out."""
-        booked = self._attempts.get(attempt_id)
-        if booked is None:  # a late note of a stale attempt must not take its task from the live one
-            booked = self._attempts[attempt_id] = Booked(task_id, None, identity)
+    def known(self, attempt_id: str, task_id: str, identity: str) -> RemoteAttempt:
+        """The attempt, known from now on if this gateway did not hand it out."""
+        attempt = self._attempts.get(attempt_id)
+        if attempt is None:  # a late note of a stale attempt must not take its task from the live one
+            attempt = self._attempts[attempt_id] = RemoteAttempt(task_id, None, identity)
             self._by_task.setdefault(task_id, attempt_id)
             self._trim()
-        return booked
+        return attempt
 
     def first_loss(self, attempt_id: str, task_id: str, identity: str) -> bool:
         """Whether the attempt's lease is said lost for the first time; from now on its task is not its own (a
         cancel of the task goes to the attempt that holds it now)."""
-        booked = self.known(attempt_id, task_id, identity)
+        attempt = self.known(attempt_id, task_id, identity)
         if self._by_task.get(task_id) == attempt_id:
             del self._by_task[task_id]
-        if booked.lost:
+        if attempt.lost:
             return False
-        booked.lost = True
+        attempt.lost = True
         return True
 
-    def of_task(self, task_id: str) -> tuple[str, Booked] | None:
+    def of_task(self, task_id: str) -> tuple[str, RemoteAttempt] | None:
         attempt_id = self._by_task.get(task_id)
-        booked = None if attempt_id is None else self._attempts.get(attempt_id)
-        return None if attempt_id is None or booked is None else (attempt_id, booked)
+        attempt = None if attempt_id is None else self._attempts.get(attempt_id)
+        return None if attempt_id is None or attempt is None else (attempt_id, attempt)
 
     def drop(self, attempt_id: str) -> None:
-        booked = self._attempts.pop(attempt_id, None)
-        if booked is not None and self._by_task.get(booked.task_id) == attempt_id:
-            del self._by_task[booked.task_id]
+        attempt = self._attempts.pop(attempt_id, None)
+        if attempt is not None and self._by_task.get(attempt.task_id) == attempt_id:
+            del self._by_task[attempt.task_id]

@@ -16,29 +16,29 @@ from ..errors import TidepoolError
 from ..events import EventBus
 from ..model import Claimed, ResultBatch, State
 from ..store import Store
-from .attempts import Book, Booked
+from .attempts import RemoteAttempt, RemoteAttempts
 from .schemas import EndingIn, NoteIn
 
 LOST = ("expired",)  # a cancelled attempt, or a revoked worker's, ends as cancelled instead
 
 
 class AttemptEvents:
-    def __init__(self, events: EventBus, book: Book, store: Store) -> None:
+    def __init__(self, events: EventBus, attempts: RemoteAttempts, store: Store) -> None:
         self._events = events
-        self._book = book
+        self._attempts = attempts
         self._store = store
 
     def leased(self, identity: str, claimed: list[Claimed]) -> None:
         for c in claimed:
-            self._book.add(c.lease.attempt_id, Booked(c.task.id, c.task.type, identity))
+            self._attempts.add(c.lease.attempt_id, RemoteAttempt(c.task.id, c.task.type, identity))
             self._events.publish("task.leased", task_id=c.task.id, worker_id=identity, node_id=identity,
                                  attempt_id=c.lease.attempt_id, attempt=c.task.attempt, type=c.task.type,
                                  available_at=c.task.available_at)
 
     def noted(self, identity: str, task_id: str, note: NoteIn) -> None:
-        booked = self._book.known(note.attempt_id, task_id, identity)
-        if booked.phase != note.phase.value:
-            booked.phase = note.phase.value
+        attempt = self._attempts.known(note.attempt_id, task_id, identity)
+        if attempt.phase != note.phase.value:
+            attempt.phase = note.phase.value
             self._events.publish("task.phase", task_id=task_id, worker_id=identity, phase=note.phase.value,
                                  attempt_id=note.attempt_id)
         if note.progress is not None:
@@ -51,7 +51,7 @@ class AttemptEvents:
 
     async def ended(self, identity: str, task_id: str, ending: EndingIn, state: State) -> None:
         task_type = await self._type_of(ending.attempt_id, task_id)
-        self._book.drop(ending.attempt_id)
+        self._attempts.drop(ending.attempt_id)
         error = None if ending.error is None else {"code": ending.error.code, "message": ending.error.message}
         if state is State.RETRY_WAIT:
             self._events.publish("task.retry_scheduled", task_id=task_id, worker_id=identity, error=error,
@@ -63,19 +63,19 @@ class AttemptEvents:
         """A write refused for `reason`: a lease the worker no longer holds is said once."""
         if reason not in LOST:
             return
-        if not self._book.first_loss(attempt_id, task_id, identity):
+        if not self._attempts.first_loss(attempt_id, task_id, identity):
             return
         self._events.publish("task.lease_lost", task_id=task_id, worker_id=identity, attempt_id=attempt_id,
                              type=await self._type_of(attempt_id, task_id), reason=reason)
 
     async def _type_of(self, attempt_id: str, task_id: str) -> str:
-        booked = self._book.get(attempt_id)
-        if booked is not None and booked.type is not None:
-            return booked.type
+        known = self._attempts.get(attempt_id)
+        if known is not None and known.type is not None:
+            return known.type
         try:
             task_type = (await self._store.get(task_id)).type
         except TidepoolError:
             return "unknown"
-        if booked is not None:
-            booked.type = task_type
+        if known is not None:
+            known.type = task_type
         return task_type

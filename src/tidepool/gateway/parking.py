@@ -12,10 +12,7 @@ that claim may have begun before the task existed, and if it leases something el
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
-
-from ..execution.waker import Waker
 
 # Acquires one worker may have held at once; past it, an acquire claims once and is answered at once. A
 # remote worker holds one at a time: the cap only keeps one identity from parking any number of them.
@@ -133,20 +130,6 @@ class Parking:
 
     def identities(self) -> set[str]:
         return set(self._held)
-
-
-class WakerWithGateway(Waker):
-    """The node's waker, which wakes the gateway's parked acquires as well as the pool's sleeping workers:
-    every place that makes work claimable (a submit, a promoted retry, a schedule's tick, another node's
-    submit heard from the store) already wakes it."""
-
-    def __init__(self, also: Callable[[int], object]) -> None:
-        super().__init__()
-        self._also = also
-
-    def wake(self, n: int = 1) -> None:
-        super().wake(n)
-        self._also(n)
 
 
 # The acquires that need not ask the store: one whose caller was answered empty for the same ask, when nothing

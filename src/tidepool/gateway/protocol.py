@@ -4,7 +4,7 @@ renew, phase notes, results and endings, each for the identity its certificate n
 Every write is fenced by the store on task, attempt and token; the gateway adds the caller: an attempt whose
 owner (its node_id, fixed when the attempt was made) is not the caller is refused as a lease it does not hold,
 without telling whose it is. The owner never changes, so reading it before the fenced write cannot race.
-The gateway publishes the events of the attempts (reports.py), so the node's event stream and dashboard show
+The gateway publishes the events of the attempts (events.py), so the node's event stream and dashboard show
 the remote work as well.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 
 import anyio
 
-from ..api.schemas import TaskDetailOut
 from ..errors import Conflict, InvalidRequest, LeaseGone, LeaseLost, StoreUnavailable, TaskCancelling, TidepoolError
 from ..events import EventBus
+from ..http.answers import TaskDetailOut
 from ..lifecycle import RetryPolicy
 from ..metrics.gateway import GatewayMetrics
 from ..model import (
@@ -39,7 +39,7 @@ from ..model import (
 )
 from ..settings import GatewaySettings, LeaseSettings
 from ..store import Acquired, Ending, PhaseNote, Store
-from .attempts import Book, lease_of, worker_token
+from .attempts import RemoteAttempts, lease_of, worker_token
 from .control import Controls
 from .events import AttemptEvents
 from .parking import EmptyAnswers, Parking
@@ -67,8 +67,8 @@ class Gateway:
         self.parking = Parking()
         self.empty = EmptyAnswers()
         self.controls = Controls(parked=self.parking.identities)
-        self.book = Book()
-        self.reports = AttemptEvents(events, self.book, store)
+        self.attempts = RemoteAttempts()
+        self.reports = AttemptEvents(events, self.attempts, store)
         self.replays = Replays()
         self.metrics = GatewayMetrics(held=lambda: len(self.parking), streams=self.controls.open_streams)
         self.registry = WorkerRegistry(store, events, self.controls, self.parking, self.metrics, clock=clock)
@@ -147,7 +147,7 @@ class Gateway:
                     ) -> Acquired | None:
         """Claim, and while nothing came of it, wait for a wake and claim again, until hold_s is over. Each
         claim is shielded: once begun it is answered, so no lease it makes is lost to the deadline. A claim
-        that would find what this worker's last empty one found (quiet.py) is not made: it waits at once."""
+        that would find what this worker's last empty one found (EmptyAnswers) is not made: it waits at once."""
         identity = worker.id
         parked = self.parking.park(identity)
         acquired: Acquired | None = None
@@ -214,10 +214,10 @@ class Gateway:
 
     async def _owned(self, worker: RemoteWorker, items: Sequence[LeaseIn]) -> set[str]:
         """The attempt ids of `items` that are the caller's; the others are said in the log, once per call. An
-        attempt's owner never changes, so one the book holds for the caller (this gateway handed it out, or the
+        attempt's owner never changes, so one the gateway knows as the caller's (it handed it out, or the
         store said so before) needs no read; the store is asked only about the rest."""
         ids = [i.attempt_id for i in items]
-        mine = {a for a in ids if (booked := self.book.get(a)) is not None and booked.identity == worker.id}
+        mine = {a for a in ids if (known := self.attempts.get(a)) is not None and known.identity == worker.id}
         unknown = [a for a in ids if a not in mine]
         if unknown:
             owners = await self.store.attempt_owners(unknown)

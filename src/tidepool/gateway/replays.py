@@ -1,6 +1,6 @@
-"""The answers of acquires by request_id: a worker that sends an acquire again (its answer was lost in
-transit) gets the very leases the first one made, for as long as a lease lasts, rather than strand them
-until they expire. Kept by this gateway in memory: a repeat sent to another gateway leases anew."""
+"""Replays of acquires by request_id: a worker that sends an acquire again (its answer was lost in transit)
+gets the very leases the first one made, for as long as a lease lasts, rather than strand them until they
+expire. Kept by this gateway in memory: a repeat sent to another gateway leases anew."""
 
 from __future__ import annotations
 

@@ -7,12 +7,12 @@ import asyncio
 from collections.abc import Callable
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
 
-from ..api.app import ApiError, parse
 from ..client import API_HEADER
-from ..errors import LeaseGone, TidepoolError, WorkerRefused
+from ..errors import LeaseGone, WorkerRefused
+from ..http.bodies import parse
 from ..http.guard import ConnectionGuard
+from ..http.refusals import Refusal, error, errors_as_json
 from ..model import RemoteWorker
 from .control import frame
 from .protocol import Gateway
@@ -24,44 +24,27 @@ GUARD: web.AppKey[ConnectionGuard] = web.AppKey("gateway_guard")
 KEEP_ALIVE_S = 15.0  # a comment on an idle control stream, under common proxy idle timeouts
 
 
-def _error(status: int, code: str, message: str, **more: str) -> web.Response:
-    return web.json_response({"error": {"code": code, "message": message, **more}}, status=status)
-
-
-@web.middleware
-async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return _error(exc.status, exc.code, str(exc))
-    except LeaseGone as exc:
-        answer = _error(410, exc.code, str(exc), reason=exc.reason)
+def _refusals(request: web.Request, exc: Exception) -> web.StreamResponse | None:
+    """The gateway's own: a lost lease's 410 says why; a worker the registry does not serve keeps no connection."""
+    if isinstance(exc, LeaseGone):
+        answer = error(410, exc.code, str(exc), reason=exc.reason)
         if exc.reason == "revoked":
             answer.force_close()
         return answer
-    except WorkerRefused as exc:
-        answer = _error(403, exc.code, str(exc))
+    if isinstance(exc, WorkerRefused):
+        answer = error(403, exc.code, str(exc))
         if exc.code in ("worker_revoked", "worker_pending"):
             answer.force_close()  # a worker that is not served keeps no connection open
         return answer
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        code = {413: "body_too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
-        message = f"request body is over {request.app[GATEWAY].max_body_kb} KiB" if exc.status == 413 else exc.reason
-        return _error(exc.status, code, message)
-    except TidepoolError as exc:
-        if exc.http_status is None:
-            raise
-        return _error(exc.http_status, exc.code, str(exc))
+    return None
 
 
 async def _caller(request: web.Request) -> RemoteWorker:
     """The calling worker's record, from its certificate (the TLS handshake has verified it)."""
     peer = peer_of(request.transport)
     if peer is None:
-        raise ApiError(403, "no_identity", "the client certificate names no identity of 1-255 characters "
-                                           "(a common name, else a DNS name)")
+        raise Refusal(403, "no_identity", "the client certificate names no identity of 1-255 characters "
+                                          "(a common name, else a DNS name)")
     gateway = request.app[GATEWAY]
     gateway.controls.seen(peer.identity, request.transport, request.app[GUARD].when_lost)
     return await gateway.meet(peer)
@@ -157,7 +140,8 @@ async def _identify(request: web.Request, response: web.StreamResponse) -> None:
 
 
 def build_app(gateway: Gateway, guard: ConnectionGuard, *, max_body_kb: int) -> web.Application:
-    app = web.Application(middlewares=[guard.next_request, errors_as_json], client_max_size=max_body_kb * 1024)
+    refusals = errors_as_json(max_body_kb=lambda request: request.app[GATEWAY].max_body_kb, own=_refusals)
+    app = web.Application(middlewares=[guard.next_request, refusals], client_max_size=max_body_kb * 1024)
     app.on_response_prepare.append(_identify)
     app[GATEWAY] = gateway
     app[GUARD] = guard

@@ -1,5 +1,5 @@
 """The worker protocol's bodies: what a remote worker may send under /w1 (extra fields refused, every list
-bounded) and the shape of each answer, from which the OpenAPI document is built as well."""
+bounded) and what each answer holds, from which the OpenAPI document is built as well."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..api.schemas import JsonInt, Shape, TaskDetailOut
+from ..http.answers import Answer, TaskDetailOut
+from ..http.bodies import JsonInt
 from ..model import Phase
 from ..scans import SCOPE_MAX_BYTES
 from ..settings import Tag
@@ -95,37 +96,37 @@ class FinishIn(Body):
 # answers
 
 
-class LeaseOut(Shape):
+class LeaseOut(Answer):
     task: TaskDetailOut
     attempt_id: str
     lease_token: str = Field(description="opaque: sent back with every write of the attempt")
     lease_expires_at: str
 
 
-class AcquireOut(Shape):
+class AcquireOut(Answer):
     tasks: list[LeaseOut]
     worker_state: WorkerStateName
     lease_s: float
     renew_after_s: float
 
 
-class LeaseStatusOut(Shape):
+class LeaseStatusOut(Answer):
     attempt_id: str
     status: Literal["held", "cancel", "lost"]
     lease_expires_at: str | None = None
     reason: str | None = None
 
 
-class RenewOut(Shape):
+class RenewOut(Answer):
     leases: list[LeaseStatusOut]
     worker_state: WorkerStateName
 
 
-class PhaseOut(Shape):
+class PhaseOut(Answer):
     lost: list[str]
 
 
-class ResultAckOut(Shape):
+class ResultAckOut(Answer):
     attempt_id: str
     plugin: str
     sequence: int
@@ -134,24 +135,24 @@ class ResultAckOut(Shape):
     final: bool
 
 
-class EndingOut(Shape):
+class EndingOut(Answer):
     attempt_id: str
     state: str | None = None
     lost: str | None = Field(None, description="why the ending was refused: expired, cancelled, revoked, superseded")
 
 
-class FinishOut(Shape):
+class FinishOut(Answer):
     endings: list[EndingOut]
 
 
-class ControlOut(Shape):
+class ControlOut(Answer):
     """One event of GET /w1/control: cancel {attempt_id}, worker {state}, wake {n}."""
 
     event: Literal["cancel", "worker", "wake"]
     data: dict[str, Any]
 
 
-class LeaseGoneBody(Shape):
+class LeaseGoneBody(Answer):
     """A write behind a lease the worker no longer holds: why, in `reason`."""
 
     code: Literal["lease_lost"]
@@ -161,10 +162,8 @@ class LeaseGoneBody(Shape):
                     "superseded: another attempt holds the task, or the attempt is not the caller's")
 
 
-class LeaseGoneOut(Shape):
+class LeaseGoneOut(Answer):
     error: LeaseGoneBody
 
 
 REQUESTS: tuple[type[BaseModel], ...] = (AcquireIn, RenewIn, PhaseIn, ResultIn, FinishIn)
-ANSWERS: tuple[type[BaseModel], ...] = (AcquireOut, RenewOut, PhaseOut, ResultAckOut, FinishOut, ControlOut,
-                                        LeaseGoneOut)

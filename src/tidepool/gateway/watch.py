@@ -1,6 +1,6 @@
-"""What the gateway follows while it runs: cancels asked through the API reach the control stream of the
-remote worker that runs the task at once, so do the cancels and registry changes other gateways of a shared
-store make (its notices), and the registry's counts for the metrics stay fresh."""
+"""The watch: what the gateway follows while it runs. Cancels asked through the API reach the control stream
+of the remote worker that runs the task at once, so do the cancels and registry changes other gateways of a
+shared store make (its notices), and the registry's counts for the metrics stay fresh."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ LIVE = (AttemptStatus.LEASED, AttemptStatus.RUNNING)
 class Watch:
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
-        self._unknown: deque[str] = deque(maxlen=10_000)  # cancelled tasks whose attempt the book does not hold
+        self._unknown: deque[str] = deque(maxlen=10_000)  # cancelled tasks whose attempt the gateway does not know
         self._more = anyio.Event()
         if isinstance(gateway.store, NoticeSource):
             gateway.store.hear_notices(self.heard)
@@ -41,10 +41,10 @@ class Watch:
         if event.name != "task.cancel_requested" or event.data.get("attempt_id") is not None:
             return  # a revoke's cancels name their attempt and have been told already
         task_id = event.data["task_id"]
-        found = self._gateway.book.of_task(task_id)
+        found = self._gateway.attempts.of_task(task_id)
         if found is not None:
-            attempt_id, booked = found
-            self._gateway.controls.cancel(booked.identity, attempt_id)
+            attempt_id, attempt = found
+            self._gateway.controls.cancel(attempt.identity, attempt_id)
         elif self._gateway.controls.open_streams():
             self._unknown.append(task_id)
             self._more.set()

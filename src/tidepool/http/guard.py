@@ -1,4 +1,4 @@
-"""Connection hygiene aiohttp lacks: a deadline for request headers and a cap on open connections.
+"""The connection guard: the hygiene aiohttp lacks, a deadline for request headers and a cap on open connections.
 
 aiohttp has no deadline for receiving a request's headers, so a client trickling bytes holds its
 connection forever (a slowloris attack). Each connection is wrapped: if a request has not reached
@@ -6,7 +6,7 @@ the app within `header_timeout_s` of its first byte (of the connection, for the 
 the node already holds `max_connections`, the connection is closed. The app's `next_request`
 middleware says when a request arrives and when it is done; the next byte after that starts the
 next request's clock. Idle keep-alive connections are closed by aiohttp's keepalive_timeout; bodies
-have their own deadline where they are read (app.parse).
+have their own deadline where they are read (bodies.parse).
 
 `TIDEPOOL_API_HEADER_TIMEOUT_S` (read once, at import) overrides the header deadline. It is a private
 knob for tests that prove the cut-off in seconds rather than minutes, not a configuration key.

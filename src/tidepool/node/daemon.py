@@ -32,7 +32,7 @@ from ..execution.leases import LeaseKeeper
 from ..execution.outcomes import UnwrittenInterruptions
 from ..execution.pool import NodeClaims, Pool, PoolConfig
 from ..execution.resources import ResourcePool
-from ..gateway.parking import WakerWithGateway
+from ..gateway.openapi import WORKER_PROTOCOL
 from ..lifecycle import retry_policy
 from ..metrics.exporter import Metrics
 from ..model import QUEUED, AttemptStatus, new_id
@@ -44,7 +44,7 @@ from ..upkeep.fleet import GoneNodes, Heartbeat, fence_after_s
 from ..upkeep.reconciler import Reconciler, ReconcilerConfig
 from ..upkeep.scheduler import Scheduler
 from . import reload
-from .gateway import NodeGateway
+from .gateway import NodeGateway, WakerWithGateway
 from .lock import file_safe, node_lock
 from .operations import NodeOperations, NodeParts, NodeStatus, store_answers
 from .remote import RemoteOperations, attach_remote
@@ -189,7 +189,8 @@ class Daemon:
         if self.remote is None:  # the fleet's rows live in the store; a gateway knows its workers by their calls
             await tg.start(self.heartbeat.run)
         await tg.start(self.guards.run)  # a first measure before the first claim
-        await tg.start(partial(serve_api, self.ops, self.settings.api.listen, token=token))
+        await tg.start(partial(serve_api, self.ops, self.settings.api.listen, token=token,
+                               worker_protocol=WORKER_PROTOCOL))
         await self.node_gateway.start(tg, self.settings)
         _quiet_gc()
         await tg.start(self.pool.run)

@@ -1,6 +1,7 @@
 """A node's gateway for remote workers: the worker protocol over this node's store, the watch that tells
 its workers of API cancels and of other gateways' notices, and, when gateway.listen is set, the mutual-TLS
-listener, whose certificates are read at start and again on each reload."""
+listener, whose certificates are read at start and again on each reload; and the node's one waker, which
+wakes the gateway's parked acquires with the pool's workers."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from functools import partial
 from anyio.abc import TaskGroup
 
 from ..events import EventBus
+from ..execution.waker import Waker
 from ..gateway.listener import serve_gateway
 from ..gateway.protocol import Gateway
 from ..gateway.tls import Credentials
@@ -41,3 +43,17 @@ class NodeGateway:
         self.gateway.configure(new.gateway, new.lease)
         if self.credentials is not None:  # new connections get the files' certificates; live ones keep theirs
             self.credentials.reload(new.gateway)
+
+
+class WakerWithGateway(Waker):
+    """The node's waker, which wakes the gateway's parked acquires as well as the pool's sleeping workers:
+    every place that makes work claimable (a submit, a promoted retry, a schedule's tick, another node's
+    submit heard from the store) already wakes it."""
+
+    def __init__(self, also: Callable[[int], object]) -> None:
+        super().__init__()
+        self._also = also
+
+    def wake(self, n: int = 1) -> None:
+        super().wake(n)
+        self._also(n)

@@ -1,7 +1,8 @@
 """The node's operations as its API asks for them: submits checked against this node's task types and
 the fleet's resources, cancels that stop a running attempt, retries, pool sizes, schedules, readiness.
 
-`NodeOperations` implements `api.ops.Operations`; the daemon builds one and hands it to the API.
+`NodeOperations` implements `api.operations.Operations`, answering with domain objects and the API's plain
+views, which the API renders; the daemon builds one and hands it to the API.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from typing import Any
 
 import anyio
 
-from ..api.operations import ScanRequest
-from ..api.schemas import NodeOut, PoolOut, ScheduleOut
+from ..api.operations import NodesView, PoolView, ScanRequest, ScheduleView
 from ..errors import Conflict, InvalidRequest, ScanNotFound, StoreUnavailable, TaskNotFound
 from ..events import EventBus
 from ..execution.guards import Guards
@@ -234,21 +234,22 @@ class NodeOperations:
             log.info("pool resized: min %d max %d idle %.1fs", pool.config.min_workers, pool.config.max_workers,
                      pool.config.idle_timeout_s)
 
-    async def pool_view(self) -> dict[str, Any]:
+    async def pool_view(self) -> PoolView:
         stats = self._parts.pool.statistics()
         counts = await self._store.counts()
-        return PoolOut.of(stats, node_id=self._node_id, draining=self._status.draining,
-                          queue={s: counts.get(State(s), 0) for s in QUEUE_STATES},
-                          guards=self._parts.guards.statistics(),
-                          resources=self._parts.resources.statistics().resources,
-                          pending_restart=self._status.pending_restart).to_json()
+        return PoolView(stats, node_id=self._node_id, draining=self._status.draining,
+                        queue={s: counts.get(State(s), 0) for s in QUEUE_STATES},
+                        guards=self._parts.guards.statistics(),
+                        resources=self._parts.resources.statistics().resources,
+                        pending_restart=self._status.pending_restart)
 
-    async def nodes_view(self) -> list[dict[str, Any]]:
+    async def nodes_view(self) -> NodesView:
+        """The registry's nodes and the remote workers served (a pending one is no part of the fleet yet)."""
         now = time.time()
-        nodes = [NodeOut.of(node, now=now).to_json() for node in await self._store.list_nodes()]
+        nodes = await self._store.list_nodes()
         heard_within_s = self._settings.gateway.max_wait_s + self._settings.lease.duration_s
-        return nodes + [NodeOut.of_remote(w, now=now, heard_within_s=heard_within_s).to_json()
-                        for w in await self._parts.workers.list_workers() if w.state is not WorkerState.PENDING]
+        remote = [w for w in await self._parts.workers.list_workers() if w.state is not WorkerState.PENDING]
+        return NodesView(nodes, remote, now=now, heard_within_s=heard_within_s)
 
     # remote workers
 
@@ -266,22 +267,22 @@ class NodeOperations:
 
     # schedules
 
-    async def schedules_view(self) -> list[dict[str, Any]]:
+    async def schedules_view(self) -> list[ScheduleView]:
         return [await self.schedule_view(schedule) for schedule in await self._store.list_schedules()]
 
-    async def schedule_view(self, schedule: Schedule) -> dict[str, Any]:
-        """The schedule's JSON with the state of its last task or scan (gone, if pruned: null)."""
+    async def schedule_view(self, schedule: Schedule) -> ScheduleView:
+        """The schedule with the state of its last task or scan (gone, if pruned: None)."""
         if schedule.profile is not None:
             scan_state = None
             if schedule.last_task_id is not None:
                 with contextlib.suppress(ScanNotFound):
                     scan_state = (await self._store.get_scan(schedule.last_task_id)).state
-            return ScheduleOut.of(schedule, last_scan_state=scan_state).to_json()
+            return ScheduleView(schedule, last_scan_state=scan_state)
         state = None
         if schedule.last_task_id is not None:
             with contextlib.suppress(TaskNotFound):
                 state = (await self._store.get(schedule.last_task_id)).state
-        return ScheduleOut.of(schedule, last_task_state=state).to_json()
+        return ScheduleView(schedule, last_task_state=state)
 
     async def save_schedule(self, schedule: Schedule) -> Schedule:
         validate(schedule)
@@ -353,9 +354,9 @@ def announce_cancel(events: EventBus, leases: LeaseKeeper, task_id: str, answer:
 # types, with each step's task defaults resolved; cancels that stop the running step; retries of a job; and the
 # events of every scan move the store reports, wherever it was made (a worker's finish, the reconciler).
 #
-# `ScanOperations` implements `api.ops.ScanOps`; `NodeOperations.scans` is the node's one.
+# `ScanOperations` implements `api.operations.ScanOps`; `NodeOperations.scans` is the node's one.
 
-log = logging.getLogger("tidepool.scans")
+scan_log = logging.getLogger("tidepool.scans")  # the scans' own lines, apart from the node's
 # A scan's payload travels in every step's task beside the scope: bounded as the scope is.
 PAYLOAD_MAX_BYTES = SCOPE_MAX_BYTES
 
@@ -428,7 +429,7 @@ class ScanOperations:
             return self.new_scan(ScanRequest(schedule.profile, dict(schedule.payload), schedule.priority,
                                              idempotency_key=tick_key(schedule, tick)))
         except InvalidRequest as exc:  # the tick is skipped as "refused": say why, once per tick
-            log.error("schedule %s: the scan of its tick %s is refused: %s", schedule.name, rfc3339(tick), exc)
+            scan_log.error("schedule %s: the scan of its tick %s is refused: %s", schedule.name, rfc3339(tick), exc)
             raise
 
     async def announce(self, scan_id: str) -> None:
@@ -437,7 +438,7 @@ class ScanOperations:
         try:
             scan = await self._store.get_scan(scan_id)
         except (ScanNotFound, StoreUnavailable) as exc:
-            log.warning("scan %s created; its events are not told: %s", scan_id, exc)
+            scan_log.warning("scan %s created; its events are not told: %s", scan_id, exc)
             self._parts.waker.wake(1)
             return
         self.created(scan)
@@ -478,13 +479,13 @@ class ScanOperations:
             return answer.state
         if answer.task is not None and answer.task.moved and answer.task_id is not None:
             announce_cancel(self.events, self._parts.leases, answer.task_id, answer.task)
-        log.info("scan %s cancel requested -> %s", scan_id, answer.state.value)
+        scan_log.info("scan %s cancel requested -> %s", scan_id, answer.state.value)
         return answer.state
 
     async def retry(self, scan_id: str, index: int) -> Scan:
         scan = await self._store.retry_job(scan_id, index, now=time.time(), max_queued=self._settings.pool.max_queued)
         job = scan.jobs[index]
-        log.info("scan %s job %d (%s) retried by request: task %s", scan_id, index, job.step, job.task_id)
+        scan_log.info("scan %s job %d (%s) retried by request: task %s", scan_id, index, job.step, job.task_id)
         self._step_started(scan.id, scan.profile, index, job.step, job.task_id, scan.priority)
         self._parts.waker.wake(1)
         return scan
@@ -496,8 +497,8 @@ class ScanOperations:
         first = scan.jobs[0]
         self.events.publish("scan.created", scan_id=scan.id, task_id=first.task_id, worker_id=None,
                             profile=scan.profile, organization=scan.organization, steps=len(scan.jobs))
-        log.info("scan %s created: profile %s, %d steps, job 0 (%s) task %s", scan.id, scan.profile, len(scan.jobs),
-                 first.step, first.task_id)
+        scan_log.info("scan %s created: profile %s, %d steps, job 0 (%s) task %s", scan.id, scan.profile,
+                      len(scan.jobs), first.step, first.task_id)
         self._step_started(scan.id, scan.profile, 0, first.step, first.task_id, scan.priority)
         self._parts.waker.wake(1)
 
@@ -510,15 +511,15 @@ class ScanOperations:
                 self.events.publish("scan.step", scan_id=move.scan_id, task_id=None, worker_id=None,
                                     profile=move.profile, index=move.index, state=move.job.value)
                 # its task's own line says a success; a step that failed is the scan's news
-                log.log(logging.DEBUG if move.job is JobState.SUCCESS else logging.INFO, "scan %s job %d ended %s",
-                        move.scan_id, move.index, move.job.value)
+                scan_log.log(logging.DEBUG if move.job is JobState.SUCCESS else logging.INFO,
+                             "scan %s job %d ended %s", move.scan_id, move.index, move.job.value)
             if move.started is not None and move.task_id is not None:
                 self._step_started(move.scan_id, move.profile, move.started, move.type, move.task_id, None)
                 created += 1
             if move.finished is not None:
                 self.events.publish("scan.finished", scan_id=move.scan_id, task_id=None, worker_id=None,
                                     profile=move.profile, state=move.finished.value)
-                log.info("scan %s finished %s", move.scan_id, move.finished.value)
+                scan_log.info("scan %s finished %s", move.scan_id, move.finished.value)
         if created:
             self._parts.waker.wake(created)
 

@@ -5,8 +5,8 @@ resources, guards and lease keeper are the same parts as on any node."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
+from ..api.operations import NodesView, ScheduleView
 from ..errors import RemoteNode
 from ..execution.leases import LeaseKeeper
 from ..execution.waker import Waker
@@ -55,10 +55,10 @@ class RemoteOperations(NodeOperations):
     async def retry(self, task_id: str) -> Task:
         raise self._gateway()
 
-    async def nodes_view(self) -> list[dict[str, Any]]:
+    async def nodes_view(self) -> NodesView:
         raise self._gateway()
 
-    async def schedules_view(self) -> list[dict[str, Any]]:
+    async def schedules_view(self) -> list[ScheduleView]:
         raise self._gateway()
 
     async def save_schedule(self, schedule: Schedule) -> Schedule:

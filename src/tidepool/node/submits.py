@@ -1,4 +1,5 @@
-"""A submitted payload checked against the command templates its task type will fill in, before it is queued.
+"""The payload check: a submitted payload checked against the command templates its task type will fill in,
+before it is queued.
 
 The same rendering runs again when the attempt starts (a command plugin's own check); doing it at submit
 makes a payload that no attempt could run a 400 naming the field, instead of a task that fails later.

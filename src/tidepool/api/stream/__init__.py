@@ -1,8 +1,8 @@
-"""GET /v1/events: the event bus as server-sent events, resumable with Last-Event-ID.
+"""The event stream, GET /v1/events: the event bus as server-sent events, resumable with Last-Event-ID.
 
 Unfiltered streams (dashboards, tails) are written together by the Fanout. A filtered stream (a CLI
 following its task) reads its own subscription, which is handed only its events, and is written here.
-Either way a stream is written straight to its transport (stream_writer), so a client that stops
+Either way a stream is written straight to its transport (writer.py), so a client that stops
 reading holds no coroutine: it is dropped as a slow subscriber, and its connection is cut if it does
 not take its final event within a heartbeat's time.
 """
@@ -13,22 +13,22 @@ import asyncio
 import logging
 from collections.abc import Callable
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING
 
 import anyio
 from aiohttp import web
 
 from ...errors import InvalidRequest
 from ...events import EVENT_NAMES, EventBus, Filter, Subscription
+from ...http.answers import Answer
+from ...http.guard import ConnectionGuard
+from ...http.refusals import Refusal
 from ...logs import Outage
+from ..operations import DAEMON, Operations
 from .fanout import Fanout
 from .frames import CONNECTED, GAP, HEARTBEAT, closed_frame, frames
 from .writer import BACKLOG_BYTES, HEARTBEAT_S, LINGER_S, MAX_BATCH, Stream, bound_send_buffer
 
-if TYPE_CHECKING:
-    from ..operations import Operations
-
-__all__ = ["MAX_STREAMS", "Fanout", "StreamLimit", "events"]
+__all__ = ["FANOUT", "GUARD", "MAX_STREAMS", "STREAMS", "EventOut", "Fanout", "StreamLimit", "events"]
 
 log = logging.getLogger("tidepool.api")
 
@@ -36,6 +36,14 @@ log = logging.getLogger("tidepool.api")
 # node takes (guard.MAX_CONNECTIONS), so that probes, metrics and submits always find one.
 MAX_STREAMS = 256
 MAX_ID_DIGITS = 20  # no event id has more (they are below 2**64); int() of thousands of digits would raise
+
+
+class EventOut(Answer):
+    """One server-sent event of GET /v1/events; `data` is the event's JSON, `id` absent on stream.* notices."""
+
+    event: str
+    data: str
+    id: str | None = None
 
 
 class StreamLimit:
@@ -58,6 +66,26 @@ class StreamLimit:
     def release(self) -> None:
         self.open -= 1
 
+
+FANOUT: web.AppKey[Fanout] = web.AppKey("fanout")
+STREAMS: web.AppKey[StreamLimit] = web.AppKey("streams")
+# The API's connection guard, which says when a stream's client went away (an app built without a listener has
+# none: its streams learn it at their next write).
+GUARD: web.AppKey[ConnectionGuard] = web.AppKey("guard")
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    """The route: one stream, admitted under MAX_STREAMS, until it ends."""
+    streams = request.app[STREAMS]
+    if not streams.admit():
+        raise Refusal(503, "too_many_streams", f"{streams.limit} event streams are open, the most this node serves: "
+                                               "try again later, or poll GET /v1/tasks/{id}")
+    try:
+        guard = request.app.get(GUARD)
+        return await _stream(request, request.app[DAEMON], request.app[FANOUT],
+                             None if guard is None else guard.when_lost)
+    finally:
+        streams.release()
 
 
 async def _filter(request: web.Request, daemon: Operations) -> Filter | None:
@@ -87,7 +115,7 @@ def _last_event_id(request: web.Request) -> int | None:
     return int(raw)
 
 
-async def events(request: web.Request, daemon: Operations, fanout: Fanout,
+async def _stream(request: web.Request, daemon: Operations, fanout: Fanout,
                  when_lost: Callable[[asyncio.BaseTransport, Callable[[], None]], Callable[[], None]] | None = None,
                  ) -> web.StreamResponse:
     """One stream, until it ends. `when_lost` (the connection guard's) says when its client went away: an

@@ -1,4 +1,5 @@
-"""One event stream's connection, written straight to its transport, never through aiohttp's drain.
+"""The stream writer: one event stream's connection, written straight to its transport, never through
+aiohttp's drain.
 
 A client that stops reading must not hold a coroutine for ever: its backlog is measured here, and the
 fan-out or its handler drops it as a slow subscriber.
