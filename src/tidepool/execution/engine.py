@@ -24,7 +24,7 @@ import anyio.lowlevel
 from ..backoff import Backoff
 from ..errors import LeaseLost, PluginError, StoreUnavailable, TidepoolError
 from ..events import EventBus
-from ..lifecycle import RetryPolicy, retry_policy
+from ..lifecycle import RetryPolicy
 from ..logs import Completions
 from ..model import CANCELLED_ON_REQUEST, AttemptStatus, Claimed, Outcome, Phase, ResultBatch, State, Task, TaskError
 from ..plugins import PluginDef, Registry, denied
@@ -82,7 +82,7 @@ class Engine:
         """A reload's task types, deadlines and retry policy, for the attempts that start from now on."""
         self.registry = registry
         self.config = EngineConfig.of(execution)
-        self.policy = retry_policy(retry)
+        self.policy = retry.policy()
 
     def park(self, claimed: Claimed, worker_id: str) -> None:
         """A task a claim leased for another idle worker: its lease is held (renewed, and stoppable: a cancel or

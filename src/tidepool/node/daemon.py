@@ -30,7 +30,6 @@ from ..execution.outcomes import UnwrittenInterruptions
 from ..execution.pool import NodeClaims, Pool, PoolConfig
 from ..execution.resources import ResourcePool
 from ..gateway.parking import WakerWithGateway
-from ..lifecycle import retry_policy
 from ..metrics.exporter import Metrics
 from ..model import QUEUED, AttemptStatus, new_id
 from ..plugins import Registry, command
@@ -114,7 +113,7 @@ class Daemon:
                                   fence_after_s=fence_after_s(settings.node.heartbeat_s),
                                   on_fence=partial(_hurry_commands, settings.node.heartbeat_s))
         self.engine = Engine(self.store, registry, self.leases, self.events, config=EngineConfig.of(settings.execution),
-                             policy=retry_policy(settings.retry), work_root=self.work_root, resources=self.resources)
+                             policy=settings.retry.policy(), work_root=self.work_root, resources=self.resources)
         self.claims = NodeClaims(settings.claimed_types(), resources=self.resources, guards=self.guards)
         self.pool = Pool(self.store, self.engine, self.leases, self.events, config=PoolConfig.of(settings.pool),
                          node_id=self.node_id, instance_id=self.instance_id, claim_filter=self.claims.filter,
