@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -127,10 +126,6 @@ def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float) -> Plugi
 
 def _keep_on_attempt(ctx: PluginContext, exit_status: int | None, stderr_tail: str) -> None:
     ctx.exit_status, ctx.stderr_tail = exit_status, stderr_tail
-
-
-def remove_workdir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 BUILTINS: dict[str, Plugin] = {"noop": noop, "sleep": sleep, "tcp_connect": tcp_connect, "http_probe": http_probe}
