@@ -5,13 +5,9 @@ from __future__ import annotations
 import enum
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .errors import InvalidTransition
 from .model import CANCELLED_ON_REQUEST, AttemptStatus, Outcome, State, TaskError
-
-if TYPE_CHECKING:
-    from .settings import RetrySettings
 
 
 class Event(enum.StrEnum):
@@ -127,8 +123,3 @@ def decide_end(state: State, outcome: Outcome, *, attempt: int, max_attempts: in
 def _cancelled_status(status: AttemptStatus) -> AttemptStatus:
     # An attempt that was expiring or interrupted when the cancel landed keeps saying so.
     return status if status in (AttemptStatus.EXPIRED, AttemptStatus.INTERRUPTED) else AttemptStatus.CANCELLED
-
-
-def retry_policy(settings: RetrySettings) -> RetryPolicy:
-    return RetryPolicy(settings.backoff_base_s, settings.backoff_max_s, settings.jitter,
-                       settings.max_interruptions)

@@ -137,7 +137,7 @@ async def park_one(node: Node, task_type: str) -> list[str]:
     (task_id,) = await node.submit_many(task_type, 1)
     worker = Worker("test-node", "i1", "test-node/w1")
     (claimed,) = await node.store.claim(worker, ClaimFilter(), limit=1, now=time.time(), lease_s=30.0)
-    node.engine.park(claimed, worker.worker_id)
+    node.pool.handoff.put(claimed, worker.worker_id)
     return [task_id]
 
 
@@ -227,14 +227,14 @@ async def test_a_worker_counted_out_only_by_a_stale_parked_id_claims_instead_of_
         await running(node, 1)
         await node.until(lambda: node.pool.statistics().claiming and not node.pool._in_claim)
         idle = next(w for w in node.pool._workers.values() if not w.busy)
-        node.pool._parked.append("an-attempt-that-ended")
+        node.pool.handoff._waiting["an-attempt-that-ended"] = None
         task, _ = await node.store.add(NewTask("blocked", {}), now=time.time())  # no wake: the sleeper sleeps on
         task_id = task.id
         with anyio.fail_after(2):
             started = await node.pool._claim(idle, Worker("test-node", "i1", idle.id))
         assert started is not None and started[0].task.id == task_id
-        node.engine.park(started[0], idle.id)
-        node.engine.give_back_parked(started[0].lease.attempt_id)
+        node.pool.handoff.put(started[0], idle.id)
+        node.pool.handoff.give_back_all()
         gate.set()
 
 

@@ -26,12 +26,9 @@ import psutil  # type: ignore[import-untyped]
 import pytest
 
 from tidepool.errors import ConfigError
-from tidepool.events import EventBus
-from tidepool.execution.engine import Engine, EngineConfig
-from tidepool.execution.leases import LeaseKeeper
-from tidepool.lifecycle import RetryPolicy
+from tidepool.execution.workdirs import clear_leftovers
 from tidepool.model import State
-from tidepool.plugins import Registry, command
+from tidepool.plugins import command
 from tidepool.plugins.command import CommandLimits, run_command, scrubbed_env, spawn
 from tidepool.settings import PluginSpec
 from tidepool.store.sqlite import SqliteStore
@@ -152,11 +149,6 @@ async def start_daemon(work_root: Path, program: Path, pid_file: Path) -> anyio.
                                      str(pid_file)], stdin=None, stdout=None, stderr=None)
 
 
-def engine_on(store: SqliteStore, work_root: Path) -> Engine:
-    return Engine(store, Registry({}, {}), LeaseKeeper(store, lease_s=30.0, renew_every_s=10.0), EventBus(),
-                  config=EngineConfig(), policy=RetryPolicy(), work_root=work_root)
-
-
 async def test_a_restarted_node_kills_what_its_killed_daemon_left_running_and_spares_other_nodes_commands(
         sqlite_store: SqliteStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     root_a, root_b = tmp_path / "work" / "node-a", tmp_path / "work" / "node-b"
@@ -176,7 +168,7 @@ async def test_a_restarted_node_kills_what_its_killed_daemon_left_running_and_sp
         assert psutil.Process(left["unmarked"]).environ() == {}  # really without the cookie
 
         caplog.set_level(logging.INFO, logger="tidepool.engine")
-        await engine_on(sqlite_store, root_a).remove_leftover_workdirs()  # node A starts again
+        await clear_leftovers(root_a)  # node A starts again
 
         await until(lambda: all(gone(pid) for pid in left.values()), timeout_s=5.0)
         assert not gone(pids(pids_b)["lone"])  # node B's command is not node A's to kill

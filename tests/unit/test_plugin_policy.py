@@ -7,6 +7,7 @@ import pytest
 from tidepool import settings
 from tidepool.errors import ConfigError
 from tidepool.plugins import Registry
+from tidepool.plugins.builtin import BUILTINS
 
 ECHO = {"echo": {"command": ["echo", "{text}"]}}
 
@@ -41,3 +42,8 @@ def test_a_schedule_of_a_built_in_type_left_out_names_the_schedule() -> None:
     with pytest.raises(ConfigError, match=r"schedules\.tick\.type"):
         settings.parse({"plugins": {"allow": ["echo"], **ECHO},
                         "schedules": [{"name": "tick", "type": "noop", "every_s": 60}]})
+
+
+def test_the_settings_name_the_built_in_plugins_as_the_registry_defines_them() -> None:
+    """A profile's steps are checked against these names when the config is read, before any registry."""
+    assert set(BUILTINS) == settings.BUILTIN_PLUGINS

@@ -1,4 +1,8 @@
-"""TaskContext: what a Python plugin sees of its task, and how it reports back."""
+"""TaskContext: what a Python plugin sees of its task, and how it reports back.
+
+It is the plugins' PluginContext made concrete, with what plugin authors get besides (a logger bound to
+the task, a checkpoint); `tidepool.TaskContext` is this class.
+"""
 
 from __future__ import annotations
 

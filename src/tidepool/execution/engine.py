@@ -1,15 +1,16 @@
-"""Runs one claimed task through its phases: initialize -> prepare -> run plugins -> stop.
+"""The engine: one claimed task run through its phases, initialize -> prepare -> run plugins -> stop.
 
 Each attempt runs in its own cancel scope (cancel, shutdown interrupt and lost leases fire it);
 prepare acquires a resource slot when the task needs tags (tasks that need none skip it at no
 cost); the run phase is bounded by the task's timeout and each plugin by its own; the stop phase
-always runs, shielded and bounded by stop_timeout_s, and releases the slot whatever happened.
-The outcome is posted to the OutcomeWriter, which writes it fenced by the lease while the worker
-goes on to its next task, and reports it (events, logs) once the store has answered.
+always runs, shielded and bounded by stop_timeout_s, and releases the slot and removes the work
+directory whatever happened. How the attempt ended is posted to its outcomes, which write it behind
+the worker while it goes on to its next task.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -22,23 +23,20 @@ import anyio
 import anyio.lowlevel
 
 from ..backoff import Backoff
-from ..errors import LeaseLost, PluginError, StoreUnavailable, TidepoolError
+from ..errors import PluginError, StoreUnavailable
 from ..events import EventBus
-from ..lifecycle import RetryPolicy, retry_policy
-from ..logs import Completions
-from ..model import CANCELLED_ON_REQUEST, AttemptStatus, Claimed, Outcome, Phase, ResultBatch, State, Task, TaskError
+from ..lifecycle import RetryPolicy
+from ..model import CANCELLED_ON_REQUEST, AttemptStatus, Claimed, Outcome, Phase, ResultBatch, Task, TaskError
 from ..plugins import PluginDef, Registry, denied
-from ..plugins.builtin import remove_workdir
-from ..plugins.command import kill_leftover_runs
-from ..store import WorkerPort
+from ..store.port import WorkerPort
 from .context import TaskContext
 from .leases import Held, LeaseKeeper
-from .outcomes import OutcomeWriter, Posted
+from .outcomes import Outcomes
 from .resources import ResourcePool, Slot
+from .workdirs import remove_workdir
 
 if TYPE_CHECKING:
     from ..settings import ExecutionSettings, RetrySettings
-import asyncio
 
 log = logging.getLogger("tidepool.engine")
 MAX_RAN = 10_000  # plugins remembered between two supervisor ticks, for the held-up loop's warning
@@ -51,7 +49,6 @@ class EngineConfig:
     timeout_s: float = 600.0
     prepare_timeout_s: float = 60.0
     stop_timeout_s: float = 30.0
-    keep_workdirs: bool = False
 
     @classmethod
     def of(cls, section: ExecutionSettings) -> EngineConfig:
@@ -72,62 +69,15 @@ class Engine:
         self._work_root = work_root
         self.resources = resources
         self._clock = clock
-        self._unstarted: dict[str, tuple[Claimed, Held, str]] = {}  # parked for an idle worker, not started
         self._running: dict[str, tuple[TaskContext, Held, str]] = {}  # started, outcome not posted yet
         self._ran: dict[str, str] = {}  # task id -> plugin, of what ran since plugins_since_asked() was
-        self.outcomes = OutcomeWriter(store, policy=lambda: self.policy, report=self._written)
-        self.completions = Completions(log)
+        self.outcomes = Outcomes(store, leases, events, policy=lambda: self.policy, clock=clock)
 
     def configure(self, registry: Registry, execution: ExecutionSettings, retry: RetrySettings) -> None:
         """A reload's task types, deadlines and retry policy, for the attempts that start from now on."""
         self.registry = registry
         self.config = EngineConfig.of(execution)
-        self.policy = retry_policy(retry)
-
-    def park(self, claimed: Claimed, worker_id: str) -> None:
-        """A task a claim leased for another idle worker: its lease is held (renewed, and stoppable: a cancel or
-        a shutdown ends it at once) until that worker takes it with take_parked()."""
-        held = self._leases.hold(claimed.lease)
-        held.waiting = self._stopped_waiting
-        self._unstarted[claimed.lease.attempt_id] = (claimed, held, worker_id)
-
-    def take_parked(self, attempt_id: str) -> tuple[Claimed, Held] | None:
-        """The parked task to run now, or None if it ended while it waited (given back, or stopped)."""
-        item = self._unstarted.pop(attempt_id, None)
-        if item is None:
-            return None
-        item[1].waiting = None  # its turn: from here a stop cancels its scope
-        return item[0], item[1]
-
-    async def remove_leftover_workdirs(self) -> None:
-        """At start, before any attempt runs here: what an earlier process left (it was killed before its stop
-        phases ran) belongs to no attempt any more. First the commands it left running: nothing watches them
-        now, and beside their own retries they would use twice what exists once (a licence) and write into
-        the directories. Then the work directories."""
-        killed = await anyio.to_thread.run_sync(kill_leftover_runs, self._work_root)  # reads all of /proc
-        if killed:
-            log.warning("killed %d processes of commands left running by an earlier process", killed)
-        if self.config.keep_workdirs or not self._work_root.is_dir():
-            return
-        leftover = [str(p) for p in self._work_root.iterdir()]
-        if leftover:
-            await anyio.to_thread.run_sync(_remove_all, leftover)
-            log.info("cleared %d work directories left by an earlier process", len(leftover))
-
-    def give_back_parked(self, attempt_id: str) -> None:
-        """A parked task no idle worker is left to start (it retired or left): back to the queue at once,
-        its attempt not charged, rather than wait for a busy worker to finish."""
-        item = self._unstarted.pop(attempt_id, None)
-        if item is not None:
-            self._give_back(*item)
-
-    def release_unstarted(self) -> None:
-        """Shutdown: give back every parked task not started yet, at once (it must not wait for the
-        drain: another node may run it meanwhile)."""
-        items = list(self._unstarted.values())
-        self._unstarted.clear()
-        for item in items:
-            self._give_back(*item)
+        self.policy = retry.policy()
 
     def plugins_since_asked(self) -> dict[str, str]:
         """Task id -> plugin of every attempt that ran since the last call: running then, started since, or
@@ -146,27 +96,11 @@ class Engine:
         for ctx, held, worker_id in items:
             log.warning("task %s attempt %s did not stop in time at shutdown: recorded as interrupted", ctx.task.id,
                         held.lease.attempt_id)
-            self._conclude(ctx.task, held, Outcome(AttemptStatus.INTERRUPTED, TaskError(
+            self.outcomes.conclude(ctx.task, held, Outcome(AttemptStatus.INTERRUPTED, TaskError(
                 "interrupted", "interrupted by shutdown; did not stop in time")), worker_id)
 
-    def _stopped_waiting(self, held: Held) -> None:
-        """A parked task was stopped before a worker took it: it ends now, without a phase (nothing ran)."""
-        item = self._unstarted.pop(held.lease.attempt_id, None)
-        if item is None:
-            return
-        if held.why == "cancel":
-            self._conclude(item[0].task, held, Outcome(AttemptStatus.CANCELLED, CANCELLED_ON_REQUEST), item[2])
-        elif held.why in ("interrupt", "fenced"):
-            self._give_back(*item)
-        else:  # its lease is gone: nothing of it may be written
-            self._conclude(item[0].task, held, None, item[2])
-
-    def _give_back(self, claimed: Claimed, held: Held, worker_id: str) -> None:
-        outcome = Outcome(AttemptStatus.INTERRUPTED, TaskError("interrupted", "released unstarted"))
-        self._conclude(claimed.task, held, outcome, worker_id)
-
     async def run(self, claimed: Claimed, worker_id: str, *, held: Held | None = None) -> None:
-        """Execute one attempt and post how it ended (written behind: see OutcomeWriter)."""
+        """Execute one attempt and post how it ended (written behind: see Outcomes)."""
         task, lease = claimed.task, claimed.lease
         held = held or self._leases.hold(lease)
         # partial, not a lambda over ctx: a context holding a closure over itself is a reference cycle,
@@ -182,7 +116,7 @@ class Engine:
                 self._leases.release(held)
             raise
         if self._running.pop(lease.attempt_id, None) is not None:  # else abandoned at shutdown, posted already
-            self._conclude(task, held, outcome, worker_id)
+            self.outcomes.conclude(task, held, outcome, worker_id)
 
     async def _attempt(self, ctx: TaskContext, held: Held, worker_id: str) -> Outcome | None:
         outcome = None
@@ -293,7 +227,7 @@ class Engine:
         return slot
 
     def _has_cleanup(self, ctx: TaskContext) -> bool:
-        return ctx.resource is not None or (ctx.workdir_used and not self.config.keep_workdirs)
+        return ctx.resource is not None or ctx.workdir_used
 
     async def _clean_up(self, ctx: TaskContext) -> None:
         """The stop phase's work: runs shielded and bounded, whatever ended the attempt."""
@@ -302,7 +236,7 @@ class Engine:
                 await self.resources.stop(ctx.resource)
             finally:  # released even when the stop hook overran stop_timeout_s
                 self.resources.release(ctx.resource)
-        if ctx.workdir_used and not self.config.keep_workdirs:
+        if ctx.workdir_used:
             await anyio.to_thread.run_sync(remove_workdir, ctx.workdir)
 
     def _enter(self, ctx: TaskContext, held: Held, worker_id: str, phase: Phase) -> None:
@@ -332,47 +266,6 @@ class Engine:
                              sequence=ack.sequence, idempotency_key=ack.idempotency_key, final=ack.final)
         return ack
 
-    def _conclude(self, task: Task, held: Held, outcome: Outcome | None, worker_id: str) -> None:
-        """Post the attempt's outcome; its lease is kept (and renewed) until the outcome is written."""
-        if outcome is None:
-            self._leases.release(held)
-            log.warning("task %s attempt %s abandoned: lease lost, outcome not recorded", task.id,
-                        held.lease.attempt_id)
-            self._events.publish("task.lease_lost", task_id=task.id, worker_id=worker_id,
-                                 attempt_id=held.lease.attempt_id, type=task.type)
-            return
-        self._leases.attempt_over(held)
-        outcome.progress = held.progress
-        self.outcomes.post(Posted(task, held, outcome, worker_id, self._clock()))
-
-    def _written(self, posted: Posted, answer: State | TidepoolError) -> None:
-        """The store's answer to a posted outcome: said in events and logs, once."""
-        self._leases.release(posted.held)
-        task, outcome, worker_id = posted.task, posted.outcome, posted.worker_id
-        attempt_id = posted.held.lease.attempt_id
-        if isinstance(answer, LeaseLost):
-            log.warning("task %s attempt %s outcome %s rejected: %s", task.id, attempt_id, outcome.status, answer)
-            self._events.publish("task.lease_lost", task_id=task.id, worker_id=worker_id, attempt_id=attempt_id,
-                                 type=task.type)
-            return
-        if isinstance(answer, TidepoolError):  # the store stayed away, or refused the move: the lease will expire
-            log.error("task %s attempt %s outcome %s not recorded: %s", task.id, attempt_id, outcome.status, answer)
-            return
-        error = None if outcome.error is None else outcome.error.to_json()
-        if answer is State.RETRY_WAIT:
-            self._events.publish("task.retry_scheduled", task_id=task.id, worker_id=worker_id, error=error,
-                                 attempt=task.attempt, type=task.type)
-            log.info("task %s attempt %s %s -> retry_wait (%s)", task.id, attempt_id, outcome.status,
-                     outcome.error.message if outcome.error else "")
-        elif answer.terminal:
-            self._events.publish("task.finished", task.id, worker_id, answer.value, error, task.type)
-            if answer is State.COMPLETED:
-                self.completions.completed(task.id, attempt_id)  # one line each, up to a budget a second
-            else:
-                log.info("task %s attempt %s -> %s", task.id, attempt_id, answer.value)
-        else:
-            log.info("task %s attempt %s %s -> %s", task.id, attempt_id, outcome.status, answer.value)
-
     def _run_timeout_s(self, task: Task) -> float:
         """The task's own timeout, else its type's, else execution.timeout_s."""
         settings = self.registry.types.get(task.type)
@@ -382,11 +275,6 @@ class Engine:
         settings = self.registry.types.get(task.type)
         retry = settings is not None and settings.retry_on_timeout
         return Outcome(AttemptStatus.TIMED_OUT, TaskError("timeout", message, retry))
-
-
-def _remove_all(paths: list[str]) -> None:
-    for path in paths:
-        remove_workdir(path)
 
 
 class _PluginTimedOut(Exception):

@@ -1,18 +1,15 @@
-"""This node's live leases: batched renewals, phase notes written behind, and lost leases noticed.
+"""The lease keeper: this node's live leases, renewed together, their phase notes written behind, each given
+up (its attempt stopped) once it cannot be renewed in time.
 
-Renewal runs here, off the tasks' own code path, so a busy plugin cannot starve it. One
-write renews every lease of the node. A lease that cannot be renewed in time is given up: the task's
-cancel scope fires rather than work on for someone else. "In time" is judged on this node's own
-monotonic clock by a watch of its own, which no write can hold up (a store that accepts connections
-and never answers kept a renewal waiting 60 s), and up to a quarter of the lease before the store
-would expire it: the plugin needs that time to stop (kill_grace_s for a command) before another node
-may take the task. The margin never eats into the slack renewals need (at renew_every_s = half the
-lease there is none to spare), and it is fixed when the lease is granted or renewed: a reload that
-lengthens the lease does not make the leases granted before it look overdue.
+Renewal runs here, off the tasks' own code path, so a busy plugin cannot starve it; one write renews
+every lease of the node. "In time" is judged on this node's monotonic clock by a watch no write can
+hold up (a store may accept a connection and never answer), a margin before the store would expire the
+lease (a quarter of it, less when renewals need the time): the plugin needs that long to stop before
+another node may take the task. The margin is fixed when a lease is granted or renewed, so a reload that
+lengthens leases makes none granted before it look overdue.
 
-A second clock fences the node as a whole: the fleet calls a node gone, and expires its attempts,
-three heartbeats after it was last heard of (fleet.py). Once `heard()` has told of a saved heartbeat,
-every attempt is stopped when none has been saved for `fence_after_s`, one heartbeat before that;
+The fence: once `heard()` told of a saved heartbeat, every attempt is stopped when none has been saved
+for `fence_after_s`, one heartbeat before the fleet would call the node gone and expire its attempts;
 unless the last look at the fleet found no other live node, which alone could take the tasks over.
 """
 
@@ -29,7 +26,7 @@ from anyio.abc import TaskStatus
 from ..errors import LeaseLost, StoreUnavailable, TaskCancelling
 from ..logs import Outage
 from ..model import Lease, Phase
-from ..store import PhaseNote, WorkerPort
+from ..store.port import PhaseNote, WorkerPort
 
 log = logging.getLogger("tidepool.leases")
 GIVE_UP_SHARE = 0.25  # of lease_s: a lease is given up up to this long before the store would expire it
@@ -46,8 +43,8 @@ class Held:
     why: str | None = None                # "cancel", "lost", "interrupt", "fenced"
     phase: Phase | None = None            # the latest phase and progress, written behind
     progress: dict[str, object] | None = None
-    # Called when stopped before its attempt started (a task parked for an idle worker): no scope is
-    # entered yet to cancel, so whoever holds the task must end it now rather than at its turn.
+    # Called when stopped before its attempt started (a task in the handoff): no scope is entered yet
+    # to cancel, so whoever holds the task must end it now rather than at its turn.
     waiting: Callable[[Held], None] | None = None
 
     def stop(self, why: str) -> None:

@@ -1,16 +1,19 @@
-"""Writes how attempts ended, behind the workers.
+"""Outcomes: how each attempt ended, posted by its worker, written behind the workers, reported once the
+store answered.
 
 A worker posts its attempt's outcome and goes straight on to claim its next task, so the claim and
 the outcome reach the store together instead of one round trip after the other. Outcomes that queue
 while a write is in flight share the next one: one store call for many. Each write is fenced by its
-lease, so trying it again while the store is briefly away is safe; what the store answered is
-reported (events, logs) only once it is durable.
+lease, which is renewed until the write is answered, so trying it again while the store is briefly
+away is safe, and no other node runs the task meanwhile. What the store answered is reported (events,
+log lines) only once it is durable, and once.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,15 +22,18 @@ import anyio
 from anyio.abc import TaskStatus
 
 from ..backoff import Backoff
-from ..errors import StoreUnavailable, TidepoolError
+from ..errors import LeaseLost, StoreUnavailable, TidepoolError
+from ..events import EventBus
 from ..lifecycle import RetryPolicy
+from ..logs import Completions
 from ..model import AttemptStatus, Outcome, State, Task
-from ..store import Ending, WorkerPort
-from .leases import Held
+from ..store.port import Ending, WorkerPort
+from .leases import Held, LeaseKeeper
 
 log = logging.getLogger("tidepool.outcomes")
+said = logging.getLogger("tidepool.engine")  # how attempts ended is told under the name operators filter on
 # Four tries again, 3.75 s of waits in all, then the outcome is given up on; the lease is renewed meanwhile
-# (see Engine). The store does not retry a write itself: this is the one retry of an outcome.
+# (see Outcomes). The store does not retry a write itself: this is the one retry of an outcome.
 RETRY = Backoff(first_s=0.25, cap_s=2.0, tries=4)
 
 
@@ -45,6 +51,8 @@ class Posted:
 
 
 class OutcomeWriter:
+    """Writes the posted outcomes in batches, behind the workers, and hands each answer to `report`."""
+
     def __init__(self, store: WorkerPort, *, policy: Callable[[], RetryPolicy],
                  report: Callable[[Posted, State | TidepoolError], None],
                  retry: Backoff = RETRY) -> None:
@@ -136,6 +144,61 @@ class OutcomeWriter:
                 log.exception("task %s attempt %s: reporting its outcome failed", posted.task.id,
                               posted.held.lease.attempt_id)
         return again
+
+
+class Outcomes(OutcomeWriter):
+    """This node's outcomes: posted as each attempt ends, written by the writer, and each answer told in
+    events and log lines (one line per completion up to a budget a second, the rest counted)."""
+
+    def __init__(self, store: WorkerPort, leases: LeaseKeeper, events: EventBus, *,
+                 policy: Callable[[], RetryPolicy], clock: Callable[[], float] = time.time) -> None:
+        super().__init__(store, policy=policy, report=self._reported)
+        self._leases = leases
+        self._events = events
+        self._clock = clock
+        self.completions = Completions(said)
+
+    def conclude(self, task: Task, held: Held, outcome: Outcome | None, worker_id: str) -> None:
+        """Post the attempt's outcome; its lease is kept (and renewed) until the outcome is written. None: the
+        lease is gone, and nothing of the attempt may be written."""
+        if outcome is None:
+            self._leases.release(held)
+            said.warning("task %s attempt %s abandoned: lease lost, outcome not recorded", task.id,
+                         held.lease.attempt_id)
+            self._events.publish("task.lease_lost", task_id=task.id, worker_id=worker_id,
+                                 attempt_id=held.lease.attempt_id, type=task.type)
+            return
+        self._leases.attempt_over(held)
+        outcome.progress = held.progress
+        self.post(Posted(task, held, outcome, worker_id, self._clock()))
+
+    def _reported(self, posted: Posted, answer: State | TidepoolError) -> None:
+        """The store's answer to a posted outcome: said in events and logs, once."""
+        self._leases.release(posted.held)
+        task, outcome, worker_id = posted.task, posted.outcome, posted.worker_id
+        attempt_id = posted.held.lease.attempt_id
+        if isinstance(answer, LeaseLost):
+            said.warning("task %s attempt %s outcome %s rejected: %s", task.id, attempt_id, outcome.status, answer)
+            self._events.publish("task.lease_lost", task_id=task.id, worker_id=worker_id, attempt_id=attempt_id,
+                                 type=task.type)
+            return
+        if isinstance(answer, TidepoolError):  # the store stayed away, or refused the move: the lease will expire
+            said.error("task %s attempt %s outcome %s not recorded: %s", task.id, attempt_id, outcome.status, answer)
+            return
+        error = None if outcome.error is None else outcome.error.to_json()
+        if answer is State.RETRY_WAIT:
+            self._events.publish("task.retry_scheduled", task_id=task.id, worker_id=worker_id, error=error,
+                                 attempt=task.attempt, type=task.type)
+            said.info("task %s attempt %s %s -> retry_wait (%s)", task.id, attempt_id, outcome.status,
+                      outcome.error.message if outcome.error else "")
+        elif answer.terminal:
+            self._events.publish("task.finished", task.id, worker_id, answer.value, error, task.type)
+            if answer is State.COMPLETED:
+                self.completions.completed(task.id, attempt_id)  # one line each, up to a budget a second
+            else:
+                said.info("task %s attempt %s -> %s", task.id, attempt_id, answer.value)
+        else:
+            said.info("task %s attempt %s %s -> %s", task.id, attempt_id, outcome.status, answer.value)
 
 
 class UnwrittenInterruptions:

@@ -1,19 +1,19 @@
-"""The pool supervisor: baseline and demand workers, the busy counter, idle retirement, wake-ups.
+"""The pool: baseline and demand workers, the busy counter, idle retirement, wake-ups.
 
 Workers are long-lived coroutines: a task started per job costs ~60 µs in anyio, which alone would
 cap the pool near 15,000 jobs a second. They sleep on a Waker until a submit, a retry promotion or
-the safety-net poll wakes them. When a claim makes every live worker busy and the pool is below max_workers, one
-demand worker starts at once; a demand worker that finds no work for idle_timeout_s retires.
+the safety-net poll wakes them. When a claim makes every live worker busy and the pool is below
+max_workers, one demand worker starts at once; a demand worker that finds no work for idle_timeout_s
+retires.
 
 A claim serves every worker free to start a task now: the worker that makes it asks for as many tasks
-as there are idle workers not spoken for (at most claim_batch), starts the first and parks the rest for
-the idle workers it wakes, so a burst of work costs one claim transaction instead of one per worker.
-Nothing is claimed ahead: a worker never holds a task it cannot start now.
+as there are idle workers not spoken for (at most claim_batch), starts the first and leaves the rest in
+the handoff for the idle workers it wakes, so a burst of work costs one claim transaction instead of one
+per worker. Nothing is claimed ahead: a worker never holds a task it cannot start now.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import logging
@@ -31,18 +31,14 @@ from ..errors import StoreUnavailable
 from ..events import EventBus
 from ..logs import Outage
 from ..model import Claimed, ClaimFilter, Worker
-from ..store import WorkerPort
+from ..store.port import WorkerPort
 from .engine import Engine
+from .handoff import Handoff
 from .leases import Held, LeaseKeeper
 from .waker import Waker
 
 if TYPE_CHECKING:
     from ..settings import PoolSettings
-from collections.abc import Iterable
-
-if TYPE_CHECKING:
-    from .guards import Guards
-    from .resources import ResourcePool
 
 log = logging.getLogger("tidepool.pool")
 LOOP_HELD_S = 2.0  # a supervisor tick this late says the event loop was held up (and by whom it may have been)
@@ -122,9 +118,9 @@ class Pool:
         self._store_outage = Outage(log)  # said once per outage, not once per worker and poll
         self._in_claim = 0
         self._claimed_for = 0  # workers the claims in flight may bring a task to, their claimers included
-        self._parked: collections.deque[str] = collections.deque()  # attempt ids a claim leased for idle workers
+        self.handoff = Handoff(leases, engine.outcomes)  # what a claim leased for idle workers
         self._answered: anyio.Event | None = None  # set when a claim answers, if a worker it counted in waits
-        self._awaiting_answer = 0  # workers waiting so: they take what a claim parks before any sleeper
+        self._awaiting_answer = 0  # workers waiting so: they take what a claim leaves before any sleeper
         self._tg: TaskGroup | None = None
         self._idle = anyio.Event()
         self.last_tick = monotonic()
@@ -141,7 +137,7 @@ class Pool:
                 self.last_tick = self._monotonic()
                 period_s = min(1.0, self.config.poll_interval_s)
                 await anyio.sleep(period_s)
-                self._engine.completions.flush()  # the completions past the log's budget, once a second
+                self._engine.outcomes.completions.flush()  # the completions past the log's budget, once a second
                 ran = self._engine.plugins_since_asked()
                 # Late by this much, the loop was held at least as long (less the part of the sleep left then)
                 if (late_s := self._monotonic() - self.last_tick - period_s) >= LOOP_HELD_S - period_s:
@@ -192,8 +188,7 @@ class Pool:
         for worker in self._workers.values():
             worker.retire = True
         self.waker.wake_all()
-        self._engine.release_unstarted()  # tasks parked for idle workers go back now, not after the drain
-        self._parked.clear()
+        self.handoff.give_back_all()  # tasks left for idle workers go back now, not after the drain
 
     async def wait_idle(self) -> None:
         """Until no worker runs a task or waits for a claim (a claim in flight may still bring one), and
@@ -202,7 +197,7 @@ class Pool:
             self._idle = anyio.Event()
             await self._idle.wait()
         await self._engine.outcomes.flushed()
-        self._engine.completions.flush(final=True)
+        self._engine.outcomes.completions.flush(final=True)
 
     # workers
 
@@ -236,7 +231,7 @@ class Pool:
         try:
             while self._claiming and not worker.retire:
                 try:
-                    started = self._take_parked(worker)  # one a claim of another worker leased for it
+                    started = self._take_from_handoff(worker)  # one a claim of another worker leased for it
                     if started is None and self._may_claim():
                         started = await self._claim(worker, identity)
                     if started is not None:
@@ -257,8 +252,8 @@ class Pool:
         finally:
             del self._workers[worker.id]
             self._give_back_unserved()
-            if self._parked:  # a claim counted this worker in: another must start what it parked
-                self.waker.wake_workers(len(self._parked))
+            if self.handoff:  # a claim counted this worker in: another must start what it left
+                self.waker.wake_workers(len(self.handoff))
             self._events.publish("worker.stopped", worker_id=worker.id, kind=worker.kind, reason=reason)
 
     def _sleep_s(self, worker: _WorkerState, idle_s: float) -> float:
@@ -268,10 +263,10 @@ class Pool:
 
     def _claim_limit(self, where: ClaimFilter) -> int:
         """How many tasks a claim may lease now: one for each worker free to start one (the claimer, and the
-        idle workers no other claim or parked task is meant for), at most claim_batch; 0 when a claim in
-        flight already counts this worker in (it waits for what that claim parks). A claim asking for free
+        idle workers no other claim or task in the handoff is meant for), at most claim_batch; 0 when a claim in
+        flight already counts this worker in (it waits for what that claim leaves). A claim asking for free
         resource slots takes one: it cannot tell how many of its tasks one slot would serve."""
-        free = self._staying_idle() - self._claimed_for - len(self._parked)
+        free = self._staying_idle() - self._claimed_for - len(self.handoff)
         return min(1 if where.tag_sets else self.config.claim_batch, free)
 
     def _staying_idle(self) -> int:
@@ -279,16 +274,14 @@ class Pool:
         return sum(1 for w in self._workers.values() if not (w.busy or w.retire))
 
     def _give_back_unserved(self, *, starting: int = 0) -> None:
-        """Give back the parked tasks beyond the idle workers left to take them (the rest retired or left
-        since a claim counted them in): nobody would start them until a busy worker finished its task, and
-        their leases would be renewed all that while. `starting`: idle workers about to start a task of
-        their own claim, not a parked one."""
-        takers = max(0, self._staying_idle() - starting - self._claimed_for)
-        while len(self._parked) > takers:
-            self._engine.give_back_parked(self._parked.pop())
+        """Give back the tasks in the handoff beyond the idle workers left to take them (the rest retired or
+        left since a claim counted them in): nobody would start them until a busy worker finished its task,
+        and their leases would be renewed all that while. `starting`: idle workers about to start a task of
+        their own claim, not one of the handoff's."""
+        self.handoff.give_back_beyond(max(0, self._staying_idle() - starting - self._claimed_for))
 
     async def _claim(self, worker: _WorkerState, identity: Worker) -> tuple[Claimed, Held | None] | None:
-        """Claim for every free worker: the first task for this one, the rest parked for the others."""
+        """Claim for every free worker: the first task for this one, the rest handed off to the others."""
         if self._engine.outcomes.unsent:
             # The outcomes just posted (this worker's among them) go to the store first, and the claim joins
             # them in the same write transaction: in a busy pool one commit instead of two per round of tasks.
@@ -298,9 +291,9 @@ class Pool:
         where = self._claim_filter()
         limit = self._claim_limit(where)
         if limit <= 0 and not self._in_claim:
-            # No claim to wait for: the parked tasks that count this worker out are its to take (those that
-            # ended while they waited are dropped on the way, and no longer count).
-            if (taken := self._take_parked(worker)) is not None:
+            # No claim to wait for: the tasks in the handoff that count this worker out are its to take (those
+            # that ended while they waited are passed on the way, and no longer count).
+            if (taken := self._take_from_handoff(worker)) is not None:
                 return taken
             limit = self._claim_limit(where)
         if limit <= 0:
@@ -315,9 +308,9 @@ class Pool:
                     await self._claim_answered()
             finally:
                 self._awaiting_answer -= 1
-            if worker.retire:  # resized down meanwhile: what that claim parked goes to the workers staying
+            if worker.retire:  # resized down meanwhile: what that claim left goes to the workers staying
                 return None
-            return self._take_parked(worker)
+            return self._take_from_handoff(worker)
         self._in_claim += 1
         self._claimed_for += limit
         try:
@@ -341,12 +334,10 @@ class Pool:
         if not claimed:
             return None
         for c in claimed[1:]:
-            self._engine.park(c, identity.worker_id)
-            self._parked.append(c.lease.attempt_id)
+            self.handoff.put(c, identity.worker_id)
         if not self._claiming:  # a drain began during the claim: nothing of it starts
-            self._engine.park(claimed[0], identity.worker_id)
-            self._engine.release_unstarted()
-            self._parked.clear()
+            self.handoff.put(claimed[0], identity.worker_id)
+            self.handoff.give_back_all()
             return None
         self._give_back_unserved(starting=1)  # the workers it counted in may have retired or left meanwhile
         if len(claimed) - 1 > self._awaiting_answer:  # those are woken by the answer; the rest are asleep
@@ -359,14 +350,12 @@ class Pool:
             self._answered = anyio.Event()
         await self._answered.wait()
 
-    def _take_parked(self, worker: _WorkerState) -> tuple[Claimed, Held | None] | None:
+    def _take_from_handoff(self, worker: _WorkerState) -> tuple[Claimed, Held | None] | None:
         """A task another worker's claim leased for an idle worker, if one waits (and was not stopped meanwhile)."""
-        while self._parked:
-            taken = self._engine.take_parked(self._parked.popleft())
-            if taken is not None:
-                self._leased(taken[0], worker.id)
-                return taken
-        return None
+        taken = self.handoff.take()
+        if taken is not None:
+            self._leased(taken[0], worker.id)
+        return taken
 
     def _leased(self, claimed: Claimed, worker_id: str) -> None:
         task = claimed.task
@@ -385,35 +374,3 @@ class Pool:
             worker.busy = False
             if not (self._busy or self._in_claim):
                 self._idle.set()
-
-
-# What this node's workers claim: the task types it runs, for the tags its free slots carry.
-#
-# A claim takes only tasks of a type the node defines and its pool.task_types accepts, and only those
-# whose required tags a free slot of the node can serve, so that no claimed task waits in prepare for a
-# slot another claim took. Nothing is claimed while a host guard holds. The pool asks before every claim,
-# so the filter is cached until the types or the free slots change.
-
-class NodeClaims:
-    def __init__(self, types: Iterable[str], *, resources: ResourcePool, guards: Guards) -> None:
-        self._resources = resources
-        self._guards = guards
-        self._types: tuple[str, ...] = ()
-        self._cached: tuple[int, ClaimFilter] | None = None
-        self.configure(types)
-
-    def configure(self, types: Iterable[str]) -> None:
-        """The names of the types to claim (at start, and on SIGHUP); the store matches them exactly."""
-        self._types = tuple(types)
-        self._cached = None
-
-    def filter(self) -> ClaimFilter:
-        version = self._resources.version
-        if self._cached is None or self._cached[0] != version:
-            self._cached = (version, ClaimFilter(self._types, self._resources.free_tag_sets()))
-        return self._cached[1]
-
-    def allowed(self) -> bool:
-        """Not while a host guard holds, nor on a node whose pool.task_types accepts none of its types (one
-        that only takes submits for the fleet)."""
-        return self._guards.ok() and bool(self._types)

@@ -22,7 +22,7 @@ class Waker:
 
     def wake_workers(self, n: int = 1) -> None:
         """This pool's workers only, however the node's wake reaches others too: for a task already
-        leased here and parked for one of them, which is no new work for anyone else."""
+        leased here and waiting in the handoff for one of them, which is no new work for anyone else."""
         while n > 0 and self._waiters:
             self._waiters.popleft().set()
             n -= 1

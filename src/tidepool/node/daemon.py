@@ -26,14 +26,15 @@ from .. import settings as settings_mod
 from ..api import load_token, serve_api
 from ..errors import ConfigError, StoreUnavailable
 from ..events import EventBus, first_id_of_this_run
+from ..execution.claims import Claims
 from ..execution.engine import Engine, EngineConfig
 from ..execution.guards import Guards
 from ..execution.leases import LeaseKeeper
 from ..execution.outcomes import UnwrittenInterruptions
-from ..execution.pool import NodeClaims, Pool, PoolConfig
+from ..execution.pool import Pool, PoolConfig
 from ..execution.resources import ResourcePool
+from ..execution.workdirs import clear_leftovers
 from ..gateway.openapi import WORKER_PROTOCOL
-from ..lifecycle import retry_policy
 from ..metrics.exporter import Metrics
 from ..model import QUEUED, AttemptStatus, new_id
 from ..plugins import Registry, command
@@ -116,8 +117,8 @@ class Daemon:
                                   fence_after_s=fence_after_s(settings.node.heartbeat_s),
                                   on_fence=partial(_hurry_commands, settings.node.heartbeat_s))
         self.engine = Engine(self.store, registry, self.leases, self.events, config=EngineConfig.of(settings.execution),
-                             policy=retry_policy(settings.retry), work_root=self.work_root, resources=self.resources)
-        self.claims = NodeClaims(settings.claimed_types(), resources=self.resources, guards=self.guards)
+                             policy=settings.retry.policy(), work_root=self.work_root, resources=self.resources)
+        self.claims = Claims(settings.claimed_types(), resources=self.resources, guards=self.guards)
         self.pool = Pool(self.store, self.engine, self.leases, self.events, config=PoolConfig.of(settings.pool),
                          node_id=self.node_id, instance_id=self.instance_id, claim_filter=self.claims.filter,
                          promise_slots=self.resources.claiming, may_claim=self._may_claim, waker=self.waker)
@@ -172,7 +173,7 @@ class Daemon:
         """Before any part starts: hold the node id, end what an earlier process of it left behind, save the
         config's schedules."""
         if self.remote is not None:  # its attempts and schedules are the gateway's: only this host's leftovers
-            await self.engine.remove_leftover_workdirs()
+            await clear_leftovers(self.work_root)
             return
         await self.store.lock_node(self.node_id, self.instance_id)  # PostgreSQL: one process per node id
         await self.reconciler.recover(node_id=self.node_id, instance_id=self.instance_id,
@@ -180,7 +181,7 @@ class Daemon:
         self._unwritten.forget()  # written now (or their leases were gone already)
         say_left_out(self.settings)
         await self._sync_schedules(self.settings)
-        await self.engine.remove_leftover_workdirs()
+        await clear_leftovers(self.work_root)
 
     async def _start(self, tg: TaskGroup, token: str | None) -> None:
         await tg.start(self._handle_signals)  # first: from here on a SIGTERM drains, never kills

@@ -1,8 +1,8 @@
 """Plugins: the registry that turns config into runnable steps, with allow/deny applied.
 
-A plugin is `async def plugin(ctx: TaskContext) -> None`: a built-in, an entry point of the group
-`tidepool.plugins`, a dotted path (`python = "pkg.mod:func"`) or a command from config. Names are
-looked up in that order of precedence: config, built-ins, entry points.
+A plugin is `async def plugin(ctx: TaskContext) -> None`, using of ctx what PluginContext declares: a
+built-in, an entry point of the group `tidepool.plugins`, a dotted path (`python = "pkg.mod:func"`) or a
+command from config. Names are looked up in that order of precedence: config, built-ins, entry points.
 
 `plugins.allow` / `plugins.deny` (names or globs) apply twice: at load, where a denied plugin is
 never imported or built and a type naming it is a ConfigError, and at run time, before each plugin
@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, PluginError
-from ..execution.context import TaskContext
-from ..settings import PluginSpec, PluginsSettings, TypeSettings, plugin_permitted
+from ..settings import ENTRY_POINT_GROUP, PluginSpec, PluginsSettings, TypeSettings, plugin_permitted
+from .context import PluginContext
 
-Plugin = Callable[[TaskContext], Awaitable[None]]
-ENTRY_POINT_GROUP = "tidepool.plugins"
+Plugin = Callable[[PluginContext], Awaitable[None]]
 RESERVED = frozenset({"allow", "deny"})
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -10,20 +9,20 @@ from typing import Any
 import anyio
 
 from ..errors import ConfigError, InvalidArgument, LimitExceeded, PluginError
-from ..execution.context import TaskContext
 from ..settings import PluginSpec
 from . import Plugin
 from .command import CommandLimits, check_template, ran_out_of_files, render_argv, run_command, scrubbed_env
+from .context import PluginContext
 from .netprobe import http_probe as probe_url
 from .netprobe import probe_web_ports, validate_ports, validate_target
 from .netprobe import tcp_connect as scan_ports
 
 
-async def noop(ctx: TaskContext) -> None:
+async def noop(ctx: PluginContext) -> None:
     """Does nothing: measures the pool itself."""
 
 
-async def sleep(ctx: TaskContext) -> None:
+async def sleep(ctx: PluginContext) -> None:
     """Sleeps payload.seconds (default 1.5), reporting progress; cancellable throughout."""
     seconds = ctx.payload.get("seconds", 1.5)
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds <= 86400:
@@ -34,7 +33,7 @@ async def sleep(ctx: TaskContext) -> None:
         ctx.progress((i + 1) / steps, f"slept {seconds * (i + 1) / steps:.2f}s of {seconds}s")
 
 
-async def tcp_connect(ctx: TaskContext) -> None:
+async def tcp_connect(ctx: PluginContext) -> None:
     """Open/closed/filtered for payload.target and payload.ports (default 80, 443)."""
     target = validate_target(ctx.payload.get("target"))
     ports = validate_ports(ctx.payload.get("ports"))
@@ -44,7 +43,7 @@ async def tcp_connect(ctx: TaskContext) -> None:
     await ctx.emit(result, final=True)
 
 
-async def http_probe(ctx: TaskContext) -> None:
+async def http_probe(ctx: PluginContext) -> None:
     """Status, headers, redirects and TLS facts of payload.url, or of every open port of payload.target.
 
     With payload.url, one result: that URL's. Otherwise each port of the target is tried over TLS, then
@@ -69,7 +68,7 @@ async def http_probe(ctx: TaskContext) -> None:
     await ctx.emit(summary, final=True)
 
 
-def _web_ports(ctx: TaskContext) -> list[int]:
+def _web_ports(ctx: PluginContext) -> list[int]:
     """The ports to probe: those found open earlier in this attempt or in the step before, else payload.ports."""
     for source, field in ((ctx.scope, "scope.open_ports"), (ctx.payload, "payload.open_ports")):
         if "open_ports" in source:
@@ -79,14 +78,14 @@ def _web_ports(ctx: TaskContext) -> list[int]:
     return validate_ports(ctx.payload.get("ports"))
 
 
-def _int(ctx: TaskContext, name: str, default: int) -> int:
+def _int(ctx: PluginContext, name: str, default: int) -> int:
     value = ctx.payload.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgument(f"payload.{name}", f"expected a positive integer, got {value!r}")
     return value
 
 
-def _float(ctx: TaskContext, name: str, default: float) -> float:
+def _float(ctx: PluginContext, name: str, default: float) -> float:
     value = ctx.payload.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise InvalidArgument(f"payload.{name}", f"expected a positive number, got {value!r}")
@@ -103,7 +102,7 @@ def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float) -> Plugi
     limits = CommandLimits(memory_mb=spec.memory_mb, cpu_s=spec.cpu_s, nofile=spec.nofile,
                            max_output_kb=spec.max_output_kb)
 
-    async def run(ctx: TaskContext) -> None:
+    async def run(ctx: PluginContext) -> None:
         values: dict[str, Any] = {**ctx.payload, "task_id": ctx.task.id, "attempt": ctx.task.attempt,
                                   "workdir": ctx.workdir}
         argv = render_argv(spec.command or (), values)
@@ -125,12 +124,8 @@ def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float) -> Plugi
     return run
 
 
-def _keep_on_attempt(ctx: TaskContext, exit_status: int | None, stderr_tail: str) -> None:
+def _keep_on_attempt(ctx: PluginContext, exit_status: int | None, stderr_tail: str) -> None:
     ctx.exit_status, ctx.stderr_tail = exit_status, stderr_tail
-
-
-def remove_workdir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 BUILTINS: dict[str, Plugin] = {"noop": noop, "sleep": sleep, "tcp_connect": tcp_connect, "http_probe": http_probe}

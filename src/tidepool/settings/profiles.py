@@ -12,9 +12,7 @@ from collections.abc import Mapping
 from pydantic import Field, field_validator
 
 from ..errors import ConfigError
-from .sections import BUILTIN_TYPES, PluginsSettings, Section, TypeSettings
-
-ENTRY_POINT_GROUP = "tidepool.plugins"  # as the plugin registry reads it
+from .sections import BUILTIN_PLUGINS, BUILTIN_TYPES, ENTRY_POINT_GROUP, PluginsSettings, Section, TypeSettings
 
 
 class ProfileSettings(Section):
@@ -78,7 +76,5 @@ def check_profiles(profiles: Mapping[str, ProfileSettings], types: Mapping[str, 
 
 def _plugin_names(plugins: PluginsSettings) -> set[str]:
     """Every plugin name the registry could load: built in, configured, or an entry point (named, not loaded)."""
-    from ..plugins.builtin import BUILTINS  # the plugins import the settings: theirs is the later import
-
     entry_points = {entry.name for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-    return set(BUILTINS) | set(plugins.defs) | entry_points
+    return set(BUILTIN_PLUGINS) | set(plugins.defs) | entry_points

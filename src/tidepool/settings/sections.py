@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..errors import ConfigError
+from ..lifecycle import RetryPolicy
 
 MAX_WORKERS = 10_000  # each worker is a coroutine of this one process: far past what one host runs
 
@@ -103,6 +104,10 @@ class RetrySettings(Section):
     backoff_max_s: float = Field(300.0, ge=0)
     jitter: float = Field(0.1, ge=0, le=1)
     max_interruptions: int = Field(10, ge=0)
+
+    def policy(self) -> RetryPolicy:
+        """The retry arithmetic this section sets, as the store and the reconciler apply it."""
+        return RetryPolicy(self.backoff_base_s, self.backoff_max_s, self.jitter, self.max_interruptions)
 
 
 class ExecutionSettings(Section):
@@ -318,6 +323,11 @@ class ScheduleSettings(Section):
     overlap: Literal["allow", "skip"] = "allow"
     priority: int = 0
 
+
+# The plugins every node has, by name (the plugin registry defines one under each), and the entry point group
+# installed packages add theirs in: a profile's step may name any of them, checked before a registry is built.
+ENTRY_POINT_GROUP = "tidepool.plugins"
+BUILTIN_PLUGINS = frozenset({"noop", "sleep", "tcp_connect", "http_probe"})
 
 BUILTIN_TYPES: dict[str, TypeSettings] = {
     "noop": TypeSettings(plugins=("noop",)),
