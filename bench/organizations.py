@@ -24,7 +24,7 @@ import asyncpg
 from tidepool.model import ClaimFilter
 from tidepool.store.postgres import PostgresStore
 from tidepool.store.sqlite import SqliteStore
-from tidepool.store.sqlite.work import claimable
+from tidepool.store.sqlite.leases import claimable
 
 FILTERS: dict[str, tuple[str, ...] | None] = {"any": None, "default": ("default",), "acme": ("acme",),
                                                "nobody": ("nobody",)}

@@ -17,8 +17,8 @@ import pytest
 from tidepool.model import ClaimFilter
 from tidepool.store.postgres import PostgresStore
 from tidepool.store.sqlite import SqliteStore
-from tidepool.store.sqlite.database import Q as SQLITE_QUERIES
-from tidepool.store.sqlite.work import claimable
+from tidepool.store.sqlite.leases import claimable
+from tidepool.store.sqlite.upkeep import Q as SQLITE_QUERIES
 
 # "table t" -> its columns in order; "column t.c", "key t KIND (columns)" -> ""; "index i" -> its table and columns
 Schema = dict[str, str]

@@ -1,16 +1,13 @@
 """The embedded SQLite store: WAL with synchronous=FULL, one writer thread that group-commits.
 
-Writes are ops run by the writer thread (writer.py), many to a transaction: the workers' ops in
-work.py, the queue's in queue_ops.py. Reads use a second connection (reads.py). The file itself, its
-migrations and its health are database.py's; every statement is named in queries.sql.
+Each verb is a call into the module of its noun (tasks, leases, schedules, upkeep, scans, workers), whose
+writes run as ops of the writer thread, many to a transaction, and whose reads run on the reader connection;
+each module's statements are in the .sql file of its name. The file, its writer and its reader are database.py's.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 import sqlite3
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -18,10 +15,9 @@ from typing import TypeVar
 
 import anyio
 import anyio.to_thread
-import psutil  # type: ignore[import-untyped]
 from anyio.abc import TaskStatus
 
-from ...errors import ConfigError, LeaseLost, StoreUnavailable, TidepoolError
+from ...errors import LeaseLost, StoreUnavailable, TidepoolError
 from ...lifecycle import RetryPolicy
 from ...model import (
     CertSeen,
@@ -56,9 +52,9 @@ from ..port import (
     ScanPage,
 )
 from ..rules import finish_alone
-from . import queue_ops, reads, registry, scan_ops, work
-from .database import Database
-from .writer import Batch, Writer
+from . import leases, scans, schedules, tasks, upkeep, workers
+from .database import Batch, Database, Writer
+from .leases import renew as renew_leases  # renew's own argument is named leases
 
 T = TypeVar("T")
 
@@ -70,9 +66,179 @@ class SqliteStore:
         self._writer = Writer(self._db)
         self._reader: sqlite3.Connection | None = None
         self._read_limiter = anyio.CapacityLimiter(1)
-        self._acquire_filled: set[str] = set()  # workers whose last acquire got all it asked for
+        self._acquire = workers.Acquires(self._read, self._write)
 
-    # lifecycle of the adapter
+    # tasks
+
+    async def add(self, new: NewTask, *, now: float, max_queued: int | None = None) -> tuple[Task, bool]:
+        return await self._write(partial(tasks.add, new=new, now=now, max_queued=max_queued))
+
+    async def add_many(self, batch: Sequence[NewTask], *, now: float,
+                       max_queued: int | None = None) -> list[tuple[str, bool]]:
+        return await self._write(partial(tasks.add_many, tasks=batch, now=now, max_queued=max_queued))
+
+    async def get(self, task_id: str) -> Task:
+        return await self._read(partial(tasks.get, task_id=task_id))
+
+    async def list_tasks(self, *, state: State | None = None, type: str | None = None, limit: int = 50,
+                         cursor: str | None = None, organization: str | None = None) -> Page:
+        return await self._read(partial(tasks.list_tasks, state=state, type=type, limit=limit, cursor=cursor,
+                                        organization=organization))
+
+    async def counts(self) -> dict[State, int]:
+        return await self._read(tasks.counts)
+
+    async def organization_counts(self) -> dict[str, int]:
+        return await self._read(tasks.organization_counts)
+
+    async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
+        return await self._write(partial(tasks.request_cancel, task_id=task_id, now=now, step_ended=scans.task_ended))
+
+    async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
+        return await self._write(partial(tasks.retry, task_id=task_id, now=now, max_queued=max_queued))
+
+    # leases
+
+    async def claim(self, worker: Worker, where: ClaimFilter, *, limit: int, now: float,
+                    lease_s: float) -> list[Claimed]:
+        claimed: list[Claimed] = await self._writer.write(leases.ClaimOp(worker, where, limit, now, lease_s))
+        return claimed
+
+    async def renew(self, leases: Sequence[Lease], *, now: float, lease_s: float) -> dict[str, LeaseLost]:
+        return await self._write(partial(renew_leases, leases=leases, now=now, lease_s=lease_s))
+
+    async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
+        return await self._write(partial(leases.set_phase, notes=notes, now=now))
+
+    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
+        return await self._write(partial(leases.record_result, lease=lease, result=batch, now=now))
+
+    async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
+        return await finish_alone(self, lease, outcome, now=now, policy=policy)
+
+    async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
+        if not endings:
+            return []
+        try:
+            results: list[State | TidepoolError] = await self._writer.write(leases.FinishOp(tuple(endings), policy))
+        except StoreUnavailable as exc:  # the transaction failed as a whole (or the store is closed): none written
+            return [exc] * len(endings)
+        return results
+
+    # schedules
+
+    async def save_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
+        return await self._write(partial(schedules.save_schedule, schedule=schedule, now=now))
+
+    async def list_schedules(self) -> list[Schedule]:
+        return await self._read(schedules.list_schedules)
+
+    async def delete_schedule(self, name: str, *, config_node: str | None = None) -> None:
+        await self._write(partial(schedules.delete_schedule, name=name, config_node=config_node))
+
+    async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule:
+        return await self._write(partial(schedules.pause_schedule, name=name, paused=paused, now=now))
+
+    async def fire_schedules(self, *, now: float,
+                             new_task: Callable[[Schedule, float], NewTask | NewScan] | None = None,
+                             defines: Callable[[Schedule], bool] = lambda schedule: True,
+                             max_queued: int | None = None) -> list[Fired]:
+        return await self._write(partial(schedules.fire_schedules, now=now, new_task=new_task, defines=defines,
+                                         max_queued=max_queued))
+
+    # upkeep: the reconciler's passes, and the fleet (one host: the daemon's lock file keeps one process per node
+    # id, and there is nothing to hear)
+
+    async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
+                            keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
+                            ) -> list[Expired]:
+        return await self._write(partial(upkeep.expire_leases, now=now, policy=policy, node_id=node_id,
+                                         keep_instance=keep_instance, interrupted=interrupted))
+
+    async def promote_due(self, *, now: float) -> int:
+        return await self._write(partial(upkeep.promote_due, now=now))
+
+    async def finish_cancels(self, *, now: float, deadline_s: float) -> list[Ended]:
+        return await self._write(partial(upkeep.finish_cancels, now=now, deadline_s=deadline_s))
+
+    async def prune(self, *, before: float) -> int:
+        return await self._write(partial(upkeep.prune, before=before))
+
+    async def queued_tag_sets(self) -> list[frozenset[str]]:
+        return await self._read(upkeep.queued_tag_sets)
+
+    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[Ended]:
+        return await self._write(partial(upkeep.fail_unserviceable, tags=tags, now=now, message=message))
+
+    async def save_node(self, node: Node) -> None:
+        await self._write(partial(upkeep.save_node, node=node))
+
+    async def lock_node(self, node_id: str, instance_id: str) -> None:
+        await self._read(partial(upkeep.lock_node, node_id=node_id, instance_id=instance_id, path=self.path))
+
+    async def list_nodes(self) -> list[Node]:
+        return await self._read(upkeep.list_nodes)
+
+    # scans
+
+    async def add_scan(self, new: NewScan, *, now: float, max_queued: int | None = None) -> tuple[Scan, bool]:
+        return await self._write(partial(scans.add_scan, new=new, now=now, max_queued=max_queued))
+
+    async def get_scan(self, scan_id: str) -> Scan:
+        return await self._read(partial(scans.get_scan, scan_id=scan_id))
+
+    async def list_scans(self, *, state: ScanState | None = None, profile: str | None = None, limit: int = 50,
+                         cursor: str | None = None) -> ScanPage:
+        return await self._read(partial(scans.list_scans, state=state, profile=profile, limit=limit,
+                                        cursor=cursor))
+
+    async def cancel_scan(self, scan_id: str, *, now: float) -> ScanCancel:
+        return await self._write(partial(scans.cancel_scan, scan_id=scan_id, now=now))
+
+    async def retry_job(self, scan_id: str, index: int, *, now: float, max_queued: int | None = None) -> Scan:
+        return await self._write(partial(scans.retry_job, scan_id=scan_id, index=index, now=now,
+                                         max_queued=max_queued))
+
+    async def advance_scans(self, *, now: float) -> list[ScanMove]:
+        stalled = await self._read(scans.stalled)
+        if not stalled:
+            return []
+        return await self._write(partial(scans.advance_scans, scan_ids=stalled, now=now))
+
+    def on_scan_moves(self, listener: ScanListener | None) -> None:
+        self._writer.on_moves = listener
+
+    # the worker registry
+
+    async def meet_worker(self, identity: str, *, cert: CertSeen, address: str | None, now: float,
+                          enroll: Enroll, max_concurrent_tasks: int) -> RemoteWorker:
+        return await self._write(partial(workers.meet_worker, identity=identity, cert=cert, address=address,
+                                         now=now, enroll=enroll, max_concurrent_tasks=max_concurrent_tasks))
+
+    async def list_workers(self) -> list[RemoteWorker]:
+        return await self._read(workers.list_workers)
+
+    async def get_worker(self, worker_id: str) -> RemoteWorker:
+        return await self._read(partial(workers.get_worker, worker_id=worker_id))
+
+    async def change_worker(self, worker_id: str, change: WorkerChange, *,
+                            now: float) -> tuple[RemoteWorker, list[Revoked]]:
+        return await self._write(partial(workers.change_worker, worker_id=worker_id, change=change, now=now))
+
+    async def revoke_worker(self, worker_id: str, *, now: float) -> tuple[RemoteWorker, list[Revoked]]:
+        return await self._write(partial(workers.revoke_worker, worker_id=worker_id, now=now))
+
+    async def acquire(self, identity: str, where: ClaimFilter, *, limit: int, now: float, lease_s: float,
+                      worker_id: str, slots: Sequence[Sequence[str]], version: str | None) -> Acquired:
+        return await self._acquire(identity, where, limit=limit, now=now, lease_s=lease_s, worker_id=worker_id,
+                                   slots=slots, version=version)
+
+    async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
+        if not attempt_ids:
+            return {}
+        return await self._read(partial(workers.attempt_owners, attempt_ids=list(attempt_ids)))
+
+    # the adapter's lifecycle
 
     async def open(self, *, migrate: bool = True) -> int:
         conn, found = await anyio.to_thread.run_sync(self._db.connect_writer, migrate)
@@ -89,229 +255,16 @@ class SqliteStore:
     async def write_failure(self) -> str | None:
         return self._db.write_failure()
 
-    async def _write(self, op: Callable[[sqlite3.Connection, Batch], T]) -> T:
-        result: T = await self._writer.write(op)
-        return result
-
-    async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        def run() -> T:
-            assert self._reader is not None
-            try:
-                return fn(self._reader)
-            except sqlite3.Error as exc:
-                self._db.note_corrupt(exc)
-                raise StoreUnavailable(f"sqlite read of {self.path} failed: {exc}") from exc
-
-        if self._reader is None:
-            raise StoreUnavailable("the store is not open")
-        return await anyio.to_thread.run_sync(run, limiter=self._read_limiter)
-
-    # producers
-
-    async def add(self, new: NewTask, *, now: float, max_queued: int | None = None) -> tuple[Task, bool]:
-        return await self._write(partial(queue_ops.add, new=new, now=now, max_queued=max_queued))
-
-    async def add_many(self, batch: Sequence[NewTask], *, now: float,
-                       max_queued: int | None = None) -> list[tuple[str, bool]]:
-        return await self._write(partial(queue_ops.add_many, tasks=batch, now=now, max_queued=max_queued))
-
-    async def get(self, task_id: str) -> Task:
-        return await self._read(partial(reads.get, task_id=task_id))
-
-    async def list_tasks(self, *, state: State | None = None, type: str | None = None, limit: int = 50,
-                         cursor: str | None = None, organization: str | None = None) -> Page:
-        return await self._read(partial(reads.list_tasks, state=state, type=type, limit=limit, cursor=cursor,
-                                        organization=organization))
-
-    async def counts(self) -> dict[State, int]:
-        return await self._read(reads.counts)
-
-    async def organization_counts(self) -> dict[str, int]:
-        return await self._read(reads.organization_counts)
-
-    async def request_cancel(self, task_id: str, *, now: float) -> CancelAnswer:
-        return await self._write(partial(queue_ops.request_cancel, task_id=task_id, now=now))
-
-    async def retry(self, task_id: str, *, now: float, max_queued: int | None = None) -> Task:
-        return await self._write(partial(queue_ops.retry, task_id=task_id, now=now, max_queued=max_queued))
-
-    # workers
-
-    async def claim(self, worker: Worker, where: ClaimFilter, *, limit: int, now: float,
-                    lease_s: float) -> list[Claimed]:
-        claimed: list[Claimed] = await self._writer.write(work.ClaimOp(worker, where, limit, now, lease_s))
-        return claimed
-
-    async def renew(self, leases: Sequence[Lease], *, now: float, lease_s: float) -> dict[str, LeaseLost]:
-        return await self._write(partial(work.renew, leases=leases, now=now, lease_s=lease_s))
-
-    async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
-        return await self._write(partial(work.set_phase, notes=notes, now=now))
-
-    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
-        return await self._write(partial(work.record_result, lease=lease, result=batch, now=now))
-
-    async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
-        return await finish_alone(self, lease, outcome, now=now, policy=policy)
-
-    async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
-        if not endings:
-            return []
-        try:
-            results: list[State | TidepoolError] = await self._writer.write(work.FinishOp(tuple(endings), policy))
-        except StoreUnavailable as exc:  # the transaction failed as a whole (or the store is closed): none written
-            return [exc] * len(endings)
-        return results
-
-    # schedules
-
-    async def save_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
-        return await self._write(partial(queue_ops.save_schedule, schedule=schedule, now=now))
-
-    async def list_schedules(self) -> list[Schedule]:
-        return await self._read(reads.schedules)
-
-    async def delete_schedule(self, name: str, *, config_node: str | None = None) -> None:
-        await self._write(partial(queue_ops.delete_schedule, name=name, config_node=config_node))
-
-    async def pause_schedule(self, name: str, *, paused: bool, now: float) -> Schedule:
-        return await self._write(partial(queue_ops.pause_schedule, name=name, paused=paused, now=now))
-
-    async def fire_schedules(self, *, now: float,
-                             new_task: Callable[[Schedule, float], NewTask | NewScan] | None = None,
-                             defines: Callable[[Schedule], bool] = lambda schedule: True,
-                             max_queued: int | None = None) -> list[Fired]:
-        return await self._write(partial(queue_ops.fire_schedules, now=now, new_task=new_task,
-                                                       defines=defines, max_queued=max_queued))
-
-    # the reconciler
-
-    async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
-                            keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
-                            ) -> list[Expired]:
-        return await self._write(partial(
-            queue_ops.expire_leases, now=now, policy=policy, node_id=node_id, keep_instance=keep_instance,
-            interrupted=interrupted))
-
-    async def promote_due(self, *, now: float) -> int:
-        return await self._write(partial(queue_ops.promote_due, now=now))
-
-    async def finish_cancels(self, *, now: float, deadline_s: float) -> list[Ended]:
-        return await self._write(partial(queue_ops.finish_cancels, now=now, deadline_s=deadline_s))
-
-    async def prune(self, *, before: float) -> int:
-        return await self._write(partial(queue_ops.prune, before=before))
-
-    async def queued_tag_sets(self) -> list[frozenset[str]]:
-        return await self._read(reads.queued_tag_sets)
-
-    async def fail_unserviceable(self, tags: frozenset[str], *, now: float, message: str) -> list[Ended]:
-        return await self._write(partial(queue_ops.fail_unserviceable, tags=tags, now=now,
-                                                      message=message))
-
-    # scans (scan_ops.py; their moves inside a task's end: scan_steps.py)
-
-    async def add_scan(self, new: NewScan, *, now: float, max_queued: int | None = None) -> tuple[Scan, bool]:
-        return await self._write(partial(scan_ops.add_scan, new=new, now=now, max_queued=max_queued))
-
-    async def get_scan(self, scan_id: str) -> Scan:
-        return await self._read(partial(scan_ops.read, scan_id=scan_id))
-
-    async def list_scans(self, *, state: ScanState | None = None, profile: str | None = None, limit: int = 50,
-                         cursor: str | None = None) -> ScanPage:
-        return await self._read(partial(scan_ops.list_scans, state=state, profile=profile, limit=limit,
-                                        cursor=cursor))
-
-    async def cancel_scan(self, scan_id: str, *, now: float) -> ScanCancel:
-        return await self._write(partial(scan_ops.cancel_scan, scan_id=scan_id, now=now))
-
-    async def retry_job(self, scan_id: str, index: int, *, now: float, max_queued: int | None = None) -> Scan:
-        return await self._write(partial(scan_ops.retry_job, scan_id=scan_id, index=index, now=now,
-                                         max_queued=max_queued))
-
-    async def advance_scans(self, *, now: float) -> list[ScanMove]:
-        stalled = await self._read(scan_ops.stalled)
-        if not stalled:
-            return []
-        return await self._write(partial(scan_ops.advance_scans, scan_ids=stalled, now=now))
-
-    def on_scan_moves(self, listener: ScanListener | None) -> None:
-        self._writer.on_moves = listener
-
-    # the fleet: one host, so the daemon's lock file keeps one process per node id, and nothing to hear
-
-    async def lock_node(self, node_id: str, instance_id: str) -> None:
-        """The daemon's lock file keeps one process per node id; a lock file deleted while its daemon ran
-        would not, so the node's own row is asked as well: a live process of this node on this host."""
-        holder = await self._read(partial(reads.node_row, node_id=node_id))
-        if holder is not None and holder.instance_id != instance_id and _alive_here(holder):
-            raise ConfigError(f"node {node_id} already runs on {self.path}: pid {holder.pid} (instance "
-                              f"{holder.instance_id}, heard from {time.time() - holder.heartbeat_at:.0f}s ago); "
-                              "stop it or give this daemon another node.id")
-
-    async def save_node(self, node: Node) -> None:
-        await self._write(partial(queue_ops.save_node, values=queue_ops.node_values_of(node)))
-
-    async def list_nodes(self) -> list[Node]:
-        return await self._read(reads.nodes)
-
     async def watch(self, wake: Callable[[int], None], *,
                     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         await anyio.sleep_forever()
 
-    # the worker registry (registry.py)
+    async def _write(self, op: Callable[[sqlite3.Connection, Batch], T]) -> T:
+        result: T = await self._writer.write(op)
+        return result
 
-    async def meet_worker(self, identity: str, *, cert: CertSeen, address: str | None, now: float,
-                          enroll: Enroll, max_concurrent_tasks: int) -> RemoteWorker:
-        return await self._write(partial(registry.meet, identity=identity, cert=cert, address=address, now=now,
-                                         enroll=enroll, max_concurrent_tasks=max_concurrent_tasks))
-
-    async def list_workers(self) -> list[RemoteWorker]:
-        return await self._read(registry.list_workers)
-
-    async def get_worker(self, worker_id: str) -> RemoteWorker:
-        return await self._read(partial(registry.read_worker, worker_id=worker_id))
-
-    async def change_worker(self, worker_id: str, change: WorkerChange, *,
-                            now: float) -> tuple[RemoteWorker, list[Revoked]]:
-        return await self._write(partial(registry.change, worker_id=worker_id, change=change, now=now))
-
-    async def revoke_worker(self, worker_id: str, *, now: float) -> tuple[RemoteWorker, list[Revoked]]:
-        return await self._write(partial(registry.revoke, worker_id=worker_id, now=now))
-
-    async def acquire(self, identity: str, where: ClaimFilter, *, limit: int, now: float, lease_s: float,
-                      worker_id: str, slots: Sequence[Sequence[str]], version: str | None) -> Acquired:
-        # An empty acquire (a parked worker's, most of them) is a read: no write lock, no durable commit. One
-        # right after an acquire of this worker that got all it asked for (a drain) goes to the writer at once.
-        if identity not in self._acquire_filled:
-            idle = await self._read(partial(registry.nothing_to_acquire, identity=identity, where=where,
-                                            limit=limit, now=now, slots=slots, version=version))
-            if idle is not None:
-                return idle
-        acquired: Acquired = await self._write(partial(
-            registry.acquire, identity=identity, where=where, limit=limit, now=now, lease_s=lease_s,
-            worker_id=worker_id, slots=slots, version=version))
-        if acquired.claimed and len(acquired.claimed) >= limit:
-            self._acquire_filled.add(identity)
-        else:
-            self._acquire_filled.discard(identity)
-        return acquired
-
-    async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
-        if not attempt_ids:
-            return {}
-        return await self._read(partial(registry.attempt_owners, attempt_ids=list(attempt_ids)))
-
-
-def _alive_here(node: Node) -> bool:
-    """Whether the process a node row names still runs on this host, and is that process (a pid reused
-    since was born after the node started)."""
-    if node.stopped_at is not None or node.hostname != socket.gethostname() or node.pid == os.getpid():
-        return False
-    try:
-        process = psutil.Process(node.pid)
-        born: float = process.create_time()
-        return born <= node.started_at + 1.0 and process.status() != psutil.STATUS_ZOMBIE  # killed, not reaped
-    except psutil.Error:
-        return False
+    async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        if self._reader is None:
+            raise StoreUnavailable("the store is not open")
+        return await anyio.to_thread.run_sync(self._db.read, self._reader, fn, limiter=self._read_limiter)

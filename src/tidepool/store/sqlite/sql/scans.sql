@@ -1,5 +1,5 @@
--- The SQLite store's statements of scans, by name (loaded once by store/sql.py). A scan's rows move in
--- the transaction that ends its step's task (scan_steps.py) or in a call of its own (scan_ops.py).
+-- The SQLite store's statements of scans (scans.py), by name: a scan's rows move in the transaction that ends
+-- its step's task, or in a call of its own. `{marks}` and `{rows}` are filled per call.
 
 -- name: scan
 SELECT {scan_columns} FROM scans WHERE id = ?
@@ -62,12 +62,6 @@ WHERE s.state = 'running' AND NOT EXISTS (
     SELECT 1 FROM scan_jobs j JOIN tasks t ON t.id = j.task_id
     WHERE j.scan_id = s.id AND j.state = 'started' AND t.state NOT IN {terminal})
 
--- name: prune_jobs
-DELETE FROM scan_jobs WHERE scan_id IN (SELECT id FROM scans WHERE finished_at < ?)
-
--- name: prune_scans
-DELETE FROM scans WHERE finished_at < ?
-
 -- name: complete_steps
 -- Step successes of one writer round completed together behind their fences (as `complete` does for plain
 -- tasks), returning what finds each one's scan.
@@ -80,6 +74,13 @@ RETURNING tasks.lease_attempt_id, tasks.scan_id, tasks.scan_index
 
 -- name: complete_steps_row
 (?, ?, ?, ?, ?)
+
+-- name: attempts_succeeded
+UPDATE attempts SET status = 'succeeded', finished_at = v.column2 FROM (VALUES {rows}) AS v
+WHERE attempts.id = v.column1
+
+-- name: attempts_succeeded_row
+(?, ?)
 
 -- name: scans
 SELECT {scan_columns} FROM scans WHERE id IN ({marks})

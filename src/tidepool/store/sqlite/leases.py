@@ -1,7 +1,9 @@
-"""The workers' writes, run on the writer thread: claims, renewals, phase notes, results and endings.
+"""A worker's leases in the SQLite store: claims, renewals, phase notes, results and endings, run on the writer
+thread.
 
-Every one is fenced by its lease (attempt id + token). Claims and bare successes are gathered across the
-ops of a transaction (Grouped) into a few statements per chunk of rows.
+Every write is fenced by its lease (attempt id + token). Claims and bare successes are gathered across the
+ops of a transaction (Grouped) into a few statements per chunk of rows. A remote worker's acquire leases its
+tasks with the claim's statements (workers.py); the reconciler's expiry ends attempts as a worker does (end).
 """
 
 from __future__ import annotations
@@ -16,28 +18,19 @@ from typing import Any
 from ...errors import Conflict, LeaseLost, TaskCancelling, TidepoolError
 from ...lifecycle import RetryPolicy, decide_end
 from ...model import AttemptStatus, Claimed, ClaimFilter, Lease, Outcome, ResultBatch, State, Worker, new_id, new_token
+from .. import sql
 from ..port import Ending, PhaseNote
 from ..rows import error_text, result_of
 from ..rules import completable_at_once, may_end, progress_text, sqlite_glob
-from . import scan_steps
-from .database import Q
-from .reads import task_of
-from .writer import Batch, Grouped, run_alone
+from . import scans
+from .database import Batch, Grouped, chunks, marks, run_alone, task_of
 
-CHUNK = 500  # rows per statement: 7 parameters each at most, far below SQLite's 32,766
-
-
-def marks(n: int) -> str:
-    return ",".join("?" * n)
+Q = sql.queries(__package__, "leases.sql")
 
 
 def values(row: str, n: int) -> str:
     """`n` copies of a VALUES row of the named queries (a `*_row` query)."""
     return ",".join([Q[row]] * n)
-
-
-def chunks(items: Sequence[Any]) -> list[Sequence[Any]]:
-    return [items[i:i + CHUNK] for i in range(0, len(items), CHUNK)]
 
 
 # claims
@@ -64,8 +57,8 @@ def claimable(conn: sqlite3.Connection, where: ClaimFilter, limit: int, now: flo
     if where.organizations is None:
         return conn.execute(Q["claimable"].format(types=types, tags=" ".join(tags)), args).fetchall()
     share = Q["claimable_of_organization"].format(types=types, tags=" ".join(tags))
-    sql = " UNION ALL ".join([share] * len(where.organizations)) + " ORDER BY priority DESC, created_at, id LIMIT ?"
-    return conn.execute(sql, [x for org in where.organizations for x in (org, *args)] + [limit]).fetchall()
+    union = " UNION ALL ".join([share] * len(where.organizations)) + " ORDER BY priority DESC, created_at, id LIMIT ?"
+    return conn.execute(union, [x for org in where.organizations for x in (org, *args)] + [limit]).fetchall()
 
 
 def lease(conn: sqlite3.Connection, leased: list[tuple[Worker, Claimed, float]]) -> None:
@@ -194,8 +187,8 @@ class FinishOp(Grouped):
         # the plain ones first: complete's fence refuses scan steps, and only what it refused meets the step
         # pass, so a round without steps runs no step statement
         done = complete(conn, [(e.lease, e.now, progress_text(e.outcome.progress)) for e in bare])
-        done |= scan_steps.succeeded(conn, batch, [(e.lease, e.now, e.outcome)
-                                                   for e in bare if e.lease.attempt_id not in done])
+        done |= scans.succeeded(conn, batch, [(e.lease, e.now, e.outcome)
+                                              for e in bare if e.lease.attempt_id not in done])
         results: list[State | TidepoolError] = []
         for (e, policy), f in zip(flat, fast, strict=True):
             if f and e.lease.attempt_id in done:
@@ -240,7 +233,7 @@ def end(conn: sqlite3.Connection, lease: Lease, outcome: Outcome, row: Any, now:
     task's (scan_id, scan_index), a scan step's scan moving on in this transaction when it ended for good."""
     scan_id = step[0]
     if scan_id is not None and outcome.status is AttemptStatus.SUCCEEDED:
-        outcome = scan_steps.checked(conn, scan_id, outcome)
+        outcome = scans.checked(conn, scan_id, outcome)
     state, attempt, max_attempts, interruptions = State(row[0]), row[1], row[2], row[3]
     ended = decide_end(state, outcome, attempt=attempt, max_attempts=max_attempts, interruptions=interruptions,
                        policy=policy, now=now)
@@ -255,6 +248,6 @@ def end(conn: sqlite3.Connection, lease: Lease, outcome: Outcome, row: Any, now:
         batch.queued += 1
     if scan_id is not None and ended.state.terminal:
         learned = outcome.scope if ended.state is State.COMPLETED else None
-        scan_steps.step_ended(conn, batch, scan_id=scan_id, index=step[1], task_id=lease.task_id, state=ended.state,
-                              learned=learned, now=now)
+        scans.step_ended(conn, batch, scan_id=scan_id, index=step[1], task_id=lease.task_id, state=ended.state,
+                         learned=learned, now=now)
     return ended.state
