@@ -9,8 +9,8 @@ import anyio
 import anyio.lowlevel
 import pytest
 from aiohttp import web
-from tests.web_servers import LOOPBACK, serving, tls_context
 
+from tests.web_servers import LOOPBACK, serving, tls_context
 from tidepool.errors import InvalidArgument
 from tidepool.gateway import pki
 from tidepool.plugins.netprobe import probe_web_ports
