@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 
-from .conftest import Daemon
+from .conftest import Daemon, open_with_token
 from .gateway_node import Gateway, gateway
-from .test_dashboard import browser_page, open_with_token
 
-__all__ = ["browser_page", "gateway"]  # the fixtures, for the tests below
+__all__ = ["gateway"]  # the fixture, for the tests below
 
 
 @pytest.mark.e2e

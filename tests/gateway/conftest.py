@@ -3,6 +3,7 @@ TLS) with certificates made by `tidepool pki` for the test, and remote workers' 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import ssl
@@ -179,6 +180,17 @@ def make_node(tmp_path: Path, lab: pki.Lab, store_url: str) -> Callable[..., Any
                 daemon.shutdown()
 
     return running
+
+def lease_of(lease: dict[str, Any]) -> dict[str, str]:
+    """The two fields that name a lease in a worker's renew, progress, result or finish."""
+    return {"attempt_id": lease["attempt_id"], "lease_token": lease["lease_token"]}
+
+
+def sha256(payload: Any) -> str:
+    """A result payload's digest as its worker sends it: of the payload's canonical JSON."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":"),
+                                     ensure_ascii=False).encode()).hexdigest()
+
 
 AUTO = {"enroll": "auto"}  # [gateway] of a node that enables its workers at first contact
 MakeNode = Callable[..., Any]
