@@ -4,8 +4,9 @@
 (another config, the same state dir); `token_daemon` is one that needs TOKEN on every /v1 route. A
 daemon object can be SIGKILLed and started again on the same port and state dir. `cli` runs the
 `tidepool` command the way an operator would; `notify` is a NOTIFY_SOCKET standing in for systemd's.
-`fleet` is daemons sharing one PostgreSQL schema; `browser_page` is a page of real headless Chromium,
-which `open_with_token` opens on a node's dashboard.
+`gateway` is a token daemon serving the remote workers of a test lab; `fleet` is daemons sharing one
+PostgreSQL schema; `browser_page` is a page of real headless Chromium, which `open_with_token` opens on a
+node's dashboard.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ import pytest
 
 from ..conftest import free_port as free_port  # the e2e tests import it from here with the daemon helpers
 from ..conftest import postgres_admin
+from ..lab import gateway_section, make_lab
+from .gateway_node import WORKERS as GATEWAY_WORKERS
+from .gateway_node import Gateway
 from .pg_fleet import Fleet
 from .sdnotify import NotifySocket
 
@@ -336,6 +340,19 @@ def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
                               text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
 
     return run
+
+
+@pytest.fixture
+def gateway(make_token_daemon: Callable[..., Daemon], tmp_path: Path) -> Gateway:
+    """A gateway (manual enrollment) whose own pool takes none of the tasks: its remote workers lease them."""
+    lab = make_lab(tmp_path, GATEWAY_WORKERS)
+    w1_port = free_port()
+    daemon = make_token_daemon({
+        "pool": {"task_types": ["local-only"]},
+        "gateway": gateway_section(lab, listen=f"127.0.0.1:{w1_port}"),
+    })
+    daemon.token = TOKEN
+    return Gateway(daemon, lab, w1_port)
 
 
 @pytest.fixture

@@ -11,9 +11,7 @@ from typing import Any
 import pytest
 
 from .conftest import Daemon, open_with_token
-from .gateway_node import Gateway, gateway
-
-__all__ = ["gateway"]  # the fixture, for the tests below
+from .gateway_node import Gateway
 
 
 @pytest.mark.e2e
