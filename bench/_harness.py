@@ -44,8 +44,7 @@ def fsync_note(directory: Path | None = None, n: int = 200) -> str:
             started = time.perf_counter()
             os.fsync(f.fileno())
             took.append(1000 * (time.perf_counter() - started))
-    took.sort()
-    return (f"fsync of 4 KiB here now: p50 {took[n // 2]:.2f} ms, p99 {took[n * 99 // 100]:.2f} ms "
+    return (f"fsync of 4 KiB here now: p50 {percentile(took, 50):.2f} ms, p99 {percentile(took, 99):.2f} ms "
             "(real disks are often slower)")
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy for loopback
 
@@ -68,6 +67,12 @@ class Figure:
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The nearest-rank percentile: the smallest value with at least p % of the values at or below it."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered), math.ceil(p / 100 * len(ordered))) - 1)]
 
 
 def thread_cpu_s(pid: int) -> dict[int, float]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -32,18 +31,12 @@ from typing import Any
 import aiohttp
 import psutil
 
-from _harness import Daemon, Figure, arguments, fsync_note, median, report, reproduce, temp_dir
+from _harness import Daemon, Figure, arguments, fsync_note, median, percentile, report, reproduce, temp_dir
 
 DEFAULTS: dict[str, Any] = {"clients": 200, "tasks": 10_000, "subscribers": 20, "sse_tasks": 1000, "runs": 7,
                             "against": ""}
 NOOP_EVENTS = ("task.created", "task.leased", "task.phase", "task.phase", "task.phase", "plugin.started",
                "plugin.finished", "task.phase", "task.finished")
-
-
-def percentile(values: list[float], p: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered), math.ceil(p / 100 * len(ordered))) - 1)]
 
 
 # submit load

@@ -38,9 +38,21 @@ from typing import Any
 
 import psutil
 
-from _harness import Daemon, Figure, arguments, free_port, fsync_note, median, report, reproduce, temp_dir, thread_cpu_s
+from _harness import (
+    Daemon,
+    Figure,
+    arguments,
+    free_port,
+    fsync_note,
+    median,
+    percentile,
+    report,
+    reproduce,
+    temp_dir,
+    thread_cpu_s,
+)
 from gateway_load import LoadClient, cpu_percent
-from latency import percentile, ts
+from latency import ts
 from throughput import copy_store, drain, enqueue
 from tidepool.gateway import pki
 

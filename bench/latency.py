@@ -7,25 +7,18 @@ POST round trip is printed beside it.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from datetime import datetime
 from typing import Any
 
-from _harness import Figure, arguments, fsync_note, report, reproduce, running, temp_dir
+from _harness import Figure, arguments, fsync_note, percentile, report, reproduce, running, temp_dir
 
 DEFAULTS: dict[str, Any] = {"tasks": 200, "type": "noop"}
 
 
 def ts(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
-def percentile(values: list[float], p: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered), math.ceil(p / 100 * len(ordered))) - 1)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,18 @@ from typing import Any
 
 import asyncpg
 
-from _harness import Daemon, Figure, arguments, claim_finish_rate, fsync_note, median, report, reproduce, temp_dir
+from _harness import (
+    Daemon,
+    Figure,
+    arguments,
+    claim_finish_rate,
+    fsync_note,
+    median,
+    percentile,
+    report,
+    reproduce,
+    temp_dir,
+)
 
 DEFAULTS: dict[str, Any] = {"n": 20_000, "workers": 32, "claim_batch": 16, "runs": 3, "pickups": 200,
                             "url": "postgresql://postgres@127.0.0.1:5432/test"}
@@ -145,10 +156,6 @@ def pickup(tmp: Path, url: str, count: int) -> list[float]:
         if {r[1] for r in rows} != {"node-b"}:
             raise RuntimeError("pickup: a task ran on the node that accepts nothing")
         return sorted(r[0] for r in rows)
-
-
-def percentile(values: list[float], p: float) -> float:
-    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,14 +19,13 @@ Per run (median of --runs):
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from _harness import Daemon, Figure, arguments, fsync_note, median, report, reproduce, running, temp_dir
+from _harness import Daemon, Figure, arguments, fsync_note, median, percentile, report, reproduce, running, temp_dir
 
 DEFAULTS: dict[str, Any] = {"scans": 2000, "steps": 3, "workers": 16, "handoff": 100, "runs": 3}
 CLAIMS_NOTHING = {"TIDEPOOL_POOL__TASK_TYPES": '["nothing"]'}
@@ -34,12 +33,6 @@ CLAIMS_NOTHING = {"TIDEPOOL_POOL__TASK_TYPES": '["nothing"]'}
 
 def ts(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
-def percentile(values: list[float], p: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered), math.ceil(p / 100 * len(ordered))) - 1)]
 
 
 def profile(steps: int) -> dict[str, dict[str, Any]]:

@@ -4,10 +4,14 @@
 (another config, the same state dir); `token_daemon` is one that needs TOKEN on every /v1 route. A
 daemon object can be SIGKILLed and started again on the same port and state dir. `cli` runs the
 `tidepool` command the way an operator would; `notify` is a NOTIFY_SOCKET standing in for systemd's.
+`gateway` is a token daemon serving the remote workers of a test lab; `fleet` is daemons sharing one
+PostgreSQL schema; `browser_page` is a page of real headless Chromium, which `open_with_token` opens on a
+node's dashboard.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -18,14 +22,20 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
 from ..conftest import free_port as free_port  # the e2e tests import it from here with the daemon helpers
+from ..conftest import postgres_admin
+from ..lab import gateway_section, make_lab
+from .gateway_node import WORKERS as GATEWAY_WORKERS
+from .gateway_node import Gateway
+from .pg_fleet import Fleet
 from .sdnotify import NotifySocket
 
 READY_TIMEOUT_S = 20.0
@@ -34,6 +44,9 @@ TERMINAL = frozenset({"completed", "failed", "timed_out", "cancelled"})
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes via a proxy
 TOKEN = "k3y-0f-the-test-node-0123456789"  # token_daemon's
 UNKNOWN_ID = "06H2NOSUCHTASK000000000000"  # a task id of the right form that no store holds
+CHROMIUM = "/usr/bin/chromium"  # Debian's: the dashboard tests never `playwright install`
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 def tidepool_command() -> list[str]:
@@ -327,3 +340,67 @@ def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
                               text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
 
     return run
+
+
+@pytest.fixture
+def gateway(make_token_daemon: Callable[..., Daemon], tmp_path: Path) -> Gateway:
+    """A gateway (manual enrollment) whose own pool takes none of the tasks: its remote workers lease them."""
+    lab = make_lab(tmp_path, GATEWAY_WORKERS)
+    w1_port = free_port()
+    daemon = make_token_daemon({
+        "pool": {"task_types": ["local-only"]},
+        "gateway": gateway_section(lab, listen=f"127.0.0.1:{w1_port}"),
+    })
+    daemon.token = TOKEN
+    return Gateway(daemon, lab, w1_port)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, make_daemon: Callable[..., Daemon]) -> Iterator[Fleet]:
+    """Daemons on one fresh schema of the test server (none started), stopped and the schema dropped afterwards."""
+    async def reachable() -> None:
+        await (await postgres_admin()).close()
+
+    asyncio.run(reachable())
+    fleet = Fleet(tmp_path, make_daemon, "e2e_" + uuid.uuid4().hex[:16])
+    try:
+        yield fleet
+    finally:
+        for daemon in fleet.daemons.values():
+            with contextlib.suppress(Exception):
+                if daemon.proc is not None and daemon.proc.poll() is None:
+                    daemon.proc.send_signal(signal.SIGCONT)  # a frozen one must hear its SIGTERM
+                daemon.stop()
+        with contextlib.suppress(Exception):
+            fleet.q(f'DROP SCHEMA IF EXISTS "{fleet.schema}" CASCADE')
+
+
+@pytest.fixture
+async def browser_page(unavailable: Callable[[str], NoReturn]) -> AsyncIterator[tuple[Any, list[str]]]:
+    """(a Chromium page, the uncaught errors of its scripts)."""
+    if not Path(CHROMIUM).exists():
+        unavailable(f"{CHROMIUM} is missing (apt-get install chromium; `make test` installs it)")
+    try:
+        from playwright.async_api import async_playwright
+    except ImportError:
+        unavailable("playwright is not installed (pip install -e '.[dev]')")
+    async with async_playwright() as p:
+        browser = await p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            context = await browser.new_context(viewport={"width": 1280, "height": 900})
+            page = await context.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            yield page, errors
+        finally:
+            await browser.close()
+
+
+async def open_with_token(page: Any, daemon: Daemon) -> None:
+    """The dashboard, given the token the way a user does, once it is live."""
+    from playwright.async_api import expect
+
+    await page.goto(daemon.url + "/")
+    await page.fill("#token", TOKEN)
+    await page.dispatch_event("#token", "change")
+    await expect(page.locator("#conn")).to_have_text("live", timeout=10_000)

@@ -1,14 +1,11 @@
-"""A gateway and its remote workers as `tidepool run` subprocesses, with a lab CA made in the test; a raw
-/w1 client with a worker's certificate; a TCP proxy that can stop forwarding (a partition)."""
+"""A gateway and its remote workers as `tidepool run` subprocesses, with the certificates of a test lab made
+for WORKERS; a TCP proxy that can stop forwarding (a partition)."""
 
 from __future__ import annotations
 
 import contextlib
-import http.client
-import json
 import socket
 import sqlite3
-import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,13 +14,10 @@ from typing import Any
 
 from tidepool.gateway import pki
 
-from .conftest import TERMINAL, Daemon, Response, free_port, merge
+from ..lab import gateway_section
+from .conftest import TERMINAL, Daemon, free_port, merge
 
 WORKERS = ("scan-a", "scan-b", "scan-c")
-
-
-def make_lab(root: Path) -> pki.Lab:
-    return pki.make_lab(root / "pki", workers=WORKERS)
 
 
 class Gateway(Daemon):
@@ -36,8 +30,7 @@ class Gateway(Daemon):
         self.gateway_url = f"https://127.0.0.1:{self.gateway_port}"
         super().__init__(root, merge({
             "node": {"id": "gateway"},
-            "gateway": {"listen": f"127.0.0.1:{self.gateway_port}", "cert_file": str(lab.gateway.cert),
-                        "key_file": str(lab.gateway.key), "client_ca_file": str(lab.ca_file), "enroll": "auto"},
+            "gateway": gateway_section(lab, listen=f"127.0.0.1:{self.gateway_port}", enroll="auto"),
             "pool": {"task_types": [], "drain_timeout_s": 2.0},
             "lease": {"duration_s": 4.0, "renew_every_s": 1.0},
             "retry": {"backoff_base_s": 0.0},
@@ -92,27 +85,6 @@ def lease_of(gateway: Daemon, task_id: str) -> tuple[str, str]:
         attempt_id, token = db.execute("SELECT lease_attempt_id, lease_token FROM tasks WHERE id = ?",
                                        (task_id,)).fetchone()
     return attempt_id, f"{task_id}.{token}"
-
-
-class W1:
-    """Raw calls of the worker protocol with one worker's certificate (or none)."""
-
-    def __init__(self, gateway_url: str, lab: pki.Lab, name: str | None) -> None:
-        host, port = gateway_url.removeprefix("https://").split(":")
-        self.host, self.port = host, int(port)
-        self.tls = ssl.create_default_context(cafile=str(lab.ca_file))
-        if name is not None:
-            self.tls.load_cert_chain(str(lab.workers[name].cert), str(lab.workers[name].key))
-
-    def post(self, path: str, body: Any) -> Response:
-        conn = http.client.HTTPSConnection(self.host, self.port, context=self.tls, timeout=30)
-        try:
-            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-            answer = conn.getresponse()
-            raw = answer.read()
-            return Response(answer.status, json.loads(raw) if raw else None)
-        finally:
-            conn.close()
 
 
 class Proxy:

@@ -295,7 +295,7 @@ def test_a_url_that_is_no_address_is_a_usage_error_naming_url(cli: Cli, url: str
     ({}, {"TIDEPOOL_POOL__TASK_TYPES": "sleep"}, "pool.task_types: TIDEPOOL_POOL__TASK_TYPES"),
     ({}, {"TIDEPOOL_PLUGINS__DENY": "noop"}, "plugins.deny: TIDEPOOL_PLUGINS__DENY"),
     ({"types.x": {"plugins": ["nothere"]}}, {}, "types.x.plugins: unknown plugin 'nothere'"),
-    # a type the config writes (a built-in one the deny leaves out is left out: tests/unit/test_plugin_policy.py)
+    # a type the config writes (a built-in one the deny leaves out is left out: tests/unit/plugins/test_policy.py)
     ({"plugins.echo": {"command": ["/bin/echo", "{text}"]}, "types.echo": {"plugins": ["echo"]}},
      {"TIDEPOOL_PLUGINS__DENY": '["echo"]'}, "types.echo.plugins: plugin 'echo' is denied"),
     ({}, {"TIDEPOOL_API__LISTEN": "0.0.0.0:18541"}, "api.token_file is required"),

@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import TOKEN, Daemon
-from .gateway_node import Gateway, gateway
-
-__all__ = ["gateway"]  # the fixture, for the tests below
+from .gateway_node import Gateway
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]
 OK, USAGE = 0, 2

@@ -7,42 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 
 from .api_helpers import bearer, call
-from .conftest import TOKEN, Daemon
+from .conftest import TOKEN, Daemon, open_with_token
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync"]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 NEED_TOKEN = "token needed: enter the API token above"
 UNREACHABLE = "daemon unreachable: reconnecting"
-
-
-@pytest.fixture
-async def browser_page(unavailable: Callable[[str], NoReturn]) -> AsyncIterator[tuple[Any, list[str]]]:
-    """(a Chromium page, the uncaught errors of its scripts)."""
-    if not Path(CHROMIUM).exists():
-        unavailable(f"{CHROMIUM} is missing (apt-get install chromium; `make test` installs it)")
-    try:
-        from playwright.async_api import async_playwright
-    except ImportError:
-        unavailable("playwright is not installed (pip install -e '.[dev]')")
-    async with async_playwright() as p:
-        browser = await p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        try:
-            context = await browser.new_context(viewport={"width": 1280, "height": 900})
-            page = await context.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            yield page, errors
-        finally:
-            await browser.close()
 
 
 @pytest.fixture
@@ -118,16 +94,6 @@ async def test_the_dashboard_shows_the_pool_and_a_task_reaching_completed(
     await expect(page.locator("#conn")).to_have_text(UNREACHABLE, timeout=10_000)
     await expect(page.locator("body")).to_have_class("stale")
     assert errors == [], errors
-
-
-async def open_with_token(page: Any, daemon: Daemon) -> None:
-    """The dashboard, given the token the way a user does, once it is live."""
-    from playwright.async_api import expect
-
-    await page.goto(daemon.url + "/")
-    await page.fill("#token", TOKEN)
-    await page.dispatch_event("#token", "change")
-    await expect(page.locator("#conn")).to_have_text("live", timeout=10_000)
 
 
 @pytest.mark.e2e

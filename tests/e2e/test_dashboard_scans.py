@@ -9,10 +9,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import TOKEN, Daemon
-from .test_dashboard import browser_page, open_with_token
-
-__all__ = ["browser_page"]  # the fixture, for the tests below
+from .conftest import TOKEN, Daemon, open_with_token
 
 # job 1 sleeps the scan's `seconds`: it runs long enough to be seen running, or fails on a bad value
 PROFILES = {"profiles.chain": {"steps": ["noop", "sleep", "tcp_connect"]}}

@@ -10,11 +10,8 @@ from typing import Any
 
 import pytest
 
-from .conftest import Daemon
-from .gateway_node import Gateway, gateway
-from .test_dashboard import browser_page, open_with_token
-
-__all__ = ["browser_page", "gateway"]  # the fixtures, for the tests below
+from .conftest import Daemon, open_with_token
+from .gateway_node import Gateway
 
 
 @pytest.mark.e2e

@@ -19,14 +19,15 @@ import pytest
 from tidepool.gateway import pki
 
 from ..conftest import POSTGRES_URL, postgres_admin
+from ..lab import make_lab
 from ..process_trees import RECORD, gone, pids
+from ..w1_client import Remote, client_context
 from .gateway_helpers import (
-    W1,
+    WORKERS,
     Gateway,
     Proxy,
     ended,
     lease_of,
-    make_lab,
     running,
     submit,
     task,
@@ -69,7 +70,7 @@ def attempts(body: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def test_tasks_run_on_remote_workers_under_their_certificate_names(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path)
+    lab = make_lab(tmp_path, WORKERS)
     gateway = Gateway(tmp_path / "gateway", lab)
     a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url)
     b = worker_daemon(tmp_path / "b", lab, "scan-b", gateway.gateway_url)
@@ -92,7 +93,7 @@ def test_tasks_run_on_remote_workers_under_their_certificate_names(tmp_path: Pat
 
 
 def test_a_killed_remote_worker_s_task_runs_again_elsewhere_once_after_its_lease(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path)
+    lab = make_lab(tmp_path, WORKERS)
     gateway = Gateway(tmp_path / "gateway", lab)
     workers = {name: worker_daemon(tmp_path / name, lab, name, gateway.gateway_url) for name in ("scan-a", "scan-b")}
     with running(gateway, *workers.values()):
@@ -106,7 +107,7 @@ def test_a_killed_remote_worker_s_task_runs_again_elsewhere_once_after_its_lease
 
 
 def test_a_cut_off_worker_stops_its_attempt_itself_and_its_late_writes_are_refused(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path)
+    lab = make_lab(tmp_path, WORKERS)
     gateway = Gateway(tmp_path / "gateway", lab, **tree_type(tmp_path))
     proxy = Proxy(gateway.gateway_port)
     a = worker_daemon(tmp_path / "a", lab, "scan-a", proxy.url, **tree_type(tmp_path))
@@ -133,11 +134,11 @@ def test_a_cut_off_worker_stops_its_attempt_itself_and_its_late_writes_are_refus
             assert last == ("scan-b", "succeeded")
             assert "lease not renewed in time" in a.log(200)
 
-            stale = W1(gateway.gateway_url, lab, "scan-a")
-            late = stale.post("/w1/finish", {"endings": [{"attempt_id": attempt_id, "lease_token": token,
+            stale = Remote(gateway.gateway_url, client_context(lab, "scan-a"))
+            late = stale.call("/w1/finish", {"endings": [{"attempt_id": attempt_id, "lease_token": token,
                                                           "status": "succeeded"}]})
             assert late.status == 200 and late.body["endings"][0].get("lost"), late
-            result = stale.post("/w1/results", {"attempt_id": attempt_id, "lease_token": token, "plugin": "tree",
+            result = stale.call("/w1/results", {"attempt_id": attempt_id, "lease_token": token, "plugin": "tree",
                                                 "sequence": 0, "idempotency_key": "late", "final": True,
                                                 "sha256": hashlib.sha256(b"{}").hexdigest(), "payload": {}})
             assert result.status == 410 and result.error["code"] == "lease_lost", result
@@ -147,7 +148,7 @@ def test_a_cut_off_worker_stops_its_attempt_itself_and_its_late_writes_are_refus
 
 
 def test_a_gateway_restart_mid_task_loses_nothing(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path)
+    lab = make_lab(tmp_path, WORKERS)
     gateway = Gateway(tmp_path / "gateway", lab, lease={"duration_s": 12.0, "renew_every_s": 3.0})
     a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url)
     b = worker_daemon(tmp_path / "b", lab, "scan-b", gateway.gateway_url)
@@ -164,7 +165,7 @@ def test_a_gateway_restart_mid_task_loses_nothing(tmp_path: Path) -> None:
 
 
 def test_revoke_cancels_the_running_command_and_refuses_the_worker_from_then_on(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path)
+    lab = make_lab(tmp_path, WORKERS)
     gateway = Gateway(tmp_path / "gateway", lab, **tree_type(tmp_path))
     a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url, **tree_type(tmp_path))
     with running(gateway, a):
@@ -179,13 +180,14 @@ def test_revoke_cancels_the_running_command_and_refuses_the_worker_from_then_on(
         wait_for(lambda: all(gone(pid) for pid in tree.values()), timeout_s=5 - (time.monotonic() - revoked_at),
                  what="the revoked worker's command tree gone")
         assert body["state"] == "cancelled"
-        refused = W1(gateway.gateway_url, lab, "scan-a").post("/w1/acquire", {"types": ["tree"], "max": 1})
+        scan_a = Remote(gateway.gateway_url, client_context(lab, "scan-a"))
+        refused = scan_a.call("/w1/acquire", {"types": ["tree"], "max": 1})
         assert refused.status == 403 and refused.error["code"] == "worker_revoked", refused
         assert "revoked this worker" in a.log(200)
 
 
 def test_disable_lets_the_running_task_finish_and_hands_out_nothing_new_until_enabled(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path)
+    lab = make_lab(tmp_path, WORKERS)
     gateway = Gateway(tmp_path / "gateway", lab)
     a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url)
     with running(gateway, a):
@@ -203,7 +205,7 @@ def test_disable_lets_the_running_task_finish_and_hands_out_nothing_new_until_en
 
 
 def test_a_worker_whose_certificate_file_is_missing_does_not_start_and_names_the_key(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path)
+    lab = make_lab(tmp_path, WORKERS)
     worker = worker_daemon(tmp_path / "a", lab, "scan-a", "https://127.0.0.1:1",
                            store={"cert_file": str(tmp_path / "nowhere.pem")})
     ran = worker.run_to_exit()
@@ -218,7 +220,7 @@ def test_two_gateways_on_one_postgresql_store_lease_no_attempt_twice(tmp_path: P
     asyncio.run(reachable())
     schema = "e2e_" + uuid.uuid4().hex[:16]
     store = {"url": f"{POSTGRES_URL}?schema={schema}"}
-    lab = make_lab(tmp_path)
+    lab = make_lab(tmp_path, WORKERS)
     one = Gateway(tmp_path / "one", lab, node={"id": "gateway-1"}, store=store)
     two = Gateway(tmp_path / "two", lab, node={"id": "gateway-2"}, store=store)
     workers = [worker_daemon(tmp_path / name, lab, name, via.gateway_url, pool={"min_workers": 4, "max_workers": 4})
@@ -243,7 +245,7 @@ async def _drop(schema: str) -> None:
 
 
 def test_a_cancel_reaches_the_running_command_on_the_control_stream_not_at_the_next_renewal(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path)
+    lab = make_lab(tmp_path, WORKERS)
     gateway = Gateway(tmp_path / "gateway", lab, lease={"duration_s": 60.0, "renew_every_s": 20.0},
                       **tree_type(tmp_path))
     a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url, **tree_type(tmp_path))
@@ -260,7 +262,7 @@ def test_a_cancel_reaches_the_running_command_on_the_control_stream_not_at_the_n
 
 
 def test_a_pending_worker_claims_nothing_and_is_not_ready_until_an_operator_enables_it(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path)
+    lab = make_lab(tmp_path, WORKERS)
     gateway = Gateway(tmp_path / "gateway", lab, gateway={"enroll": "manual"})
     a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url, pool={"poll_interval_s": 0.5})
     with running(gateway):
@@ -281,7 +283,7 @@ def test_a_pending_worker_claims_nothing_and_is_not_ready_until_an_operator_enab
 
 
 def test_a_rotated_certificate_is_presented_after_a_reload_and_is_the_same_worker(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path)
+    lab = make_lab(tmp_path, WORKERS)
     gateway = Gateway(tmp_path / "gateway", lab)
     a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url)
     with running(gateway, a):
@@ -297,7 +299,7 @@ def test_a_rotated_certificate_is_presented_after_a_reload_and_is_the_same_worke
 
 
 def test_idle_workers_park_one_acquire_and_a_drain_does_not_wait_for_it(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path)
+    lab = make_lab(tmp_path, WORKERS)
     gateway = Gateway(tmp_path / "gateway", lab)
     a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url,
                       pool={"min_workers": 4, "drain_timeout_s": 60.0})
@@ -319,7 +321,7 @@ def test_idle_workers_park_one_acquire_and_a_drain_does_not_wait_for_it(tmp_path
 
 
 def test_an_outcome_that_finds_the_gateway_away_is_written_once_it_is_back(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path)
+    lab = make_lab(tmp_path, WORKERS)
     gateway = Gateway(tmp_path / "gateway", lab, lease={"duration_s": 30.0, "renew_every_s": 10.0})
     a = worker_daemon(tmp_path / "a", lab, "scan-a", gateway.gateway_url)
     with running(gateway, a):

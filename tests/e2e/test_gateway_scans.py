@@ -13,7 +13,8 @@ import pytest
 
 from tidepool.scans import SCOPE_MAX_BYTES
 
-from .gateway_helpers import Gateway, make_lab, running, task, worker_daemon
+from ..lab import make_lab
+from .gateway_helpers import WORKERS, Gateway, running, task, worker_daemon
 from .scan_helpers import submit_scan, wait_ended
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,7 +58,7 @@ def gateway_and_worker(tmp_path: Path) -> tuple[Gateway, Any]:
     (plugins / "gateway_scan_plugins.py").write_text(textwrap.dedent(PLUGINS))
     # the plugin module beside whatever tidepool the test itself imports
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(plugins), os.environ.get("PYTHONPATH", "")) if p)}
-    lab = make_lab(tmp_path)
+    lab = make_lab(tmp_path, WORKERS)
     gateway = Gateway(tmp_path / "gateway", lab, **scan_config(plugins))
     gateway.env.update(env)
     worker = worker_daemon(tmp_path / "worker", lab, "scan-a", gateway.gateway_url, **scan_config(plugins))

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from .test_pg_cluster import Fleet, fleet  # noqa: F401  (the fixture)
+from .pg_fleet import Fleet
 
 pytestmark = pytest.mark.e2e
 
@@ -45,16 +45,16 @@ class LiveLeases:
         self._thread.join(timeout=10)
 
 
-def test_kill_9_of_a_node_mid_task_its_task_runs_again_on_the_other_within_ten_seconds(fleet: Fleet) -> None:  # noqa: F811
+def test_kill_9_of_a_node_mid_task_its_task_runs_again_on_the_other_within_ten_seconds(fleet: Fleet) -> None:
     assert _killed_mid_task(fleet, DEFAULTS) < RECOVERY_BOUND_S
 
 
-def test_a_shorter_node_heartbeat_recovers_sooner(fleet: Fleet) -> None:  # noqa: F811
+def test_a_shorter_node_heartbeat_recovers_sooner(fleet: Fleet) -> None:
     """node.heartbeat_s = 0.5: gone after 1.5 s, looked for every second; 10 s would be the default's bound."""
     assert _killed_mid_task(fleet, {**DEFAULTS, "node": {"heartbeat_s": 0.5}}) < 5.0
 
 
-def _killed_mid_task(fleet: Fleet, settings: dict[str, dict[str, Any]]) -> float:  # noqa: F811
+def _killed_mid_task(fleet: Fleet, settings: dict[str, dict[str, Any]]) -> float:
     """Kill -9 the node running a task mid-way; check how it ran again; the seconds from the kill to its rerun."""
     a, b = fleet.add("a", **settings), fleet.add("b", **settings)  # type: ignore[arg-type]
     fleet.start(a, b)

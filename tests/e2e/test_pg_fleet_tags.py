@@ -4,12 +4,12 @@ import time
 
 import pytest
 
-from .test_pg_cluster import Fleet, fleet  # noqa: F401  (the fixture)
+from .pg_fleet import Fleet
 
 pytestmark = pytest.mark.e2e
 
 
-def test_tags_only_another_node_has_are_accepted_and_run_there(fleet: Fleet) -> None:  # noqa: F811
+def test_tags_only_another_node_has_are_accepted_and_run_there(fleet: Fleet) -> None:
     win_scan = {"types.win_scan": {"plugins": ["noop"], "required_tags": ["win10"]}}  # tags from the type
     plain = fleet.add("plain", **win_scan)
     windows = fleet.add("windows", **{"resources.vm": {"tags": ["win10"], "count": 1}}, **win_scan)
@@ -29,7 +29,7 @@ def test_tags_only_another_node_has_are_accepted_and_run_there(fleet: Fleet) -> 
     assert refused.status == 400 and "required_tags" in refused.body["error"]["message"]
 
 
-def test_tasks_only_a_departed_node_could_serve_fail_after_prepare_timeout(fleet: Fleet) -> None:  # noqa: F811
+def test_tasks_only_a_departed_node_could_serve_fail_after_prepare_timeout(fleet: Fleet) -> None:
     plain = fleet.add("plain", execution={"prepare_timeout_s": 1.0})
     windows = fleet.add("windows", **{"resources.vm": {"tags": ["win10"], "count": 1}})
     fleet.start(plain, windows)

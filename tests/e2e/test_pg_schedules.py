@@ -8,7 +8,7 @@ from datetime import datetime
 import pytest
 
 from .conftest import Daemon
-from .test_pg_cluster import Fleet, fleet  # noqa: F401  (the fixture)
+from .pg_fleet import Fleet
 
 pytestmark = pytest.mark.e2e
 FIRED = re.compile(r"schedule every-second fired for \S+: task (\w+)$", re.MULTILINE)
@@ -19,7 +19,7 @@ def fired(*nodes: Daemon) -> Counter[str]:
     return Counter(task_id for node in nodes for task_id in FIRED.findall(node.log_path.read_text(errors="replace")))
 
 
-def test_three_nodes_fire_each_of_ten_ticks_exactly_once(fleet: Fleet) -> None:  # noqa: F811
+def test_three_nodes_fire_each_of_ten_ticks_exactly_once(fleet: Fleet) -> None:
     a, b, c = (fleet.add(n) for n in ("a", "b", "c"))
     fleet.start(a, b, c)
     created = a.post("/v1/schedules", {"name": "every-second", "type": "noop", "every_s": 1})

@@ -1,9 +1,9 @@
 """A gateway node in this process (the real Daemon: its /v1 API on loopback HTTP, its /w1 listener on mutual
-TLS) with certificates made by `tidepool pki` for the test, and remote workers' raw protocol clients."""
+TLS) with the certificates of a test lab, and its remote workers as raw /w1 clients (`node.remote(...)`)."""
 
 from __future__ import annotations
 
-import io
+import hashlib
 import json
 import ssl
 from collections.abc import AsyncIterator, Callable
@@ -20,64 +20,13 @@ from tidepool.node.daemon import Daemon
 from tidepool.settings import Settings, parse
 
 from ..conftest import free_port
+from ..lab import gateway_section, make_lab
+from ..w1_client import Answer
+from ..w1_client import Remote as Remote
+from ..w1_client import client_context as client_context
+from ..w1_client import open_control as open_control
 
 WORKERS = ("w1", "w2")
-
-
-@dataclass
-class Answer:
-    status: int
-    body: Any
-
-    @property
-    def code(self) -> str:
-        return str(self.body["error"]["code"])
-
-
-def client_context(lab: pki.Lab, worker: str | None) -> ssl.SSLContext:
-    """A worker's TLS: it verifies the gateway by the lab's CA and presents its own certificate (None: none)."""
-    context = ssl.create_default_context(cafile=str(lab.ca_file))
-    if worker is not None:
-        issued = lab.workers[worker]
-        context.load_cert_chain(issued.cert, issued.key)
-    return context
-
-
-class Remote:
-    """One remote worker speaking the raw /w1 protocol over one keep-alive TLS session."""
-
-    def __init__(self, url: str, context: ssl.SSLContext) -> None:
-        self.url = url
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context))
-        self.streams: list[aiohttp.ClientResponse] = []  # control streams opened, released on close
-
-    async def post(self, path: str, body: Any = None, *, data: bytes | None = None,
-                   content_type: str = "application/json") -> Answer:
-        raw = io.BytesIO(json.dumps(body).encode() if data is None else data)  # aiohttp warns of large bytes
-        try:
-            async with self.session.post(self.url + path, data=raw, headers={"Content-Type": content_type}) as r:
-                return Answer(r.status, await r.json(content_type=None))
-        except aiohttp.ServerDisconnectedError:
-            # A revoke closes the worker's connections: a call that raced with the close is sent again on a
-            # new one, as a worker does
-            raw.seek(0)
-            async with self.session.post(self.url + path, data=raw, headers={"Content-Type": content_type}) as r:
-                return Answer(r.status, await r.json(content_type=None))
-
-    async def acquire(self, **body: Any) -> Answer:
-        return await self.post("/w1/acquire", {"types": ["noop", "sleep"], "max": 1, "wait_s": 0, **body})
-
-    async def leased(self, **body: Any) -> dict[str, Any]:
-        """The one lease an acquire must hand out."""
-        answer = await self.acquire(**body)
-        assert answer.status == 200, answer
-        (lease,) = answer.body["tasks"]
-        return dict(lease)
-
-    async def close(self) -> None:
-        for stream in self.streams:
-            stream.release()
-        await self.session.close()
 
 
 @dataclass
@@ -123,7 +72,7 @@ class Node:
 
 @pytest.fixture
 def lab(tmp_path: Path) -> pki.Lab:
-    return pki.make_lab(tmp_path / "pki", workers=WORKERS)
+    return make_lab(tmp_path, WORKERS)
 
 
 @pytest.fixture
@@ -151,8 +100,7 @@ def gateway_settings(tmp_path: Path, lab: pki.Lab, *, store_url: str = "memory:/
         "api": {"listen": f"127.0.0.1:{free_port()}"},
         "pool": {"min_workers": 1, "max_workers": 1, "task_types": ["local-only"], "drain_timeout_s": 0.5},
         "guards": {"min_free_memory_mb": 0, "min_free_disk_mb": 0},
-        "gateway": {"listen": f"127.0.0.1:{free_port()}", "cert_file": str(lab.gateway.cert),
-                    "key_file": str(lab.gateway.key), "client_ca_file": str(lab.ca_file), "max_wait_s": 10.0},
+        "gateway": gateway_section(lab, listen=f"127.0.0.1:{free_port()}", max_wait_s=10.0),
     }
     for name, keys in sections.items():
         config.setdefault(name, {}).update(keys)
@@ -180,31 +128,16 @@ def make_node(tmp_path: Path, lab: pki.Lab, store_url: str) -> Callable[..., Any
 
     return running
 
+def lease_of(lease: dict[str, Any]) -> dict[str, str]:
+    """The two fields that name a lease in a worker's renew, progress, result or finish."""
+    return {"attempt_id": lease["attempt_id"], "lease_token": lease["lease_token"]}
+
+
+def sha256(payload: Any) -> str:
+    """A result payload's digest as its worker sends it: of the payload's canonical JSON."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":"),
+                                     ensure_ascii=False).encode()).hexdigest()
+
+
 AUTO = {"enroll": "auto"}  # [gateway] of a node that enables its workers at first contact
 MakeNode = Callable[..., Any]
-
-
-class ControlReader:
-    """A worker's open control stream, read event by event."""
-
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self.response = response
-
-    async def next(self, *, timeout_s: float = 5.0) -> tuple[str, dict[str, Any]] | None:
-        """The next event (keep-alive comments skipped); None once the stream ended."""
-        name = None
-        with anyio.fail_after(timeout_s):
-            async for raw in self.response.content:
-                line = raw.decode().rstrip("\n")
-                if line.startswith("event: "):
-                    name = line.removeprefix("event: ")
-                elif line.startswith("data: ") and name is not None:
-                    return name, json.loads(line.removeprefix("data: "))
-        return None
-
-
-async def open_control(remote: Remote) -> ControlReader:
-    response = await remote.session.get(remote.url + "/w1/control")
-    remote.streams.append(response)
-    assert response.status == 200, await response.text()
-    return ControlReader(response)

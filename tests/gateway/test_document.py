@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .conftest import AUTO, MakeNode
-from .test_protocol import lease_of
+from .conftest import AUTO, MakeNode, lease_of
 
 REASONS = ["expired", "cancelled", "revoked", "superseded"]
 

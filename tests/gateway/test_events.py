@@ -8,8 +8,7 @@ from typing import Any
 import anyio
 import pytest
 
-from .conftest import AUTO, MakeNode
-from .test_protocol import lease_of, sha256
+from .conftest import AUTO, MakeNode, lease_of, sha256
 
 pytestmark = pytest.mark.parametrize("store_kind", ["sqlite", "postgres"])
 

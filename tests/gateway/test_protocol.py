@@ -3,8 +3,6 @@ who may write behind which lease."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 import anyio
@@ -12,18 +10,9 @@ import pytest
 
 from tidepool.gateway.schemas import AcquireIn
 
-from .conftest import AUTO, MakeNode
+from .conftest import AUTO, MakeNode, lease_of, sha256
 
 pytestmark = pytest.mark.parametrize("store_kind", ["sqlite", "postgres"])
-
-
-def sha256(payload: Any) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":"),
-                                     ensure_ascii=False).encode()).hexdigest()
-
-
-def lease_of(lease: dict[str, Any]) -> dict[str, str]:
-    return {"attempt_id": lease["attempt_id"], "lease_token": lease["lease_token"]}
 
 
 async def test_a_task_runs_remotely_with_the_workers_identity_as_its_node(make_node: MakeNode) -> None:

@@ -10,8 +10,7 @@ import pytest
 
 from tidepool.gateway.parking import MAX_HELD_PER_WORKER
 
-from .conftest import AUTO, MakeNode, open_control
-from .test_protocol import lease_of
+from .conftest import AUTO, MakeNode, lease_of, open_control
 
 pytestmark = pytest.mark.parametrize("store_kind", ["sqlite", "postgres"])
 

@@ -11,8 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
-from .conftest import AUTO, MakeNode, Node, Remote, open_control
-from .test_protocol import lease_of, sha256
+from .conftest import AUTO, MakeNode, Node, Remote, lease_of, open_control, sha256
 
 # A bound for what must happen at once; far under the 30 s an acquire holds and the renewal interval.
 AT_ONCE_S = 5.0

@@ -16,6 +16,7 @@ import pytest
 from tidepool.gateway import pki
 from tidepool.settings import load
 
+from ..lab import gateway_section, make_lab
 from .conftest import AUTO, MakeNode, Remote, client_context, gateway_settings
 
 
@@ -42,7 +43,7 @@ def dial(url: str, context: ssl.SSLContext, session: ssl.SSLSession | None = Non
 
 async def test_a_client_without_a_certificate_or_with_one_of_another_ca_does_not_get_through(
         make_node: MakeNode, tmp_path: Path) -> None:
-    other = pki.make_lab(tmp_path / "other", workers=["w1"])  # the same name, signed by a CA the gateway does not trust
+    other = make_lab(tmp_path / "other", ["w1"])  # the same name, signed by a CA the gateway does not trust
     async with make_node(gateway=AUTO) as node:
         await node.submit()
         foreign = client_context(other, "w1")
@@ -70,9 +71,9 @@ async def test_a_reload_serves_new_certificates_and_keeps_the_open_connections(
         await node.submit()
         old = node.remote("w1")
         lease = await old.leased()
-        new_lab = pki.make_lab(tmp_path / "new", workers=["w1"])
-        write({**base, "gateway": {**settings.gateway.model_dump(mode="json"), "cert_file": str(new_lab.gateway.cert),
-                                   "key_file": str(new_lab.gateway.key), "client_ca_file": str(new_lab.ca_file)}})
+        new_lab = make_lab(tmp_path / "new", ["w1"])
+        write({**base, "gateway": {**settings.gateway.model_dump(mode="json"),
+                                   **gateway_section(new_lab, listen=settings.gateway.listen)}})
         await node.daemon.reload()
         # the connection open before the reload carries on
         renewed = await old.post("/w1/renew", {"leases": [{"attempt_id": lease["attempt_id"],
@@ -102,7 +103,7 @@ async def test_a_session_of_a_ca_a_reload_removed_is_not_resumed(
             for name in ("node", "store", "api", "pool", "guards")}
     write_config(config, {**base, "gateway": settings.gateway.model_dump(mode="json")})
     async with make_node(load(config), config_path=config) as node:
-        new_lab = pki.make_lab(tmp_path / "new", workers=["w1"])
+        new_lab = make_lab(tmp_path / "new", ["w1"])
         stale = client_context(node.lab, "w1")
         stale.load_verify_locations(cafile=str(new_lab.ca_file))  # it trusts the gateway before and after
         status, session = await anyio.to_thread.run_sync(dial, node.w1, stale)

@@ -3,7 +3,8 @@
 Optional parts come in as keyword arguments: a ready Registry (e.g. from Registry.from_settings),
 a ResourcePool (its free slots then shape the claim filter, as in the daemon) and Guards (asked
 before every claim, run in the node's task group, waking the pool when they clear). `registry_of`
-builds a Registry from plugin specs the way the daemon builds its own from the config.
+builds a Registry from plugin specs the way the daemon builds its own from the config. A scan is
+`started` on a node and waited for with `scan_ended`; `find` is a first step that learns open ports.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import anyio
 import pytest
 
 from tidepool.events import Event, EventBus
+from tidepool.execution.context import TaskContext
 from tidepool.execution.engine import Engine, EngineConfig
 from tidepool.execution.guards import Guards
 from tidepool.execution.leases import LeaseKeeper
@@ -28,6 +30,7 @@ from tidepool.execution.waker import Waker
 from tidepool.lifecycle import RetryPolicy
 from tidepool.model import ClaimFilter, NewTask, State, Task
 from tidepool.plugins import Plugin, PluginDef, Registry
+from tidepool.scans import NewScan, Scan
 from tidepool.settings import PluginSpec, PluginsSettings, TypeSettings
 from tidepool.store import Store
 from tidepool.store.sqlite import SqliteStore
@@ -146,3 +149,26 @@ async def store(sqlite_store: SqliteStore) -> AsyncIterator[SqliteStore]:
 
 def done_states(*states: State) -> set[str]:
     return {s.value for s in states}
+
+
+# scans on the node
+
+
+async def scan_ended(node: Node, scan_id: str, *, timeout_s: float = 10.0) -> Scan:
+    with anyio.fail_after(timeout_s):
+        while not (scan := await node.store.get_scan(scan_id)).state.ended:
+            await anyio.sleep(0.01)
+    return scan
+
+
+async def started(node: Node, new: NewScan) -> str:
+    node.store.on_scan_moves(lambda moves: node.pool.wake(len(moves)))  # as the daemon wires it
+    scan, _ = await node.store.add_scan(new, now=time.time())
+    node.pool.wake(1)
+    return scan.id
+
+
+async def find(ctx: TaskContext) -> None:
+    """A scan's first step: learns its target's open ports (all it was given but 22) for the steps after it."""
+    ctx.scope["open_ports"] = [p for p in ctx.payload["ports"] if p != 22]
+    ctx.scope["host"] = ctx.payload["target"]

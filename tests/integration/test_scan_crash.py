@@ -16,8 +16,7 @@ from tidepool.execution.context import TaskContext
 from tidepool.scans import JobState, ScanState
 from tidepool.store.sqlite import SqliteStore
 
-from .conftest import running_node
-from .test_scans import find, scan_ended
+from .conftest import find, running_node, scan_ended
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,8 +26,7 @@ DOOMED = textwrap.dedent("""
     from pathlib import Path
     import anyio
     from tidepool.scans import NewScan, StepSpec
-    from tests.integration.conftest import running_node
-    from tests.integration.test_scans import find, started
+    from tests.integration.conftest import find, running_node, started
 
     db, marker = Path(sys.argv[1]), Path(sys.argv[2])
 

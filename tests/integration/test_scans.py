@@ -7,33 +7,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import anyio
-
 from tidepool.errors import PluginError
 from tidepool.execution.context import TaskContext
-from tidepool.scans import NewScan, Scan, ScanState, StepSpec
+from tidepool.scans import NewScan, ScanState, StepSpec
 from tidepool.store.sqlite import SqliteStore
 
-from .conftest import Node, running_node
-
-
-async def scan_ended(node: Node, scan_id: str, *, timeout_s: float = 10.0) -> Scan:
-    with anyio.fail_after(timeout_s):
-        while not (scan := await node.store.get_scan(scan_id)).state.ended:
-            await anyio.sleep(0.01)
-    return scan
-
-
-async def started(node: Node, new: NewScan) -> str:
-    node.store.on_scan_moves(lambda moves: node.pool.wake(len(moves)))  # as the daemon wires it
-    scan, _ = await node.store.add_scan(new, now=time.time())
-    node.pool.wake(1)
-    return scan.id
-
-
-async def find(ctx: TaskContext) -> None:
-    ctx.scope["open_ports"] = [p for p in ctx.payload["ports"] if p != 22]
-    ctx.scope["host"] = ctx.payload["target"]
+from .conftest import find, running_node, scan_ended, started
 
 
 async def test_a_second_steps_plugin_reads_what_the_first_steps_plugin_put_in_its_scope(

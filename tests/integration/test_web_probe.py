@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.lab import make_lab
 from tests.web_servers import LOOPBACK, serving, tls_context
-from tidepool.gateway import pki
 from tidepool.model import State
 from tidepool.settings import TypeSettings
 from tidepool.store.sqlite import SqliteStore
@@ -25,7 +25,7 @@ TYPES = {"scan": TypeSettings(plugins=("tcp_connect", "http_probe")), "web": Typ
 @pytest.fixture
 async def ports(tmp_path: Path) -> AsyncIterator[tuple[int, int, int]]:
     """(plain HTTP, TLS, closed)."""
-    lab = pki.make_lab(tmp_path / "lab", [])
+    lab = make_lab(tmp_path)
     with socket.socket() as sock:
         sock.bind((LOOPBACK, 0))
         shut = int(sock.getsockname()[1])

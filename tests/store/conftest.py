@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tidepool.lifecycle import RetryPolicy
-from tidepool.model import AttemptStatus, ClaimFilter, Outcome
+from tidepool.model import AttemptStatus, CertSeen, ClaimFilter, Outcome
 from tidepool.store import Store
 from tidepool.store.memory import MemoryStore
 from tidepool.store.sqlite import SqliteStore
@@ -19,6 +19,10 @@ LEASE_S = 30.0
 POLICY = RetryPolicy(base_s=2.0, max_s=300.0, jitter=0.1, max_interruptions=2)
 ANY = ClaimFilter()
 SUCCEEDED = Outcome(AttemptStatus.SUCCEEDED)
+# A remote worker's identity and two certificates of it, the second the later.
+SCANNER = "scanner-1.example"
+CERT_1 = CertSeen("a1" * 32, T0 + 86400 * 365)
+CERT_2 = CertSeen("b2" * 32, T0 + 86400 * 730)
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgres"])

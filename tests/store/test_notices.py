@@ -13,8 +13,7 @@ from tidepool.model import ClaimFilter, NewTask, Worker, WorkerChange, WorkerSta
 from tidepool.store.notices import Notice, NoticeKind, NoticeSource
 from tidepool.store.postgres import PostgresStore
 
-from .conftest import LEASE_S, T0
-from .test_registry import CERT_1, SCANNER
+from .conftest import CERT_1, LEASE_S, SCANNER, T0
 
 
 class Heard:

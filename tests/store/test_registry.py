@@ -30,11 +30,8 @@ from tidepool.store import Acquired, Enroll, Node, PhaseNote, Revoked, Store
 from tidepool.store.sqlite.database import MIGRATIONS
 from tidepool.upkeep.fleet import GoneNodes
 
-from .conftest import ANY, LEASE_S, POLICY, SUCCEEDED, T0
+from .conftest import ANY, CERT_1, CERT_2, LEASE_S, POLICY, SCANNER, SUCCEEDED, T0
 
-CERT_1 = CertSeen("a1" * 32, T0 + 86400 * 365)
-CERT_2 = CertSeen("b2" * 32, T0 + 86400 * 730)
-SCANNER = "scanner-1.example"
 EVERY_TYPE = ClaimFilter(("noop", "scan.tcp", "scan.udp", "report"))
 
 

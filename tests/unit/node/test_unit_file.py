@@ -19,7 +19,7 @@ from tidepool import settings
 from tidepool.cli import EXIT_GRACE_S
 from tidepool.node.daemon import OUTCOME_FLUSH_S
 
-SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
+SYSTEMD_DIR = Path(__file__).resolve().parents[3] / "systemd"
 UNIT_TEXT = (SYSTEMD_DIR / "tidepool.service").read_text()
 DROP_IN_TEXT = (SYSTEMD_DIR / "cap-net-raw.conf").read_text()
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.lab import make_lab
 from tidepool import settings
 from tidepool.errors import ConfigError
 from tidepool.gateway import pki
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.timeout(30)
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> pki.Lab:
-    return pki.make_lab(tmp_path_factory.mktemp("pki"), workers=["scan-a"])
+    return make_lab(tmp_path_factory.mktemp("lab"), ["scan-a"])
 
 
 def files(lab: pki.Lab, **over: str) -> dict[str, str]:

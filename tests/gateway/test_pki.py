@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
-from tests.handshake import client_context, handshake, server_context
 
+from tests.handshake import client_context, handshake, server_context
 from tidepool.gateway import pki
 
 

@@ -21,8 +21,8 @@ import anyio
 import psutil  # type: ignore[import-untyped]
 import pytest
 import uvloop
-from tests.process_trees import RECORD, gone, pids
 
+from tests.process_trees import RECORD, gone, pids
 from tidepool.errors import InvalidArgument, LimitExceeded, PluginError
 from tidepool.plugins.command import (
     CommandLimits,

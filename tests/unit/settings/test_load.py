@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from tidepool import settings
 from tidepool.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def write(tmp_path: Path, text: str) -> Path:

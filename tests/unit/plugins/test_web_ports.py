@@ -9,8 +9,9 @@ import anyio
 import anyio.lowlevel
 import pytest
 from aiohttp import web
-from tests.web_servers import LOOPBACK, serving, tls_context
 
+from tests.lab import make_lab
+from tests.web_servers import LOOPBACK, serving, tls_context
 from tidepool.errors import InvalidArgument
 from tidepool.gateway import pki
 from tidepool.plugins.netprobe import probe_web_ports
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.timeout(30)
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> pki.Lab:
-    return pki.make_lab(tmp_path_factory.mktemp("lab"), [])
+    return make_lab(tmp_path_factory.mktemp("lab"))
 
 
 @pytest.fixture
