@@ -6,9 +6,10 @@ id + lease token + live state + unexpired lease) in its WHERE clause, and the re
 rows another node holds, so no task is claimed, expired, promoted or cancelled twice. Times are the
 caller's `now` (epoch seconds), never the server's clock, so every adapter keeps one contract.
 
-Each verb is the module of its noun's (tasks, leases, schedules, upkeep, scans, workers); database.py
-is the server and its plumbing: the pool, every call's deadline, each node's dedicated session (its node
-lock and LISTEN, for the NOTIFY that every write making tasks claimable sends), group commit, migrations.
+Each verb is a short call into the module of its noun (tasks, leases, schedules, upkeep, scans,
+workers); database.py is the server and its plumbing: the pool, every call's deadline, each node's
+dedicated session (its node lock, and LISTEN for the NOTIFY that every write making tasks claimable
+sends), group commit and the migrations.
 
 Driver: asyncpg, chosen by bench/pg_driver.py: with the WAL flush taken out of the figures, it did
 1.15-1.8x the claims and 1.5-2.7x the single-row round trips of psycopg 3 (async) on this machine.

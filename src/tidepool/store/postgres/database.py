@@ -1,8 +1,8 @@
 """The database: the PostgreSQL server of a store, and the plumbing every call to it goes through.
 
 Here are the pool and the deadline of every call, driver errors in words, the node's dedicated session
-(its node lock and LISTEN), group commit, and the schema's migrations. It is one piece because each part
-is a way of reaching the server that the modules of every noun use alike, and none of them knows a noun.
+(its node lock and LISTEN), group commit, and the schema's migrations. It is one piece because every part
+is how this adapter reaches the server, used alike by the module of each noun; none holds a noun's verbs.
 
 A server that stops answering (a firewall dropping packets, a dead switch) looks to the driver like a
 slow one: nothing fails, nothing comes back. So every store call runs under a client-side deadline,

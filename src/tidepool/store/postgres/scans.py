@@ -107,11 +107,12 @@ async def advance_scans(db: Database, *, now: float, told: Told) -> list[ScanMov
             return moved
 
 
-# inside the verbs' transactions (and a schedule's firing, for insert)
+# inside the verbs' transactions
 
 
 async def insert(conn: Conn, new: NewScan, now: float, max_queued: int | None) -> tuple[Scan, bool]:
-    """The scan and its first job's task; (existing, False) for a key used with the same body."""
+    """add_scan inside the caller's transaction (a schedule's firing's too): the scan and its first job's task;
+    (existing, False) for a key used with the same body."""
     if new.idempotency_key and (existing := await _keyed(conn, new)) is not None:
         return existing, False
     if max_queued is not None:
