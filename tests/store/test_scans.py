@@ -136,7 +136,7 @@ async def test_two_submits_of_one_key_at_once_on_two_nodes_are_one_scan_or_a_con
 
             first = NewScan("web", WEB.steps, payload={"target": "a"}, idempotency_key=key)
             async with anyio.create_task_group() as tg, store._db.conn() as conn, conn.transaction():  # type: ignore[attr-defined]
-                scan, created = await pg_scans.add_scan(conn, first, T0, None)
+                scan, created = await pg_scans.insert(conn, first, T0, None)
                 tg.start_soon(submit, NewScan("web", WEB.steps, payload=payload, idempotency_key=key))
                 await wait_for_a_lock_wait(store)  # the other node's insert of the key waits for this one
             if expected is None:
@@ -473,6 +473,7 @@ async def test_a_cancel_that_meets_its_scans_step_ending_under_it_cancels_the_ne
     """The cancel reads the live task before it locks it: a step that ends meanwhile leaves the next step's task
     live, and the cancel takes that one instead, in the same call."""
     from tidepool.store.postgres import scans as pg_scans
+    from tidepool.store.postgres import tasks as pg_tasks
 
     scan, _ = await store.add_scan(WEB, now=T0)
     step = await claim_step(store, scan, 0)
@@ -482,7 +483,7 @@ async def test_a_cancel_that_meets_its_scans_step_ending_under_it_cancels_the_ne
         answers.append(await store.cancel_scan(scan.id, now=T0 + 2))
 
     async with anyio.create_task_group() as tg, store._db.conn() as ending, ending.transaction():  # type: ignore[attr-defined]
-        await pg_scans.locked_task(ending, step.task.id)  # the step's end holds its task, as finish does
+        await pg_tasks.locked_task(ending, step.task.id)  # the step's end holds its task, as finish does
         tg.start_soon(cancel)
         await wait_for_a_lock_wait(store)  # the cancel read the step's task as live and waits for it
         await ending.execute("UPDATE tasks SET state = 'completed', finished_at = $2, lease_token = NULL "

@@ -1,27 +1,31 @@
-"""The PostgreSQL store's scans: their verbs, and their moves inside the transactions that end their steps' tasks.
+"""The scans: their verbs, and a scan's moves inside the transactions that end its steps' tasks.
 
 Every transaction that moves a scan holds its row (FOR UPDATE), taken after the row of the task it moves
 with, so a step's end, a cancel and the reconciler of several nodes queue behind each other. A step's next
-task is inserted and notified in the transaction that ended the step before it.
+task is inserted and notified in the transaction that ended the step before it. finish_cancels and
+fail_unserviceable leave their steps' scans to advance_scans, which the reconciler runs right after them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ...errors import Conflict, InvalidRequest, ScanNotFound, StoreUnavailable, TaskNotFound
+from ...errors import Conflict, InvalidRequest, ScanNotFound, StoreUnavailable
 from ...model import AttemptStatus, Outcome, State, canonical_json, new_id
 from ...scans import JobState, NewScan, Scan, ScanState, ScopeRefused, job_state_of, merge_scope, retry_from
-from ..port import CancelAnswer, ScanCancel, ScanMove, ScanPage
+from .. import sql
+from ..port import ScanCancel, ScanMove, ScanPage
 from ..rows import Stored, Writes, job_values, loads, scan_of, scan_values, writes
-from . import queue
-from .connection import Conn
-from .statements import SQL
+from . import tasks
+from .database import Conn, Database
 
+SQL = sql.queries(__package__, "scans.sql")
 Moves = list[ScanMove]
 LOCK_TRIES = 5  # a cancel's tries at locking the live task of a scan that keeps moving on
+ONE_SNAPSHOT: dict[str, Any] = {"isolation": "repeatable_read", "readonly": True}  # scans and jobs as of one time
+SWEEP = 500  # scans moved on per reconciler transaction: bounded locks per step
 
 
 class Told:
@@ -33,6 +37,217 @@ class Told:
     def __call__(self, moves: Moves) -> None:
         if moves and self.listener is not None:
             self.listener(list(moves))
+
+
+# the verbs, each a transaction of its own
+
+
+async def add_scan(db: Database, new: NewScan, *, now: float, max_queued: int | None) -> tuple[Scan, bool]:
+    async with db.conn() as conn, conn.transaction():
+        return await insert(conn, new, now, max_queued)
+
+
+async def get_scan(db: Database, scan_id: str) -> Scan:
+    async with db.conn() as conn, conn.transaction(**ONE_SNAPSHOT):
+        return await _read(conn, scan_id)
+
+
+async def list_scans(db: Database, *, state: ScanState | None, profile: str | None, limit: int,
+                     cursor: str | None) -> ScanPage:
+    where, args = ["true"], []
+    if state is ScanState.PENDING:
+        where.append(f"s.state = 'running' AND {SQL['first_job_queued']}")
+    elif state is ScanState.RUNNING:
+        where.append(f"s.state = 'running' AND NOT {SQL['first_job_queued']}")
+    elif state is not None:
+        args.append(state.value)
+        where.append(f"s.state = ${len(args)}")
+    for condition, value in (("s.profile = ", profile), ("s.id < ", cursor)):
+        if value is not None:
+            args.append(value)
+            where.append(f"{condition}${len(args)}")
+    statement = SQL["list_scans"].format(where=" AND ".join(where), limit=f"${len(args) + 1}")
+    async with db.conn() as conn, conn.transaction(**ONE_SNAPSHOT):
+        rows = await conn.fetch(statement, *args, limit + 1)
+        jobs: dict[str, list[Any]] = {}
+        for job in await conn.fetch(SQL["jobs"], [r[0] for r in rows[:limit]]):
+            jobs.setdefault(job[0], []).append(job)
+    scans = [scan_of(r, jobs.get(r[0], [])) for r in rows[:limit]]
+    return ScanPage(scans, scans[-1].id if len(rows) > limit else None)
+
+
+async def cancel_scan(db: Database, scan_id: str, *, now: float, cancel: tasks.Cancel, told: Told) -> ScanCancel:
+    moves: Moves = []
+    async with db.conn() as conn, conn.transaction():
+        answer = await _cancel(conn, scan_id, now, moves, cancel)
+    told(moves)
+    return answer
+
+
+async def retry_job(db: Database, scan_id: str, index: int, *, now: float, max_queued: int | None) -> Scan:
+    async with db.conn() as conn, conn.transaction():
+        if max_queued is not None:
+            await tasks.check_queue_room(conn, 1, max_queued)
+        return await _retry_job(conn, scan_id, index, now)
+
+
+async def advance_scans(db: Database, *, now: float, told: Told) -> list[ScanMove]:
+    moved: list[ScanMove] = []
+    while True:
+        moves: Moves = []
+        async with db.conn(rows=SWEEP) as conn, conn.transaction():
+            found = [r[0] for r in await conn.fetch(SQL["stalled_scans"], SWEEP)]
+            for scan_id in found:
+                scan = await stored(conn, scan_id)
+                if scan is not None:
+                    await advance(conn, moves, scan, now)
+        told(moves)
+        moved.extend(moves)
+        if len(found) < SWEEP:
+            return moved
+
+
+# inside the verbs' transactions
+
+
+async def insert(conn: Conn, new: NewScan, now: float, max_queued: int | None) -> tuple[Scan, bool]:
+    """add_scan inside the caller's transaction (a schedule's firing's too): the scan and its first job's task;
+    (existing, False) for a key used with the same body."""
+    if new.idempotency_key and (existing := await _keyed(conn, new)) is not None:
+        return existing, False
+    if max_queued is not None:
+        await tasks.check_queue_room(conn, 1, max_queued)
+    scan_id = new_id(now)
+    if await conn.fetchval(SQL["insert_scan"], *scan_values(scan_id, new, now)) is None:
+        # a submit of the same key beside this one committed first (the insert waited for it): it is seen now
+        if (existing := await _keyed(conn, new)) is None:  # and was pruned in between: rare enough to report
+            raise StoreUnavailable(f"idempotency_key {new.idempotency_key!r} changed hands during the submit; retry")
+        return existing, False
+    await conn.execute(SQL["insert_jobs"], scan_id, [j[2] for j in job_values(scan_id, new)])
+    await _start(conn, scan_id, now)
+    return await _read(conn, scan_id), True
+
+
+async def _keyed(conn: Conn, new: NewScan) -> Scan | None:
+    """The scan that holds new's idempotency key; Conflict when it was submitted with another body."""
+    found = await conn.fetchrow(SQL["scan_by_key"], new.idempotency_key)
+    if found is None:
+        return None
+    if found[1] != new.fingerprint():
+        raise Conflict(f"idempotency_key {new.idempotency_key!r} was used with another scan body")
+    return await _read(conn, found[0])
+
+
+async def _retry_job(conn: Conn, scan_id: str, index: int, now: float) -> Scan:
+    scan = await _stored(conn, scan_id)
+    try:
+        states = retry_from(scan_of(scan.row, scan.jobs), index)
+    except IndexError:
+        raise InvalidRequest("index", f"scan {scan_id} has jobs 0 to {len(scan.jobs) - 1}") from None
+    except ValueError as exc:
+        raise Conflict(str(exc)) from None
+    for i, state in enumerate(states):
+        await conn.execute(SQL["set_job"], JobState.WAITING.value if i >= index else state.value, scan_id, i)
+    await conn.execute(SQL["retry_scan"], scan.jobs[index][6], now, scan_id)
+    await _start(conn, scan_id, now)
+    return await _read(conn, scan_id)
+
+
+async def _start(conn: Conn, scan_id: str, now: float) -> None:
+    """Start the first waiting job of a running scan none of whose jobs is started; the caller answers with
+    the scan, so its move is not told."""
+    scan = await _stored(conn, scan_id)
+    await apply(conn, [], scan, writes(scan, now=now), now)
+
+
+async def _cancel(conn: Conn, scan_id: str, now: float, moves: Moves, cancel: tasks.Cancel) -> ScanCancel:
+    """cancel_scan's transaction. The started job's task is locked before the scan's row, as its end does."""
+    task_id, task, scan = await _lock_live(conn, scan_id)
+    state = ScanState(scan.row[2])
+    if state is ScanState.CANCELLED or (state is ScanState.RUNNING and scan.row[12] is not None):
+        return ScanCancel(state, False)
+    if state.ended:
+        raise Conflict(f"scan {scan_id} is {state.value}; only a running scan can be cancelled")
+    await conn.execute(SQL["cancel_scan"], now, scan_id)
+    answer = None
+    if task_id is not None and task is not None and not State(task[0]).terminal:
+        answer = await cancel(conn, task, task_id, now, moves)  # a queued task ends now, the scan with it
+    scan = await _stored(conn, scan_id)
+    if scan.running:
+        if answer is None or answer.state.terminal:  # no live task: nothing to wait for
+            await advance(conn, moves, scan, now)
+        else:  # its task is stopping: the scan ends when it has, and nothing waits behind it any more
+            for i, job in enumerate(scan.jobs):
+                if job[3] == JobState.WAITING:
+                    await conn.execute(SQL["set_job"], JobState.SKIPPED.value, scan.id, i)
+    return ScanCancel(ScanState((await conn.fetchrow(SQL["scan"], scan_id))[2]), True, task_id, answer)
+
+
+class _MovedOn(Exception):
+    """The scan's live task changed between reading it and locking it."""
+
+
+async def _lock_live(conn: Conn, scan_id: str) -> tuple[str | None, Any, Stored]:
+    """The scan's live task (id and locked row, None when it has none) and the scan, both locked in that order.
+    The live task is read before it is locked, so a step that ends (or a reconciler that starts the next job)
+    in between leaves another one live: the locks are given back (a savepoint rolled back) and taken again on
+    the new one, never the task's after the scan's, which would deadlock with a step's end."""
+    for _ in range(LOCK_TRIES - 1):
+        try:
+            async with conn.transaction():
+                found = await _locked_live(conn, scan_id)
+                if _live_task(found[2]) != found[0]:
+                    raise _MovedOn
+                return found
+        except _MovedOn:
+            continue
+    found = await _locked_live(conn, scan_id)
+    if _live_task(found[2]) != found[0]:  # a scan moving on this fast is not an ordinary race any more
+        raise StoreUnavailable(f"scan {scan_id} moved on {LOCK_TRIES} times while it was being cancelled; "
+                               "cancel it again")
+    return found
+
+
+async def _locked_live(conn: Conn, scan_id: str) -> tuple[str | None, Any, Stored]:
+    unlocked = await stored(conn, scan_id, lock=False)
+    if unlocked is None:
+        raise ScanNotFound(scan_id)
+    task_id = _live_task(unlocked)
+    task = None if task_id is None else await tasks.locked_task(conn, task_id)
+    return task_id, task, await _stored(conn, scan_id)
+
+
+def _live_task(scan: Stored) -> str | None:
+    index = scan.started()
+    return None if index is None else str(scan.jobs[index][4])
+
+
+async def _read(conn: Conn, scan_id: str) -> Scan:
+    scan = await stored(conn, scan_id, lock=False)
+    if scan is None:
+        raise ScanNotFound(scan_id)
+    return scan_of(scan.row, scan.jobs)
+
+
+async def _stored(conn: Conn, scan_id: str) -> Stored:
+    scan = await stored(conn, scan_id)
+    if scan is None:
+        raise ScanNotFound(scan_id)
+    return scan
+
+
+async def key_used(conn: Conn, key: str) -> bool:
+    """Whether a scan holds this idempotency key (a scan's keys are its own, not its tasks')."""
+    return await conn.fetchrow(SQL["scan_by_key"], key) is not None
+
+
+async def running(conn: Conn, scan_id: str) -> bool:
+    """Whether the scan is there and has not ended."""
+    row = await conn.fetchrow(SQL["scan"], scan_id)
+    return row is not None and not ScanState(row[2]).ended
+
+
+# a scan's moves, inside the transactions that end its steps' tasks
 
 
 async def checked(conn: Conn, scan_id: str, outcome: Outcome) -> Outcome:
@@ -92,170 +307,3 @@ async def apply(conn: Conn, moves: Moves, scan: Stored, w: Writes, now: float) -
     await conn.execute(SQL["move_scan"], w.state.value, w.scope, now, w.finished_at, scan.id)
     if move is not None:
         moves.append(move)
-
-
-# the verbs, each in the caller's transaction
-
-
-async def add_scan(conn: Conn, new: NewScan, now: float, max_queued: int | None) -> tuple[Scan, bool]:
-    """The scan and its first job's task; (existing, False) for a key used with the same body."""
-    if new.idempotency_key and (existing := await _keyed(conn, new)) is not None:
-        return existing, False
-    if max_queued is not None:
-        await queue.check_queue_room(conn, 1, max_queued)
-    scan_id = new_id(now)
-    if await conn.fetchval(SQL["insert_scan"], *scan_values(scan_id, new, now)) is None:
-        # a submit of the same key beside this one committed first (the insert waited for it): it is seen now
-        if (existing := await _keyed(conn, new)) is None:  # and was pruned in between: rare enough to report
-            raise StoreUnavailable(f"idempotency_key {new.idempotency_key!r} changed hands during the submit; retry")
-        return existing, False
-    await conn.execute(SQL["insert_jobs"], scan_id, [j[2] for j in job_values(scan_id, new)])
-    await _start(conn, scan_id, now)
-    return await read(conn, scan_id), True
-
-
-async def _keyed(conn: Conn, new: NewScan) -> Scan | None:
-    """The scan that holds new's idempotency key; Conflict when it was submitted with another body."""
-    found = await conn.fetchrow(SQL["scan_by_key"], new.idempotency_key)
-    if found is None:
-        return None
-    if found[1] != new.fingerprint():
-        raise Conflict(f"idempotency_key {new.idempotency_key!r} was used with another scan body")
-    return await read(conn, found[0])
-
-
-async def retry_job(conn: Conn, scan_id: str, index: int, now: float) -> Scan:
-    scan = await _stored(conn, scan_id)
-    try:
-        states = retry_from(scan_of(scan.row, scan.jobs), index)
-    except IndexError:
-        raise InvalidRequest("index", f"scan {scan_id} has jobs 0 to {len(scan.jobs) - 1}") from None
-    except ValueError as exc:
-        raise Conflict(str(exc)) from None
-    for i, state in enumerate(states):
-        await conn.execute(SQL["set_job"], JobState.WAITING.value if i >= index else state.value, scan_id, i)
-    await conn.execute(SQL["retry_scan"], scan.jobs[index][6], now, scan_id)
-    await _start(conn, scan_id, now)
-    return await read(conn, scan_id)
-
-
-async def _start(conn: Conn, scan_id: str, now: float) -> None:
-    """Start the first waiting job of a running scan none of whose jobs is started; the caller answers with
-    the scan, so its move is not told."""
-    scan = await _stored(conn, scan_id)
-    await apply(conn, [], scan, writes(scan, now=now), now)
-
-
-async def cancel(conn: Conn, scan_id: str, now: float, moves: Moves, *,
-                 lock_task: Callable[[Conn, str], Awaitable[Any]],
-                 cancel_task: Callable[[Conn, Any, str, float, Moves], Awaitable[CancelAnswer]]) -> ScanCancel:
-    """cancel_scan's transaction. The started job's task is locked before the scan's row, as its end does."""
-    task_id, task, scan = await _lock_live(conn, scan_id, lock_task)
-    state = ScanState(scan.row[2])
-    if state is ScanState.CANCELLED or (state is ScanState.RUNNING and scan.row[12] is not None):
-        return ScanCancel(state, False)
-    if state.ended:
-        raise Conflict(f"scan {scan_id} is {state.value}; only a running scan can be cancelled")
-    await conn.execute(SQL["cancel_scan"], now, scan_id)
-    answer = None
-    if task_id is not None and task is not None and not State(task[0]).terminal:
-        answer = await cancel_task(conn, task, task_id, now, moves)  # a queued task ends now, the scan with it
-    scan = await _stored(conn, scan_id)
-    if scan.running:
-        if answer is None or answer.state.terminal:  # no live task: nothing to wait for
-            await advance(conn, moves, scan, now)
-        else:  # its task is stopping: the scan ends when it has, and nothing waits behind it any more
-            for i, job in enumerate(scan.jobs):
-                if job[3] == JobState.WAITING:
-                    await conn.execute(SQL["set_job"], JobState.SKIPPED.value, scan.id, i)
-    return ScanCancel(ScanState((await conn.fetchrow(SQL["scan"], scan_id))[2]), True, task_id, answer)
-
-
-class _MovedOn(Exception):
-    """The scan's live task changed between reading it and locking it."""
-
-
-async def _lock_live(conn: Conn, scan_id: str,
-                     lock_task: Callable[[Conn, str], Awaitable[Any]]) -> tuple[str | None, Any, Stored]:
-    """The scan's live task (id and locked row, None when it has none) and the scan, both locked in that order.
-    The live task is read before it is locked, so a step that ends (or a reconciler that starts the next job)
-    in between leaves another one live: the locks are given back (a savepoint rolled back) and taken again on
-    the new one, never the task's after the scan's, which would deadlock with a step's end."""
-    for _ in range(LOCK_TRIES - 1):
-        try:
-            async with conn.transaction():
-                found = await _locked_live(conn, scan_id, lock_task)
-                if _live_task(found[2]) != found[0]:
-                    raise _MovedOn
-                return found
-        except _MovedOn:
-            continue
-    found = await _locked_live(conn, scan_id, lock_task)
-    if _live_task(found[2]) != found[0]:  # a scan moving on this fast is not an ordinary race any more
-        raise StoreUnavailable(f"scan {scan_id} moved on {LOCK_TRIES} times while it was being cancelled; "
-                               "cancel it again")
-    return found
-
-
-async def _locked_live(conn: Conn, scan_id: str,
-                       lock_task: Callable[[Conn, str], Awaitable[Any]]) -> tuple[str | None, Any, Stored]:
-    unlocked = await stored(conn, scan_id, lock=False)
-    if unlocked is None:
-        raise ScanNotFound(scan_id)
-    task_id = _live_task(unlocked)
-    task = None if task_id is None else await lock_task(conn, task_id)
-    return task_id, task, await _stored(conn, scan_id)
-
-
-def _live_task(scan: Stored) -> str | None:
-    index = scan.started()
-    return None if index is None else str(scan.jobs[index][4])
-
-
-async def locked_task(conn: Conn, task_id: str) -> Any:
-    """A task's (state, type, scan_id, scan_index), its row locked until the transaction ends."""
-    row = await conn.fetchrow(SQL["lock_state"], task_id)
-    if row is None:
-        raise TaskNotFound(task_id)
-    return row
-
-
-async def stalled(conn: Conn, limit: int) -> list[str]:
-    return [r[0] for r in await conn.fetch(SQL["stalled_scans"], limit)]
-
-
-async def read(conn: Conn, scan_id: str) -> Scan:
-    scan = await stored(conn, scan_id, lock=False)
-    if scan is None:
-        raise ScanNotFound(scan_id)
-    return scan_of(scan.row, scan.jobs)
-
-
-async def _stored(conn: Conn, scan_id: str) -> Stored:
-    scan = await stored(conn, scan_id)
-    if scan is None:
-        raise ScanNotFound(scan_id)
-    return scan
-
-
-async def list_scans(conn: Conn, *, state: ScanState | None, profile: str | None, limit: int,
-                     cursor: str | None) -> ScanPage:
-    where, args = ["true"], []
-    if state is ScanState.PENDING:
-        where.append(f"s.state = 'running' AND {SQL['first_job_queued']}")
-    elif state is ScanState.RUNNING:
-        where.append(f"s.state = 'running' AND NOT {SQL['first_job_queued']}")
-    elif state is not None:
-        args.append(state.value)
-        where.append(f"s.state = ${len(args)}")
-    for condition, value in (("s.profile = ", profile), ("s.id < ", cursor)):
-        if value is not None:
-            args.append(value)
-            where.append(f"{condition}${len(args)}")
-    sql = SQL["list_scans"].format(where=" AND ".join(where), limit=f"${len(args) + 1}")
-    rows = await conn.fetch(sql, *args, limit + 1)
-    jobs: dict[str, list[Any]] = {}
-    for job in await conn.fetch(SQL["jobs"], [r[0] for r in rows[:limit]]):
-        jobs.setdefault(job[0], []).append(job)
-    scans = [scan_of(r, jobs.get(r[0], [])) for r in rows[:limit]]
-    return ScanPage(scans, scans[-1].id if len(rows) > limit else None)

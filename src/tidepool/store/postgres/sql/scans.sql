@@ -71,13 +71,3 @@ WHERE s.state = 'running' AND NOT EXISTS (
     SELECT 1 FROM scan_jobs j JOIN tasks t ON t.id = j.task_id
     WHERE j.scan_id = s.id AND j.state = 'started' AND t.state NOT IN {terminal})
 LIMIT $1 FOR UPDATE OF s SKIP LOCKED
-
--- name: prune_scans
-WITH old AS (
-    SELECT id FROM scans WHERE finished_at < $1 LIMIT $2 FOR UPDATE SKIP LOCKED
-), j AS (
-    DELETE FROM scan_jobs WHERE scan_id IN (SELECT id FROM old)
-), s AS (
-    DELETE FROM scans WHERE id IN (SELECT id FROM old) RETURNING 1
-)
-SELECT count(*) FROM s

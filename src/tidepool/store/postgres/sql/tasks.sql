@@ -1,4 +1,4 @@
--- The queue's statements: submits, reads, cancels and retries. Each runs with search_path set to
+-- The tasks' statements: submits, reads, cancels and retries. Each runs with search_path set to
 -- the store's schema; the NOTIFY channel is the connection setting tidepool.channel, so no schema
 -- object is needed to notify and the statements are the same for every schema.
 

@@ -1,7 +1,12 @@
--- The worker registry's statements. Every write of a worker's record locks its row first (FOR UPDATE),
--- then the tasks it touches: the gateways sharing a store take turns per worker, an acquire counts the
--- worker's live attempts after the last acquire of it committed, and two writes never lock in opposite
--- orders.
+-- The remote workers' statements: the worker registry, and the notices the gateways sharing the store send
+-- each other.
+--
+-- Every write of a worker's record locks its row first (FOR UPDATE), then the tasks it touches: the gateways
+-- sharing a store take turns per worker, an acquire counts the worker's live attempts after the last acquire
+-- of it committed, and two writes never lock in opposite orders.
+--
+-- The notices go on the schema's NOTIFY channel beside the wake-ups; each is delivered at its transaction's
+-- commit, in the order sent.
 
 -- name: worker
 SELECT {worker_columns},
@@ -53,3 +58,11 @@ WHERE t.state IN ('pending', 'retry_wait') AND t.available_at <= $1 AND t.attemp
       SELECT 1 FROM jsonb_array_elements($3::jsonb) AS ts(tags)
       WHERE t.required_tags <@ ARRAY(SELECT jsonb_array_elements_text(ts.tags))))
 LIMIT 1
+
+-- name: notify_all
+SELECT pg_notify(current_setting('tidepool.channel'), p) FROM unnest($1::text[]) AS p
+
+-- name: notify_remote_cancel
+-- A cancel of a task a remote worker ($3: the instance of its attempts) holds: "$2 cancel attempt worker".
+SELECT pg_notify(current_setting('tidepool.channel'), $2 || ' cancel ' || lease_attempt_id || ' ' || node_id)
+FROM tasks WHERE id = $1 AND lease_instance = $3 AND lease_attempt_id IS NOT NULL AND node_id IS NOT NULL

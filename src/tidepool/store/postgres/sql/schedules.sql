@@ -1,27 +1,5 @@
--- The fleet's statements: the server's own state, the node registry, the node lock, and schedules.
-
--- name: takes_writes
--- A standby in recovery (a failover that left a node's URL on it), or a database set read-only, answers
--- every read and refuses every write.
-SELECT pg_is_in_recovery(), current_setting('transaction_read_only')
-
--- name: node_lock
--- A session advisory lock: the process that holds it runs this node id.
-SELECT pg_try_advisory_lock(hashtextextended($1, 0))
-
--- name: save_node
-INSERT INTO nodes ({node_columns})
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
-ON CONFLICT (node_id) DO UPDATE SET instance_id = $2, hostname = $3, pid = $4, version = $5, started_at = $6,
-    heartbeat_at = $7, heartbeat_s = $8, stopped_at = $9, task_types = $10, tags = $11, max_workers = $12
-
--- name: list_nodes
-SELECT {node_columns}
-FROM nodes ORDER BY node_id
-
--- name: node
-SELECT {node_columns}
-FROM nodes WHERE node_id = $1
+-- The schedules' statements: saved, listed and paused, and each due one fired in a transaction of its
+-- own that holds its row.
 
 -- name: save_schedule
 INSERT INTO schedules ({schedule_columns})

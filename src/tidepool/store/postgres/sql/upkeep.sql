@@ -1,6 +1,9 @@
--- The reconciler's passes. Each takes only rows no other node holds (SKIP LOCKED); those that end
--- tasks take at most as many rows per transaction as their last parameter says: bounded locks and
--- WAL per step.
+-- The upkeep's statements: the reconciler's passes, and the fleet's.
+--
+-- The reconciler's passes take only rows no other node holds (SKIP LOCKED); those that end tasks take
+-- at most as many rows per transaction as their last parameter says: bounded locks and WAL per step.
+-- The fleet's are the server's own state, the node lock (held by each node's dedicated session) and the
+-- nodes' rows.
 
 -- name: expiring
 SELECT state, attempt, max_attempts, interruptions, id, lease_attempt_id, lease_token, type, scan_id, scan_index
@@ -63,3 +66,36 @@ SELECT count(*) FROM t
 -- name: prune_nodes
 -- Nodes not heard from since $1 are gone for good.
 DELETE FROM nodes WHERE heartbeat_at < $1
+
+-- name: prune_scans
+WITH old AS (
+    SELECT id FROM scans WHERE finished_at < $1 LIMIT $2 FOR UPDATE SKIP LOCKED
+), j AS (
+    DELETE FROM scan_jobs WHERE scan_id IN (SELECT id FROM old)
+), s AS (
+    DELETE FROM scans WHERE id IN (SELECT id FROM old) RETURNING 1
+)
+SELECT count(*) FROM s
+
+-- name: takes_writes
+-- A standby in recovery (a failover that left a node's URL on it), or a database set read-only, answers
+-- every read and refuses every write.
+SELECT pg_is_in_recovery(), current_setting('transaction_read_only')
+
+-- name: node_lock
+-- A session advisory lock: the process that holds it runs this node id.
+SELECT pg_try_advisory_lock(hashtextextended($1, 0))
+
+-- name: save_node
+INSERT INTO nodes ({node_columns})
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+ON CONFLICT (node_id) DO UPDATE SET instance_id = $2, hostname = $3, pid = $4, version = $5, started_at = $6,
+    heartbeat_at = $7, heartbeat_s = $8, stopped_at = $9, task_types = $10, tags = $11, max_workers = $12
+
+-- name: list_nodes
+SELECT {node_columns}
+FROM nodes ORDER BY node_id
+
+-- name: node
+SELECT {node_columns}
+FROM nodes WHERE node_id = $1
