@@ -32,7 +32,7 @@ NEVER = {
 EXCEPT = {"api": ("store.port",), "http": ("store.port",)}
 ONLY_CLI_IMPORTS = "node"
 TOP_LEVEL_MODULES_AT_MOST = 12
-SAME_FILE_SET = ("store.memory", "store.sqlite", "store.postgres")
+SAME_FILE_SET = ("store.memory", "store.sqlite", "store.postgres", "store.remote")
 SQL_DIALECTS = ("store.sqlite", "store.postgres")
 
 
