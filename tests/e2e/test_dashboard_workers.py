@@ -82,6 +82,24 @@ async def test_a_refused_change_is_said_beside_the_panel(
     await open_with_token(page, daemon)
     row = page.locator('#remote-workers tr[data-id="scanner-b"]')
     await expect(row.locator("button.enable")).to_be_visible(timeout=10_000)
+
+    # Until the page sends its change, its refreshes see the worker as it was: the revoke's event would
+    # otherwise redraw the row (without buttons) under the pointer, and the click would land on nothing.
+    patched = asyncio.Event()
+    page.on("request", lambda request: patched.set() if request.method == "PATCH" else None)
+
+    async def as_before_the_revoke(route: Any) -> None:
+        if patched.is_set():
+            await route.continue_()
+            return
+        answer = await route.fetch()
+        listing = await answer.json()
+        for worker in listing["workers"]:
+            if worker["id"] == "scanner-b":
+                worker["state"] = "pending"
+        await route.fulfill(response=answer, json=listing)
+
+    await page.route("**/v1/workers", as_before_the_revoke)
     assert daemon.post("/v1/workers/scanner-b/revoke").status == 202  # behind the page's back
     await row.locator("button.enable").click()
     await expect(page.locator("#remote-result")).to_have_text(
