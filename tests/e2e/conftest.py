@@ -66,6 +66,9 @@ def cli_in_background(*args: str, cwd: Path) -> Iterator[subprocess.Popen[str]]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""What the node and the fleet look like: `tidepool pool` and `tidepool nodes`."""
+"""The fleet as the command line shows it: `tidepool pool` (this node's workers, queue and guards) and
+`tidepool nodes` (the nodes sharing its store)."""
 
 from __future__ import annotations
 
