@@ -2,7 +2,7 @@
 
 A tick is identified by its unjittered time; the task a tick creates carries the idempotency key
 `schedule:<name>:<tick>`, so even a repeated claim of the same tick cannot create a second task.
-The scheduler loop that fires due ticks lives in scheduler.py; stores fire them transactionally.
+The scheduler loop that fires due ticks is upkeep/scheduler.py; stores fire them transactionally.
 """
 
 from __future__ import annotations

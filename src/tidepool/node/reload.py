@@ -1,4 +1,4 @@
-"""What a SIGHUP finds in the config file read again: the keys that changed, and those that only a restart
+"""The reload's reading of a changed config: the keys a SIGHUP changed, and those that only a restart
 applies (the daemon tells each part its new sections; see Daemon.reload)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""What is different about a remote worker's node: its API refuses the queue's routes (the queue is its
-gateway's), and its lease keeper takes the gateway's terms and its stops. Pool, engine, plugins,
+"""A remote worker's node, where it differs from any node: its API refuses the queue's routes (the queue is
+its gateway's), and its lease keeper takes the gateway's terms and its stops. Pool, engine, plugins,
 resources, guards and lease keeper are the same parts as on any node."""
 
 from __future__ import annotations

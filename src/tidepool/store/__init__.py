@@ -1,8 +1,11 @@
-"""The store: its ports (port.py), what every adapter decides alike (rules.py), their rows (rows.py), and
-open_store(url), which picks the adapter of a store URL.
+"""The store: its ports (port.py), what every adapter decides alike (rules.py), their rows (rows.py), the
+SQL files' loader (sql.py), what a shared store tells its gateways (notices.py), and open_store(url), which
+picks the adapter of a store URL.
 
-Adapters (memory, sqlite, postgres) each own their SQL and schema and pass one contract suite
-(tests/store/test_contract.py).
+The adapters (memory, sqlite, postgres, and remote: a remote worker's gateway) have the same modules, one
+per noun of the port. The three that hold the queue own their SQL and schema and pass one contract suite
+(tests/store/test_contract.py); the remote one serves the worker side and refuses the queue's verbs,
+which are its gateway's.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a store shared by several gateways tells each of them that another process changed: a remote worker's
+"""Notices: what a store shared by several gateways tells each of them that another process changed: a remote worker's
 attempt cancelled, a worker's registry record changed. The gateway whose control stream the worker is on acts
 at once (a cancel frame, its new state, its parked acquires look again) rather than at its next renewal.
 

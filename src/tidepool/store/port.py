@@ -4,8 +4,8 @@ calls, and their small types.
 The verbs are grouped as the adapters' modules are (tasks, leases, schedules, upkeep, scans, workers), so
 one verb is found in the same-named module of every adapter. Every worker write is fenced by attempt id +
 lease token. Execution depends on WorkerPort only, so an adapter that reaches the store from afar (over
-HTTPS, for a remote worker) implements just that side whole; the daemon, its API and its upkeep use
-QueuePort; an adapter of a whole store is both, Store.
+HTTPS, for a remote worker) serves that side whole and refuses the rest; the daemon, its API and its
+upkeep use QueuePort; an adapter of a whole store is both, Store.
 """
 
 from __future__ import annotations

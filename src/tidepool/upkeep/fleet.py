@@ -4,8 +4,9 @@ Every node saves its row every `heartbeat_s` (Heartbeat: saved at start, re-save
 stopped at the end) and counts as alive for three of them. The rows are what `GET /v1/nodes` and
 `tidepool nodes` show: which nodes share the store, what they accept, and whether each is alive. A node
 that cannot reach the store keeps running and says so once per outage; its row goes stale, which is the
-truth other nodes should see. A node not heard
-of for longer than that (and not stopped cleanly) is gone: each surviving node's watch expires the
+truth other nodes should see.
+
+A node not heard of for longer than that (and not stopped cleanly) is gone: each surviving node's watch expires the
 gone node's leases at once, as ended when the node was last heard of, so they run again elsewhere
 without waiting out the lease. The gone node cannot be working on them any more: its own lease
 keeper stops every attempt once its heartbeat has gone unsaved for two heartbeats, on its own
