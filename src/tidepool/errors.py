@@ -16,6 +16,8 @@
     │   ├── Conflict             a write contradicts an earlier one (HTTP 409)
     │   ├── QueueFull            pending + retry_wait is at pool.max_queued (HTTP 429)
     │   ├── RemoteNode           this node is a remote worker: the queue lives on its gateway (HTTP 409)
+    │   ├── ValueRefused         the store cannot keep this value as it is (never retried as an outage)
+    │   ├── QuotaExceeded        an attempt wrote past its quota of results (HTTP 413 result_quota)
     │   └── LeaseLost            the attempt's lease is stale, expired or taken over
     │       └── TaskCancelling   the lease ended because a cancel was committed
     └── PluginError              a plugin failed; `code` says how, `retryable` whether to try again
@@ -134,6 +136,22 @@ class RemoteNode(StoreError):
         super().__init__(f"this node is a remote worker: its tasks and schedules live on its gateway, {gateway_url}; "
                          "ask the gateway")
         self.gateway_url = gateway_url
+
+
+class ValueRefused(StoreError):
+    """The store refused a value (text it cannot encode, a number past its range): writing it again would be
+    refused again, so a caller must never retry it as though the store were away."""
+
+
+class QuotaExceeded(StoreError):
+    """An attempt wrote past its quota; `code` names which (result_quota). Nothing changed and the attempt
+    may still finish."""
+
+    http_status = 413
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class LeaseLost(StoreError):

@@ -123,6 +123,9 @@ class Attempt:
     error: TaskError | None = None
     exit_status: int | None = None
     stderr_tail: str | None = None
+    # When its run phase started: its run timeout + execution.stop_timeout_s + one lease. Past it the store
+    # refuses its writes (reason "deadline") and the reconciler ends it timed_out. None before its run phase.
+    deadline_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,10 +239,12 @@ class WorkerState(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class CertSeen:
-    """A client certificate a worker presented: the lowercase hex SHA-256 of its DER form, and its expiry."""
+    """A client certificate a worker presented: the lowercase hex SHA-256 of its DER form, its expiry, and
+    its issuer (the SHA-256 fingerprint of the CA certificate that signed it)."""
 
     fingerprint: str
     not_after: float
+    issuer: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +264,8 @@ class RemoteWorker:
     last_seen: float = 0.0
     address: str | None = None                           # where its last call came from
     live: int = 0
+    issuer: str | None = None                            # the CA its identity is bound to (its first certificate's)
+    tags: tuple[str, ...] = ("*",)                       # tag globs: the reported slots count only with these
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +280,9 @@ class WorkerChange:
     task_types: tuple[str, ...] | None = None
     organizations: tuple[str, ...] | None = None
     cancel_removed: bool = False
+    tags: tuple[str, ...] | None = None
+    reset_issuer: bool = False  # the next certificate binds the identity to its CA anew
+    cancel_running: bool = False  # with state disabled: the worker's active attempts are cancelled too
 
 
 def canonical_json(value: Any) -> str:

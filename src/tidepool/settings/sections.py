@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -14,6 +15,9 @@ from ..errors import ConfigError
 from ..lifecycle import RetryPolicy
 
 MAX_WORKERS = 10_000  # each worker is a coroutine of this one process: far past what one host runs
+RESULTS_PER_ATTEMPT = 1000           # result batches one attempt may store
+RESULT_BYTES_PER_ATTEMPT = 64 * 2**20  # their payloads' bytes together
+VERSION = re.compile(r"\d+(\.\d+){0,2}")
 
 
 class Section(BaseModel):
@@ -116,6 +120,9 @@ class ExecutionSettings(Section):
     stop_timeout_s: float = Field(30.0, gt=0)
     cancel_deadline_s: float = Field(60.0, gt=0)
     kill_grace_s: float = Field(5.0, ge=0)
+    # What a local attempt may write, as [gateway]'s keys of the same names bound a remote worker's.
+    max_results_per_attempt: int = Field(RESULTS_PER_ATTEMPT, ge=1)
+    max_result_bytes_per_attempt: int = Field(RESULT_BYTES_PER_ATTEMPT, ge=1)
 
 
 class ReconcilerSettings(Section):
@@ -198,6 +205,13 @@ class GatewaySettings(Section):
     enroll: Literal["manual", "auto"] = "manual"
     max_wait_s: float = Field(25.0, gt=0, le=300.0)
     max_concurrent_tasks: int = Field(16, ge=0, le=MAX_WORKERS)
+    # TLS connections the listener holds at once; 0: sized from the process's open-file limit.
+    max_connections: int = Field(0, ge=0)
+    max_connections_per_worker: int = Field(16, ge=1)  # past it, 429 too_many_connections
+    max_control_streams: int = Field(2, ge=1)  # per identity; one more closes the oldest
+    min_worker_version: str = ""  # e.g. "0.3.0": an older worker's calls are 403 worker_outdated
+    max_results_per_attempt: int = Field(RESULTS_PER_ATTEMPT, ge=1)  # past it, 413 result_quota
+    max_result_bytes_per_attempt: int = Field(RESULT_BYTES_PER_ATTEMPT, ge=1)
 
     @field_validator("listen")
     @classmethod
@@ -205,6 +219,13 @@ class GatewaySettings(Section):
         if listen and listen.startswith("unix:"):
             raise ValueError("the gateway serves TLS on TCP: write host:port")
         return check_listen(listen) if listen else listen
+
+    @field_validator("min_worker_version")
+    @classmethod
+    def _version(cls, version: str) -> str:
+        if version and not VERSION.fullmatch(version):
+            raise ValueError(f"{version!r} is not a version: one to three numbers joined by dots, as 0.3.0")
+        return version
 
     @model_validator(mode="after")
     def _files_when_listening(self) -> GatewaySettings:

@@ -51,8 +51,8 @@ from ..schedules import Schedule
 from .port import Node, ScanMove
 
 # The schema both adapters build, step by step: 1 tasks, attempts and results; 2 schedules; 3 nodes; 4 remote
-# workers and the tasks' organizations; 5 scans.
-SCHEMA_VERSION = 5
+# workers and the tasks' organizations; 5 scans; 6 what a gateway that does not trust its workers keeps.
+SCHEMA_VERSION = 6
 
 TASK_COLUMNS = ("id, type, payload, priority, state, phase, progress, attempt, max_attempts, interruptions, "
                 "timeout_s, required_tags, idempotency_key, node_id, error, created_at, updated_at, "
