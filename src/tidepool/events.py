@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeAlias, TypeVar
 
 log = logging.getLogger("tidepool.events")
 RING_SIZE = 10_000
-# Every name published (those the README lists, and task.lease_lost); a test holds it to the publish calls.
+# Every name published (those the events reference lists, and task.lease_lost); a test holds it to the publish calls.
 # A stream's `type` filter that matches none of them is a typo, refused rather than streamed as silence.
 EVENT_NAMES = frozenset({
     "task.created", "task.leased", "task.phase", "plugin.started", "plugin.finished", "task.progress",

@@ -1,5 +1,5 @@
 """Every action from the CLI against a live daemon: schedules, the token file, the address forms, task ids by
-prefix, and what config check says it read. Exit codes as the README states them: 0 done, 2 a refusal of the
+prefix, and what config check says it read. Exit codes as the documentation states them: 0 done, 2 a refusal of the
 request or the token, 3 no daemon answered."""
 
 from __future__ import annotations

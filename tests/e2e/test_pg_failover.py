@@ -1,5 +1,5 @@
 """A node killed mid-task on PostgreSQL, with the default lease, reconciler and retry settings: its task
-runs again on the survivor within the 10 s the README promises, never with two live leases."""
+runs again on the survivor within the 10 s the documentation promises, never with two live leases."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .pg_fleet import Fleet
 
 pytestmark = pytest.mark.e2e
 
-RECOVERY_BOUND_S = 10.0  # the README's fleet section states it
+RECOVERY_BOUND_S = 10.0  # docs/postgresql.md states it
 DEFAULTS: dict[str, dict[str, Any]] = {
     "lease": {"duration_s": 30.0, "renew_every_s": 10.0}, "reconciler": {"interval_s": 5.0},
     "retry": {"backoff_base_s": 2.0, "backoff_max_s": 300.0, "max_attempts": 3},

@@ -1,4 +1,4 @@
-"""What the README promises of a running node, each shown against the real daemon: the `Tidepool-API`
+"""What the documentation promises of a running node, each shown against the real daemon: the `Tidepool-API`
 header on every answer, the store's journal mode, /readyz while draining, the body deadline, the
 connection cap, `submit --wait`'s exit codes, the ./config/tidepool.toml lookup and a read-only file."""
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.e2e
 Cli = Callable[..., subprocess.CompletedProcess[str]]
 OK, TASK_FAILED = 0, 1
 API_HEADER = ("Tidepool-API", "v1")
-BODY_DEADLINE_S = 30.0  # the README's: a request's body must arrive within 30 s
+BODY_DEADLINE_S = 30.0  # the documentation's: a request's body must arrive within 30 s
 MAX_CONNECTIONS = 512
 
 

@@ -59,7 +59,7 @@ async def test_a_schedule_taken_out_of_the_config_is_removed_but_not_one_the_api
 
 async def test_a_reload_of_an_unchanged_file_puts_back_its_schedules_the_api_changed_or_deleted(
         tmp_path: Path) -> None:
-    """README: a schedule the config file defines is saved at every start and SIGHUP. An unchanged file
+    """A schedule the config file defines is saved at every start and SIGHUP. An unchanged file
     used to be skipped, so an API save kept the schedule from the file (config_node null: the file could
     no longer remove it) and an API delete stuck until a restart."""
     path = tmp_path / "tidepool.toml"

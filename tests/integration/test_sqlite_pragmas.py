@@ -1,4 +1,4 @@
-"""The SQLite store's connections run with what the README promises: WAL mode and synchronous=FULL, so
+"""The SQLite store's connections run with what the documentation promises: WAL mode and synchronous=FULL, so
 a task acknowledged is committed and synced before its answer goes out.
 
 synchronous is a setting of each connection, invisible from outside the process: the connections are

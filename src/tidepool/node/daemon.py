@@ -341,7 +341,7 @@ class Daemon:
         self.settings = new
         say_left_out(new)
         # Even when the file did not change: an API save or delete since may have taken a schedule from it,
-        # and a SIGHUP is how an operator puts the file's back (README). Bounded: the signal handler waits
+        # and a SIGHUP is how an operator puts the file's back. Bounded: the signal handler waits
         # for this, and a SIGTERM must not wait behind a store that does not answer.
         await self._sync_schedules(new, timeout_s=RELOAD_SYNC_S)
         self.metrics.reloaded(ok=True)

@@ -1,5 +1,5 @@
 """The shipped systemd unit and its CAP_NET_RAW drop-in: the settings the daemon relies on,
-`systemd-analyze verify` finding no error in them, and the README's install steps agreeing."""
+`systemd-analyze verify` finding no error in them, and the install steps of docs/systemd.md agreeing."""
 
 from __future__ import annotations
 
@@ -204,17 +204,18 @@ def test_verify_catches_a_broken_unit(
     assert any(culprit in line for line in errors), errors
 
 
-# --- the README's "Install as a service" ---------------------------------------------------------
+# --- the install steps of docs/systemd.md ------------------------------------------------------------
 
-README_TEXT = (SYSTEMD_DIR.parent / "README.md").read_text()
+SYSTEMD_PAGE = (SYSTEMD_DIR.parent / "docs" / "systemd.md").read_text()
 
 
 def install_section() -> str:
-    assert "\n## Install as a service\n" in README_TEXT
-    return README_TEXT.split("\n## Install as a service\n", 1)[1].split("\n## ", 1)[0]
+    """From "Install" to "Operating it": the steps, the token, the start and the raw-socket drop-in."""
+    assert "\n## Install\n" in SYSTEMD_PAGE and "\n## Operating it\n" in SYSTEMD_PAGE
+    return SYSTEMD_PAGE.split("\n## Install\n", 1)[1].split("\n## Operating it\n", 1)[0]
 
 
-def test_readme_install_steps_match_the_unit() -> None:
+def test_the_install_steps_match_the_unit() -> None:
     section = install_section()
     service = UNIT["Service"]
     binary, _, args = service["ExecStart"][0].partition(" ")
@@ -229,7 +230,7 @@ def test_readme_install_steps_match_the_unit() -> None:
     assert "systemctl enable --now tidepool\n" in section
 
 
-def test_readme_install_config_is_valid() -> None:
+def test_the_install_config_is_valid() -> None:
     (toml_block,) = re.findall(r"```toml\n(.*?)```", install_section(), flags=re.DOTALL)
     parsed = settings.parse(tomllib.loads(toml_block))
     assert parsed.node.state_dir == Path("/var/lib/tidepool")
