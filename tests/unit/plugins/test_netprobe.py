@@ -503,6 +503,14 @@ async def test_http_probe_connection_refused_is_http_error(closed_port: int) -> 
     assert caught.value.retryable is True
 
 
+async def test_http_probe_tls_to_a_plain_server_says_why_without_a_python_repr(http_base: str) -> None:
+    with pytest.raises(PluginError) as caught:
+        await http_probe(http_base.replace("http://", "https://", 1) + "/")
+    message = str(caught.value)
+    assert "WRONG_VERSION_NUMBER" in message and f"{LOOPBACK}:" in message, message
+    assert " object at 0x" not in message and "ssl:" not in message, message
+
+
 async def test_http_probe_timeout_is_plugin_error_timeout(http_base: str) -> None:
     with pytest.raises(PluginError, match=r"within 0\.2s") as caught:
         await http_probe(f"{http_base}/slow", timeout_s=0.2)

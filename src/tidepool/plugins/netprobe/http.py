@@ -141,7 +141,14 @@ def _http_error(url: URL, exc: aiohttp.ClientError) -> PluginError:
             code="http_error",
             retryable=False,
         )
-    return PluginError(f"http_probe: GET {url} failed: {exc}", code="http_error")
+    return PluginError(f"http_probe: GET {url} failed: {_reason(exc)}", code="http_error")
+
+
+def _reason(exc: aiohttp.ClientError) -> str:
+    """Why a request failed, in words: aiohttp's own text of a failed connect shows its SSL context's repr."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect to {exc.host}:{exc.port}: {exc.os_error}"
+    return str(exc) or type(exc).__name__
 
 
 async def _read_capped(content: aiohttp.StreamReader, cap: int) -> int:
