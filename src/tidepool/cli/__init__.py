@@ -25,7 +25,7 @@ FAILED_WITH = ((ConfigError, USAGE), (StoreUnavailable, UNREACHABLE), (SchemaMis
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(scans.verb_first(sys.argv[1:] if argv is None else argv))
     if args.command is None:
         parser.print_help(sys.stderr)
         return USAGE

@@ -1,4 +1,5 @@
-"""The scan commands: `tidepool scan PROFILE` (and follow it step by step), `tidepool scans`."""
+"""The scan commands: `tidepool scan PROFILE` (and follow it step by step), `tidepool scans`, and a scan's
+own verbs `tidepool scan show|cancel|retry ID`: what it found, and stopping or re-running its steps."""
 
 from __future__ import annotations
 
@@ -13,18 +14,21 @@ from typing import Any
 import anyio
 from rich.console import Console, Group
 from rich.live import Live
-from rich.table import Column
+from rich.pretty import Pretty
+from rich.table import Column, Table
 from rich.text import Text
 
 from ..client import ApiError, Client, Unreachable
 from ..settings import Settings
-from .output import ERR, OK, STYLE, TASK_FAILED, USAGE, print_json, stdout, table, text, visible, when
+from ..settings.profiles import SCAN_VERBS
+from .output import ERR, OK, STYLE, TASK_FAILED, USAGE, fact, print_json, stdout, table, text, visible, when
 from .talk import with_client
 
 SCAN_ENDED = frozenset({"succeeded", "failed", "cancelled"})
 SCAN_STYLE = {**STYLE, "succeeded": "green", "success": "green", "timeout": "red", "skipped": "dim",
               "waiting": "dim"}
 REREAD_S = 1.0  # while waiting: the scan is read again this often even when no event of it came
+RESULT_CHARS = 2000  # of one result's JSON in `scan show`: the rest is in --json
 
 
 def cmd_scan(args: argparse.Namespace, settings: Settings) -> int:
@@ -125,6 +129,63 @@ def cmd_scans(args: argparse.Namespace, settings: Settings) -> int:
     return with_client(args, settings, body)
 
 
+def cmd_scan_show(args: argparse.Namespace, settings: Settings) -> int:
+    async def body(client: Client) -> int:
+        scan = await client.get_scan(args.scan_id)
+        tasks = [await client.get(job["task_id"]) for job in scan["jobs"] if job["task_id"]]
+        if args.json:
+            print_json({**scan, "tasks": tasks})
+            return OK
+        console = stdout()
+        facts = Table.grid(padding=(0, 2))
+        for key in ("id", "profile", "state", "organization", "payload", "created_at", "finished_at"):
+            facts.add_row(key, text(fact(key, scan[key]), SCAN_STYLE.get(scan[key], "") if key == "state" else ""))
+        console.print(facts)
+        steps = Table("#", "step", "state", "attempts", "task", "error", title="steps")
+        for job in scan["jobs"]:
+            steps.add_row(*map(text, (str(job["index"]), job["step"], job["state"], str(job["attempts"]),
+                                      job["task_id"] or "-", fact("error", job["error"]))),
+                          style=SCAN_STYLE.get(job["state"], ""))
+        console.print(steps)
+        console.print(text("found (the scope its steps handed on):"))
+        console.print(Pretty(scan["scope"], indent_guides=False) if scan["scope"] else text("  nothing yet"))
+        for task in tasks:
+            for r in task["results"]:
+                shown = visible(json.dumps(r["payload"]))[:RESULT_CHARS]
+                console.print(text(f"result of {task['type']} ({task['id']}) {r['plugin']}#{r['sequence']}"
+                                   f"{' (final)' if r['final'] else ''}: {shown}"))
+        return OK
+
+    return with_client(args, settings, body)
+
+
+def cmd_scan_cancel(args: argparse.Namespace, settings: Settings) -> int:
+    async def body(client: Client) -> int:
+        print(visible(await client.cancel_scan(args.scan_id)))
+        return OK
+
+    return with_client(args, settings, body)
+
+
+def cmd_scan_retry(args: argparse.Namespace, settings: Settings) -> int:
+    async def body(client: Client) -> int:
+        scan = await client.retry_job(args.scan_id, args.index)
+        job = scan["jobs"][args.index]
+        print(visible(f"{scan['id']} {scan['state']}: step {job['index']} {job['step']} {job['state']}, "
+                      f"task {job['task_id'] or '-'}"))
+        return OK
+
+    return with_client(args, settings, body)
+
+
+def verb_first(argv: list[str]) -> list[str]:
+    """`scan show ID` as the parser knows it, one command named "scan show": `scan PROFILE` keeps its
+    positional profile, which no subparser could share with the verbs."""
+    if len(argv) >= 2 and argv[0] == "scan" and argv[1] in SCAN_VERBS:
+        return [f"scan {argv[1]}", *argv[2:]]
+    return argv
+
+
 def add_commands(add: Any) -> None:
     p = add("scan", cmd_scan, "start a scan of a profile and print its id")
     p.add_argument("profile")
@@ -139,3 +200,11 @@ def add_commands(add: Any) -> None:
     p.add_argument("--profile")
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--cursor", help="the next page: the cursor a page before ended with")
+    p = add("scan show", cmd_scan_show, "show one scan: its steps, what they found and each step's results", json=True)
+    p.add_argument("scan_id")
+    add("scan cancel", cmd_scan_cancel, "cancel a scan: its running step is cancelled, the rest skipped"
+        ).add_argument("scan_id")
+    p = add("scan retry", cmd_scan_retry, "run a failed, timed-out or cancelled step of a scan again, and the "
+            "steps after it")
+    p.add_argument("scan_id")
+    p.add_argument("index", type=int, help="the step's index, as `scan show` numbers them")

@@ -29,6 +29,8 @@ class ProfileSettings(Section):
 
 # Built in so that a fresh node can run a scan: the ports open among payload.ports, then an HTTP(S) probe of
 # each (tcp_connect puts them in the scope as open_ports, which the next step's payload carries).
+# The words `tidepool scan` takes as a scan's verbs (`tidepool scan show ID`): never a profile's name.
+SCAN_VERBS = ("show", "cancel", "retry")
 BUILTIN_PROFILES: dict[str, ProfileSettings] = {
     "discover": ProfileSettings(steps=("tcp_connect", "http_probe")),
 }
@@ -58,6 +60,9 @@ def check_profiles(profiles: Mapping[str, ProfileSettings], types: Mapping[str, 
     out by allow/deny is told as such)."""
     known_plugins: set[str] | None = None
     for name, profile in profiles.items():
+        if name in SCAN_VERBS:
+            raise ConfigError(f"config: profiles.{name}: {name!r} is a verb of `tidepool scan` "
+                              f"({', '.join(SCAN_VERBS)}); name the profile otherwise")
         for index, step in enumerate(profile.steps):
             where = f"config: profiles.{name}.steps[{index}]"
             own = types.get(step) or BUILTIN_TYPES.get(step)

@@ -38,6 +38,7 @@ def test_a_step_naming_a_plugin_is_a_type_of_that_one_plugin_and_a_type_keeps_it
     ({"web": {"steps": ["command"]}}, {}, r"profiles\.web\.steps\[0\]: 'command' is neither"),
     ({"web": {"steps": ["noop"], "continue": True}}, {}, r"unknown key profiles\.web\.continue"),
     ({"web": {"steps": "noop"}}, {}, r"profiles\.web\.steps"),
+    ({"show": {"steps": ["noop"]}}, {}, r"profiles\.show: 'show' is a verb of `tidepool scan`"),
 ])
 def test_a_profile_that_cannot_run_is_a_config_error_naming_the_key(profiles: dict[str, object],
                                                                      more: dict[str, object], named: str) -> None:
