@@ -19,8 +19,8 @@ import pytest
 from .api_helpers import bearer, call
 from .conftest import TOKEN, Daemon
 
-SCHEMATHESIS_EXAMPLES = 10  # per operation and phase: the two runs take well under a minute each
-SCHEMATHESIS_DEADLINE_S = 120  # a hung run fails the test rather than the suite
+SCHEMATHESIS_EXAMPLES = 10  # per operation and phase: each run takes 20-70 s (every phase; two cores, loaded or not)
+SCHEMATHESIS_DEADLINE_S = 300  # a hung run fails the test rather than the suite
 # Statuses the API answers on purpose beyond what a JSON schema can say: a type or tag set the node does not
 # serve, pool sizes that contradict each other, a cron that never fires (400), a body over api.max_body_kb
 # before it is read (413). An event stream never ends: a request to it stops reading after its first second.
@@ -112,6 +112,51 @@ def test_with_a_token_the_document_declares_the_bearer_scheme_on_every_route_but
             assert "401" in doc["paths"][path][method]["responses"], (method, path)
 
 
+def _keys(node: Any) -> set[str]:
+    if isinstance(node, dict):
+        return set(node).union(*map(_keys, node.values()))
+    return set().union(*map(_keys, node)) if isinstance(node, list) and node else set()
+
+
+@pytest.mark.e2e
+def test_the_document_states_the_bounds_the_server_enforces(daemon: Daemon) -> None:
+    """Each value the document allows, the server takes; each it says is out of bounds, the server refuses."""
+    import jsonschema_rs
+
+    doc = daemon.get("/v1/openapi.json").body
+    assert not _keys(doc) & {"ge", "le", "gt", "lt"}, "a bound in pydantic's words, which no client reads"
+    schemas = doc["components"]["schemas"]
+
+    def validator(model: str) -> Any:
+        return jsonschema_rs.Draft202012Validator({**schemas[model], "$defs": schemas})
+
+    cases = [
+        ("PoolPatch", "PATCH", "/v1/pool", {"max_workers": 0}), ("PoolPatch", "PATCH", "/v1/pool", {"min_workers": 0}),
+        ("SubmitTask", "POST", "/v1/tasks", {"type": "noop", "required_tags": [""]}),
+        ("SubmitTask", "POST", "/v1/tasks", {"type": "noop", "required_tags": [" gpu"]}),
+        ("SubmitTask", "POST", "/v1/tasks", {"type": "noop", "required_tags": ["a,b"]}),
+        ("SubmitTask", "POST", "/v1/tasks", {"type": "noop", "max_attempts": 0}),
+        ("SubmitTask", "POST", "/v1/tasks", {"type": "noop", "available_at": "0999-01-01T00:00:00Z"}),
+        ("ScheduleIn", "POST", "/v1/schedules", {"name": "n", "type": "noop", "cron": ""}),
+        ("ScheduleIn", "POST", "/v1/schedules", {"name": "n", "type": "noop", "cron": "* * *"}),
+    ]
+    for model, method, route, body in cases:
+        assert not validator(model).is_valid(body), body
+        answer = call(daemon, method, route, body)
+        assert answer.status == 400, (body, answer)
+    assert validator("SubmitTask").is_valid({"type": "noop", "required_tags": ["gpu"], "max_attempts": 3.0,
+                                              "available_at": "2030-01-01T00:00:00Z"})
+    assert validator("ScheduleIn").is_valid({"name": "n", "type": "noop", "cron": "@daily"})
+
+    events = next(p for p in doc["paths"]["/v1/events"]["get"]["parameters"] if p["name"] == "type")
+    assert {"task.finished", "task.*", "scan.*", "*"} <= set(events["schema"]["items"]["enum"])
+    assert "|" not in events["schema"]["items"]["enum"] and daemon.get("/v1/events?type=%7C").status == 400
+    index = next(p for p in doc["paths"]["/v1/scans/{id}/jobs/{index}/retry"]["post"]["parameters"]
+                 if p["name"] == "index")
+    assert index["schema"]["maximum"] == 999_999
+    assert call(daemon, "POST", "/v1/scans/x/jobs/1000000/retry").status == 400
+
+
 @pytest.mark.e2e
 def test_the_document_allows_a_schedule_exactly_one_timing_and_the_server_agrees(daemon: Daemon) -> None:
     import jsonschema_rs
@@ -167,8 +212,8 @@ def _schemathesis(target: Daemon, tmp_path: Path, unavailable: Callable[[str], N
     env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
     return subprocess.run(
         [str(cli), "--no-color", "--config-file", str(config), "run", f"{target.url}/v1/openapi.json", *extra,
-         "--checks", "all", "--max-examples", str(SCHEMATHESIS_EXAMPLES), "--request-timeout", "10", "--no-shrink",
-         "--seed", "20"],
+         "--phases", "examples,coverage,fuzzing,stateful", "--checks", "all",
+         "--max-examples", str(SCHEMATHESIS_EXAMPLES), "--request-timeout", "10", "--no-shrink", "--seed", "20"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SCHEMATHESIS_DEADLINE_S,
         stdin=subprocess.DEVNULL)
 

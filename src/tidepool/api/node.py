@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from ..http.answers import Answer, Instant, attributes
-from ..http.bodies import JsonInt, parse
+from ..http.bodies import integral, parse
 from ..http.refusals import Refusal
 from ..metrics.exporter import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..model import RemoteWorker, WorkerState
@@ -24,8 +24,8 @@ STATIC = Path(__file__).parent / "static"
 class PoolPatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    min_workers: JsonInt | None = Field(None, ge=1, le=MAX_WORKERS)  # as pool.min_workers
-    max_workers: JsonInt | None = Field(None, ge=1, le=MAX_WORKERS)
+    min_workers: Annotated[int, Field(ge=1, le=MAX_WORKERS), BeforeValidator(integral)] | None = None
+    max_workers: Annotated[int, Field(ge=1, le=MAX_WORKERS), BeforeValidator(integral)] | None = None
     idle_timeout_s: float | None = Field(None, gt=0)
 
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from .. import __version__
+from ..events import EVENT_NAMES
 from ..http.answers import ErrorOut, TaskDetailOut
 from ..http.openapi import Operation, ServerPaths
 from ..model import ORGANIZATION_PATTERN, State
@@ -21,7 +22,7 @@ from .auth import TOKEN
 from .listing import CURSOR_PATTERN, MAX_LIST_LIMIT
 from .node import HealthOut, NodesOut, PoolOut, PoolPatch
 from .operations import DAEMON
-from .scans import ScanOut, ScanPageOut, ScanStateOut, SubmitScan
+from .scans import MAX_JOB_INDEX, ScanOut, ScanPageOut, ScanStateOut, SubmitScan
 from .schedules import ScheduleIn, ScheduleOut, SchedulesOut
 from .stream import EventOut
 from .tasks import IdsOut, PageOut, RetryOut, StateOut, SubmitBatch, SubmitTask
@@ -50,6 +51,9 @@ WORKER_ID = _param("id", "path", {"type": "string"}, required=True,
                    description="the worker's identity: its certificate's common name")
 NAME = _param("name", "path", {"type": "string"}, required=True)
 EVENT_ID = {"type": "string", "pattern": "^[0-9]{0,20}$"}
+# What a stream's `type` filter may name: every event, each family's glob, and all of them. (The stream takes
+# any glob that matches an event, and comma-separated lists; these are the forms the document promises.)
+EVENT_FILTERS = sorted(EVENT_NAMES | {name.split(".")[0] + ".*" for name in EVENT_NAMES} | {"*"})
 LISTING = (_param("state", "query", {"type": "string", "enum": [s.value for s in State]}),
            _param("type", "query", {"type": "string", "minLength": 1}),
            _param("limit", "query", {"type": "integer", "minimum": 1, "maximum": MAX_LIST_LIMIT}),
@@ -57,13 +61,13 @@ LISTING = (_param("state", "query", {"type": "string", "enum": [s.value for s in
            _param("cursor", "query", {"type": "string", "pattern": CURSOR_PATTERN},
                   description="the next_cursor of the page before"))
 SCAN_ID = _param("id", "path", {"type": "string"}, required=True)
-JOB_INDEX = _param("index", "path", {"type": "integer", "minimum": 0}, required=True)
+JOB_INDEX = _param("index", "path", {"type": "integer", "minimum": 0, "maximum": MAX_JOB_INDEX}, required=True)
 SCAN_LISTING = (_param("state", "query", {"type": "string", "enum": [s.value for s in ScanState]}),
                 _param("profile", "query", {"type": "string", "minLength": 1}),
                 *(p for p in LISTING if p["name"] in ("limit", "cursor")))
 EVENTS = (_param("task_id", "query", {"type": "string"}),
-          _param("type", "query", {"type": "array", "items": {"type": "string"}}, style="form", explode=True,
-                 description="event names or globs, repeated or comma-separated"),
+          _param("type", "query", {"type": "array", "items": {"type": "string", "enum": EVENT_FILTERS}},
+                 style="form", explode=True, description="event names, a family's glob (task.*) or *, repeated"),
           _param("last_event_id", "query", EVENT_ID, description="as Last-Event-ID, for clients that cannot set it"),
           _param("Last-Event-ID", "header", EVENT_ID))
 

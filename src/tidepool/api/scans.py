@@ -17,6 +17,7 @@ from .listing import cursor_of, limit_of, one_each
 from .operations import DAEMON, ScanRequest
 
 LIST_PARAMETERS = ("state", "profile", "limit", "cursor")
+MAX_JOB_INDEX = 999_999  # past any profile's steps: an index beyond a scan's jobs is its 404
 NO_NUL = r"^[^\x00]*$"
 # A job's state as a user reads it (the stores keep one more of their own, never shown).
 ShownJobState = Literal["waiting", "queued", "running", "success", "failed", "timeout", "cancelled", "skipped"]
@@ -109,7 +110,7 @@ async def cancel(request: web.Request) -> web.Response:
 async def retry_job(request: web.Request) -> web.Response:
     await no_body(request)
     index = request.match_info["index"]
-    if not (index.isascii() and index.isdigit()) or len(index) > 6:
-        raise Refusal(400, "invalid_request", f"index: {index[:40]!r} is not a job's index (0, 1, ...)")
+    if not (index.isascii() and index.isdigit()) or len(index) > len(str(MAX_JOB_INDEX)):
+        raise Refusal(400, "invalid_request", f"index: {index[:40]!r} is not a job's index (0 to {MAX_JOB_INDEX})")
     scan = await request.app[DAEMON].scans.retry(request.match_info["id"], int(index))
     return web.json_response(ScanOut.of(scan).to_json(), status=202)

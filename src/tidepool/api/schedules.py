@@ -16,6 +16,7 @@ from ..scans import ScanState
 from ..schedules import MAX_NAME_LEN, NAME_PATTERN, CatchUp, Overlap, Schedule
 from .operations import DAEMON, ScheduleView
 
+CRON_SHAPE = r"^(@\S+|\s*\S+(\s+\S+){4}\s*)$"  # five fields, or an @-name as @daily
 # A schedule runs by exactly one of its two timings, and submits a task of its type or starts a scan of its
 # profile; the other of each pair is left out or null.
 _ONE_TIMING: JsonDict = {"allOf": [
@@ -33,7 +34,8 @@ class ScheduleIn(BaseModel):
     profile: str | None = Field(None, min_length=1, max_length=200, description="start a scan of this profile "
                                 "at each tick, instead of a task of `type`")
     payload: dict[str, Any] = {}
-    cron: str | None = Field(None, max_length=200)
+    # The document says the shape; the server checks each field too.
+    cron: str | None = Field(None, max_length=200, json_schema_extra={"pattern": CRON_SHAPE})
     every_s: float | None = Field(None, ge=1.0, le=366 * 86400)  # sub-second periods overflow the tick arithmetic
     timezone: str = Field("UTC", max_length=100)
     jitter_s: float = Field(0.0, ge=0, le=86400)

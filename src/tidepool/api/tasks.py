@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from ..errors import TaskNotFound
 from ..http.answers import Answer, TaskDetailOut, TaskOut
-from ..http.bodies import JsonInt, no_body, parse
+from ..http.bodies import JsonInt, integral, no_body, parse
 from ..http.refusals import Refusal
 from ..model import DEFAULT_ORGANIZATION, ORGANIZATION_PATTERN, NewTask, State
 from ..settings import Tag
@@ -35,11 +35,12 @@ class SubmitTask(BaseModel):
     type: str = Field(min_length=1, max_length=200)
     payload: dict[str, Any] = Field(default_factory=dict)
     priority: JsonInt = Field(0, ge=-1_000_000, le=1_000_000)
-    max_attempts: JsonInt | None = Field(None, ge=1, le=1000)
+    max_attempts: Annotated[int, Field(ge=1, le=1000), BeforeValidator(integral)] | None = None
     timeout_s: float | None = Field(None, gt=0, le=7 * 86400)
     required_tags: list[Tag] = Field(default_factory=list, max_length=64)
     idempotency_key: str | None = Field(None, min_length=1, max_length=512, pattern=r"^[^\x00]*$")  # no NUL
-    available_at: datetime | None = None
+    # A four-digit year: the document's way of saying EARLIEST..LATEST (a time zone may still push it past them).
+    available_at: datetime | None = Field(None, json_schema_extra={"pattern": r"^[1-9][0-9]{3}-"})
     organization: str = Field(DEFAULT_ORGANIZATION, pattern=ORGANIZATION_PATTERN,
                               description="whose task it is: a remote worker takes only the organizations it is "
                                           "assigned (a node's own workers take every one)")

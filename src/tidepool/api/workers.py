@@ -3,13 +3,13 @@ limits, types, organizations, revoke), and the bodies they take and answer."""
 
 from __future__ import annotations
 
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from ..http.answers import Answer, Instant
-from ..http.bodies import JsonInt, no_body, parse
+from ..http.bodies import integral, no_body, parse
 from ..model import RemoteWorker, WorkerChange, WorkerState
 from ..settings import MAX_WORKERS
 from .operations import DAEMON
@@ -21,7 +21,7 @@ class WorkerPatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     state: Literal["enabled", "disabled"] | None = Field(None, description="a revoke is POST .../revoke")
-    max_concurrent_tasks: JsonInt | None = Field(None, ge=0, le=MAX_WORKERS)
+    max_concurrent_tasks: Annotated[int, Field(ge=0, le=MAX_WORKERS), BeforeValidator(integral)] | None = None
     task_types: list[str] | None = Field(None, min_length=1, max_length=200, description="globs")
     organizations: list[str] | None = Field(None, max_length=200)
     cancel_removed: bool = Field(

@@ -3,12 +3,12 @@ bounded) and what each answer holds, from which the OpenAPI document is built as
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from ..http.answers import Answer, TaskDetailOut
-from ..http.bodies import JsonInt
+from ..http.bodies import JsonInt, integral
 from ..model import Phase
 from ..scans import SCOPE_MAX_BYTES
 from ..settings import Tag
@@ -80,7 +80,8 @@ class EndingIn(LeaseIn):
     status: EndStatus
     error: ErrorIn | None = None
     retryable: bool | None = None
-    exit_status: JsonInt | None = Field(None, ge=-255, le=255, description="a command plugin's")
+    exit_status: Annotated[int, Field(ge=-255, le=255), BeforeValidator(integral)] | None = Field(
+        None, description="a command plugin's")
     stderr_tail: str | None = Field(None, max_length=4096, description="a command plugin's last 4 KiB of stderr")
     scope: dict[str, Any] | None = Field(
         None, description="with a success: what the attempt's plugins put in ctx.scope, merged at the top level "

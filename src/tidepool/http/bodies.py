@@ -19,7 +19,7 @@ M = TypeVar("M", bound=BaseModel)
 BODY_TIMEOUT_S = 30.0
 
 
-def _integral(value: object) -> object:
+def integral(value: object) -> object:
     """A JSON number with nothing after the point is an integer (JSON Schema says so, and so does the document):
     -1784.0 is taken as -1784; 1.5 and true are still refused."""
     if isinstance(value, float) and value.is_integer():
@@ -28,7 +28,9 @@ def _integral(value: object) -> object:
 
 
 # An integer as JSON Schema counts one. Strict validation alone would refuse 3.0, which the document allows.
-JsonInt = Annotated[int, BeforeValidator(_integral)]
+# Bounds go before the validator, as in Annotated[int, Field(ge=1), BeforeValidator(integral)] | None: written
+# after it (Annotated[JsonInt, Field(ge=1)]) the document would lose them.
+JsonInt = Annotated[int, BeforeValidator(integral)]
 
 
 class NoFields(BaseModel):

@@ -9,7 +9,16 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from ..errors import ConfigError
 from ..lifecycle import RetryPolicy
@@ -314,7 +323,9 @@ def _check_tag(tag: str) -> str:
     return tag
 
 
-Tag = Annotated[str, AfterValidator(_check_tag)]
+# The document's form of the same rule (no control character; JSON Schema has no "printable" to say the rest).
+TAG_PATTERN = r"^[^\s,\x00-\x1f\x7f-\x9f](?:[^,\x00-\x1f\x7f-\x9f]{0,198}[^\s,\x00-\x1f\x7f-\x9f])?$"
+Tag = Annotated[str, AfterValidator(_check_tag), WithJsonSchema({"type": "string", "pattern": TAG_PATTERN})]
 
 
 class TypeSettings(Section):
