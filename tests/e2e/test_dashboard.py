@@ -1,7 +1,8 @@
 """The dashboard at / in real headless Chromium (Debian's, driven by Playwright): it loads, shows the pool,
 follows the event stream, and a task submitted meanwhile reaches `completed` on screen; a failed poll is
 shown only while it lasts, the token stays in the tab's session, a task's detail is fetched for its
-own events only, and what has nothing to show yet (the chart's first minute, no resources) says so."""
+own events only and lists its attempts and results, and what has nothing to show yet (the charts' first
+minute, no resources, no schedules) says so."""
 
 from __future__ import annotations
 
@@ -59,6 +60,11 @@ async def test_the_dashboard_shows_the_pool_and_a_task_reaching_completed(
 
     await page.locator(f'#tasks tr[data-id="{submitted.body["id"]}"]').click()
     await expect(page.locator("#detail-body")).to_contain_text('"status": "succeeded"', timeout=5_000)
+    # the task's page: a row per attempt, and each result batch under its plugin's name
+    attempt = page.locator("#detail-attempts tbody tr")
+    await expect(attempt).to_have_count(1)
+    await expect(attempt.locator("td").nth(1)).to_have_text("succeeded")
+    await expect(page.locator("#detail-results")).to_have_text("no results yet")  # sleep writes none
     # ids are case-sensitive: shown as they are (innerText is what is on screen, after any text-transform)
     await expect(page.locator("#detail-id")).to_have_text(submitted.body["id"], use_inner_text=True)
 
@@ -213,10 +219,20 @@ async def test_what_has_nothing_to_show_yet_says_so(make_daemon: Callable[..., D
     await expect(collecting).to_contain_text("collecting…")
     await expect(chart).to_be_hidden()
     await expect(page.locator("#resources")).to_have_text("none configured")
+    await expect(page.locator("#rate-collecting")).to_be_visible()
+    await expect(page.locator("#schedules-empty")).to_contain_text("no schedules", timeout=10_000)
+    await expect(page.locator("#schedules")).to_be_hidden()
 
     await page.clock.fast_forward(61_000)  # the next poll's point is a minute after the first one
     await expect(chart).to_be_visible(timeout=10_000)
     await expect(collecting).to_be_hidden()
+    await expect(page.locator("#rate-chart")).to_be_visible()
+
+    # the throughput chart counts the endings the event stream brings
+    for _ in range(5):
+        call(daemon, "POST", "/v1/tasks", {"type": "noop"}, headers=bearer(TOKEN))
+    await page.clock.fast_forward(1_000)
+    await expect(page.locator("#rate-now")).not_to_have_text("0.0", timeout=10_000)
 
     (tmp_path / "slots").mkdir()
     with_slots = make_daemon({"resources.vm": {"tags": ["win10"], "count": 2}}, root=tmp_path / "slots")

@@ -78,6 +78,32 @@ async def test_a_scans_steps_follow_it_to_its_end_and_open_their_tasks(
 
 
 @pytest.mark.e2e
+async def test_a_scan_shows_what_its_steps_found_and_each_steps_results(
+        scan_daemon: Daemon, browser_page: tuple[Any, list[str]]) -> None:
+    from playwright.async_api import expect
+
+    daemon, (page, errors) = scan_daemon, browser_page
+    await open_with_token(page, daemon)
+    created = daemon.post("/v1/scans", {"profile": "discover", "payload": {"target": "127.0.0.1",
+                                                                          "ports": [daemon.port]}})
+    assert created.status == 201, created
+    scan_id = created.body["id"]
+    ended = daemon.wait_for("the scan to end", lambda: (s := daemon.get(f"/v1/scans/{scan_id}").body)
+                            and s["state"] == "succeeded" and s, timeout_s=30)
+    await page.locator(f'#scans tr[data-id="{scan_id}"] td').first.click(timeout=10_000)
+    await expect(page.locator("#scan-state")).to_have_text("succeeded", timeout=10_000)
+    scope = page.locator("#scan-scope")
+    await expect(scope).to_contain_text('"open_ports"')
+    await expect(scope).to_contain_text(str(daemon.port))
+    results = page.locator("#scan-results")
+    for job in ended["jobs"]:
+        await expect(results).to_contain_text(f"step {job['index']} {job['step']}: completed", timeout=10_000)
+    await expect(results).to_contain_text("tcp_connect #")
+    await expect(results).to_contain_text('"status": ')  # http_probe's answer, as text
+    assert errors == [], errors
+
+
+@pytest.mark.e2e
 async def test_a_failed_steps_error_is_shown_as_text_and_the_steps_after_it_skipped(
         scan_daemon: Daemon, browser_page: tuple[Any, list[str]]) -> None:
     from playwright.async_api import expect

@@ -3,7 +3,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const samples = [];          // [{t, workers, busy}] for the chart
+const samples = [];          // [{t, workers, busy, finished}] for the charts; finished: tasks a second
 const HISTORY_S = 300;
 const CHART_FROM_S = 60;     // fewer seconds of points than this draw a line too short to read: say so instead
 const TERMINAL = new Set(["completed", "failed", "timed_out", "cancelled"]);
@@ -11,6 +11,8 @@ const DETAIL_MIN_GAP_MS = 1000;   // a busy task's events fetch its detail (resu
 const DETAIL_PERIOD_MS = 10000;   // and an unfinished one is fetched this often anyway, in case an event was missed
 let selected = null;
 let refreshPending = false;
+let finishedSeen = 0;        // task.finished events the stream has brought; each pool sample takes the rate since the last
+let finishedAt = { t: Date.now() / 1000, count: 0 };
 
 const NEED_TOKEN = "token needed: enter the API token above";
 const UNREACHABLE = "daemon unreachable: reconnecting";
@@ -116,29 +118,35 @@ async function refreshPool() {
     const resources = Object.entries(pool.resources || {}).map(([n, r]) => [n, `${r.in_use}/${r.count}`]);
     kvRows($("resources"), resources.length ? resources : [["none configured", ""]]);
     $("resources").classList.toggle("muted", !resources.length);
-    samples.push({ t: Date.now() / 1000, workers: pool.workers, busy: pool.busy });
-    while (samples.length && samples[0].t < Date.now() / 1000 - HISTORY_S) samples.shift();
-    drawChart();
+    const now = Date.now() / 1000;
+    const finished = (finishedSeen - finishedAt.count) / Math.max(now - finishedAt.t, 0.001);
+    finishedAt = { t: now, count: finishedSeen };
+    samples.push({ t: now, workers: pool.workers, busy: pool.busy, finished });
+    while (samples.length && samples[0].t < now - HISTORY_S) samples.shift();
+    setText("rate-now", finished.toFixed(1));
+    drawChart("chart", "chart-collecting", [["workers", "#4fb3d9"], ["busy", "#e6a23c"]], "workers");
+    drawChart("rate-chart", "rate-collecting", [["finished", "#6fcf97"]], "finished");
     report("pool", null);
   } catch (err) {
     report("pool", err.message);
   }
 }
 
-function drawChart() {
-  const canvas = $("chart");
+// One chart of the samples: a line per [key, colour], scaled to the largest value of `scale`.
+function drawChart(canvasId, collectingId, lines, scale) {
+  const canvas = $(canvasId);
   const now = Date.now() / 1000;
   const collecting = !samples.length || now - samples[0].t < CHART_FROM_S;
-  $("chart-collecting").hidden = !collecting;
+  $(collectingId).hidden = !collecting;
   canvas.hidden = collecting;
   if (collecting) return;
   const ctx = canvas.getContext("2d");
   const w = canvas.width, h = canvas.height;
   ctx.clearRect(0, 0, w, h);
-  const top = Math.max(1, ...samples.map((p) => p.workers));
+  const top = Math.max(1, ...samples.map((p) => p[scale]));
   const x = (t) => w - ((now - t) / HISTORY_S) * w;
   const y = (v) => h - 4 - (v / top) * (h - 12);
-  for (const [key, color] of [["workers", "#4fb3d9"], ["busy", "#e6a23c"]]) {
+  for (const [key, color] of lines) {
     ctx.strokeStyle = color;
     ctx.lineWidth = 2;
     ctx.beginPath();
@@ -146,7 +154,7 @@ function drawChart() {
     ctx.stroke();
   }
   ctx.fillStyle = "#8aa0b2";
-  ctx.fillText(String(top), 4, 12);
+  ctx.fillText(Number.isInteger(top) ? String(top) : top.toFixed(1), 4, 12);
 }
 
 async function refreshTasks() {
@@ -213,11 +221,48 @@ async function loadDetail() {
     const task = await api("GET", "/v1/tasks/" + encodeURIComponent(id));
     if (seq !== detailSeq) return;
     detailState = task.state;
+    showAttempts(task.attempts);
+    $("detail-results").replaceChildren(...resultBlocks(task.results));
     setText("detail-body", JSON.stringify({ state: task.state, phase: task.phase, error: task.error,
       attempts: task.attempts, results: task.results, payload: task.payload }, null, 2));
   } catch (err) {
     if (seq === detailSeq) setText("detail-body", err.message);
   }
+}
+
+function cell(text) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  return td;
+}
+
+function showAttempts(attempts) {
+  $("detail-attempts").tBodies[0].replaceChildren(...attempts.map((a) => {
+    const tr = document.createElement("tr");
+    const error = a.error ? `${a.error.code}: ${a.error.message}` : "";
+    tr.append(cell(String(a.number)), cell(a.status), cell(a.worker_id || ""), cell(toSecond(a.started_at)),
+      cell(toSecond(a.finished_at)), cell(a.exit_status == null ? "" : String(a.exit_status)), cell(error));
+    tr.cells[1].className = "state state-" + a.status;
+    return tr;
+  }));
+}
+
+// Each result batch as a head line (plugin, sequence, final or not) and its payload as JSON text.
+function resultBlocks(results) {
+  if (!results.length) {
+    const none = document.createElement("p");
+    none.className = "muted";
+    none.textContent = "no results yet";
+    return [none];
+  }
+  return results.flatMap((r) => {
+    const head = document.createElement("div"), body = document.createElement("pre");
+    head.className = "result-head";
+    head.textContent = `${r.plugin} #${r.sequence}${r.final ? "" : " (not final)"}`;
+    body.className = "data";
+    body.textContent = JSON.stringify(r.payload, null, 2);
+    return [head, body];
+  });
 }
 
 async function act(action) {
@@ -287,6 +332,7 @@ function handleFrame(frame) {
     else if (line.startsWith("event: ")) name = line.slice(7);
     else if (line.startsWith("data: ")) data += line.slice(6);
   }
+  if (name === "task.finished") finishedSeen += 1;
   for (const hook of eventHooks) hook(name, data);
   if (name === "stream.gap") {  // events were missed: whatever is shown may be behind
     scheduleTasks();
@@ -308,6 +354,8 @@ function concerns(data, id) {
 async function refreshSchedules() {
   try {
     const { schedules } = await api("GET", "/v1/schedules");
+    $("schedules-empty").hidden = schedules.length > 0;
+    $("schedules").hidden = schedules.length === 0;
     $("schedules").tBodies[0].replaceChildren(...schedules.map((s) => {
       const tr = document.createElement("tr");
       const when = s.cron ? `${s.cron} (${s.timezone})` : `every ${s.every_s}s`;

@@ -1,6 +1,7 @@
 // The Scans view: each scan (GET /v1/scans) with its steps as a row of job states; a step opens its task in
-// the task detail, a scan its jobs. Refreshed by the scan.* events and a periodic fetch. A daemon without the
-// route (404) shows no view. Uses app.js's api, report, selectTask, toSecond and $; data goes in as text only.
+// the task detail, a scan its jobs, what its steps found (its scope) and each step's results. Refreshed by the
+// scan.* events and a periodic fetch. A daemon without the route (404) shows no view. Uses app.js's api,
+// report, selectTask, resultBlocks, toSecond and $; data goes in as text only.
 "use strict";
 
 const SCANS_PERIOD_MS = 5000;
@@ -9,6 +10,7 @@ let scansShown = true;    // false after a 404: polling stops
 let scansTimer = null;
 let selectedScan = null;
 let scanSeq = 0;          // answers to older fetches of the scan detail are dropped
+const endedSteps = new Map();  // task id -> the task, once it has ended: its results no longer change
 
 function td(text, className) {
   const cell = document.createElement("td");
@@ -103,13 +105,18 @@ async function loadScan() {
   const id = selectedScan, seq = ++scanSeq;
   try {
     const scan = await api("GET", "/v1/scans/" + encodeURIComponent(id));
-    if (seq === scanSeq) showScan(scan);
+    if (seq !== scanSeq) return;
+    showScan(scan);
+    const steps = await Promise.all(scan.jobs.filter((job) => job.task_id).map((job) => stepTask(job)));
+    if (seq === scanSeq) showStepResults(steps);
   } catch (err) {
     if (seq === scanSeq) $("scan-state").textContent = err.message;
   }
 }
 
 function showScan(scan) {
+  const found = Object.keys(scan.scope || {}).length;
+  $("scan-scope").textContent = found ? JSON.stringify(scan.scope, null, 2) : "nothing yet";
   $("scan-state").textContent = scan.state;
   $("scan-state").className = "state state-" + scan.state;
   $("scan-jobs").tBodies[0].replaceChildren(...scan.jobs.map((job) => {
@@ -122,6 +129,23 @@ function showScan(scan) {
     else tr.className = "inert";
     return tr;
   }));
+}
+
+async function stepTask(job) {
+  const ended = endedSteps.get(job.task_id);
+  if (ended) return { job, task: ended };
+  const task = await api("GET", "/v1/tasks/" + encodeURIComponent(job.task_id));
+  if (TERMINAL.has(task.state)) endedSteps.set(task.id, task);
+  return { job, task };
+}
+
+function showStepResults(steps) {
+  const blocks = steps.flatMap(({ job, task }) => {
+    const head = document.createElement("h3");
+    head.textContent = `step ${job.index} ${job.step}: ${task.state}`;
+    return [head, ...resultBlocks(task.results)];
+  });
+  $("scan-results").replaceChildren(...blocks);
 }
 
 function scanOf(data) {
