@@ -85,6 +85,9 @@ async def test_a_reload_serves_new_certificates_and_keeps_the_open_connections(
         # test below)
         with pytest.raises(aiohttp.ClientError):
             await node.remote(context=stale).acquire()
+        # a new CA is the operator's decision: its certificate of the same name is refused until it says so
+        assert (await node.remote(context=client_context(new_lab, "w1")).acquire()).status == 403
+        assert (await node.call("PATCH", "/v1/workers/w1", {"reset_issuer": True})).status == 200
         fresh = node.remote(context=client_context(new_lab, "w1"))
         assert len((await fresh.acquire()).body["tasks"]) == 1
         (worker,) = (await node.call("GET", "/v1/workers")).body["workers"]
