@@ -184,6 +184,9 @@ class WorkerRegistry:
                 self._controls.cut_off(worker.id, worker.state.value)
             else:
                 self._controls.worker_state(worker.id, worker.state.value)
+        elif cancelled:
+            log.info("worker %s: %d attempts cancelled (work an operator took away from it)", worker.id,
+                     len(cancelled))
         self._parking.wake_identity(worker.id)
 
     def _count(self, workers: list[RemoteWorker]) -> None:
