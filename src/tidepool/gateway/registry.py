@@ -33,6 +33,7 @@ log = logging.getLogger("tidepool.gateway")
 MEET_EVERY_S = 5.0  # far below how long /v1/nodes waits before it calls a remote worker gone
 TAGS_FOR_S = 1.0    # a submit's tag check reads the workers' slots at most this often
 LEADING_NUMBERS = re.compile(r"\d+(?:\.\d+)*")
+TOLD_AT_MOST = 4096  # refusals remembered as logged; past it they are logged once more
 
 
 class WorkerRegistry:
@@ -100,6 +101,8 @@ class WorkerRegistry:
     def _tell_once(self, identity: str, what: str, level: int, message: str, *args: object) -> None:
         """Log a refusal once per identity and cause: a refused worker retries every few seconds."""
         if (identity, what) not in self._told:
+            if len(self._told) >= TOLD_AT_MOST:  # a worker could name a new version on every call
+                self._told.clear()
             self._told.add((identity, what))
             log.log(level, message, *args)
 
