@@ -4,7 +4,7 @@
     ├── ConfigError              a setting is missing, unknown or inconsistent (exit 2)
     ├── InvalidTransition        the lifecycle table forbids this move (nothing changed)
     ├── InvalidRequest           a submission names an unknown type or unserviceable tags (HTTP 400)
-    ├── WorkerRefused            the registry refuses a remote worker's call (HTTP 403: worker_pending, worker_revoked)
+    ├── WorkerRefused            the registry refuses a remote worker's call (HTTP 403: worker_pending, ...)
     ├── LeaseGone                a remote worker's write behind a lease it no longer holds (HTTP 410 lease_lost)
     ├── StoreError
     │   ├── StoreUnavailable     the store cannot be reached; retry later (HTTP 503, exit 3)
@@ -14,6 +14,7 @@
     │   ├── ScanNotFound         no scan with this id (HTTP 404)
     │   ├── WorkerNotFound       no remote worker with this identity in the registry (HTTP 404)
     │   ├── Conflict             a write contradicts an earlier one (HTTP 409)
+    │   │   └── IssuerConflict   a certificate of another CA than the one its identity is bound to
     │   ├── QueueFull            pending + retry_wait is at pool.max_queued (HTTP 429)
     │   ├── RemoteNode           this node is a remote worker: the queue lives on its gateway (HTTP 409)
     │   ├── ValueRefused         the store cannot keep this value as it is (never retried as an outage)
@@ -123,6 +124,19 @@ class WorkerNotFound(StoreError):
 
 class Conflict(StoreError):
     http_status, code = 409, "conflict"
+
+
+class IssuerConflict(Conflict):
+    """A certificate for a known identity signed by another CA than the one the identity is bound to."""
+
+    def __init__(self, identity: str, bound: str, presented: str) -> None:
+        self.identity, self.bound, self.presented = identity, bound, presented
+        super().__init__(f"worker {identity}: {self.explained()}")
+
+    def explained(self) -> str:
+        return (f"its identity is bound to the CA {self.bound[:16]}..., this certificate is of the CA "
+                f"{self.presented[:16] or 'unknown'}...; if the CA changed on purpose, an operator lets it bind anew "
+                f"(tidepool workers set {self.identity} --reset-issuer)")
 
 
 class QueueFull(StoreError):

@@ -271,15 +271,16 @@ class RemoteWorker:
 @dataclass(frozen=True, slots=True)
 class WorkerChange:
     """An operator's change of a worker's record; None leaves a field as it is. `state` is enabled or
-    disabled (a revoke is a verb of its own). With `cancel_removed`, the worker's active attempts of the
-    organizations it is not assigned after this change are cancelled (also of those an earlier change took
-    away); without, they run to their end."""
+    disabled (a revoke is a verb of its own). Taking organizations away cancels the worker's active attempts
+    of the organizations it is not assigned after the change, unless `cancel_removed` is False (then they run
+    to their end); `cancel_removed` True cancels them with no change of organizations too (also those an
+    earlier change let run). `cancel_running` with the state disabled cancels every active attempt of it."""
 
     state: WorkerState | None = None
     max_concurrent_tasks: int | None = None
     task_types: tuple[str, ...] | None = None
     organizations: tuple[str, ...] | None = None
-    cancel_removed: bool = False
+    cancel_removed: bool | None = None  # None: cancel when the change takes organizations away
     tags: tuple[str, ...] | None = None
     reset_issuer: bool = False  # the next certificate binds the identity to its CA anew
     cancel_running: bool = False  # with state disabled: the worker's active attempts are cancelled too

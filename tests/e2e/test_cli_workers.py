@@ -103,9 +103,9 @@ def test_cancel_removed_alone_cancels_the_attempts_an_earlier_set_let_run(gatewa
     workers_cli("enable", "scanner-a")
     task = gateway.daemon.submit("sleep", {"seconds": 60})  # of the organization "default"
     assert len(worker.acquire()[1]["tasks"]) == 1
-    narrowed = workers_cli("set", "scanner-a", "--orgs", "acme")
+    narrowed = workers_cli("set", "scanner-a", "--orgs", "acme", "--keep-running")
     assert narrowed.returncode == OK, narrowed.stderr
-    assert gateway.daemon.task(task["id"])["state"] == "leased"  # without --cancel-removed it runs on
+    assert gateway.daemon.task(task["id"])["state"] == "leased"  # with --keep-running it runs on
 
     cancelled = workers_cli("set", "scanner-a", "--cancel-removed")
     assert cancelled.returncode == OK, cancelled.stderr
@@ -163,3 +163,27 @@ def test_a_node_with_no_worker_lists_an_empty_table(make_daemon: Callable[..., D
     result = cli("workers", "--url", daemon.url)
     assert result.returncode == OK, result.stderr
     assert result.stdout.split()[:2] == ["worker", "state"] and len(result.stdout.splitlines()) == 2
+
+
+@pytest.mark.e2e
+def test_disable_with_cancel_drains_with_a_cancel_and_set_takes_tags_and_a_reset_issuer(
+        gateway: Gateway, workers_cli: Cli) -> None:
+    worker = gateway.worker("scanner-a")
+    worker.acquire()
+    workers_cli("enable", "scanner-a")
+    task = gateway.daemon.submit("sleep", {"seconds": 60})
+    assert len(worker.acquire()[1]["tasks"]) == 1
+    assert gateway.record("scanner-a")["issuer"] is not None  # bound to the CA of its certificate
+
+    drained = workers_cli("disable", "scanner-a", "--cancel")
+    assert drained.returncode == OK, drained.stderr
+    assert "disabled: it takes no new task; its 1 live attempt(s) are being cancelled" in drained.stdout
+    assert gateway.daemon.task(task["id"])["state"] == "cancelling"
+
+    tagged = workers_cli("set", "scanner-a", "--tags", "lab-*, linux", "--reset-issuer")
+    assert tagged.returncode == OK, tagged.stderr
+    assert "tags lab-*,linux" in tagged.stdout
+    record = gateway.record("scanner-a")
+    assert (record["tags"], record["issuer"]) == (["lab-*", "linux"], None)
+    assert worker.acquire()[0] == 200
+    assert gateway.record("scanner-a")["issuer"] is not None  # its next certificate bound it anew

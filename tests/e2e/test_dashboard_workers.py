@@ -31,6 +31,9 @@ async def test_the_panel_shows_each_worker_and_its_buttons_change_its_state(
     record = gateway.record("scanner-a")
     await expect(row.locator("td.last-seen")).to_have_text(record["last_seen"][:19].replace("T", " "))  # to the second
     await expect(row.locator("td.organizations")).to_have_text("default")
+    await expect(row.locator("td.tags")).to_have_text("*")
+    await expect(row.locator("td.issuer")).to_have_text(record["issuer"][:12])  # the CA it is bound to, short
+    await expect(row.locator("td.issuer")).to_have_attribute("title", record["issuer"])
     await expect(row.locator("button")).to_have_text(["enable", "revoke"])
 
     await row.locator("button.enable").click()

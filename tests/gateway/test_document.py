@@ -44,3 +44,18 @@ async def test_an_ending_in_the_document_carries_its_attempt_s_scope_as_an_objec
         assert [s["type"] for s in scope["anyOf"]] == ["object", "null"], scope
         assert "scope" not in ending.get("required", [])
         assert "scope_too_large" in scope["description"]
+
+
+async def test_the_document_lists_a_workers_issuer_and_tags_its_patch_and_the_cancels_of_an_acquire(
+        make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        schemas = (await node.call("GET", "/v1/openapi.json")).body["components"]["schemas"]
+        assert {"issuer", "tags"} <= set(schemas["WorkerOut"]["required"])
+        assert {"tags", "reset_issuer", "cancel_running", "cancel_removed"} <= set(
+            schemas["WorkerPatch"]["properties"])
+        assert schemas["AcquireOut"]["properties"]["cancel"]["items"] == {"type": "string"}
+        await node.submit()
+        answer = (await node.remote("w1").acquire()).body
+        assert set(schemas["AcquireOut"]["properties"]) == set(answer)
+        worker = (await node.call("GET", "/v1/workers/w1")).body
+        assert set(schemas["WorkerOut"]["properties"]) == set(worker)

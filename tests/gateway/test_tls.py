@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import anyio
 import pytest
+from cryptography.hazmat.primitives import serialization
 
 from tidepool.gateway import pki
 from tidepool.settings import load
@@ -85,6 +86,9 @@ async def test_a_reload_serves_new_certificates_and_keeps_the_open_connections(
         # test below)
         with pytest.raises(aiohttp.ClientError):
             await node.remote(context=stale).acquire()
+        # a new CA is the operator's decision: its certificate of the same name is refused until it says so
+        assert (await node.remote(context=client_context(new_lab, "w1")).acquire()).status == 403
+        assert (await node.call("PATCH", "/v1/workers/w1", {"reset_issuer": True})).status == 200
         fresh = node.remote(context=client_context(new_lab, "w1"))
         assert len((await fresh.acquire()).body["tasks"]) == 1
         (worker,) = (await node.call("GET", "/v1/workers")).body["workers"]
@@ -144,3 +148,19 @@ def test_an_identity_over_255_characters_is_none() -> None:
 
     assert identity_of({"subject": ((("commonName", "w" * 255),),)}) == "w" * 255
     assert identity_of({"subject": ((("commonName", "w" * 256),),), "subjectAltName": (("DNS", "short"),)}) is None
+
+
+def test_the_issuer_of_a_certificate_is_the_ca_whose_key_signed_it_among_cas_of_one_name(tmp_path: Path) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    from tidepool.gateway.tls import issuer_of
+
+    now = datetime.now(UTC)
+    first, second = (pki.init(tmp_path / name, now=now) for name in ("first", "second"))
+    cas = tuple(x509.load_pem_x509_certificate(lab.ca_file.read_bytes()) for lab in (first, second))
+    assert cas[0].subject == cas[1].subject  # made in the same second: only the signature tells them apart
+    der = x509.load_pem_x509_certificate(pki.issue(second.dir, "scan-a", now=now).cert.read_bytes()).public_bytes(
+        serialization.Encoding.DER)
+    assert issuer_of(der, cas) == cas[1].fingerprint(hashes.SHA256()).hex()
+    assert issuer_of(der, cas[:1]) == ""  # a CA of its name that did not sign it is not its issuer

@@ -304,13 +304,13 @@ async def test_a_revoke_is_final_and_a_repeated_one_changes_nothing(store: Store
     assert await store.get_worker(SCANNER) == first
 
 
-async def test_taking_an_organization_away_stops_its_new_leases_and_lets_the_running_ones_finish(
+async def test_taking_an_organization_away_with_cancel_removed_false_lets_the_running_ones_finish(
         store: Store) -> None:
     acme = [await add(store, organization="acme") for _ in range(2)]
     await meet(store)
     await change(store, organizations=("acme",))
     held = (await acquire(store, limit=1)).claimed
-    worker, cancelled = await change(store, organizations=("default",))
+    worker, cancelled = await change(store, organizations=("default",), cancel_removed=False)
     assert (worker.organizations, cancelled) == (("default",), [])
     assert await acquired_ids(store) == []
     assert (await store.get(acme[0])).state is State.LEASED
@@ -338,7 +338,7 @@ async def test_cancel_removed_alone_cancels_the_attempts_an_earlier_change_let_r
     await meet(store)
     await change(store, organizations=("acme", "default"))
     held = {c.task.id: c for c in (await acquire(store)).claimed}
-    assert (await change(store, organizations=("default",)))[1] == []
+    assert (await change(store, organizations=("default",), cancel_removed=False))[1] == []
     worker, cancelled = await change(store, cancel_removed=True)
     assert (worker.organizations, cancelled) == (("default",), [Revoked(acme, held[acme].lease.attempt_id, "noop")])
     assert [(await store.get(i)).state for i in (acme, default)] == [State.CANCELLING, State.LEASED]

@@ -1,5 +1,6 @@
 """The /v1/workers routes: the registry of remote workers as an operator sees and changes it (enable, disable,
-limits, types, organizations, revoke), and the bodies they take and answer."""
+limits, types, organizations, tags, the CA its identity is bound to, revoke), and the bodies they take and
+answer."""
 
 from __future__ import annotations
 
@@ -24,8 +25,12 @@ class WorkerPatch(BaseModel):
     max_concurrent_tasks: Annotated[int, Field(ge=0, le=MAX_WORKERS), BeforeValidator(integral)] | None = None
     task_types: list[str] | None = Field(None, min_length=1, max_length=200, description="globs")
     organizations: list[str] | None = Field(None, max_length=200)
-    cancel_removed: bool = Field(
-        False, description="cancel its active attempts of the organizations it is not assigned")
+    cancel_removed: bool | None = Field(
+        None, description="cancel its active attempts of the organizations it is not assigned; by default done when "
+                          "organizations takes some away (false: they run to their end)")
+    tags: list[str] | None = Field(None, max_length=200, description="globs of the slot tags that count for it")
+    reset_issuer: bool = Field(False, description="the identity binds anew to the CA of its next certificate")
+    cancel_running: bool = Field(False, description="with state disabled: cancel its active attempts too")
 
     def to_change(self) -> WorkerChange:
         return WorkerChange(
@@ -33,7 +38,9 @@ class WorkerPatch(BaseModel):
             max_concurrent_tasks=self.max_concurrent_tasks,
             task_types=None if self.task_types is None else tuple(dict.fromkeys(self.task_types)),
             organizations=None if self.organizations is None else tuple(dict.fromkeys(self.organizations)),
-            cancel_removed=self.cancel_removed)
+            cancel_removed=self.cancel_removed,
+            tags=None if self.tags is None else tuple(dict.fromkeys(self.tags)),
+            reset_issuer=self.reset_issuer, cancel_running=self.cancel_running)
 
 
 class CertOut(Answer):
@@ -56,6 +63,9 @@ class WorkerOut(Answer):
     last_seen: Instant
     address: str | None
     live: int
+    issuer: str | None = Field(description="SHA-256 (lowercase hex) of the CA certificate its identity is bound "
+                                           "to; null until its next certificate binds it")
+    tags: list[str] = Field(description="globs: the slot tags it reports count only when one matches")
 
     @classmethod
     def of(cls, worker: RemoteWorker) -> Self:

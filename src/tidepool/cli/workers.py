@@ -1,5 +1,5 @@
 """`tidepool workers`: the remote workers a gateway knows, and the operator's say over each one (enable, drain,
-revoke, what it may take)."""
+revoke, what it may take, the CA its identity is bound to)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,10 @@ def cmd_enable(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_disable(args: argparse.Namespace, settings: Settings) -> int:
-    return _change(args, settings, "PATCH", "", {"state": "disabled"})
+    change: dict[str, Any] = {"state": "disabled"}
+    if args.cancel:
+        change["cancel_running"] = True
+    return _change(args, settings, "PATCH", "", change)
 
 
 def cmd_revoke(args: argparse.Namespace, settings: Settings) -> int:
@@ -71,11 +74,17 @@ def cmd_set(args: argparse.Namespace, settings: Settings) -> int:
         change["task_types"] = _names(args.types)
     if args.orgs is not None:
         change["organizations"] = _names(args.orgs)
+    if args.tags is not None:
+        change["tags"] = _names(args.tags)
+    if args.reset_issuer:
+        change["reset_issuer"] = True
     if args.cancel_removed:  # alone too: the attempts of organizations an earlier set took away
         change["cancel_removed"] = True
+    if args.keep_running:
+        change["cancel_removed"] = False
     if not change:
-        print("tidepool: workers set: give at least one of --max, --types, --orgs and --cancel-removed",
-              file=sys.stderr)
+        print("tidepool: workers set: give at least one of --max, --types, --orgs and --cancel-removed (or --tags, "
+              "--reset-issuer, --keep-running)", file=sys.stderr)
         return USAGE
     return _change(args, settings, "PATCH", "", change)
 
@@ -93,17 +102,28 @@ def _change(args: argparse.Namespace, settings: Settings, method: str, action: s
         if args.json:
             print_json(worker)
         else:
-            print(visible(said(worker, cancel_removed=bool(change and change.get("cancel_removed")))))
+            print(visible(said(worker, cancel_removed=_cancels_removed(change),
+                               cancel_running=bool(change and change.get("cancel_running")))))
         return OK
 
     return with_client(args, settings, body)
 
 
-def said(worker: dict[str, Any], *, cancel_removed: bool = False) -> str:
+def _cancels_removed(change: dict[str, Any] | None) -> bool:
+    """Whether a change cancels the attempts of organizations the worker is not assigned: when it says so, or
+    by default when it takes organizations away."""
+    if not change:
+        return False
+    return bool(change.get("cancel_removed", "organizations" in change))
+
+
+def said(worker: dict[str, Any], *, cancel_removed: bool = False, cancel_running: bool = False) -> str:
     """One line on what the worker is now and what that means for its attempts."""
     live, state = live_count(worker), worker["state"]
     head = f"worker {worker['id']} {state}"
-    if state == "disabled":
+    if state == "disabled" and cancel_running:
+        head += f": it takes no new task; its {live} live attempt(s) are being cancelled"
+    elif state == "disabled":
         head += f": it takes no new task; its {live} live attempt(s) run to their end"
     elif state == "revoked":
         head += f": its certificate is refused from now on; its {live} live attempt(s) are being cancelled"
@@ -111,6 +131,8 @@ def said(worker: dict[str, Any], *, cancel_removed: bool = False) -> str:
         head += ": it takes nothing until enabled"
     settings_ = (f"max {worker['max_concurrent_tasks']} live, types {','.join(worker['task_types']) or '-'}, "
                  f"organizations {','.join(worker['organizations']) or '-'}")
+    if worker.get("tags", ["*"]) != ["*"]:
+        settings_ += f", tags {','.join(worker['tags']) or '-'}"
     tail = "; its attempts of the organizations it is not assigned are cancelled" if cancel_removed else ""
     return f"{head} ({settings_}){tail}"
 
@@ -131,12 +153,21 @@ def add_commands(add: Any) -> None:
         return p
 
     action("enable", cmd_enable, "let it take tasks (a pending worker's enrollment)")
-    action("disable", cmd_disable, "drain it: no new tasks, its running attempts finish")
+    p = action("disable", cmd_disable, "drain it: no new tasks, its running attempts finish (or --cancel)")
+    p.add_argument("--cancel", action="store_true", help="cancel its running attempts too (a drain with a cancel)")
     action("revoke", cmd_revoke, "refuse it for good: its attempts are cancelled, its connections closed")
     p = action("set", cmd_set, "change what it may take; cancel what it may no longer take")
     p.add_argument("--max", type=int, metavar="N", help="the most attempts it may hold at once")
     p.add_argument("--types", metavar="A,B", help="the task types it may take (globs), comma separated")
     p.add_argument("--orgs", metavar="A,B", help="the organizations whose tasks it may take, comma separated")
-    p.add_argument("--cancel-removed", action="store_true",
-                   help="cancel its active attempts of every organization it is not assigned (after --orgs, if "
-                        "given), also of those an earlier set took away; without it they run to their end")
+    p.add_argument("--tags", metavar="A,B", help="the slot tags that count for it (globs), comma separated: the tags "
+                                                "it reports lease only the tasks these allow")
+    p.add_argument("--reset-issuer", action="store_true",
+                   help="let its next certificate bind its identity to that certificate's CA (a CA rotation)")
+    removed = p.add_mutually_exclusive_group()
+    removed.add_argument("--cancel-removed", action="store_true",
+                         help="cancel its active attempts of every organization it is not assigned (after --orgs, if "
+                              "given), also of those an earlier set let run; --orgs alone cancels those of the "
+                              "organizations it takes away")
+    removed.add_argument("--keep-running", action="store_true",
+                         help="with --orgs: its active attempts of the organizations taken away run to their end")

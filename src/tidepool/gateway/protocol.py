@@ -81,10 +81,11 @@ class Gateway:
         self.parking.wake(n)
         self.controls.wake(n)
 
-    async def meet(self, peer: Peer) -> RemoteWorker:
-        return await self.registry.meet(peer, cert=CertSeen(peer.fingerprint, peer.not_after),
+    async def meet(self, peer: Peer, *, version: str | None = None) -> RemoteWorker:
+        return await self.registry.meet(peer, cert=CertSeen(peer.fingerprint, peer.not_after, peer.issuer),
                                         enroll=self.settings.enroll,
-                                        max_concurrent_tasks=self.settings.max_concurrent_tasks)
+                                        max_concurrent_tasks=self.settings.max_concurrent_tasks,
+                                        version=version, min_version=self.settings.min_worker_version)
 
     # acquire
 
@@ -92,7 +93,22 @@ class Gateway:
                       gone: Callable[[], bool], on_gone: Callable[[Callable[[], None]], Callable[[], None]],
                       ) -> dict[str, Any]:
         """Lease up to body.max tasks, held up to min(wait_s, gateway.max_wait_s) until one exists. A request_id
-        sent again within lease_s answers what the first one leased."""
+        sent again within lease_s answers what the first one leased. The answer names the caller's attempts in
+        cancelling, as a renewal does, for a worker whose control stream is down."""
+        answer = await self._leases_for(worker, body, version=version, gone=gone, on_gone=on_gone)
+        return {**answer, "cancel": await self._cancelling(worker.id)}
+
+    async def _cancelling(self, identity: str) -> list[str]:
+        """Its attempts a cancel moved to cancelling; none said when the store is away (the answer may hold
+        leases, which must not be lost for this: the next call tells them)."""
+        try:
+            return await self.store.cancelling_of(identity)
+        except StoreUnavailable:
+            return []
+
+    async def _leases_for(self, worker: RemoteWorker, body: AcquireIn, *, version: str | None,
+                          gone: Callable[[], bool], on_gone: Callable[[Callable[[], None]], Callable[[], None]],
+                          ) -> dict[str, Any]:
         if worker.state is WorkerState.DISABLED:  # a drain: at once, nothing new
             self.metrics.answered.inc(("disabled",))
             return self._answer([], worker.state)

@@ -1,5 +1,6 @@
-"""The gateway's side of the worker registry: who is calling and whether it is served, and the operator's
-changes (enable, disable, limits, organizations, revoke) carried to the worker at once.
+"""The gateway's side of the worker registry: who is calling and whether it is served (its identity bound to
+the CA of its first certificate, its version not older than gateway.min_worker_version), and the operator's
+changes (enable, disable, limits, organizations, tags, revoke) carried to the worker at once.
 
 The registry itself lives in the store (one record per certificate identity). A call's record is read (and its
 last_seen saved) at most every MEET_EVERY_S per identity, so last_seen is that precise: a parked worker's
@@ -14,14 +15,16 @@ worker's next call, so a revoke refuses its writes at once here too.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 
-from ..errors import Conflict, LeaseGone, WorkerRefused
+from ..errors import Conflict, IssuerConflict, LeaseGone, WorkerRefused
 from ..events import EventBus
 from ..metrics.gateway import GatewayMetrics
 from ..model import CertSeen, RemoteWorker, WorkerChange, WorkerState, rfc3339
 from ..store import Enroll, Revoked, Store
+from ..store.rules import allowed_slots
 from .control import Controls
 from .parking import Parking
 from .tls import Peer
@@ -29,6 +32,8 @@ from .tls import Peer
 log = logging.getLogger("tidepool.gateway")
 MEET_EVERY_S = 5.0  # far below how long /v1/nodes waits before it calls a remote worker gone
 TAGS_FOR_S = 1.0    # a submit's tag check reads the workers' slots at most this often
+LEADING_NUMBERS = re.compile(r"\d+(?:\.\d+)*")
+TOLD_AT_MOST = 4096  # refusals remembered as logged; past it they are logged once more
 
 
 class WorkerRegistry:
@@ -43,16 +48,22 @@ class WorkerRegistry:
         self._met: dict[str, tuple[float, str, RemoteWorker]] = {}  # identity -> (when, fingerprint, record)
         self._slots: tuple[float, list[frozenset[str]]] = (-TAGS_FOR_S, [])
         self._changes = 0  # records changed meanwhile: a read begun before a change is not kept
+        self._told: set[tuple[str, str]] = set()  # (identity, what) refusals already logged: one line each
 
     # calls of remote workers
 
-    async def meet(self, peer: Peer, *, cert: CertSeen, enroll: Enroll, max_concurrent_tasks: int) -> RemoteWorker:
-        """The caller's record, created at its first contact (pending, or enabled under auto enrollment)."""
+    async def meet(self, peer: Peer, *, cert: CertSeen, enroll: Enroll, max_concurrent_tasks: int,
+                   version: str | None = None, min_version: str = "") -> RemoteWorker:
+        """The caller's record, created at its first contact (pending, or enabled under auto enrollment).
+        WorkerRefused worker_outdated for a version older than `min_version` (its record is not touched),
+        identity_conflict for a certificate of another CA than the one its identity is bound to."""
         now = self._clock()
         if peer.not_after <= now:  # checked at the handshake, but a keep-alive connection outlives it
             self._metrics.refused.inc(("certificate_expired",))
             raise WorkerRefused(peer.identity, "certificate_expired",
                                 f"its client certificate expired at {rfc3339(peer.not_after)}")
+        if min_version:
+            self._refuse_outdated(peer.identity, version, min_version)
         known = self._met.get(peer.identity)
         if known is not None and now - known[0] < MEET_EVERY_S and known[1] == peer.fingerprint:
             return known[2]
@@ -60,6 +71,12 @@ class WorkerRegistry:
         try:
             worker = await self._store.meet_worker(peer.identity, cert=cert, address=peer.address, now=now,
                                                    enroll=enroll, max_concurrent_tasks=max_concurrent_tasks)
+        except IssuerConflict as exc:
+            self._metrics.refused.inc(("identity_conflict",))
+            self._tell_once(peer.identity, f"issuer {exc.presented}", logging.WARNING,
+                            "worker %s refused: its identity is bound to the CA %s, this certificate (%s) is of the "
+                            "CA %s", peer.identity, exc.bound, peer.fingerprint, exc.presented or "unknown")
+            raise WorkerRefused(peer.identity, "identity_conflict", exc.explained()) from None
         except Conflict as exc:
             raise WorkerRefused(peer.identity, "identity_conflict", str(exc)) from None
         if worker.first_seen == worker.last_seen == now:
@@ -69,6 +86,25 @@ class WorkerRegistry:
         if changes == self._changes:
             self._met[peer.identity] = (now, peer.fingerprint, worker)
         return worker
+
+    def _refuse_outdated(self, identity: str, version: str | None, min_version: str) -> None:
+        """WorkerRefused worker_outdated unless `version` is min_version or newer, compared as numbers."""
+        if version is not None and version_numbers(version) >= version_numbers(min_version):
+            return
+        self._metrics.refused.inc(("outdated",))
+        said = f"version {version}" if version is not None else "no version"
+        self._tell_once(identity, f"version {version}", logging.WARNING, "worker %s refused: it reports %s, older "
+                        "than gateway.min_worker_version %s", identity, said, min_version)
+        raise WorkerRefused(identity, "worker_outdated", f"it reports {said}; this gateway serves workers of "
+                                                         f"version {min_version} or newer: upgrade it")
+
+    def _tell_once(self, identity: str, what: str, level: int, message: str, *args: object) -> None:
+        """Log a refusal once per identity and cause: a refused worker retries every few seconds."""
+        if (identity, what) not in self._told:
+            if len(self._told) >= TOLD_AT_MOST:  # a worker could name a new version on every call
+                self._told.clear()
+            self._told.add((identity, what))
+            log.log(level, message, *args)
 
     @property
     def changes(self) -> int:
@@ -134,6 +170,10 @@ class WorkerRegistry:
         for each attempt the change stopped, and its parked acquires look again."""
         self._changes += 1
         self._met.pop(worker.id, None)
+        if before.issuer is not None and worker.issuer is None:
+            log.info("worker %s: its identity binds anew to the CA of its next certificate (was %s)", worker.id,
+                     before.issuer)
+            self._told = {told for told in self._told if told[0] != worker.id}
         for attempt in cancelled:
             self._events.publish("task.cancel_requested", task_id=attempt.task_id, worker_id=worker.id,
                                  type=attempt.type, attempt_id=attempt.attempt_id)
@@ -147,6 +187,9 @@ class WorkerRegistry:
                 self._controls.cut_off(worker.id, worker.state.value)
             else:
                 self._controls.worker_state(worker.id, worker.state.value)
+        elif cancelled:
+            log.info("worker %s: %d attempts cancelled (work an operator took away from it)", worker.id,
+                     len(cancelled))
         self._parking.wake_identity(worker.id)
 
     def _count(self, workers: list[RemoteWorker]) -> None:
@@ -160,5 +203,16 @@ class WorkerRegistry:
         now = self._clock()
         if now - self._slots[0] >= TAGS_FOR_S:
             workers = await self.list_workers()
-            self._slots = (now, [frozenset(s) for w in workers if w.state is WorkerState.ENABLED for s in w.slots])
+            self._slots = (now, [s for w in workers if w.state is WorkerState.ENABLED
+                                 for s in allowed_slots(w, w.slots)])
         return self._slots[1]
+
+
+def version_numbers(version: str) -> tuple[int, ...]:
+    """A version's leading numbers, trailing zeros dropped, as a tuple that compares as versions do: "0.3" and
+    "0.3.0" are equal, "0.10.1" is newer than "0.9"; a version with no leading number is () (the oldest)."""
+    found = LEADING_NUMBERS.match(version.strip().removeprefix("v"))
+    numbers = [int(n) for n in found.group().split(".")] if found else []
+    while numbers and numbers[-1] == 0:
+        numbers.pop()
+    return tuple(numbers)

@@ -33,7 +33,7 @@ def _refusals(request: web.Request, exc: Exception) -> web.StreamResponse | None
         return answer
     if isinstance(exc, WorkerRefused):
         answer = error(403, exc.code, str(exc))
-        if exc.code in ("worker_revoked", "worker_pending"):
+        if exc.code in ("worker_revoked", "worker_pending", "worker_outdated"):
             answer.force_close()  # a worker that is not served keeps no connection open
         return answer
     return None
@@ -47,7 +47,7 @@ async def _caller(request: web.Request) -> RemoteWorker:
                                           "(a common name, else a DNS name)")
     gateway = request.app[GATEWAY]
     gateway.controls.seen(peer.identity, request.transport, request.app[GUARD].when_lost)
-    return await gateway.meet(peer)
+    return await gateway.meet(peer, version=_version(request))
 
 
 def _version(request: web.Request) -> str | None:

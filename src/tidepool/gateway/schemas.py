@@ -109,6 +109,9 @@ class AcquireOut(Answer):
     worker_state: WorkerStateName
     lease_s: float
     renew_after_s: float
+    cancel: list[str] = Field(default_factory=list, description="the caller's attempts being cancelled: stop them "
+                                                                "and finish each as cancelled, as for a renewal's "
+                                                                "status cancel")
 
 
 class LeaseStatusOut(Answer):

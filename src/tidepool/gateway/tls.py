@@ -1,5 +1,5 @@
 """The listener's TLS: a server context that demands a client certificate of the workers' CA, swapped whole
-when the files are read again, and the identity a verified peer certificate names.
+when the files are read again, and the identity a verified peer certificate names and the CA that issued it.
 
 A reload must not drop live connections, so the listening socket keeps one context for good and every
 handshake switches to the newest one in its server-name callback (called whether or not the client sent
@@ -14,6 +14,10 @@ import ssl
 import weakref
 from dataclasses import dataclass
 from typing import Any
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
 
 from ..errors import ConfigError
 from ..settings import GatewaySettings
@@ -43,7 +47,23 @@ def server_context(settings: GatewaySettings) -> ssl.SSLContext:
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(f"config: gateway.client_ca_file: cannot load {settings.client_ca_file}: "
                           f"{_reason(exc)}") from None
+    _ISSUERS[context] = _ca_certificates(settings.client_ca_file)
     return context
+
+
+def _ca_certificates(path: str) -> tuple[x509.Certificate, ...]:
+    """The CA certificates of a bundle, read once per load of the file: a handshake's issuer is found among
+    them."""
+    try:
+        with open(path, "rb") as file:
+            return tuple(x509.load_pem_x509_certificates(file.read()))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"config: gateway.client_ca_file: cannot read the CA certificates of {path}: {exc}") \
+            from None
+
+
+# The CA certificates each context trusts, by context: a connection's is the context its handshake used.
+_ISSUERS: weakref.WeakKeyDictionary[ssl.SSLContext, tuple[x509.Certificate, ...]] = weakref.WeakKeyDictionary()
 
 
 def _reason(exc: OSError | ssl.SSLError) -> str:
@@ -88,6 +108,7 @@ class Peer:
     fingerprint: str   # lowercase hex SHA-256 of the certificate's DER form
     not_after: float
     address: str | None
+    issuer: str = ""   # lowercase hex SHA-256 of the DER form of the CA certificate that signed it
 
 
 def peer_of(transport: Any) -> Peer | None:
@@ -119,7 +140,24 @@ def _read_peer(tls: Any, transport: Any) -> Peer | None:
         return None
     peername = transport.get_extra_info("peername")
     address = str(peername[0]) if isinstance(peername, tuple) and peername else None
-    return Peer(identity, hashlib.sha256(der).hexdigest(), ssl.cert_time_to_seconds(cert["notAfter"]), address)
+    return Peer(identity, hashlib.sha256(der).hexdigest(), ssl.cert_time_to_seconds(cert["notAfter"]), address,
+                issuer_of(der, _ISSUERS.get(tls.context, ())))
+
+
+def issuer_of(der: bytes, authorities: tuple[x509.Certificate, ...]) -> str:
+    """The SHA-256 fingerprint (lowercase hex) of the CA certificate among `authorities` that signed the
+    certificate `der`; "" when none did. Python's ssl tells no verified chain, and two CAs may share a name:
+    the one whose name the certificate names as its issuer and whose key verifies its signature is its CA."""
+    leaf = x509.load_der_x509_certificate(der)
+    for authority in authorities:
+        if authority.subject != leaf.issuer:
+            continue
+        try:
+            leaf.verify_directly_issued_by(authority)
+        except (InvalidSignature, ValueError, TypeError):
+            continue
+        return authority.fingerprint(hashes.SHA256()).hex()
+    return ""
 
 
 MAX_IDENTITY = 255  # a longer one could not be told to the other gateways of a PostgreSQL store (pg_notify)

@@ -343,6 +343,9 @@ class RemoteWorkerVerbs(Protocol):
         of the organizations it is assigned, on the tags of where.tag_sets, in queue order; the attempts'
         node_id is the identity. Holds with several gateways on one store: the cap is never exceeded and no
         task is leased twice. WorkerNotFound for an identity never met."""
+    async def cancelling_of(self, identity: str) -> list[str]:
+        """The attempt ids of the worker's tasks in cancelling: every answer to it names them, so that a worker
+        whose control stream is down learns of a cancel at its next call."""
     async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
         """The node_id of each attempt named (a remote worker's identity, for its attempts); unknown ids are
         left out."""

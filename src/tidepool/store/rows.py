@@ -64,7 +64,7 @@ SCHEDULE_COLUMNS = "name, spec, paused, next_tick_at, next_run_at, last_run_at, 
 NODE_COLUMNS = ("node_id, instance_id, hostname, pid, version, started_at, heartbeat_at, heartbeat_s, stopped_at, "
                 "task_types, tags, max_workers")
 WORKER_COLUMNS = ("id, state, max_concurrent_tasks, task_types, organizations, slots, version, fingerprints, "
-                  "first_seen, last_seen, address")
+                  "first_seen, last_seen, address, issuer, tags")
 
 
 def loads(text: str) -> Any:
@@ -136,20 +136,23 @@ def node_values(n: Node, *, task_types: Any) -> tuple[Any, ...]:
             n.stopped_at, task_types, json.dumps([list(t) for t in n.tags]), n.max_workers)
 
 
-def worker_of(row: Sequence[Any], *, task_types: Sequence[str], organizations: Sequence[str],
+def worker_of(row: Sequence[Any], *, task_types: Sequence[str], organizations: Sequence[str], tags: Sequence[str],
               live: int) -> RemoteWorker:
     """A RemoteWorker from a WORKER_COLUMNS row; its slots and fingerprints are JSON text in both stores."""
     slots = tuple(tuple(s) for s in json.loads(row[5]))
-    seen = tuple(CertSeen(c["fingerprint"], c["not_after"]) for c in json.loads(row[7]))
+    seen = tuple(CertSeen(c["fingerprint"], c["not_after"], c.get("issuer", "")) for c in json.loads(row[7]))
     return RemoteWorker(row[0], WorkerState(row[1]), row[2], tuple(task_types), tuple(organizations), slots, row[6],
-                        seen, row[8], row[9], row[10], live)
+                        seen, row[8], row[9], row[10], live, row[11], tuple(tags))
 
 
 def worker_values(w: RemoteWorker, *, lists: Callable[[tuple[str, ...]], Any]) -> tuple[Any, ...]:
-    """A worker's WORKER_COLUMNS values; `lists` makes its task types and organizations what the store keeps."""
-    seen = json.dumps([{"fingerprint": c.fingerprint, "not_after": c.not_after} for c in w.fingerprints])
+    """A worker's WORKER_COLUMNS values; `lists` makes its task types, organizations and tags what the store
+    keeps."""
+    seen = json.dumps([{"fingerprint": c.fingerprint, "not_after": c.not_after, "issuer": c.issuer}
+                       for c in w.fingerprints])
     return (w.id, w.state.value, w.max_concurrent_tasks, lists(w.task_types), lists(w.organizations),
-            json.dumps([list(s) for s in w.slots]), w.version, seen, w.first_seen, w.last_seen, w.address)
+            json.dumps([list(s) for s in w.slots]), w.version, seen, w.first_seen, w.last_seen, w.address, w.issuer,
+            lists(w.tags))
 
 
 # scans: their rows, and what a scan's next move writes, decided alike for both SQL adapters

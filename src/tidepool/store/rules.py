@@ -1,7 +1,8 @@
 """The rules every store adapter decides alike: room checks, cancel and retry steps, expiry outcomes, who may
 end an attempt, the state sets their SQL names (rendered from the model), and the remote workers of the
-registry: their first record, a later contact, an operator's change, which organizations a change takes
-away, the room an acquire has, and which task types a worker's globs allow.
+registry: their first record, a later contact (the CA its identity is bound to), an operator's change, which
+attempts a change cancels, the room an acquire has, which task types a worker's globs allow and which of the
+tags it reports its record lets count.
 
 A task type glob is an fnmatch pattern with only `*` (any run of characters) and `?` (any one): every
 other character, `[` included, means itself, so the stores' SQL matches exactly what Python does.
@@ -15,7 +16,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..errors import Conflict, InvalidRequest, InvalidTransition, QueueFull, TidepoolError
+from ..errors import Conflict, InvalidRequest, InvalidTransition, IssuerConflict, QueueFull, TidepoolError
 from ..lifecycle import Event, RetryPolicy, step
 from ..model import (
     ACTIVE,
@@ -138,6 +139,7 @@ def step_retry_refused(task_id: str, scan_id: str, index: int) -> str:
 ORGANIZATION = re.compile(ORGANIZATION_PATTERN)
 MAX_ORGANIZATIONS = 256
 MAX_TYPE_GLOBS = 256
+MAX_TAG_GLOBS = 256
 MAX_CONCURRENT_TASKS = 100_000
 REMOTE_INSTANCE = "remote"  # the instance id of a remote worker's attempts: the store never knows its process
 
@@ -161,15 +163,21 @@ def first_record(identity: str, cert: CertSeen, address: str | None, now: float,
     """The record of an identity met for the first time."""
     state = WorkerState.ENABLED if enroll == "auto" else WorkerState.PENDING
     return RemoteWorker(identity, state, max_concurrent_tasks, fingerprints=(cert,), first_seen=now, last_seen=now,
-                        address=address)
+                        address=address, issuer=cert.issuer or None)
 
 
 def met_again(worker: RemoteWorker, cert: CertSeen, address: str | None, now: float) -> RemoteWorker:
-    """The record after a later contact: last seen now, from `address`, and `cert` kept if it is new."""
+    """The record after a later contact: last seen now, from `address`, and `cert` kept if it is new.
+    IssuerConflict, the record unchanged, for a certificate of another CA than the one the identity is bound
+    to: whoever holds a key of another CA the gateway trusts must not become this worker. A record bound to
+    no CA yet (new, or reset by an operator) is bound to this certificate's."""
+    if worker.issuer is not None and cert.issuer != worker.issuer:
+        raise IssuerConflict(worker.id, worker.issuer, cert.issuer)
     seen = worker.fingerprints
     if all(c.fingerprint != cert.fingerprint for c in seen):
         seen = (*seen, cert)
-    return dataclasses.replace(worker, last_seen=max(worker.last_seen, now), address=address, fingerprints=seen)
+    return dataclasses.replace(worker, last_seen=max(worker.last_seen, now), address=address, fingerprints=seen,
+                               issuer=worker.issuer or cert.issuer or None)
 
 
 def changed(worker: RemoteWorker, change: WorkerChange) -> RemoteWorker:
@@ -192,7 +200,15 @@ def changed(worker: RemoteWorker, change: WorkerChange) -> RemoteWorker:
         fields["task_types"] = _type_globs(change.task_types)
     if change.organizations is not None:
         fields["organizations"] = _organizations(change.organizations)
-    return dataclasses.replace(worker, **fields)  # type: ignore[arg-type]
+    if change.tags is not None:
+        fields["tags"] = _tag_globs(change.tags)
+    if change.reset_issuer:
+        fields["issuer"] = None
+    after = dataclasses.replace(worker, **fields)  # type: ignore[arg-type]
+    if change.cancel_running and after.state is not WorkerState.DISABLED:
+        raise InvalidRequest("cancel_running", "cancels the running attempts of a drain: give it with state "
+                                               "disabled")
+    return after
 
 
 def _type_globs(globs: Sequence[str]) -> tuple[str, ...]:
@@ -204,6 +220,15 @@ def _type_globs(globs: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(globs))
 
 
+def _tag_globs(globs: Sequence[str]) -> tuple[str, ...]:
+    if len(globs) > MAX_TAG_GLOBS:
+        raise InvalidRequest("tags", f"{len(globs)} globs; at most {MAX_TAG_GLOBS}")
+    for glob in globs:
+        if not 1 <= len(glob) <= 200:
+            raise InvalidRequest("tags", f"{glob!r}: a glob is 1 to 200 characters")
+    return tuple(dict.fromkeys(globs))
+
+
 def _organizations(names: Sequence[str]) -> tuple[str, ...]:
     if len(names) > MAX_ORGANIZATIONS:
         raise InvalidRequest("organizations", f"{len(names)} organizations; at most {MAX_ORGANIZATIONS}")
@@ -211,9 +236,15 @@ def _organizations(names: Sequence[str]) -> tuple[str, ...]:
 
 
 def spared(after: RemoteWorker, change: WorkerChange) -> tuple[str, ...] | None:
-    """When a change says cancel_removed, the organizations whose active attempts it leaves be: the worker's
-    assignment after it, so that the attempts of every other organization are cancelled, also of those an
-    earlier change took away; None when it cancels nothing."""
+    """The organizations whose active attempts a change leaves be, the worker's other active attempts being
+    cancelled: none (every attempt is cancelled) for a disable with cancel_running; the worker's assignment
+    after the change when it takes organizations away (unless it says cancel_removed False) or says
+    cancel_removed, so that the attempts of every other organization are cancelled, also of those an earlier
+    change let run. None when it cancels nothing: taking work away cancels it unless the operator says not to."""
+    if change.cancel_running:
+        return ()
+    if change.cancel_removed is None and change.organizations is not None:
+        return after.organizations
     return after.organizations if change.cancel_removed else None
 
 
@@ -234,6 +265,14 @@ def worth_saving(known: RemoteWorker, seen: RemoteWorker) -> bool:
             or seen.last_seen - known.last_seen >= SEEN_EVERY_S)
 
 
+def allowed_slots(worker: RemoteWorker, slots: Iterable[Iterable[str]]) -> tuple[frozenset[str], ...]:
+    """Each slot a worker reports with only the tags its record's globs allow: what a worker says of itself
+    is a claim, and the operator's globs decide which of its tags count."""
+    if "*" in worker.tags:
+        return tuple(frozenset(s) for s in slots)
+    return tuple(frozenset(t for t in s if any(glob_matches(g, t) for g in worker.tags)) for s in slots)
+
+
 def room(worker: RemoteWorker, limit: int) -> int:
     """How many tasks an acquire may lease: none unless the worker is enabled, never past its cap."""
     if worker.state is not WorkerState.ENABLED:
@@ -251,15 +290,15 @@ def _python_regex(glob: str) -> re.Pattern[str]:
 
 def acquire_filter(where: ClaimFilter, worker: RemoteWorker) -> tuple[ClaimFilter, tuple[str, ...] | None]:
     """What an acquire of `worker` may lease: the filter (the requested types its globs allow, its
-    organizations, the requested tag sets), and the globs the store must still match in its query when
-    the request named no types (None: nothing left to match)."""
-    organizations = worker.organizations
+    organizations, the requested tag sets with only the tags its record allows), and the globs the store must
+    still match in its query when the request named no types (None: nothing left to match)."""
+    organizations, tag_sets = worker.organizations, allowed_slots(worker, where.tag_sets)
     if where.types is not None:
         allowed = tuple(t for t in where.types if any(glob_matches(g, t) for g in worker.task_types))
-        return ClaimFilter(allowed, where.tag_sets, organizations), None
+        return ClaimFilter(allowed, tag_sets, organizations), None
     if "*" in worker.task_types:
-        return ClaimFilter(None, where.tag_sets, organizations), None
-    return ClaimFilter(None, where.tag_sets, organizations), worker.task_types
+        return ClaimFilter(None, tag_sets, organizations), None
+    return ClaimFilter(None, tag_sets, organizations), worker.task_types
 
 
 def postgres_regex(glob: str) -> str:

@@ -18,11 +18,19 @@ function actionsFor(state) {
   return [state === "enabled" ? "disable" : "enable", "revoke"];
 }
 
-const WORKER_COLUMNS = ["id", "state", "live", "max", "organizations", "types", "last-seen", "address"];
+const WORKER_COLUMNS = ["id", "state", "live", "max", "organizations", "types", "tags", "issuer", "last-seen",
+  "address"];
+
+// The CA its identity is bound to, by the first 12 hex digits of its fingerprint (the title holds them all);
+// "-" until its next certificate binds it.
+function shortIssuer(issuer) {
+  return issuer ? issuer.slice(0, 12) : "-";
+}
 
 function workerCells(w) {
   return [w.id, w.state, String(liveCount(w)), String(w.max_concurrent_tasks), (w.organizations || []).join(", "),
-    (w.task_types || []).join(", "), toSecond(w.last_seen), w.address || ""];
+    (w.task_types || []).join(", "), (w.tags || ["*"]).join(", "), shortIssuer(w.issuer), toSecond(w.last_seen),
+    w.address || ""];
 }
 
 // A row is built once per worker and state (its buttons depend on the state) and its figures are updated in
@@ -50,6 +58,8 @@ function workerRow(w) {
 
 function fillWorker(tr, w) {
   workerCells(w).forEach((text, i) => { if (tr.cells[i].textContent !== text) tr.cells[i].textContent = text; });
+  const issuer = tr.cells[WORKER_COLUMNS.indexOf("issuer")];
+  if (issuer.title !== (w.issuer || "")) issuer.title = w.issuer || "";
   return tr;
 }
 

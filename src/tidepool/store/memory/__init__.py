@@ -208,6 +208,9 @@ class MemoryStore:
         return workers.acquire(self._db, identity, where, limit=limit, now=now, lease_s=lease_s,
                                worker_id=worker_id, slots=slots, version=version)
 
+    async def cancelling_of(self, identity: str) -> list[str]:
+        return workers.cancelling_of(self._db, identity)
+
     async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
         return workers.attempt_owners(self._db, attempt_ids)
 

@@ -80,6 +80,11 @@ def acquire(db: Database, identity: str, where: ClaimFilter, *, limit: int, now:
     return Acquired(worker, [leases.lease_row(db, row, claimer, now=now, lease_s=lease_s) for row in rows])
 
 
+def cancelling_of(db: Database, identity: str) -> list[str]:
+    return [row.lease.attempt_id for row in db.tasks.values()
+            if row.task.node_id == identity and row.task.state is State.CANCELLING and row.lease is not None]
+
+
 def attempt_owners(db: Database, attempt_ids: Sequence[str]) -> dict[str, str]:
     wanted = set(attempt_ids)
     return {a.id: a.node_id for row in db.tasks.values() for a in row.attempts if a.id in wanted}

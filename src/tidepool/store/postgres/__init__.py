@@ -232,6 +232,9 @@ class PostgresStore:
         return await workers.acquire(self._db, identity, where, limit=limit, now=now, lease_s=lease_s,
                                      worker_id=worker_id, slots=slots, version=version)
 
+    async def cancelling_of(self, identity: str) -> list[str]:
+        return await workers.cancelling_of(self._db, identity)
+
     async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
         return await workers.attempt_owners(self._db, attempt_ids)
 

@@ -161,6 +161,11 @@ async def acquire(db: Database, identity: str, where: ClaimFilter, *, limit: int
         return Acquired(seen, claimed)
 
 
+async def cancelling_of(db: Database, identity: str) -> list[str]:
+    async with db.conn() as conn:
+        return [r[0] for r in await conn.fetch(SQL["cancelling_of"], identity)]
+
+
 async def attempt_owners(db: Database, attempt_ids: Sequence[str]) -> dict[str, str]:
     if not attempt_ids:
         return {}
@@ -187,7 +192,7 @@ async def _nothing_to_acquire(db: Database, identity: str, where: ClaimFilter, l
 
 
 def _worker(row: Any) -> RemoteWorker:
-    return worker_of(row, task_types=row[3], organizations=row[4], live=row[11])
+    return worker_of(row, task_types=row[3], organizations=row[4], tags=row[12], live=row[13])
 
 
 def _values(w: RemoteWorker) -> tuple[Any, ...]:

@@ -237,6 +237,9 @@ class RemoteStore:
                       worker_id: str, slots: Sequence[Sequence[str]], version: str | None) -> Acquired:
         return await workers.acquire(self.url)
 
+    async def cancelling_of(self, identity: str) -> list[str]:
+        return await workers.cancelling_of(self.url)
+
     async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
         return await workers.attempt_owners(self.url)
 

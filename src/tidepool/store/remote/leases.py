@@ -149,6 +149,10 @@ class GatewayLeases:
                 lease = Lease(task.id, item["attempt_id"], item["lease_token"], received_clock + until - received)
                 self._live.granted(lease.attempt_id, until)
                 claimed.append(Claimed(task, lease))
+            cancels = [str(a) for a in data.get("cancel") or ()]
+        for attempt_id in cancels:  # as a renewal's status cancel: its control stream may be down
+            if not self._live.is_cancelling(attempt_id):  # each answer names it until it has ended
+                self.cancel(attempt_id)
         return claimed
 
     def _lease_end(self, expires_at: float, *, sent: float, received: float, received_clock: float) -> float:
@@ -339,6 +343,9 @@ class LocalLeases:
     def cancelling(self, attempt_id: str) -> None:
         """The gateway takes this attempt's cancel whatever its lease: its ending may go out after the end."""
         self._cancelling.add(attempt_id)
+
+    def is_cancelling(self, attempt_id: str) -> bool:
+        return attempt_id in self._cancelling
 
     def alive(self, attempt_id: str) -> bool:
         until = self._until.get(attempt_id)

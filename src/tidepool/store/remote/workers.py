@@ -180,3 +180,7 @@ async def acquire(gateway_url: str) -> Acquired:
 
 async def attempt_owners(gateway_url: str) -> dict[str, str]:
     raise RemoteNode(gateway_url)
+
+
+async def cancelling_of(gateway_url: str) -> list[str]:
+    raise RemoteNode(gateway_url)

@@ -233,6 +233,9 @@ class SqliteStore:
         return await self._acquire(identity, where, limit=limit, now=now, lease_s=lease_s, worker_id=worker_id,
                                    slots=slots, version=version)
 
+    async def cancelling_of(self, identity: str) -> list[str]:
+        return await self._read(partial(workers.cancelling_of, identity=identity))
+
     async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
         if not attempt_ids:
             return {}

@@ -177,6 +177,10 @@ def acquire(conn: sqlite3.Connection, batch: Batch, *, identity: str, where: Cla
     return Acquired(seen, claimed)
 
 
+def cancelling_of(conn: sqlite3.Connection, identity: str) -> list[str]:
+    return [r[0] for r in conn.execute(Q["cancelling_of"], (identity,))]
+
+
 def attempt_owners(conn: sqlite3.Connection, attempt_ids: Sequence[str]) -> dict[str, str]:
     found: dict[str, str] = {}
     for chunk in chunks(attempt_ids):
@@ -188,7 +192,8 @@ def attempt_owners(conn: sqlite3.Connection, attempt_ids: Sequence[str]) -> dict
 
 
 def _worker(row: Any, live: int) -> RemoteWorker:
-    return worker_of(row, task_types=json.loads(row[3]), organizations=json.loads(row[4]), live=live)
+    return worker_of(row, task_types=json.loads(row[3]), organizations=json.loads(row[4]), tags=json.loads(row[12]),
+                     live=live)
 
 
 def _save(conn: sqlite3.Connection, w: RemoteWorker) -> None:

@@ -26,12 +26,12 @@ SELECT 1 FROM workers WHERE id = $1 FOR UPDATE
 -- name: first_contact
 -- Nothing when another gateway recorded this identity first: the caller then locks that row.
 INSERT INTO workers ({worker_columns})
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
 ON CONFLICT (id) DO NOTHING RETURNING id
 
 -- name: save_worker
 UPDATE workers SET state = $2, max_concurrent_tasks = $3, task_types = $4, organizations = $5, slots = $6,
-    version = $7, fingerprints = $8, first_seen = $9, last_seen = $10, address = $11
+    version = $7, fingerprints = $8, first_seen = $9, last_seen = $10, address = $11, issuer = $12, tags = $13
 WHERE id = $1
 
 -- name: is_node
@@ -43,6 +43,11 @@ SELECT 1 FROM nodes WHERE node_id = $1
 UPDATE tasks SET state = $3, cancel_requested_at = $2, updated_at = $2
 WHERE node_id = $1 AND state IN {working} AND ($4::text[] IS NULL OR organization <> ALL($4::text[]))
 RETURNING id, lease_attempt_id, type
+
+-- name: cancelling_of
+-- The attempts of a worker that a cancel moved to cancelling: its answers tell it to stop them.
+SELECT lease_attempt_id FROM tasks
+WHERE node_id = $1 AND state IN {active} AND state = 'cancelling' AND lease_attempt_id IS NOT NULL
 
 -- name: attempt_owners
 SELECT id, node_id FROM attempts WHERE id = ANY($1::text[])

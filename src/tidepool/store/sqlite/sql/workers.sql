@@ -12,7 +12,7 @@ SELECT {worker_columns} FROM workers WHERE id = ?
 SELECT {worker_columns} FROM workers ORDER BY id
 
 -- name: save_worker
-INSERT OR REPLACE INTO workers ({worker_columns}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+INSERT OR REPLACE INTO workers ({worker_columns}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 
 -- name: live
 SELECT count(*) FROM tasks WHERE node_id = ? AND state IN {active}
@@ -28,6 +28,11 @@ WHERE node_id = ? AND state IN {active} {organizations}
 -- name: cancel_held
 -- A held task of the worker -> cancelling, as a task cancel moves it.
 UPDATE tasks SET state = ?, cancel_requested_at = ?, updated_at = ? WHERE id = ?
+
+-- name: cancelling_of
+-- The attempts of a worker that a cancel moved to cancelling: its answers tell it to stop them.
+SELECT lease_attempt_id FROM tasks
+WHERE node_id = ? AND state IN {active} AND state = 'cancelling' AND lease_attempt_id IS NOT NULL
 
 -- name: attempt_owners
 SELECT id, node_id FROM attempts WHERE id IN ({marks})
