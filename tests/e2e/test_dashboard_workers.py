@@ -1,6 +1,7 @@
 """The dashboard's Workers panel in real headless Chromium against a real gateway whose registry raw /w1 calls
 over mutual TLS filled: each worker's state, live attempts, last seen and organizations; the buttons change
-the worker's record (revoke only once confirmed); and a node whose registry is empty says so."""
+the worker's record (revoke only once confirmed); a gateway with no worker yet says so, and a node that is no
+gateway shows no panel."""
 
 from __future__ import annotations
 
@@ -112,12 +113,17 @@ async def test_a_refused_change_is_said_beside_the_panel(
 
 
 @pytest.mark.e2e
-async def test_a_node_whose_registry_is_empty_says_so(make_token_daemon: Callable[..., Daemon],
-                                                    browser_page: tuple[Any, list[str]]) -> None:
+async def test_a_node_that_is_no_gateway_shows_no_panel_and_a_gateway_says_it_has_no_worker_yet(
+        make_token_daemon: Callable[..., Daemon], gateway: Gateway, browser_page: tuple[Any, list[str]]) -> None:
     from playwright.async_api import expect
 
     daemon, (page, errors) = make_token_daemon({}), browser_page
     await open_with_token(page, daemon)
+    await expect(page.locator("#workers")).not_to_have_text("\u2013", timeout=10_000)  # the pool was read
+    await expect(page.locator("#conn")).to_have_text("live", timeout=10_000)
+    await expect(page.locator("#remote")).to_be_hidden()
+
+    await open_with_token(page, gateway.daemon)
     await expect(page.locator("#remote-empty")).to_have_text("no remote worker has contacted this gateway yet",
                                                              timeout=10_000)
     await expect(page.locator("#remote-workers")).to_be_hidden()

@@ -58,16 +58,17 @@ class PoolOut(Answer):
     guards: GuardsOut
     resources: dict[str, ResourceOut]
     pending_restart: list[str] = Field(description="settings changed by a reload that apply at the next start")
+    gateway: bool = Field(description="this node serves remote workers (gateway.listen is set)")
 
     @classmethod
-    def of(cls, view: PoolView) -> Self:
+    def of(cls, view: PoolView, *, gateway: bool) -> Self:
         pool = view.pool
         return cls.model_validate({
             "node_id": view.node_id, "min_workers": pool.min_workers, "max_workers": pool.max_workers,
             "idle_timeout_s": pool.idle_timeout_s, "workers": pool.workers, "busy": pool.busy,
             "baseline": pool.baseline, "demand": pool.demand, "claiming": pool.claiming, "draining": view.draining,
             "queue": view.queue, "guards": view.guards, "resources": view.resources,
-            "pending_restart": view.pending_restart})
+            "pending_restart": view.pending_restart, "gateway": gateway})
 
 
 class NodeOut(Answer):
@@ -113,7 +114,8 @@ class HealthOut(Answer):
 
 
 async def get_pool(request: web.Request) -> web.Response:
-    return web.json_response(PoolOut.of(await request.app[DAEMON].pool_view()).to_json())
+    daemon = request.app[DAEMON]
+    return web.json_response(PoolOut.of(await daemon.pool_view(), gateway=daemon.serves_workers).to_json())
 
 
 async def patch_pool(request: web.Request) -> web.Response:
@@ -123,7 +125,7 @@ async def patch_pool(request: web.Request) -> web.Response:
         daemon.resize(**body.model_dump(exclude_none=True))
     except ValueError as exc:
         raise Refusal(400, "invalid_request", str(exc)) from None
-    return web.json_response(PoolOut.of(await daemon.pool_view()).to_json())
+    return web.json_response(PoolOut.of(await daemon.pool_view(), gateway=daemon.serves_workers).to_json())
 
 
 async def list_nodes(request: web.Request) -> web.Response:

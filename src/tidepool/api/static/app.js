@@ -77,6 +77,7 @@ async function api(method, path, payload) {
 // The panels of their own scripts (workers.js, scans.js) hear every event and refresh with the rest.
 const eventHooks = [];    // (name, data) => void
 const refreshHooks = [];  // () => void
+const poolHooks = [];     // (pool) => void, at each poll of /v1/pool
 
 // The connection badge: each source (the event stream, each poll) reports its own problem, and clears it
 // when it works again; the badge shows the latest problem while any lasts, and "live" when none does.
@@ -106,6 +107,7 @@ async function refreshPool() {
   try {
     const pool = await api("GET", "/v1/pool");
     setText("node", pool.node_id + (pool.draining ? " (draining)" : ""));
+    for (const hook of poolHooks) hook(pool);
     setText("workers", pool.workers);
     setText("baseline", pool.baseline);
     setText("demand", pool.demand);

@@ -7,6 +7,8 @@ const REMOTE_PERIOD_MS = 5000;
 const REMOTE_MIN_GAP_MS = 1000;  // leases and endings of a busy gateway refresh the live counts at most this often
 let remoteShown = true;          // false after a 404: this daemon serves no registry, so polling it stops
 let remoteTimer = null;
+let servesWorkers = false;   // the node is a gateway (GET /v1/pool says): its panel shows while the registry is empty
+let lastWorkers = [];
 
 function liveCount(w) {
   return Array.isArray(w.live) ? w.live.length : Number(w.live || 0);
@@ -78,9 +80,8 @@ async function refreshRemote() {
   try {
     const { workers } = await api("GET", "/v1/workers");
     remoteShown = true;
-    $("remote").hidden = false;
-    $("remote-empty").hidden = workers.length > 0;
-    $("remote-workers").hidden = workers.length === 0;
+    lastWorkers = workers;
+    showPanel();
     showWorkers(workers);
     report("remote", null);
   } catch (err) {
@@ -92,6 +93,14 @@ async function refreshRemote() {
       report("remote", err.message);
     }
   }
+}
+
+// A node that is no gateway shows the panel only when its store's registry has workers (a fleet's gateway
+// shares it); a gateway shows it always, saying so while no worker has called.
+function showPanel() {
+  $("remote").hidden = !servesWorkers && lastWorkers.length === 0;
+  $("remote-empty").hidden = lastWorkers.length > 0;
+  $("remote-workers").hidden = lastWorkers.length === 0;
 }
 
 function scheduleRemote(wait) {
@@ -121,5 +130,10 @@ eventHooks.push((name) => {
   else if (name === "task.leased" || name === "task.finished") scheduleRemote(REMOTE_MIN_GAP_MS);
 });
 refreshHooks.push(refreshRemote);  // a new token: asked again, 404 or not
+poolHooks.push((pool) => {
+  if (Boolean(pool.gateway) === servesWorkers) return;
+  servesWorkers = Boolean(pool.gateway);
+  if (remoteShown) showPanel();
+});
 refreshRemote();
 setInterval(() => { if (remoteShown) refreshRemote(); }, REMOTE_PERIOD_MS);
