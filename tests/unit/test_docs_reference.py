@@ -56,3 +56,9 @@ def test_a_config_key_reads_its_description_from_its_settings_field(gen: ModuleT
     assert (keys["demo.said"].kind, keys["demo.said"].default, keys["demo.said"].env) == (
         "integer, ≥ 1", "`3`", "`TIDEPOOL_DEMO__SAID`")
     assert keys["demo.unsaid"].description == ""
+
+
+def test_every_config_key_has_a_description(gen: ModuleType) -> None:
+    missing = gen.undescribed()
+    assert not missing, (f"config keys with no description: {', '.join(missing)}; give each field of "
+                         "src/tidepool/settings/ a Field(..., description=...) saying what the key does")

@@ -16,8 +16,11 @@ from .sections import BUILTIN_PLUGINS, BUILTIN_TYPES, ENTRY_POINT_GROUP, Plugins
 
 
 class ProfileSettings(Section):
-    steps: tuple[str, ...] = Field(min_length=1)  # a profile of no step would succeed every scan unrun
-    continue_on_failure: bool = False  # true: a failed step is recorded and the next one runs
+    # A profile of no step would succeed every scan unrun.
+    steps: tuple[str, ...] = Field(min_length=1, description="The scan's steps, run in order, each its own "
+                                   "task: a task type, or a plugin's name (a type of that one plugin).")
+    continue_on_failure: bool = Field(False, description="True: a failed step is recorded and the next one "
+                                      "runs; false: it ends the scan failed, the steps after it skipped.")
 
     @field_validator("steps", mode="before")
     @classmethod

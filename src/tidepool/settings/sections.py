@@ -44,11 +44,16 @@ class Section(BaseModel):
 
 
 class NodeSettings(Section):
-    id: str = ""
-    state_dir: Path = Path("./var")
+    id: str = Field("", description="The node's stable identity; one daemon per node id runs on one store. "
+                    "Empty: the host name.")
+    state_dir: Path = Field(Path("./var"), description="Directory of the node's lock file, the plugins' work "
+                            "directories and, without a `store.url`, the SQLite file; created when missing. A "
+                            "relative path is relative to the working directory.")
     # How often the node saves its row. Three missed, the fleet calls it gone and runs its tasks elsewhere;
     # two, it stops its own attempts (fleet.py): longer rides out longer store outages, and recovers slower.
-    heartbeat_s: float = Field(2.0, ge=0.5, le=60.0)
+    heartbeat_s: float = Field(2.0, ge=0.5, le=60.0, description="How often, in seconds, the node saves its "
+                               "row in the store. A node not heard of for three of them is gone: other nodes "
+                               "run its tasks again.")
 
     @property
     def node_id(self) -> str:
@@ -56,13 +61,17 @@ class NodeSettings(Section):
 
 
 class StoreSettings(Section):
-    url: str = "sqlite:///./var/tidepool.db"
-    migrate: bool = True
-    # A remote worker (url = "https://gateway:port"): its client certificate and key (PEM), and the CA
-    # bundle that verifies the gateway's certificate (empty: the system's trusted CAs).
-    cert_file: str = ""
-    key_file: str = ""
-    ca_file: str = ""
+    url: str = Field("sqlite:///./var/tidepool.db", description="Where tasks are stored: `sqlite:///path` "
+                     "for one host, `postgresql://user:pass@host:5432/db` for a fleet, or a gateway's "
+                     "`https://host:port` for a remote worker. Left out: `tidepool.db` in `node.state_dir`.")
+    migrate: bool = Field(True, description="Create or upgrade the store's schema on start. False: a node "
+                          "whose schema is older refuses to start until `tidepool migrate` runs.")
+    cert_file: str = Field("", description="A remote worker's client certificate (PEM), which the gateway "
+                           "checks; required when `url` is `https://`.")
+    key_file: str = Field("", description="The private key (PEM) of `cert_file`; required when `url` is "
+                          "`https://`.")
+    ca_file: str = Field("", description="CA bundle (PEM) that verifies the gateway's certificate. Empty: "
+                         "the system's trusted CAs.")
 
     @property
     def remote(self) -> bool:
@@ -79,14 +88,23 @@ class StoreSettings(Section):
 
 
 class PoolSettings(Section):
-    min_workers: int = Field(2, ge=1, le=MAX_WORKERS)  # the baseline polls the queue: with none, nothing claims
-    max_workers: int = Field(16, ge=1, le=MAX_WORKERS)
-    idle_timeout_s: float = Field(30.0, gt=0)
-    poll_interval_s: float = Field(2.0, gt=0)
-    claim_batch: int = Field(32, ge=1, le=1000)  # the most one claim leases, one per idle worker
-    task_types: tuple[str, ...] = ("*",)
-    max_queued: int = Field(100_000, ge=1)
-    drain_timeout_s: float = Field(30.0, ge=0)
+    # The baseline polls the queue: with none, nothing claims.
+    min_workers: int = Field(2, ge=1, le=MAX_WORKERS, description="Baseline workers: they start with the "
+                             "daemon and never retire.")
+    max_workers: int = Field(16, ge=1, le=MAX_WORKERS, description="The most workers the pool runs, baseline "
+                             "and demand together: each runs one task at a time.")
+    idle_timeout_s: float = Field(30.0, gt=0, description="Seconds a demand worker waits without work before "
+                                  "it retires.")
+    poll_interval_s: float = Field(2.0, gt=0, description="Seconds between an idle worker's looks at the "
+                                   "queue when no wake-up arrives: the safety net.")
+    claim_batch: int = Field(32, ge=1, le=1000, description="The most tasks one claim leases, one for each "
+                             "idle worker.")
+    task_types: tuple[str, ...] = Field(("*",), description="Globs of the task types this node claims, among "
+                                        "those it defines.")
+    max_queued: int = Field(100_000, ge=1, description="The most tasks waiting to run (pending and "
+                            "retry_wait); a submit past it is refused with 429.")
+    drain_timeout_s: float = Field(30.0, ge=0, description="Seconds running tasks get to finish on SIGTERM "
+                                   "before they are interrupted; 0: interrupted at once.")
 
     @model_validator(mode="after")
     def _sizes(self) -> PoolSettings:
@@ -98,8 +116,11 @@ class PoolSettings(Section):
 
 
 class LeaseSettings(Section):
-    duration_s: float = Field(30.0, gt=0)
-    renew_every_s: float = Field(10.0, gt=0)
+    duration_s: float = Field(30.0, gt=0, description="Seconds a lease on a running task lasts unless "
+                              "renewed; an attempt whose lease expires ends, and its task is retried while "
+                              "attempts remain.")
+    renew_every_s: float = Field(10.0, gt=0, description="How often, in seconds, the holder renews its "
+                                 "leases: at most half of `duration_s`, a third is safest.")
 
     @model_validator(mode="after")
     def _renew_in_time(self) -> LeaseSettings:
@@ -112,11 +133,15 @@ class LeaseSettings(Section):
 
 
 class RetrySettings(Section):
-    max_attempts: int = Field(3, ge=1)
-    backoff_base_s: float = Field(2.0, ge=0)
-    backoff_max_s: float = Field(300.0, ge=0)
-    jitter: float = Field(0.1, ge=0, le=1)
-    max_interruptions: int = Field(10, ge=0)
+    max_attempts: int = Field(3, ge=1, description="Attempts a task gets when neither its submit nor its "
+                              "type names a number.")
+    backoff_base_s: float = Field(2.0, ge=0, description="Seconds before the first retry; the wait doubles "
+                                  "with each attempt after it.")
+    backoff_max_s: float = Field(300.0, ge=0, description="The longest wait, in seconds, before a retry.")
+    jitter: float = Field(0.1, ge=0, le=1, description="Each wait is spread by up to this fraction either way "
+                          "(0.1: ±10%); 0: exact waits.")
+    max_interruptions: int = Field(10, ge=0, description="Shutdown interruptions a task may take (they use no "
+                                   "attempt); one more fails it.")
 
     def policy(self) -> RetryPolicy:
         """The retry arithmetic this section sets, as the store and the reconciler apply it."""
@@ -124,24 +149,35 @@ class RetrySettings(Section):
 
 
 class ExecutionSettings(Section):
-    timeout_s: float = Field(600.0, gt=0)
-    prepare_timeout_s: float = Field(60.0, gt=0)
-    stop_timeout_s: float = Field(30.0, gt=0)
-    cancel_deadline_s: float = Field(60.0, gt=0)
-    kill_grace_s: float = Field(5.0, ge=0)
-    # What a local attempt may write, as [gateway]'s keys of the same names bound a remote worker's.
-    max_results_per_attempt: int = Field(RESULTS_PER_ATTEMPT, ge=1)
-    max_result_bytes_per_attempt: int = Field(RESULT_BYTES_PER_ATTEMPT, ge=1)
+    timeout_s: float = Field(600.0, gt=0, description="Seconds a task's run phase (all its plugins) may take "
+                             "when neither the task nor its type sets a timeout.")
+    prepare_timeout_s: float = Field(60.0, gt=0, description="Seconds a task may wait for a resource slot "
+                                     "with its tags; also how long the fleet may lack such a slot before "
+                                     "queued tasks needing it fail unserviceable.")
+    stop_timeout_s: float = Field(30.0, gt=0, description="Seconds the shielded stop phase (resource hooks, "
+                                  "slot release, clean-up) may take.")
+    cancel_deadline_s: float = Field(60.0, gt=0, description="Seconds a cancelled task's worker gets to stop "
+                                     "it; after that the reconciler ends it cancelled.")
+    kill_grace_s: float = Field(5.0, ge=0, description="Seconds from SIGTERM to SIGKILL for a command "
+                                "plugin's process tree; 0: SIGKILL at once.")
+    max_results_per_attempt: int = Field(RESULTS_PER_ATTEMPT, ge=1, description="Result batches a local "
+                                         "attempt may store; past it a write is refused.")
+    max_result_bytes_per_attempt: int = Field(RESULT_BYTES_PER_ATTEMPT, ge=1, description="Bytes of result "
+                                              "payloads a local attempt may store, all batches together.")
 
 
 class ReconcilerSettings(Section):
-    interval_s: float = Field(5.0, gt=0)
-    retention_days: float = Field(14, ge=0)
+    interval_s: float = Field(5.0, gt=0, description="Seconds between reconciler passes: expired leases, "
+                              "due retries, cancel deadlines, unserviceable tasks, pruning.")
+    retention_days: float = Field(14, ge=0, description="Days finished tasks (and nodes not heard of) are "
+                                  "kept before they are pruned; 0: kept for good.")
 
 
 class GuardSettings(Section):
-    min_free_memory_mb: int = Field(256, ge=0)
-    min_free_disk_mb: int = Field(512, ge=0)
+    min_free_memory_mb: int = Field(256, ge=0, description="The node stops claiming while the host has less "
+                                    "free memory than this, in MiB; 0: no memory guard.")
+    min_free_disk_mb: int = Field(512, ge=0, description="The node stops claiming while the file system of "
+                                  "`node.state_dir` has less free space than this, in MiB; 0: no disk guard.")
 
 
 def api_address(listen: str) -> tuple[str, int] | str:
@@ -181,9 +217,12 @@ def read_token(token_file: str) -> str | None:
 
 
 class ApiSettings(Section):
-    listen: str = "127.0.0.1:8470"
-    token_file: str = ""
-    max_body_kb: int = Field(1024, ge=1)
+    listen: str = Field("127.0.0.1:8470", description="Where the HTTP API and dashboard listen: `host:port` "
+                        "(`:port` is loopback) or `unix:/path` for a socket.")
+    token_file: str = Field("", description="File holding the bearer token every `/v1` route then needs; "
+                            "required when `listen` is off loopback. Empty: no token.")
+    max_body_kb: int = Field(1024, ge=1, description="The largest request body accepted, in KiB, by the API "
+                             "and the gateway alike; a larger one is refused with 413.")
 
     @field_validator("listen")
     @classmethod
@@ -207,20 +246,34 @@ def check_listen(listen: str) -> str:
 class GatewaySettings(Section):
     """The worker protocol's TLS listener; empty `listen`: this node serves none."""
 
-    listen: str = ""
-    cert_file: str = ""
-    key_file: str = ""
-    client_ca_file: str = ""
-    enroll: Literal["manual", "auto"] = "manual"
-    max_wait_s: float = Field(25.0, gt=0, le=300.0)
-    max_concurrent_tasks: int = Field(16, ge=0, le=MAX_WORKERS)
-    # TLS connections the listener holds at once; 0: sized from the process's open-file limit.
-    max_connections: int = Field(0, ge=0)
-    max_connections_per_worker: int = Field(16, ge=1)  # past it, 429 too_many_connections
-    max_control_streams: int = Field(2, ge=1)  # per identity; one more closes the oldest
-    min_worker_version: str = ""  # e.g. "0.3.0": an older worker's calls are 403 worker_outdated
-    max_results_per_attempt: int = Field(RESULTS_PER_ATTEMPT, ge=1)  # past it, 413 result_quota
-    max_result_bytes_per_attempt: int = Field(RESULT_BYTES_PER_ATTEMPT, ge=1)
+    listen: str = Field("", description="`host:port` where the gateway serves remote workers over TLS. "
+                        "Empty: no gateway.")
+    cert_file: str = Field("", description="The gateway's certificate chain (PEM); required when `listen` is "
+                           "set, read again on SIGHUP.")
+    key_file: str = Field("", description="The private key (PEM) of `cert_file`; required when `listen` is "
+                          "set, read again on SIGHUP.")
+    client_ca_file: str = Field("", description="CA bundle (PEM) that signs the workers' client "
+                                "certificates; required when `listen` is set, read again on SIGHUP.")
+    enroll: Literal["manual", "auto"] = Field("manual", description="`manual`: a worker seen for the first "
+                                              "time waits pending until an operator enables it; `auto`: it is "
+                                              "enabled at its first call.")
+    max_wait_s: float = Field(25.0, gt=0, le=300.0, description="The longest, in seconds, the gateway holds a "
+                              "worker's acquire open while no task is there.")
+    max_concurrent_tasks: int = Field(16, ge=0, le=MAX_WORKERS, description="A new worker's cap on its running "
+                                      "attempts, kept in its record; 0: it gets no tasks until raised.")
+    max_connections: int = Field(0, ge=0, description="TLS connections the listener holds at once; 0: sized "
+                                 "from the process's open-file limit.")
+    max_connections_per_worker: int = Field(16, ge=1, description="Connections one worker identity may hold; "
+                                            "one more is refused with 429 `too_many_connections`.")
+    max_control_streams: int = Field(2, ge=1, description="Control streams one worker identity may hold; one "
+                                     "more closes the oldest.")
+    min_worker_version: str = Field("", description="Oldest worker version served, such as `0.3.0`: an older "
+                                    "worker's calls are refused with 403 `worker_outdated`. Empty: any version.")
+    max_results_per_attempt: int = Field(RESULTS_PER_ATTEMPT, ge=1, description="Result batches a remote "
+                                         "attempt may store; past it a write is refused with 413 `result_quota`.")
+    max_result_bytes_per_attempt: int = Field(RESULT_BYTES_PER_ATTEMPT, ge=1, description="Bytes of result "
+                                              "payloads a remote attempt may store, all batches together; past "
+                                              "it a write is refused with 413 `result_quota`.")
 
     @field_validator("listen")
     @classmethod
@@ -247,21 +300,32 @@ class GatewaySettings(Section):
 
 
 class LogSettings(Section):
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    format: Literal["text", "json"] = "text"
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="The least severe "
+                                                                   "level the log on stderr shows.")
+    format: Literal["text", "json"] = Field("text", description="The log's form on stderr: `text` lines, or "
+                                            "`json`, one object a line.")
 
 
 class PluginSpec(Section):
     """A configured plugin: a command (argument list) or a Python callable by dotted path."""
 
-    command: tuple[str, ...] | None = None
-    python: str | None = None
-    timeout_s: float | None = Field(None, gt=0)
-    env: dict[str, str] = {}
-    memory_mb: int | None = Field(None, gt=0)
-    cpu_s: float | None = Field(None, gt=0)
-    nofile: int | None = Field(None, gt=0)
-    max_output_kb: int = Field(10240, gt=0)
+    command: tuple[str, ...] | None = Field(None, description="The program and its arguments, run without a "
+                                            "shell: `{field}` is a top-level payload field, and `{task_id}`, "
+                                            "`{attempt}` and `{workdir}` are filled in. Set this or `python`.")
+    python: str | None = Field(None, description="An async function by dotted path, `package.module:function`, "
+                               "called with the task's context. Set this or `command`.")
+    timeout_s: float | None = Field(None, gt=0, description="Seconds one run of the plugin may take before it "
+                                    "times out. Unset: only the task's run timeout bounds it.")
+    env: dict[str, str] = Field({}, description="Variables a command gets on top of the daemon's PATH, LANG, "
+                                "LC_ALL, HOME and TZ; nothing else of the daemon's environment is passed.")
+    memory_mb: int | None = Field(None, gt=0, description="Memory (RSS) a command's whole process tree may "
+                                  "use, in MiB; past it, the attempt fails `limit_exceeded`. Unset: no limit.")
+    cpu_s: float | None = Field(None, gt=0, description="CPU seconds a command's whole process tree may use; "
+                                "past it, the attempt fails `limit_exceeded`. Unset: no limit.")
+    nofile: int | None = Field(None, gt=0, description="Open files each process of a command may hold. Unset: "
+                               "the daemon's limit.")
+    max_output_kb: int = Field(10240, gt=0, description="The most a command may write to stdout, its result, "
+                               "in KiB; past it, the attempt fails `limit_exceeded`.")
 
     @model_validator(mode="after")
     def _one_kind(self) -> PluginSpec:
@@ -273,8 +337,10 @@ class PluginSpec(Section):
 
 
 class PluginsSettings(Section):
-    allow: tuple[str, ...] = ("*",)
-    deny: tuple[str, ...] = ()
+    allow: tuple[str, ...] = Field(("*",), description="Names or globs of the plugins this node may run, "
+                                   "checked when plugins load and again when they run.")
+    deny: tuple[str, ...] = Field((), description="Names or globs of plugins this node never runs, even those "
+                                  "`allow` names.")
     defs: dict[str, PluginSpec] = {}
 
     def permits(self, plugin: str) -> bool:
@@ -329,31 +395,48 @@ Tag = Annotated[str, AfterValidator(_check_tag), WithJsonSchema({"type": "string
 
 
 class TypeSettings(Section):
-    plugins: tuple[str, ...] = Field(min_length=1)  # a type that runs nothing would complete every task unrun
-    timeout_s: float | None = Field(None, gt=0)
-    max_attempts: int | None = Field(None, ge=1)
-    retry_on_timeout: bool = False
-    required_tags: tuple[Tag, ...] = ()
+    # A type that runs nothing would complete every task unrun.
+    plugins: tuple[str, ...] = Field(min_length=1, description="The plugins a task of this type runs, in "
+                                     "order.")
+    timeout_s: float | None = Field(None, gt=0, description="Seconds its tasks' run phase may take when a "
+                                    "submit names none. Unset: `execution.timeout_s`.")
+    max_attempts: int | None = Field(None, ge=1, description="Attempts its tasks get when a submit names "
+                                     "none. Unset: `retry.max_attempts`.")
+    retry_on_timeout: bool = Field(False, description="Whether a timed-out attempt is retried, while attempts "
+                                   "remain; false: the task ends timed_out.")
+    required_tags: tuple[Tag, ...] = Field((), description="Resource tags every task of this type needs, on "
+                                           "top of its own; it waits for a slot that has them all.")
 
 
 class ResourceSettings(Section):
-    tags: tuple[Tag, ...] = ()
-    count: int = Field(1, ge=1)
-    plugin: str | None = None
+    tags: tuple[Tag, ...] = Field((), description="The tags of each of this resource's slots, which a "
+                                  "task's required tags are matched against.")
+    count: int = Field(1, ge=1, description="How many slots with these tags the node has; each serves one task "
+                       "at a time.")
+    plugin: str | None = Field(None, description="Dotted path (`package.module:object`) to an object with "
+                               "async `start(slot)` and `stop(slot)` hooks, run as a task takes and gives back a "
+                               "slot. Unset: no hooks.")
 
 
 class ScheduleSettings(Section):
-    name: str
-    type: str | None = None
-    profile: str | None = None  # a scan of this profile is started instead of a task of `type`
-    payload: dict[str, Any] = {}
-    cron: str | None = None
-    every_s: float | None = Field(None, ge=1.0)
-    timezone: str = "UTC"
-    jitter_s: float = Field(0.0, ge=0)
-    catch_up: Literal["none", "last", "all"] = "last"
-    overlap: Literal["allow", "skip"] = "allow"
-    priority: int = 0
+    name: str = Field(description="The schedule's name, one entry per name: 1 to 200 letters, digits and "
+                      "`_ . : -`.")
+    type: str | None = Field(None, description="The task type each tick submits. Set this or `profile`.")
+    profile: str | None = Field(None, description="The scan profile each tick starts a scan of. Set this or "
+                                "`type`.")
+    payload: dict[str, Any] = Field({}, description="The payload of each task or scan it starts.")
+    cron: str | None = Field(None, description="When it fires: five cron fields (minute hour day month "
+                             "weekday) or an alias such as `@daily`, in `timezone`. Set this or `every_s`.")
+    every_s: float | None = Field(None, ge=1.0, description="Fire every this many seconds. Set this or `cron`.")
+    timezone: str = Field("UTC", description="The time zone `cron` is read in; cron follows its DST changes.")
+    jitter_s: float = Field(0.0, ge=0, description="Each tick starts up to this many seconds late, the same "
+                            "on every node; below `every_s` when that is set.")
+    catch_up: Literal["none", "last", "all"] = Field("last", description="Ticks missed during downtime: "
+                                                     "`none` skips them, `last` fires the latest, `all` the "
+                                                     "latest 10.")
+    overlap: Literal["allow", "skip"] = Field("allow", description="`skip`: no new run while the previous one "
+                                              "has not finished; `allow`: runs may overlap.")
+    priority: int = Field(0, description="The priority of the tasks it creates; higher runs first.")
 
 
 # The plugins every node has, by name (the plugin registry defines one under each), and the entry point group
