@@ -11,12 +11,16 @@ import anyio
 import pytest
 
 from tidepool.errors import QuotaExceeded
+from tidepool.events import Event, EventBus
 from tidepool.execution.context import TaskContext
 from tidepool.execution.engine import EngineConfig
-from tidepool.model import State
-from tidepool.settings import TypeSettings
+from tidepool.lifecycle import RetryPolicy
+from tidepool.model import ClaimFilter, NewTask, Phase, State, Worker
+from tidepool.settings import TypeSettings, parse
+from tidepool.store import PhaseNote
 from tidepool.store.port import ResultQuota
 from tidepool.store.sqlite import SqliteStore
+from tidepool.upkeep.reconciler import Reconciler, ReconcilerConfig
 
 from .conftest import running_node
 
@@ -70,3 +74,32 @@ async def test_a_plugin_that_lets_the_refusal_through_fails_its_attempt_for_good
     assert task.state is State.FAILED
     assert task.error is not None and task.error.code == "result_quota"
     assert len(task.attempts) == 1  # it would meet its quota again: not retried
+
+
+async def test_the_reconciler_ends_an_attempt_past_its_deadline_as_its_type_says(sqlite_store: SqliteStore) -> None:
+    t0 = 1_700_000_000.0
+    seen: list[Event] = []
+    events = EventBus()
+    events.listen(seen.append)
+    settings = parse({"types": {"scan": {"plugins": ["noop"], "retry_on_timeout": True},
+                                "once": {"plugins": ["noop"]}}})
+    config = ReconcilerConfig.of(settings.reconciler, settings.execution, settings.all_types)
+    reconciler = Reconciler(sqlite_store, events, config=config, policy=lambda: RetryPolicy(base_s=900.0, jitter=0.0),
+                            wake=lambda n: None, clock=lambda: t0 + 100)
+    await sqlite_store.open()
+    try:
+        for type in ("scan", "once"):
+            await sqlite_store.add(NewTask(type, max_attempts=2), now=t0)
+            (claimed,) = await sqlite_store.claim(Worker("n", "i", "w"), ClaimFilter((type,)), limit=1, now=t0,
+                                                  lease_s=30.0)
+            await sqlite_store.set_phase([PhaseNote(claimed.lease, Phase.RUN, deadline_s=10.0)], now=t0)
+            await sqlite_store.renew([claimed.lease], now=t0 + 5, lease_s=30.0)  # up to the deadline, no further
+        report = await reconciler.pass_once()
+        states = {t.type: t.state for t in (await sqlite_store.list_tasks()).tasks}
+    finally:
+        await sqlite_store.close()
+    assert report.expired == 2
+    assert states == {"scan": State.RETRY_WAIT, "once": State.TIMED_OUT}
+    (finished,) = [e for e in seen if e.name == "task.finished"]
+    assert finished.data["state"] == "timed_out" and finished.data["error"]["code"] == "timeout"
+    assert not [e for e in seen if e.name == "task.expired"]

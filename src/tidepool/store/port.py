@@ -77,6 +77,7 @@ class Expired:
     attempt_id: str
     state: State  # the task's state after expiry
     type: str     # the task's type, for the events and metrics of its ending
+    timed_out: bool = False  # its lease ran to its run deadline: the attempt ended timed_out, not expired
 
 
 @dataclass(frozen=True, slots=True)

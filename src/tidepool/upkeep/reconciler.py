@@ -21,13 +21,15 @@ from ..errors import StoreUnavailable
 from ..events import EventBus
 from ..lifecycle import RetryPolicy
 from ..logs import Outage
-from ..model import CANCELLED_ON_REQUEST, State, cancel_deadline_error
+from ..model import CANCELLED_ON_REQUEST, State, TaskError, cancel_deadline_error
 from ..store import LEASE_EXPIRED, UNWRITTEN_INTERRUPTION, Expired, Store
 
 if TYPE_CHECKING:
     from ..settings import ExecutionSettings, ReconcilerSettings, TypeSettings
 
 log = logging.getLogger("tidepool.reconciler")
+# the event's error of an attempt the store ended at its run deadline (the task's own says when it passed)
+PAST_DEADLINE = TaskError("timeout", "the run deadline passed (run timeout + execution.stop_timeout_s + one lease)")
 
 
 @dataclass
@@ -166,10 +168,14 @@ class Reconciler:
         return failed
 
     def report_expired(self, expired: list[Expired], why: str, interrupted: frozenset[str] = frozenset()) -> None:
-        """Say how each lease ended: expired, or (named in `interrupted`) an earlier shutdown's interruption
-        written only now, which is no expiry and says so."""
+        """Say how each lease ended: expired, timed out at its run deadline, or (named in `interrupted`) an
+        earlier shutdown's interruption written only now, which is no expiry and says so."""
         for e in expired:
-            if e.attempt_id in interrupted:
+            if e.timed_out:
+                log.warning("task %s attempt %s ran past its run deadline (its worker did not end it) -> %s",
+                            e.task_id, e.attempt_id, e.state.value)
+                error = (CANCELLED_ON_REQUEST if e.state is State.CANCELLED else PAST_DEADLINE).to_json()
+            elif e.attempt_id in interrupted:
                 log.info("task %s attempt %s interrupted by the earlier process's shutdown (written now) -> %s",
                          e.task_id, e.attempt_id, e.state.value)
                 error = UNWRITTEN_INTERRUPTION.to_json()  # if terminal: past retry.max_interruptions

@@ -27,7 +27,8 @@ def expire_leases(db: Database, *, now: float, policy: RetryPolicy, node_id: str
                              deadline_at=leases.deadline_of(row), type=row.task.type,
                              retry_on_timeout=retry_on_timeout)
             leases.end(db, row, outcome, now=now, policy=policy)
-            expired.append(Expired(row.task.id, lease.attempt_id, row.task.state, row.task.type))
+            expired.append(Expired(row.task.id, lease.attempt_id, row.task.state, row.task.type,
+                                   timed_out=outcome.status is AttemptStatus.TIMED_OUT))
     scans.flush(db)
     return expired
 

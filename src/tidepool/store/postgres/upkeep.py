@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...lifecycle import Event, RetryPolicy, step
-from ...model import Lease, State, TaskError, cancel_deadline_error
+from ...model import AttemptStatus, Lease, State, TaskError, cancel_deadline_error
 from .. import sql
 from ..bounds import expiry
 from ..port import Ended, Expired, Node
@@ -49,8 +49,9 @@ async def expire_leases(db: Database, *, now: float, policy: RetryPolicy, node_i
                     await scans.step_ended(conn, moves, scan_id=r[8], index=r[9], task_id=lease.task_id,
                                            state=end.state, learned=None, now=now)
         told(moves)
-        expired.extend(Expired(lease.task_id, lease.attempt_id, end.state, r[7])
-                       for (lease, _, end), r in zip(ends, rows, strict=True))
+        expired.extend(Expired(lease.task_id, lease.attempt_id, end.state, r[7],
+                               timed_out=outcome.status is AttemptStatus.TIMED_OUT)
+                       for (lease, outcome, end), r in zip(ends, rows, strict=True))
         if len(rows) < SWEEP:
             return expired
 

@@ -20,7 +20,7 @@ import psutil  # type: ignore[import-untyped]
 
 from ...errors import ConfigError
 from ...lifecycle import Event, RetryPolicy, step
-from ...model import Lease, State, TaskError, cancel_deadline_error
+from ...model import AttemptStatus, Lease, State, TaskError, cancel_deadline_error
 from .. import sql
 from ..bounds import expiry
 from ..port import Ended, Expired, Node
@@ -47,7 +47,8 @@ def expire_leases(conn: sqlite3.Connection, batch: Batch, *, now: float, policy:
         outcome = expiry(lease.attempt_id, interrupted=interrupted, lease_expires_at=row[4],
                          deadline_at=deadlines.get(lease.attempt_id), type=row[8], retry_on_timeout=retry_on_timeout)
         state = leases.end(conn, lease, outcome, row, now, policy, batch, step=row[9:11])
-        expired.append(Expired(lease.task_id, lease.attempt_id, state, row[8]))
+        expired.append(Expired(lease.task_id, lease.attempt_id, state, row[8],
+                               timed_out=outcome.status is AttemptStatus.TIMED_OUT))
     return expired
 
 
