@@ -3,6 +3,7 @@ reconciler ending it timed_out) and its result quota (refused batches past it, t
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
 from tidepool.errors import DeadlinePassed, LeaseLost, QuotaExceeded
@@ -151,3 +152,22 @@ async def leased_again(store: Store, c: Claimed, *, now: float) -> Claimed:
     again = await claim_one(store, now=now)
     assert again.task.id == c.task.id
     return again
+
+
+async def test_concurrent_results_of_one_attempt_never_pass_its_quota_together(store: Store) -> None:
+    c = await leased(store)
+    quota = ResultQuota(max_results=5, max_bytes=2**20)
+    stored: list[bool] = []
+
+    async def write(n: int) -> None:
+        try:
+            ack = await store.record_result(c.lease, result(f"r{n}", {"n": n}), now=T0, quota=quota)
+            stored.append(ack.stored_now)
+        except QuotaExceeded:
+            stored.append(False)
+
+    async with anyio.create_task_group() as tg:
+        for n in range(20):
+            tg.start_soon(write, n)
+    assert stored.count(True) == 5
+    assert len((await store.get(c.task.id)).results) == 5
