@@ -11,7 +11,8 @@ from ..model import WorkerState
 from .series import Counter, gauge
 
 ANSWERS = ("leased", "empty", "disabled")
-REFUSALS = ("expired", "cancelled", "revoked", "superseded", "pending", "sha256", "conflict")
+REFUSALS = ("expired", "cancelled", "revoked", "superseded", "pending", "sha256", "conflict", "deadline",
+            "result_quota")
 
 
 class GatewayMetrics:
