@@ -76,6 +76,7 @@ async def test_a_worker_cannot_move_its_deadline_by_what_it_sends(make_node: Cal
         remote = node.remote("w1")
         task_id, lease = await running(node, remote, timeout_s=0.3)
         first = (await node.task(task_id))["attempts"][0]["deadline_at"]
+        assert first is not None
         note = {**lease_of(lease), "phase": "run", "deadline_s": 3600, "deadline_at": "2099-01-01T00:00:00Z"}
         await remote.post("/w1/phase", {"notes": [note]})  # refused or ignored: either way nothing moves
         await remote.post("/w1/phase", {"notes": [{**lease_of(lease), "phase": "stop"}]})

@@ -82,9 +82,12 @@ class Leases:
         leases = [n.lease for n in latest]
         phases = [n.phase.value for n in latest]
         progress = [progress_text(n.progress) for n in latest]
-        # the latest note may be a progress note after the one that started the run phase: any deadline sent
-        deadlines = [next((x.deadline_s for x in notes if x.lease.attempt_id == n.lease.attempt_id
-                           and x.deadline_s is not None), None) for n in latest]
+        # the latest note may be a progress note after the one that started the run phase: the first deadline sent
+        sent: dict[str, float] = {}
+        for n in notes:
+            if n.deadline_s is not None:
+                sent.setdefault(n.lease.attempt_id, n.deadline_s)
+        deadlines = [sent.get(n.lease.attempt_id) for n in latest]
         async with self._db.conn(rows=len(latest)) as conn:
             noted = await conn.fetch(SQL["set_phase"], *_lease_arrays(leases), phases, progress, now, deadlines)
             return await _lost(conn, leases, {r[0] for r in noted}, now)
