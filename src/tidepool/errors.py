@@ -20,7 +20,8 @@
     │   ├── ValueRefused         the store cannot keep this value as it is (never retried as an outage)
     │   ├── QuotaExceeded        an attempt wrote past its quota of results (HTTP 413 result_quota)
     │   └── LeaseLost            the attempt's lease is stale, expired or taken over
-    │       └── TaskCancelling   the lease ended because a cancel was committed
+    │       ├── TaskCancelling   the lease ended because a cancel was committed
+    │       └── DeadlinePassed   the attempt ran past its run deadline: the store takes nothing more of it
     └── PluginError              a plugin failed; `code` says how, `retryable` whether to try again
         ├── InvalidArgument      a template value was refused before anything ran (not retried)
         └── LimitExceeded        a plugin breached memory_mb, cpu_s, nofile or max_output_kb
@@ -169,6 +170,8 @@ class QuotaExceeded(StoreError):
 
 
 class LeaseLost(StoreError):
+    reason = "expired"  # why, as the worker protocol's 410 lease_lost says it
+
     def __init__(self, task_id: str, attempt_id: str, why: str = "lease is stale or expired") -> None:
         super().__init__(f"task {task_id} attempt {attempt_id}: {why}")
         self.task_id = task_id
@@ -176,8 +179,20 @@ class LeaseLost(StoreError):
 
 
 class TaskCancelling(LeaseLost):
+    reason = "cancelled"
+
     def __init__(self, task_id: str, attempt_id: str) -> None:
         super().__init__(task_id, attempt_id, "cancel requested")
+
+
+class DeadlinePassed(LeaseLost):
+    """The attempt is past its run deadline (its run timeout, the stop phase's bound and one lease after its run
+    phase started): the store refuses its renewals and writes, and the reconciler ends it timed_out."""
+
+    reason = "deadline"
+
+    def __init__(self, task_id: str, attempt_id: str) -> None:
+        super().__init__(task_id, attempt_id, "past its run deadline; the reconciler ends it timed_out")
 
 
 class PluginError(TidepoolError):

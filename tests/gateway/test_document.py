@@ -7,7 +7,7 @@ from typing import Any
 
 from .conftest import AUTO, MakeNode, lease_of
 
-REASONS = ["expired", "cancelled", "revoked", "superseded"]
+REASONS = ["expired", "cancelled", "revoked", "superseded", "deadline"]
 
 
 def resolved(doc: dict[str, Any], ref: str) -> dict[str, Any]:

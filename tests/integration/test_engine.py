@@ -18,6 +18,7 @@ from tidepool.lifecycle import RetryPolicy
 from tidepool.model import AttemptStatus, Claimed, Lease, ResultBatch, State
 from tidepool.plugins import Plugin, PluginDef, Registry
 from tidepool.settings import TypeSettings
+from tidepool.store.port import ResultQuota
 from tidepool.store.sqlite import SqliteStore
 
 from .conftest import running_node
@@ -126,11 +127,12 @@ class ResultsAway:
         self.back_at = time.monotonic() + away_s
         self.refused = 0
 
-    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
+    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float,
+                            quota: ResultQuota | None = None) -> ResultBatch:
         if time.monotonic() < self.back_at:
             self.refused += 1
             raise StoreUnavailable("connection refused")
-        return await self._store.record_result(lease, batch, now=now)
+        return await self._store.record_result(lease, batch, now=now, quota=quota)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._store, name)

@@ -23,12 +23,12 @@ import anyio
 import anyio.lowlevel
 
 from ..backoff import Backoff
-from ..errors import PluginError, StoreUnavailable
+from ..errors import PluginError, QuotaExceeded, StoreUnavailable
 from ..events import EventBus
 from ..lifecycle import RetryPolicy
 from ..model import CANCELLED_ON_REQUEST, AttemptStatus, Claimed, Outcome, Phase, ResultBatch, Task, TaskError
 from ..plugins import PluginDef, Registry, denied
-from ..store.port import WorkerPort
+from ..store.port import ResultQuota, WorkerPort
 from .context import TaskContext
 from .leases import Held, LeaseKeeper
 from .outcomes import Outcomes
@@ -49,11 +49,13 @@ class EngineConfig:
     timeout_s: float = 600.0
     prepare_timeout_s: float = 60.0
     stop_timeout_s: float = 30.0
+    result_quota: ResultQuota | None = None  # what one attempt may store; a remote worker's gateway sets its own
 
     @classmethod
     def of(cls, section: ExecutionSettings) -> EngineConfig:
         return cls(timeout_s=section.timeout_s, prepare_timeout_s=section.prepare_timeout_s,
-                   stop_timeout_s=section.stop_timeout_s)
+                   stop_timeout_s=section.stop_timeout_s,
+                   result_quota=ResultQuota(section.max_results_per_attempt, section.max_result_bytes_per_attempt))
 
 
 class Engine:
@@ -71,6 +73,7 @@ class Engine:
         self._clock = clock
         self._running: dict[str, tuple[TaskContext, Held, str]] = {}  # started, outcome not posted yet
         self._ran: dict[str, str] = {}  # task id -> plugin, of what ran since plugins_since_asked() was
+        self._over_quota: set[str] = set()  # attempts whose plugins met their result quota: said once each
         self.outcomes = Outcomes(store, leases, events, policy=lambda: self.policy, clock=clock)
 
     def configure(self, registry: Registry, execution: ExecutionSettings, retry: RetrySettings) -> None:
@@ -115,6 +118,8 @@ class Engine:
             if self._running.pop(lease.attempt_id, None) is not None:
                 self._leases.release(held)
             raise
+        finally:
+            self._over_quota.discard(lease.attempt_id)
         if self._running.pop(lease.attempt_id, None) is not None:  # else abandoned at shutdown, posted already
             self.outcomes.conclude(task, held, outcome, worker_id)
 
@@ -163,6 +168,9 @@ class Engine:
             if tags:  # the host-only fast path skips this: no await, no scope
                 ctx.resource = await self._acquire(task, tags)
             await _cancelled_yet(held)
+            # The store holds the attempt to a deadline of its own past this one, the stop phase and a lease
+            # later: a worker whose own timeout failed it cannot keep the task past that.
+            held.deadline_s = self._run_timeout_s(task) + self.config.stop_timeout_s + self._leases.lease_s
             self._enter(ctx, held, worker_id, Phase.RUN)
             # The attempt's own scope carries the run deadline: one scope per task, not two. It is not
             # reset afterwards (a timer each time): once the plugins are done nothing in it awaits
@@ -173,6 +181,8 @@ class Engine:
             return Outcome(AttemptStatus.SUCCEEDED, scope=ctx.scope)
         except _PluginTimedOut as exc:
             return self._timed_out(task, str(exc))
+        except QuotaExceeded as exc:  # its plugin let the refusal through: retried, it would meet it again
+            return Outcome(AttemptStatus.FAILED, TaskError(exc.code, str(exc), retryable=False))
         except PluginError as exc:  # the traceback only of what escaped: a PluginError says all it means to
             log.warning("task %s attempt %s failed: %s (%s)", task.id, held.lease.attempt_id, exc, exc.code,
                         exc_info=isinstance(exc, Escaped))
@@ -256,15 +266,26 @@ class Engine:
         lease's, not the plugin's (no StoreUnavailable for the plugin to take for its own failure)."""
         for wait in RESULT_RETRY.delays():  # without end: the lease keeper ends the wait with the lease
             try:
-                ack = await self._store.record_result(held.lease, batch, now=self._clock())
+                ack = await self._store.record_result(held.lease, batch, now=self._clock(),
+                                                      quota=self.config.result_quota)
                 break
             except StoreUnavailable:
                 if held.why is not None:
                     raise
+            except QuotaExceeded as exc:
+                self._said_over_quota(held.lease.task_id, held.lease.attempt_id, exc)
+                raise
             await anyio.sleep(wait)
         self._events.publish("task.result", task_id=held.lease.task_id, worker_id=worker_id, plugin=ack.plugin,
                              sequence=ack.sequence, idempotency_key=ack.idempotency_key, final=ack.final)
         return ack
+
+    def _said_over_quota(self, task_id: str, attempt_id: str, exc: QuotaExceeded) -> None:
+        """One line per attempt: a plugin that goes on emitting past its quota is refused every time."""
+        if attempt_id not in self._over_quota:
+            self._over_quota.add(attempt_id)
+            log.warning("task %s attempt %s: result refused, over its quota (%s); the plugin's emit raises "
+                        "QuotaExceeded from now on", task_id, attempt_id, exc)
 
     def _run_timeout_s(self, task: Task) -> float:
         """The task's own timeout, else its type's, else execution.timeout_s."""

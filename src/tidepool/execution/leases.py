@@ -43,6 +43,7 @@ class Held:
     why: str | None = None                # "cancel", "lost", "interrupt", "fenced"
     phase: Phase | None = None            # the latest phase and progress, written behind
     progress: dict[str, object] | None = None
+    deadline_s: float | None = None       # from its run phase on: how long the store lets it live (PhaseNote)
     # Called when stopped before its attempt started (a task in the handoff): no scope is entered yet
     # to cancel, so whoever holds the task must end it now rather than at its turn.
     waiting: Callable[[Held], None] | None = None
@@ -155,7 +156,7 @@ class LeaseKeeper:
                 await self.renew()
 
     async def flush(self) -> None:
-        notes = [PhaseNote(h.lease, h.phase, h.progress) for a in self._dirty
+        notes = [PhaseNote(h.lease, h.phase, h.progress, h.deadline_s) for a in self._dirty
                  if (h := self._held.get(a)) is not None and h.phase is not None]
         self._dirty.clear()
         if notes and await self._apply(self._store.set_phase(notes, now=self._clock()), "phase") is None:

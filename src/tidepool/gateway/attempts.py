@@ -4,8 +4,10 @@ worker holds for each.
 The token a worker gets is its task's id and the store's lease token, joined by a dot: every write the worker
 sends names its task that way, so any gateway of the store (after a restart too) can fence it without a
 look-up. Forging the task id gains nothing: the store fences on all three of task, attempt and token.
-Each attempt's task, type, owner and last phase are kept for the events the gateway publishes; an attempt
-another gateway (or an earlier process) handed out is known from its first note, its type read from the store.
+Each attempt's task, type, owner and last phase are kept for the events the gateway publishes, and its task's
+type and own timeout for its run deadline, which the gateway computes from its own settings, never from what the
+worker says; an attempt another gateway (or an earlier process) handed out is known from its first note, its
+type and timeout read from the store.
 An attempt's owner is always one the gateway established (it handed the attempt out, or the store named the
 owner before the write that made it known), so the writes of that owner are taken as its own without a read.
 """
@@ -13,9 +15,12 @@ owner before the write that made it known), so the writes of that owner are take
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from ..model import Lease
+from ..errors import TaskNotFound
+from ..model import Lease, Task
+from ..store.bounds import RunDeadline
 
 MAX_KNOWN = 200_000  # far beyond the attempts a fleet runs at once: the oldest are forgotten past it
 
@@ -39,6 +44,7 @@ class RemoteAttempt:
     identity: str
     phase: str | None = None  # the last one published
     lost: bool = False        # its loss was published
+    limits: tuple[str, float | None] | None = None  # its task's (type, own timeout_s), once known
 
 
 class RemoteAttempts:
@@ -68,6 +74,19 @@ class RemoteAttempts:
             self._by_task.setdefault(task_id, attempt_id)
             self._trim()
         return attempt
+
+    async def deadline_s(self, attempt_id: str, task_id: str, identity: str, *, rule: RunDeadline,
+                         read: Callable[[str], Awaitable[Task]]) -> float | None:
+        """How long from now the attempt may live, its run phase having started: from the task as the store
+        holds it and the gateway's own settings. None for a task gone from the store (its note is refused)."""
+        attempt = self.known(attempt_id, task_id, identity)
+        if attempt.limits is None:
+            try:
+                task = await read(task_id)
+            except TaskNotFound:
+                return None
+            attempt.limits, attempt.type = (task.type, task.timeout_s), attempt.type or task.type
+        return rule.seconds(*attempt.limits)
 
     def first_loss(self, attempt_id: str, task_id: str, identity: str) -> bool:
         """Whether the attempt's lease is said lost for the first time; from now on its task is not its own (a

@@ -19,7 +19,7 @@ from ..store import Store
 from .attempts import RemoteAttempt, RemoteAttempts
 from .schemas import EndingIn, NoteIn
 
-LOST = ("expired",)  # a cancelled attempt, or a revoked worker's, ends as cancelled instead
+LOST = ("expired", "deadline")  # a cancelled attempt, or a revoked worker's, ends as cancelled instead
 
 
 class AttemptEvents:
@@ -30,7 +30,8 @@ class AttemptEvents:
 
     def leased(self, identity: str, claimed: list[Claimed]) -> None:
         for c in claimed:
-            self._attempts.add(c.lease.attempt_id, RemoteAttempt(c.task.id, c.task.type, identity))
+            self._attempts.add(c.lease.attempt_id, RemoteAttempt(c.task.id, c.task.type, identity,
+                                                                 limits=(c.task.type, c.task.timeout_s)))
             self._events.publish("task.leased", task_id=c.task.id, worker_id=identity, node_id=identity,
                                  attempt_id=c.lease.attempt_id, attempt=c.task.attempt, type=c.task.type,
                                  available_at=c.task.available_at)

@@ -28,7 +28,8 @@ TAG = "worker protocol"
 SERVERS = [{"url": "https://{gateway}", "description": "gateway.listen; a client certificate of "
             "gateway.client_ca_file is required", "variables": {"gateway": {"default": "localhost:8471"}}}]
 SAID = {"403": "the registry refuses the worker (worker_pending, worker_revoked) or its certificate names no one",
-        "410": "the lease is gone (error.reason: expired, cancelled, revoked, superseded)"}
+        "410": "the lease is gone (error.reason: expired, cancelled, revoked, superseded, deadline)",
+        "413": "the body is too large, or (a result) the attempt's result quota is reached: result_quota"}
 BODY_ERRORS = ("400", "403", "408", "413", "415", "503")
 
 

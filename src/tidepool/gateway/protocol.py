@@ -17,7 +17,17 @@ from typing import Any
 
 import anyio
 
-from ..errors import Conflict, InvalidRequest, LeaseGone, LeaseLost, StoreUnavailable, TaskCancelling, TidepoolError
+from ..errors import (
+    Conflict,
+    DeadlinePassed,
+    InvalidRequest,
+    LeaseGone,
+    LeaseLost,
+    QuotaExceeded,
+    StoreUnavailable,
+    TaskCancelling,
+    TidepoolError,
+)
 from ..events import EventBus
 from ..http.answers import TaskDetailOut
 from ..lifecycle import RetryPolicy
@@ -29,6 +39,7 @@ from ..model import (
     ClaimFilter,
     Lease,
     Outcome,
+    Phase,
     RemoteWorker,
     ResultBatch,
     State,
@@ -39,6 +50,8 @@ from ..model import (
 )
 from ..settings import GatewaySettings, LeaseSettings
 from ..store import Acquired, Ending, PhaseNote, Store
+from ..store.bounds import RunDeadline
+from ..store.port import ResultQuota
 from .attempts import RemoteAttempts, lease_of, worker_token
 from .control import Controls
 from .events import AttemptEvents
@@ -56,11 +69,13 @@ NOT_YOURS = "superseded"  # the reason given for an attempt the caller does not 
 class Gateway:
     def __init__(self, store: Store, events: EventBus, *, settings: GatewaySettings, lease: LeaseSettings,
                  policy: Callable[[], RetryPolicy], max_body_kb: int = 1024,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, deadline: RunDeadline | None = None) -> None:
         self.store = store
         self.events = events
         self.settings = settings
         self.lease = lease
+        # the run deadline of remote attempts, from this node's task types: never from what a worker says
+        self.deadline = deadline or RunDeadline(600.0, 30.0, lease.duration_s)
         self._policy = policy
         self.max_body_kb = max_body_kb
         self._clock = clock
@@ -73,8 +88,9 @@ class Gateway:
         self.metrics = GatewayMetrics(held=lambda: len(self.parking), streams=self.controls.open_streams)
         self.registry = WorkerRegistry(store, events, self.controls, self.parking, self.metrics, clock=clock)
 
-    def configure(self, settings: GatewaySettings, lease: LeaseSettings) -> None:
+    def configure(self, settings: GatewaySettings, lease: LeaseSettings, deadline: RunDeadline | None = None) -> None:
         self.settings, self.lease = settings, lease
+        self.deadline = deadline or self.deadline
 
     def wake(self, n: int = 1) -> None:
         """n tasks became claimable: parked acquires first, then the control streams of the others."""
@@ -258,7 +274,7 @@ class Gateway:
             elif isinstance(why := lost.get(item.attempt_id), TaskCancelling):
                 answers.append({"attempt_id": item.attempt_id, "status": "cancel"})
             elif why is not None:
-                reason = await self._reason(lease := lease_of(item.attempt_id, item.lease_token))
+                reason = await self._reason(lease := lease_of(item.attempt_id, item.lease_token), why)
                 await self.reports.lost(worker.id, lease.task_id, item.attempt_id, reason)
                 answers.append({"attempt_id": item.attempt_id, "status": "lost", "reason": reason})
             else:
@@ -270,8 +286,9 @@ class Gateway:
         self.registry.refuse_unless_served(worker, write=True)
         mine = await self._owned(worker, notes)
         kept = [n for n in notes if n.attempt_id in mine]
-        written = [PhaseNote(lease_of(n.attempt_id, n.lease_token), n.phase,
-                             None if n.progress is None else n.progress.model_dump()) for n in kept]
+        written = [PhaseNote(lease := lease_of(n.attempt_id, n.lease_token), n.phase,
+                             None if n.progress is None else n.progress.model_dump(),
+                             await self._deadline_s(worker.id, lease, n.phase)) for n in kept]
         lost = await self.store.set_phase(written, now=self._clock()) if written else {}
         for note, phase_note in zip(kept, written, strict=True):
             why = lost.get(note.attempt_id)
@@ -279,9 +296,16 @@ class Gateway:
                 self.reports.noted(worker.id, phase_note.lease.task_id, note)
             elif not isinstance(why, TaskCancelling):
                 await self.reports.lost(worker.id, phase_note.lease.task_id, note.attempt_id,
-                                        await self._reason(phase_note.lease))
+                                        await self._reason(phase_note.lease, why))
         refused = [n.attempt_id for n in notes if n.attempt_id not in mine or n.attempt_id in lost]
         return {"lost": refused}
+
+    async def _deadline_s(self, identity: str, lease: Lease, phase: Phase) -> float | None:
+        """A note of a run phase under way (or over) starts the attempt's run deadline."""
+        if phase not in (Phase.RUN, Phase.STOP):
+            return None
+        return await self.attempts.deadline_s(lease.attempt_id, lease.task_id, identity, rule=self.deadline,
+                                              read=self.store.get)
 
     async def result(self, worker: RemoteWorker, body: ResultIn) -> tuple[ResultBatch, bool]:
         """Store a result batch once; (the acknowledged batch, whether it is new)."""
@@ -294,10 +318,15 @@ class Gateway:
         lease = lease_of(body.attempt_id, body.lease_token)
         batch = ResultBatch(body.plugin, body.sequence, _key_of(lease, body.idempotency_key), body.sha256, body.final,
                             body.payload, attempt_id=body.attempt_id)
+        quota = ResultQuota(self.settings.max_results_per_attempt, self.settings.max_result_bytes_per_attempt)
         try:
-            ack = await self.store.record_result(lease, batch, now=self._clock())
+            ack = await self.store.record_result(lease, batch, now=self._clock(), quota=quota)
         except Conflict:
             self.metrics.refused.inc(("conflict",))
+            raise
+        except QuotaExceeded as exc:
+            self.metrics.refused.inc((exc.code,))
+            log.warning("worker %s: %s", worker.id, exc)
             raise
         except LeaseLost as exc:
             raise await self._gone(worker.id, lease, exc) from None
@@ -357,14 +386,16 @@ class Gateway:
         return task.state
 
     async def _gone(self, identity: str, lease: Lease, lost: LeaseLost) -> LeaseGone:
-        reason = "cancelled" if isinstance(lost, TaskCancelling) else await self._reason(lease)
+        reason = "cancelled" if isinstance(lost, TaskCancelling) else await self._reason(lease, lost)
         self.metrics.refused.inc((reason,))
         await self.reports.lost(identity, lease.task_id, lease.attempt_id, reason)
         return LeaseGone(f"task {lease.task_id} attempt {lease.attempt_id}", reason)
 
-    async def _reason(self, lease: Lease) -> str:
-        """Why a lease the store refused is gone: cancelled, superseded (another attempt holds the task) or
-        expired."""
+    async def _reason(self, lease: Lease, lost: LeaseLost) -> str:
+        """Why a lease the store refused is gone: past its run deadline, cancelled, superseded (another attempt
+        holds the task) or expired."""
+        if isinstance(lost, DeadlinePassed):
+            return lost.reason
         try:
             task = await self.store.get(lease.task_id)
         except (StoreUnavailable, TidepoolError):
@@ -373,6 +404,9 @@ class Gateway:
             return "cancelled"
         if task.attempts and task.attempts[-1].id != lease.attempt_id:
             return "superseded"
+        attempt = task.attempts[-1] if task.attempts else None
+        if attempt is not None and attempt.deadline_at is not None and attempt.deadline_at <= self._clock():
+            return DeadlinePassed.reason  # and the reconciler has ended it since
         return "expired"
 
 

@@ -142,7 +142,8 @@ class ResultAckOut(Answer):
 class EndingOut(Answer):
     attempt_id: str
     state: str | None = None
-    lost: str | None = Field(None, description="why the ending was refused: expired, cancelled, revoked, superseded")
+    lost: str | None = Field(None, description="why the ending was refused: expired, cancelled, revoked, superseded, "
+                                               "deadline")
 
 
 class FinishOut(Answer):
@@ -161,9 +162,10 @@ class LeaseGoneBody(Answer):
 
     code: Literal["lease_lost"]
     message: str
-    reason: Literal["expired", "cancelled", "revoked", "superseded"] = Field(
+    reason: Literal["expired", "cancelled", "revoked", "superseded", "deadline"] = Field(
         description="expired: not renewed in time; cancelled: the task is being cancelled; revoked: the worker is; "
-                    "superseded: another attempt holds the task, or the attempt is not the caller's")
+                    "superseded: another attempt holds the task, or the attempt is not the caller's; deadline: the "
+                    "attempt ran past its run deadline (the attempt's deadline_at)")
 
 
 class LeaseGoneOut(Answer):

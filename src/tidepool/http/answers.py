@@ -64,6 +64,9 @@ class AttemptOut(Answer):
     error: TaskErrorOut | None
     exit_status: int | None
     stderr_tail: str | None
+    deadline_at: Instant | None = Field(description="set when its run phase started (its run timeout + "
+                                        "execution.stop_timeout_s + one lease later): past it the store takes none "
+                                        "of its writes and the reconciler ends it timed_out")
 
 
 class ResultOut(Answer):

@@ -12,7 +12,7 @@ from .series import Counter, gauge
 
 ANSWERS = ("leased", "empty", "disabled")
 REFUSALS = ("expired", "cancelled", "revoked", "superseded", "pending", "sha256", "conflict", "identity_conflict",
-            "outdated")
+            "outdated", "deadline", "result_quota")
 
 
 class GatewayMetrics:

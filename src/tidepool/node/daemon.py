@@ -130,7 +130,8 @@ class Daemon:
         # store's one listener announces each move and wakes a worker for each task it made.
         self.store.on_scan_moves(self.ops.scans.moved)
         self.reconciler = Reconciler(self.store, self.events,
-                                     config=ReconcilerConfig.of(settings.reconciler, settings.execution),
+                                     config=ReconcilerConfig.of(settings.reconciler, settings.execution,
+                                                                settings.all_types),
                                      policy=lambda: self.engine.policy, wake=self.waker.wake,
                                      fleet_tags=self.ops.fleet_tag_sets)
         self.scheduler = Scheduler(self.store, self.events, node_id=self.node_id, new_task=self.ops.scheduled_task,
@@ -355,7 +356,7 @@ class Daemon:
         self.engine.configure(registry, new.execution, new.retry)
         if self.remote is None:  # a remote worker's leases last as its gateway says
             self.leases.configure(lease_s=new.lease.duration_s, renew_every_s=new.lease.renew_every_s)
-        self.reconciler.configure(new.reconciler, new.execution)
+        self.reconciler.configure(new.reconciler, new.execution, new.all_types)
         self.guards.configure(new.guards)
         self.claims.configure(new.claimed_types())
         self.scheduler.configure(new.pool)

@@ -19,13 +19,14 @@ from ..gateway.watch import Watch
 from ..lifecycle import RetryPolicy
 from ..settings import Settings
 from ..store import Store
+from ..store.bounds import RunDeadline
 
 
 class NodeGateway:
     def __init__(self, store: Store, events: EventBus, settings: Settings,
                  policy: Callable[[], RetryPolicy]) -> None:
         self.gateway = Gateway(store, events, settings=settings.gateway, lease=settings.lease,
-                               policy=policy, max_body_kb=settings.api.max_body_kb)
+                               policy=policy, max_body_kb=settings.api.max_body_kb, deadline=run_deadline(settings))
         self.watch = Watch(self.gateway)
         events.listen(self.watch.on_event)
         self.credentials: Credentials | None = None  # the listener's TLS, when it listens
@@ -40,9 +41,16 @@ class NodeGateway:
             await tg.start(partial(serve_gateway, self.gateway, self.credentials, settings.gateway.listen))
 
     def configure(self, new: Settings) -> None:
-        self.gateway.configure(new.gateway, new.lease)
+        self.gateway.configure(new.gateway, new.lease, run_deadline(new))
         if self.credentials is not None:  # new connections get the files' certificates; live ones keep theirs
             self.credentials.reload(new.gateway)
+
+
+def run_deadline(settings: Settings) -> RunDeadline:
+    """The run deadline of the attempts this node hands out, from its own task types, execution and lease."""
+    timeouts = tuple((name, t.timeout_s) for name, t in settings.all_types.items() if t.timeout_s is not None)
+    return RunDeadline(settings.execution.timeout_s, settings.execution.stop_timeout_s, settings.lease.duration_s,
+                       timeouts)
 
 
 class WakerWithGateway(Waker):

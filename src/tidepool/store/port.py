@@ -45,6 +45,19 @@ class PhaseNote:
     lease: Lease
     phase: Phase
     progress: dict[str, object] | None = None
+    # Set once its run phase has started: how long from this note the attempt may live (its run timeout, the
+    # stop phase's bound and one lease). The first such note fixes the attempt's deadline_at; later ones change
+    # nothing. Computed by whoever holds the task type's settings: the engine, or for a remote worker its
+    # gateway (never the worker).
+    deadline_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResultQuota:
+    """What one attempt may store: result batches, and their payloads' bytes together (compact JSON, UTF-8)."""
+
+    max_results: int
+    max_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +77,7 @@ class Expired:
     attempt_id: str
     state: State  # the task's state after expiry
     type: str     # the task's type, for the events and metrics of its ending
+    timed_out: bool = False  # its lease ran to its run deadline: the attempt ended timed_out, not expired
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,12 +188,16 @@ class LeaseVerbs(Protocol):
                     lease_s: float) -> list[Claimed]:
         """Atomically lease up to `limit` tasks: priority DESC, created_at ASC."""
     async def renew(self, leases: Sequence[Lease], *, now: float, lease_s: float) -> dict[str, LeaseLost]:
-        """Extend the leases; the ones that could not be renewed, by attempt id."""
+        """Extend the leases, never past their attempt's deadline_at; the ones that could not be renewed, by
+        attempt id (DeadlinePassed for those past it)."""
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
         """Record phases and progress (leased -> running on the first); lost leases by attempt id."""
-    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
+    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float,
+                            quota: ResultQuota | None = None) -> ResultBatch:
         """Store a result batch once: sent again under its key, the stored one (Conflict if its sha256 differs).
-        The acknowledged batch comes back, its stored_now saying whether this call stored it."""
+        The acknowledged batch comes back, its stored_now saying whether this call stored it. With `quota`, a
+        new batch that would take its attempt past it raises QuotaExceeded ("result_quota") and changes nothing;
+        a batch sent again is no new batch."""
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
         """End the attempt; the task's new state. finish_many of this one ending, its error raised."""
     async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
@@ -242,9 +260,11 @@ class UpkeepVerbs(Protocol):
 
     async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
                             keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
-                            ) -> list[Expired]:
+                            retry_on_timeout: frozenset[str] = frozenset()) -> list[Expired]:
         """Expire leases past their time, or with node_id every lease of that node's other processes. The
-        attempts named in `interrupted` (a shutdown stopped them but could not write it) end interrupted."""
+        attempts named in `interrupted` (a shutdown stopped them but could not write it) end interrupted. A
+        lease that ran to its attempt's deadline_at ends the attempt timed_out (error "timeout"), retried
+        only for the task types named in `retry_on_timeout`."""
     async def promote_due(self, *, now: float) -> int:
         """retry_wait tasks whose backoff is over -> pending."""
     async def finish_cancels(self, *, now: float, deadline_s: float) -> list[Ended]:

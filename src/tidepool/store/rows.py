@@ -58,7 +58,7 @@ TASK_COLUMNS = ("id, type, payload, priority, state, phase, progress, attempt, m
                 "timeout_s, required_tags, idempotency_key, node_id, error, created_at, updated_at, "
                 "available_at, finished_at, organization")
 ATTEMPT_COLUMNS = ("id, task_id, number, node_id, worker_id, status, started_at, finished_at, error, exit_status, "
-                   "stderr_tail")
+                   "stderr_tail, deadline_at")
 RESULT_COLUMNS = "plugin, sequence, idempotency_key, sha256, final, payload, attempt_id"
 SCHEDULE_COLUMNS = "name, spec, paused, next_tick_at, next_run_at, last_run_at, last_task_id"
 NODE_COLUMNS = ("node_id, instance_id, hostname, pid, version, started_at, heartbeat_at, heartbeat_s, stopped_at, "
@@ -103,7 +103,7 @@ def task_of(row: Sequence[Any], *, required_tags: Sequence[str], attempts: tuple
 def attempt_of(r: Sequence[Any]) -> Attempt:
     """An Attempt from an ATTEMPT_COLUMNS row."""
     err = None if r[8] is None else error_of(r[8])
-    return Attempt(r[0], r[1], r[2], r[3], r[4], AttemptStatus(r[5]), r[6], r[7], err, r[9], r[10])
+    return Attempt(r[0], r[1], r[2], r[3], r[4], AttemptStatus(r[5]), r[6], r[7], err, r[9], r[10], r[11])
 
 
 def result_of(row: Sequence[Any]) -> ResultBatch:

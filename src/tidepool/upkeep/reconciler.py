@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
@@ -21,13 +21,15 @@ from ..errors import StoreUnavailable
 from ..events import EventBus
 from ..lifecycle import RetryPolicy
 from ..logs import Outage
-from ..model import CANCELLED_ON_REQUEST, State, cancel_deadline_error
+from ..model import CANCELLED_ON_REQUEST, State, TaskError, cancel_deadline_error
 from ..store import LEASE_EXPIRED, UNWRITTEN_INTERRUPTION, Expired, Store
 
 if TYPE_CHECKING:
-    from ..settings import ExecutionSettings, ReconcilerSettings
+    from ..settings import ExecutionSettings, ReconcilerSettings, TypeSettings
 
 log = logging.getLogger("tidepool.reconciler")
+# the event's error of an attempt the store ended at its run deadline (the task's own says when it passed)
+PAST_DEADLINE = TaskError("timeout", "the run deadline passed (run timeout + execution.stop_timeout_s + one lease)")
 
 
 @dataclass
@@ -36,11 +38,15 @@ class ReconcilerConfig:
     cancel_deadline_s: float = 60.0
     retention_days: float = 14.0
     unserviceable_after_s: float = 60.0  # execution.prepare_timeout_s: how long the fleet may lack a tag set
+    # the task types whose attempts run past their run deadline are retried, as a timeout of theirs is
+    retry_on_timeout: frozenset[str] = field(default_factory=frozenset)
 
     @classmethod
-    def of(cls, section: ReconcilerSettings, execution: ExecutionSettings) -> ReconcilerConfig:
+    def of(cls, section: ReconcilerSettings, execution: ExecutionSettings,
+           types: Mapping[str, TypeSettings] | None = None) -> ReconcilerConfig:
+        retried = frozenset(name for name, t in (types or {}).items() if t.retry_on_timeout)
         return cls(section.interval_s, execution.cancel_deadline_s, section.retention_days,
-                   unserviceable_after_s=execution.prepare_timeout_s)
+                   unserviceable_after_s=execution.prepare_timeout_s, retry_on_timeout=retried)
 
 
 @dataclass(frozen=True)
@@ -68,9 +74,10 @@ class Reconciler:
         self._unserviceable_since: dict[frozenset[str], float] = {}
         self._outage = Outage(log)  # the store did not answer: said once, not every pass
 
-    def configure(self, section: ReconcilerSettings, execution: ExecutionSettings) -> None:
+    def configure(self, section: ReconcilerSettings, execution: ExecutionSettings,
+                  types: Mapping[str, TypeSettings] | None = None) -> None:
         """A reload's settings, from the next pass on."""
-        self.config = ReconcilerConfig.of(section, execution)
+        self.config = ReconcilerConfig.of(section, execution, types)
 
     async def recover(self, *, node_id: str, instance_id: str,
                       interrupted: frozenset[str] = frozenset()) -> list[Expired]:
@@ -97,7 +104,8 @@ class Reconciler:
 
     async def pass_once(self) -> PassReport:
         now = self._clock()
-        expired = await self._store.expire_leases(now=now, policy=self._policy())
+        expired = await self._store.expire_leases(now=now, policy=self._policy(),
+                                                  retry_on_timeout=self.config.retry_on_timeout)
         self.report_expired(expired, "not renewed in time")
         promoted = await self._store.promote_due(now=now)
         if promoted:
@@ -160,10 +168,14 @@ class Reconciler:
         return failed
 
     def report_expired(self, expired: list[Expired], why: str, interrupted: frozenset[str] = frozenset()) -> None:
-        """Say how each lease ended: expired, or (named in `interrupted`) an earlier shutdown's interruption
-        written only now, which is no expiry and says so."""
+        """Say how each lease ended: expired, timed out at its run deadline, or (named in `interrupted`) an
+        earlier shutdown's interruption written only now, which is no expiry and says so."""
         for e in expired:
-            if e.attempt_id in interrupted:
+            if e.timed_out:
+                log.warning("task %s attempt %s ran past its run deadline (its worker did not end it) -> %s",
+                            e.task_id, e.attempt_id, e.state.value)
+                error = (CANCELLED_ON_REQUEST if e.state is State.CANCELLED else PAST_DEADLINE).to_json()
+            elif e.attempt_id in interrupted:
                 log.info("task %s attempt %s interrupted by the earlier process's shutdown (written now) -> %s",
                          e.task_id, e.attempt_id, e.state.value)
                 error = UNWRITTEN_INTERRUPTION.to_json()  # if terminal: past retry.max_interruptions

@@ -39,7 +39,7 @@ ROUTES = {(method, op.route or path) for (method, path), op in openapi.OPERATION
 
 def _task() -> Task:
     failed = Attempt("a1", "t1", 1, "n1", "w1", AttemptStatus.FAILED, T0 + 1, T0 + 2, TaskError("x", "boom", False),
-                     1, "tail")
+                     1, "tail", T0 + 10)
     succeeded = Attempt("a2", "t1", 2, "n1", "w2", AttemptStatus.SUCCEEDED, T0 + 3, T0 + 4)
     results = (ResultBatch("p", 1, "k1", "s1", True, {"n": 1}, "a1"),
                ResultBatch("p", 2, "k2", "s2", True, [2.5], "a2"))
@@ -55,10 +55,11 @@ TASK = {"id": "t1", "type": "noop", "organization": "acme", "payload": {"x": [1,
         "available_at": "2023-11-14T22:13:20.250000Z", "finished_at": "2023-11-14T22:13:24.250000Z",
         "attempts": [{"id": "a1", "number": 1, "node_id": "n1", "worker_id": "w1", "status": "failed",
                       "started_at": "2023-11-14T22:13:21.250000Z", "finished_at": "2023-11-14T22:13:22.250000Z",
-                      "error": {"code": "x", "message": "boom"}, "exit_status": 1, "stderr_tail": "tail"},
+                      "error": {"code": "x", "message": "boom"}, "exit_status": 1, "stderr_tail": "tail",
+                      "deadline_at": "2023-11-14T22:13:30.250000Z"},
                      {"id": "a2", "number": 2, "node_id": "n1", "worker_id": "w2", "status": "succeeded",
                       "started_at": "2023-11-14T22:13:23.250000Z", "finished_at": "2023-11-14T22:13:24.250000Z",
-                      "error": None, "exit_status": None, "stderr_tail": None}]}
+                      "error": None, "exit_status": None, "stderr_tail": None, "deadline_at": None}]}
 
 
 def _document(**kwargs: Any) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from ..port import (
     Node,
     Page,
     PhaseNote,
+    ResultQuota,
     Revoked,
     ScanCancel,
     ScanListener,
@@ -98,8 +99,9 @@ class MemoryStore:
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
         return leases.set_phase(self._db, notes, now=now)
 
-    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
-        return leases.record_result(self._db, lease, batch, now=now)
+    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float,
+                            quota: ResultQuota | None = None) -> ResultBatch:
+        return leases.record_result(self._db, lease, batch, now=now, quota=quota)
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
         return await finish_alone(self, lease, outcome, now=now, policy=policy)
@@ -131,9 +133,9 @@ class MemoryStore:
 
     async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
                             keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
-                            ) -> list[Expired]:
+                            retry_on_timeout: frozenset[str] = frozenset()) -> list[Expired]:
         return upkeep.expire_leases(self._db, now=now, policy=policy, node_id=node_id, keep_instance=keep_instance,
-                                    interrupted=interrupted)
+                                    interrupted=interrupted, retry_on_timeout=retry_on_timeout)
 
     async def promote_due(self, *, now: float) -> int:
         return upkeep.promote_due(self._db, now=now)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ...errors import Conflict, LeaseLost, TaskCancelling, TidepoolError
+from ...errors import Conflict, DeadlinePassed, LeaseLost, TaskCancelling, TidepoolError
 from ...lifecycle import Event, RetryPolicy, decide_end, step
 from ...model import (
     QUEUED,
@@ -22,7 +22,8 @@ from ...model import (
     new_token,
 )
 from ...scans import ScopeRefused
-from ..port import Ending, PhaseNote
+from ..bounds import capped, check_quota, past_deadline, payload_bytes
+from ..port import Ending, PhaseNote, ResultQuota
 from ..rules import glob_matches, may_end
 from . import scans
 from .database import Database, TaskRow
@@ -40,7 +41,7 @@ def renew(db: Database, leases: Sequence[Lease], *, now: float, lease_s: float) 
         except LeaseLost as exc:
             lost[lease.attempt_id] = exc
             continue
-        row.lease = dataclasses.replace(lease, expires_at=now + lease_s)
+        row.lease = dataclasses.replace(lease, expires_at=capped(now + lease_s, deadline_of(row)))
     return lost
 
 
@@ -55,12 +56,15 @@ def set_phase(db: Database, notes: Sequence[PhaseNote], *, now: float) -> dict[s
         if row.task.state is State.LEASED:
             row.update(state=step(State.LEASED, Event.START))
             row.set_attempt(note.lease.attempt_id, status=AttemptStatus.RUNNING)
+        if note.deadline_s is not None and deadline_of(row) is None:
+            row.set_attempt(note.lease.attempt_id, deadline_at=now + note.deadline_s)
         progress = note.progress if note.progress is not None else row.task.progress
         row.update(phase=note.phase, progress=progress, updated_at=now)
     return lost
 
 
-def record_result(db: Database, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
+def record_result(db: Database, lease: Lease, batch: ResultBatch, *, now: float,
+                  quota: ResultQuota | None = None) -> ResultBatch:
     row = _fenced(db, lease, now)
     for other in db.tasks.values():
         for earlier in other.results:
@@ -68,6 +72,9 @@ def record_result(db: Database, lease: Lease, batch: ResultBatch, *, now: float)
                 if earlier.sha256 != batch.sha256:
                     raise Conflict(f"result key {batch.idempotency_key} was stored with another sha256")
                 return earlier
+    stored = [r for r in row.results if r.attempt_id == lease.attempt_id]
+    check_quota(quota, task_id=lease.task_id, attempt_id=lease.attempt_id, count=len(stored),
+                stored_bytes=sum(payload_bytes(r) for r in stored), adding=payload_bytes(batch))
     batch = dataclasses.replace(batch, attempt_id=lease.attempt_id, stored_now=False)
     row.results.append(batch)
     return dataclasses.replace(batch, stored_now=True)
@@ -144,5 +151,13 @@ def _fenced(db: Database, lease: Lease, now: float, *, ending: bool = False) -> 
     if row.task.state is State.CANCELLING:
         raise TaskCancelling(lease.task_id, lease.attempt_id)
     if not row.task.state.active or row.lease.expires_at <= now:
+        if past_deadline(deadline_of(row), now):
+            raise DeadlinePassed(lease.task_id, lease.attempt_id)
         raise LeaseLost(lease.task_id, lease.attempt_id)
     return row
+
+
+def deadline_of(row: TaskRow) -> float | None:
+    """The run deadline of the row's leased attempt (None before its run phase)."""
+    assert row.lease is not None
+    return next((a.deadline_at for a in row.attempts if a.id == row.lease.attempt_id), None)

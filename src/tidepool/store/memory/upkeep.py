@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from ...lifecycle import Event, RetryPolicy, step
 from ...model import QUEUED, AttemptStatus, State, TaskError, cancel_deadline_error
+from ..bounds import expiry
 from ..port import Ended, Expired, Node
-from ..rules import expiry_outcome
 from . import leases, scans
 from .database import Database
 
 
 def expire_leases(db: Database, *, now: float, policy: RetryPolicy, node_id: str | None, keep_instance: str | None,
-                  interrupted: frozenset[str]) -> list[Expired]:
+                  interrupted: frozenset[str], retry_on_timeout: frozenset[str] = frozenset()) -> list[Expired]:
     expired = []
     for row in list(db.tasks.values()):  # a step ended here may insert its next job's task
         lease = row.lease
@@ -23,8 +23,12 @@ def expire_leases(db: Database, *, now: float, policy: RetryPolicy, node_id: str
             continue
         mine = node_id is not None and row.task.node_id == node_id and row.lease_instance != keep_instance
         if mine or (node_id is None and lease.expires_at <= now):
-            leases.end(db, row, expiry_outcome(lease.attempt_id, interrupted), now=now, policy=policy)
-            expired.append(Expired(row.task.id, lease.attempt_id, row.task.state, row.task.type))
+            outcome = expiry(lease.attempt_id, interrupted=interrupted, lease_expires_at=lease.expires_at,
+                             deadline_at=leases.deadline_of(row), type=row.task.type,
+                             retry_on_timeout=retry_on_timeout)
+            leases.end(db, row, outcome, now=now, policy=policy)
+            expired.append(Expired(row.task.id, lease.attempt_id, row.task.state, row.task.type,
+                                   timed_out=outcome.status is AttemptStatus.TIMED_OUT))
     scans.flush(db)
     return expired
 

@@ -51,6 +51,7 @@ from ..port import (
     Node,
     Page,
     PhaseNote,
+    ResultQuota,
     Revoked,
     ScanCancel,
     ScanListener,
@@ -121,8 +122,9 @@ class PostgresStore:
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
         return await self._leases.set_phase(notes, now=now)
 
-    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
-        return await self._leases.record_result(lease, batch, now=now)
+    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float,
+                            quota: ResultQuota | None = None) -> ResultBatch:
+        return await self._leases.record_result(lease, batch, now=now, quota=quota)
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
         return await self._leases.finish(lease, outcome, now=now, policy=policy)
@@ -155,9 +157,10 @@ class PostgresStore:
 
     async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
                             keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
-                            ) -> list[Expired]:
+                            retry_on_timeout: frozenset[str] = frozenset()) -> list[Expired]:
         return await upkeep.expire_leases(self._db, now=now, policy=policy, node_id=node_id,
-                                          keep_instance=keep_instance, interrupted=interrupted, told=self._told)
+                                          keep_instance=keep_instance, interrupted=interrupted, told=self._told,
+                                          retry_on_timeout=retry_on_timeout)
 
     async def promote_due(self, *, now: float) -> int:
         return await upkeep.promote_due(self._db, now=now)

@@ -16,11 +16,12 @@ from typing import Any, cast
 
 import anyio
 
-from ...errors import Conflict, LeaseLost, StoreUnavailable, TaskCancelling, TidepoolError
+from ...errors import Conflict, DeadlinePassed, LeaseLost, StoreUnavailable, TaskCancelling, TidepoolError
 from ...lifecycle import Decision, RetryPolicy, decide_end
 from ...model import AttemptStatus, Claimed, ClaimFilter, Lease, Outcome, ResultBatch, State, Worker, new_id, new_token
 from .. import sql
-from ..port import Ending, PhaseNote
+from ..bounds import check_quota, past_deadline, payload_bytes
+from ..port import Ending, PhaseNote, ResultQuota
 from ..rows import error_text, result_of, task_of
 from ..rules import completable_at_once, may_end, progress_text
 from . import scans, tasks
@@ -72,7 +73,7 @@ class Leases:
             return {}
         async with self._db.conn(rows=len(leases)) as conn:
             renewed = await conn.fetch(SQL["renew"], *_lease_arrays(leases), now, now + lease_s)
-            return await _lost(conn, leases, {r[0] for r in renewed})
+            return await _lost(conn, leases, {r[0] for r in renewed}, now)
 
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
         if not notes:
@@ -81,21 +82,34 @@ class Leases:
         leases = [n.lease for n in latest]
         phases = [n.phase.value for n in latest]
         progress = [progress_text(n.progress) for n in latest]
+        # the latest note may be a progress note after the one that started the run phase: the first deadline sent
+        sent: dict[str, float] = {}
+        for n in notes:
+            if n.deadline_s is not None:
+                sent.setdefault(n.lease.attempt_id, n.deadline_s)
+        deadlines = [sent.get(n.lease.attempt_id) for n in latest]
         async with self._db.conn(rows=len(latest)) as conn:
-            noted = await conn.fetch(SQL["set_phase"], *_lease_arrays(leases), phases, progress, now)
-            return await _lost(conn, leases, {r[0] for r in noted})
+            noted = await conn.fetch(SQL["set_phase"], *_lease_arrays(leases), phases, progress, now, deadlines)
+            return await _lost(conn, leases, {r[0] for r in noted}, now)
 
-    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
+    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float,
+                            quota: ResultQuota | None = None) -> ResultBatch:
         """Stored once by key: a write whose answer was lost, sent again, comes back as the stored batch."""
+        size = payload_bytes(batch)
         async with self._db.conn() as conn:
-            fenced, stored = await conn.fetchrow(
+            fenced, stored, room, count, stored_bytes = await conn.fetchrow(
                 SQL["record_result"], lease.task_id, lease.attempt_id, lease.token, now, batch.idempotency_key,
-                batch.plugin, batch.sequence, batch.sha256, batch.final, json.dumps(batch.payload))  # fmt: skip
+                batch.plugin, batch.sequence, batch.sha256, batch.final, json.dumps(batch.payload),
+                None if quota is None else quota.max_results, size,
+                None if quota is None else quota.max_bytes)  # fmt: skip
             if not fenced:
-                raise await _why_lost(conn, lease)
+                raise await _why_lost(conn, lease, now)
             if stored:
                 return replace(batch, attempt_id=lease.attempt_id, stored_now=True)
             earlier = await conn.fetchrow(SQL["earlier_result"], batch.idempotency_key)
+        if earlier is None and not room:
+            check_quota(quota, task_id=lease.task_id, attempt_id=lease.attempt_id, count=count,
+                        stored_bytes=stored_bytes, adding=size)
         if earlier is None:  # its task was pruned between the two statements
             raise StoreUnavailable(f"result key {batch.idempotency_key} changed hands during the write; retry")
         if earlier[3] != batch.sha256:
@@ -202,7 +216,7 @@ class Leases:
         async with self._db.conn() as conn, conn.transaction():
             row = await conn.fetchrow(SQL["ending_row"], lease.task_id, lease.attempt_id, lease.token)
             if row is None or not may_end(State(row[0]), row[4], now):
-                raise await _why_lost(conn, lease)
+                raise await _why_lost(conn, lease, now)
             if row[5] is not None and outcome.status is AttemptStatus.SUCCEEDED:  # a scan step's success
                 outcome = await scans.checked(conn, row[5], outcome)
             end = decide_end(State(row[0]), outcome, attempt=row[1], max_attempts=row[2], interruptions=row[3],
@@ -249,22 +263,27 @@ def _lease_arrays(leases: Sequence[Lease]) -> tuple[list[str], list[str], list[s
     return [x.task_id for x in leases], [x.attempt_id for x in leases], [x.token for x in leases]
 
 
-async def _lost(conn: Conn, leases: Sequence[Lease], kept: set[str]) -> dict[str, LeaseLost]:
+async def _lost(conn: Conn, leases: Sequence[Lease], kept: set[str], now: float) -> dict[str, LeaseLost]:
     """The leases a multi-row write did not take, each with why (read afresh: a cancel may have won)."""
     missed = [lease for lease in leases if lease.attempt_id not in kept]
     if not missed:
         return {}
-    cancelling = {r[0] for r in await conn.fetch(SQL["cancelling"], *_lease_arrays(missed))}
-    return {
-        x.attempt_id: TaskCancelling(x.task_id, x.attempt_id) if x.attempt_id in cancelling
-        else LeaseLost(x.task_id, x.attempt_id)
-        for x in missed
-    }  # fmt: skip
+    found = {r[0]: r for r in await conn.fetch(SQL["lost_why"], *_lease_arrays(missed))}
+    return {x.attempt_id: _why(x, found.get(x.attempt_id), now) for x in missed}
 
 
-async def _why_lost(conn: Conn, lease: Lease) -> LeaseLost:
-    if await conn.fetchval(SQL["why_lost"], lease.task_id, lease.attempt_id, lease.token) == State.CANCELLING:
+async def _why_lost(conn: Conn, lease: Lease, now: float) -> LeaseLost:
+    row = await conn.fetchrow(SQL["why_lost"], lease.task_id, lease.attempt_id, lease.token)
+    return _why(lease, None if row is None else (lease.attempt_id, row[0], row[1]), now)
+
+
+def _why(lease: Lease, row: Any, now: float) -> LeaseLost:
+    """Why a fenced write missed, from its (attempt id, task state, deadline_at) row if its task still names
+    the lease: a cancel committed, the attempt past its run deadline, or else the lease is gone."""
+    if row is not None and row[1] == State.CANCELLING:
         return TaskCancelling(lease.task_id, lease.attempt_id)
+    if row is not None and past_deadline(row[2], now):
+        return DeadlinePassed(lease.task_id, lease.attempt_id)
     return LeaseLost(lease.task_id, lease.attempt_id)
 
 

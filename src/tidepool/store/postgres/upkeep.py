@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from ...lifecycle import Event, RetryPolicy, step
-from ...model import Lease, State, TaskError, cancel_deadline_error
+from ...model import AttemptStatus, Lease, State, TaskError, cancel_deadline_error
 from .. import sql
+from ..bounds import expiry
 from ..port import Ended, Expired, Node
 from ..rows import error_text, node_of, node_values
-from ..rules import expiry_outcome
 from . import leases, scans
 from .database import Database, Session
 
@@ -27,7 +27,8 @@ SWEEP = 500  # rows per reconciler transaction: bounded locks and WAL per step
 
 
 async def expire_leases(db: Database, *, now: float, policy: RetryPolicy, node_id: str | None,
-                        keep_instance: str | None, interrupted: frozenset[str], told: scans.Told) -> list[Expired]:
+                        keep_instance: str | None, interrupted: frozenset[str], told: scans.Told,
+                        retry_on_timeout: frozenset[str] = frozenset()) -> list[Expired]:
     args: list[Any]
     if node_id is None:
         statement, args = SQL["expiring"], [now, SWEEP]
@@ -39,7 +40,8 @@ async def expire_leases(db: Database, *, now: float, policy: RetryPolicy, node_i
         async with db.conn(rows=SWEEP) as conn, conn.transaction():
             rows = await conn.fetch(statement, *args)
             ends = [(Lease(r[4], r[5], r[6], now), o, leases.expiry(r, o, policy, now))
-                    for r in rows for o in (expiry_outcome(r[5], interrupted),)]
+                    for r in rows for o in (expiry(r[5], interrupted=interrupted, lease_expires_at=r[10],
+                                                   deadline_at=r[11], type=r[7], retry_on_timeout=retry_on_timeout),)]
             if ends:
                 await leases.write_ends(conn, ends, now)
             for r, (lease, _, end) in zip(rows, ends, strict=True):
@@ -47,8 +49,9 @@ async def expire_leases(db: Database, *, now: float, policy: RetryPolicy, node_i
                     await scans.step_ended(conn, moves, scan_id=r[8], index=r[9], task_id=lease.task_id,
                                            state=end.state, learned=None, now=now)
         told(moves)
-        expired.extend(Expired(lease.task_id, lease.attempt_id, end.state, r[7])
-                       for (lease, _, end), r in zip(ends, rows, strict=True))
+        expired.extend(Expired(lease.task_id, lease.attempt_id, end.state, r[7],
+                               timed_out=outcome.status is AttemptStatus.TIMED_OUT)
+                       for (lease, outcome, end), r in zip(ends, rows, strict=True))
         if len(rows) < SWEEP:
             return expired
 

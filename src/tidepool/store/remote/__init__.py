@@ -44,6 +44,7 @@ from ..port import (
     Node,
     Page,
     PhaseNote,
+    ResultQuota,
     Revoked,
     ScanCancel,
     ScanListener,
@@ -102,8 +103,9 @@ class RemoteStore:
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
         return await self._leases.set_phase(notes, now=now)
 
-    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
-        return await self._leases.record_result(lease, batch, now=now)
+    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float,
+                            quota: ResultQuota | None = None) -> ResultBatch:
+        return await self._leases.record_result(lease, batch, now=now)  # the gateway holds it to its own quota
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
         return await finish_alone(self, lease, outcome, now=now, policy=policy)
@@ -163,7 +165,7 @@ class RemoteStore:
 
     async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
                             keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
-                            ) -> list[Expired]:
+                            retry_on_timeout: frozenset[str] = frozenset()) -> list[Expired]:
         return await upkeep.expire_leases(self.url)
 
     async def promote_due(self, *, now: float) -> int:

@@ -22,7 +22,17 @@ from typing import Any, Protocol
 
 import anyio
 
-from ...errors import Conflict, InvalidRequest, LeaseLost, StoreError, StoreUnavailable, TaskCancelling, TidepoolError
+from ...errors import (
+    Conflict,
+    DeadlinePassed,
+    InvalidRequest,
+    LeaseLost,
+    QuotaExceeded,
+    StoreError,
+    StoreUnavailable,
+    TaskCancelling,
+    TidepoolError,
+)
 from ...lifecycle import RetryPolicy
 from ...model import Claimed, ClaimFilter, Lease, Phase, ResultBatch, State, Worker, new_id, sha256_of
 from ..port import Ending, PhaseNote
@@ -228,6 +238,8 @@ class GatewayLeases:
             raise Conflict(f"result key {batch.idempotency_key}: {answer.error_message()}")
         if answer.status == 410:
             raise self._live.lost(lease, _reason(answer))
+        if answer.status == 413:  # the attempt's result quota: nothing stored, and sending it again would not be
+            raise QuotaExceeded(answer.error_code() or "result_quota", answer.error_message())
         raise InvalidRequest("result", f"the gateway refused it ({answer.status}): {answer.error_message()}")
 
     # the outcome writer's endings
@@ -368,6 +380,8 @@ class LocalLeases:
             self.cancelling(lease.attempt_id)
             return TaskCancelling(lease.task_id, lease.attempt_id)
         self.forget(lease.attempt_id)
+        if reason == DeadlinePassed.reason:
+            return DeadlinePassed(lease.task_id, lease.attempt_id)
         return LeaseLost(lease.task_id, lease.attempt_id, f"the gateway says the lease is lost ({reason or 'lost'})")
 
     def forget(self, attempt_id: str) -> None:

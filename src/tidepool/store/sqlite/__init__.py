@@ -45,6 +45,7 @@ from ..port import (
     Node,
     Page,
     PhaseNote,
+    ResultQuota,
     Revoked,
     ScanCancel,
     ScanListener,
@@ -110,8 +111,9 @@ class SqliteStore:
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
         return await self._write(partial(leases.set_phase, notes=notes, now=now))
 
-    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float) -> ResultBatch:
-        return await self._write(partial(leases.record_result, lease=lease, result=batch, now=now))
+    async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float,
+                            quota: ResultQuota | None = None) -> ResultBatch:
+        return await self._write(partial(leases.record_result, lease=lease, result=batch, now=now, quota=quota))
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
         return await finish_alone(self, lease, outcome, now=now, policy=policy)
@@ -151,9 +153,10 @@ class SqliteStore:
 
     async def expire_leases(self, *, now: float, policy: RetryPolicy, node_id: str | None = None,
                             keep_instance: str | None = None, interrupted: frozenset[str] = frozenset(),
-                            ) -> list[Expired]:
+                            retry_on_timeout: frozenset[str] = frozenset()) -> list[Expired]:
         return await self._write(partial(upkeep.expire_leases, now=now, policy=policy, node_id=node_id,
-                                         keep_instance=keep_instance, interrupted=interrupted))
+                                         keep_instance=keep_instance, interrupted=interrupted,
+                                         retry_on_timeout=retry_on_timeout))
 
     async def promote_due(self, *, now: float) -> int:
         return await self._write(partial(upkeep.promote_due, now=now))

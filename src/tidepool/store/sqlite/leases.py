@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ...errors import Conflict, LeaseLost, TaskCancelling, TidepoolError
+from ...errors import Conflict, DeadlinePassed, LeaseLost, TaskCancelling, TidepoolError
 from ...lifecycle import RetryPolicy, decide_end
 from ...model import AttemptStatus, Claimed, ClaimFilter, Lease, Outcome, ResultBatch, State, Worker, new_id, new_token
 from .. import sql
-from ..port import Ending, PhaseNote
+from ..bounds import check_quota, past_deadline, payload_bytes
+from ..port import Ending, PhaseNote, ResultQuota
 from ..rows import error_text, result_of
 from ..rules import completable_at_once, may_end, progress_text, sqlite_glob
 from . import scans
@@ -110,10 +111,12 @@ def fence(lease: Lease) -> tuple[str, str, str]:
     return lease.task_id, lease.attempt_id, lease.token
 
 
-def why_lost(conn: sqlite3.Connection, lease: Lease) -> LeaseLost:
+def why_lost(conn: sqlite3.Connection, lease: Lease, now: float) -> LeaseLost:
     row = conn.execute(Q["fenced_state"], fence(lease)).fetchone()
     if row is not None and row[0] == State.CANCELLING:
         return TaskCancelling(lease.task_id, lease.attempt_id)
+    if row is not None and past_deadline(row[1], now):
+        return DeadlinePassed(lease.task_id, lease.attempt_id)
     return LeaseLost(lease.task_id, lease.attempt_id)
 
 
@@ -122,7 +125,7 @@ def renew(conn: sqlite3.Connection, batch: Batch, *, leases: Sequence[Lease], no
     lost = {}
     for lease in leases:
         if conn.execute(Q["renew"], (now + lease_s, *fence(lease), now)).rowcount == 0:
-            lost[lease.attempt_id] = why_lost(conn, lease)
+            lost[lease.attempt_id] = why_lost(conn, lease, now)
     return lost
 
 
@@ -145,25 +148,32 @@ def note_phases(conn: sqlite3.Connection, notes: Sequence[PhaseNote], now: float
     if cur.rowcount != len(notes):  # a written note leaves its task running under the same live lease
         for n in notes:
             if conn.execute(Q["noted"], (*fence(n.lease), now)).fetchone() is None:
-                lost[n.lease.attempt_id] = why_lost(conn, n.lease)
+                lost[n.lease.attempt_id] = why_lost(conn, n.lease, now)
     written = [n.lease.attempt_id for n in notes if n.lease.attempt_id not in lost]
     if written:  # an attempt's first note starts it
         conn.execute(Q["start_attempts"].format(marks=marks(len(written))), written)
+    conn.executemany(Q["start_deadline"], [(now + n.deadline_s, n.lease.attempt_id) for n in notes
+                                           if n.deadline_s is not None and n.lease.attempt_id not in lost])
     return lost
 
 
-def record_result(conn: sqlite3.Connection, batch: Batch, *, lease: Lease, result: ResultBatch,
-                  now: float) -> ResultBatch:
+def record_result(conn: sqlite3.Connection, batch: Batch, *, lease: Lease, result: ResultBatch, now: float,
+                  quota: ResultQuota | None = None) -> ResultBatch:
     row = conn.execute(Q["live_state"], (*fence(lease), now)).fetchone()
     if row is None or row[0] not in (State.LEASED, State.RUNNING):
-        raise why_lost(conn, lease)
+        raise why_lost(conn, lease, now)
     earlier = conn.execute(Q["result_by_key"], (result.idempotency_key,)).fetchone()
     if earlier is not None:
         if earlier[3] != result.sha256:
             raise Conflict(f"result key {result.idempotency_key} was stored with another sha256")
         return result_of(earlier)
+    size = payload_bytes(result)
+    count, stored = conn.execute(Q["result_counts"], (lease.attempt_id,)).fetchone()
+    check_quota(quota, task_id=lease.task_id, attempt_id=lease.attempt_id, count=count, stored_bytes=stored,
+                adding=size)
     conn.execute(Q["insert_result"], (result.idempotency_key, lease.task_id, lease.attempt_id, result.plugin,
                                       result.sequence, result.sha256, result.final, json.dumps(result.payload), now))
+    conn.execute(Q["count_result"], (size, lease.attempt_id))
     return replace(result, attempt_id=lease.attempt_id, stored_now=True)
 
 
@@ -223,7 +233,7 @@ def finish_one(conn: sqlite3.Connection, batch: Batch, *, ending: Ending, policy
     lease, now = ending.lease, ending.now
     row = conn.execute(Q["ending"], fence(lease)).fetchone()
     if row is None or not may_end(State(row[0]), row[4], now):
-        raise why_lost(conn, lease)
+        raise why_lost(conn, lease, now)
     return end(conn, lease, ending.outcome, row, now, policy, batch, step=row[5:7])
 
 

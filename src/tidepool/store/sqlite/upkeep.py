@@ -20,13 +20,13 @@ import psutil  # type: ignore[import-untyped]
 
 from ...errors import ConfigError
 from ...lifecycle import Event, RetryPolicy, step
-from ...model import Lease, State, TaskError, cancel_deadline_error
+from ...model import AttemptStatus, Lease, State, TaskError, cancel_deadline_error
 from .. import sql
+from ..bounds import expiry
 from ..port import Ended, Expired, Node
 from ..rows import error_text, node_of, node_values
-from ..rules import expiry_outcome
 from . import leases, scans
-from .database import Batch
+from .database import Batch, chunks, marks
 
 Q = sql.queries(__package__, "upkeep.sql")
 
@@ -34,18 +34,31 @@ Q = sql.queries(__package__, "upkeep.sql")
 
 
 def expire_leases(conn: sqlite3.Connection, batch: Batch, *, now: float, policy: RetryPolicy, node_id: str | None,
-                  keep_instance: str | None, interrupted: frozenset[str]) -> list[Expired]:
+                  keep_instance: str | None, interrupted: frozenset[str],
+                  retry_on_timeout: frozenset[str] = frozenset()) -> list[Expired]:
     if node_id is None:
         rows = conn.execute(Q["expiring"], (now,)).fetchall()
     else:
         rows = conn.execute(Q["expiring_of_node"], (node_id, keep_instance)).fetchall()
     expired = []
+    deadlines = deadlines_of(conn, [row[6] for row in rows])
     for row in rows:
         lease = Lease(row[5], row[6], row[7], row[4])
-        state = leases.end(conn, lease, expiry_outcome(lease.attempt_id, interrupted), row, now, policy, batch,
-                           step=row[9:11])
-        expired.append(Expired(lease.task_id, lease.attempt_id, state, row[8]))
+        outcome = expiry(lease.attempt_id, interrupted=interrupted, lease_expires_at=row[4],
+                         deadline_at=deadlines.get(lease.attempt_id), type=row[8], retry_on_timeout=retry_on_timeout)
+        state = leases.end(conn, lease, outcome, row, now, policy, batch, step=row[9:11])
+        expired.append(Expired(lease.task_id, lease.attempt_id, state, row[8],
+                               timed_out=outcome.status is AttemptStatus.TIMED_OUT))
     return expired
+
+
+def deadlines_of(conn: sqlite3.Connection, attempt_ids: list[str]) -> dict[str, float]:
+    """The run deadline of each attempt named that has one (read apart: the expiry's own reads stay on their
+    index of tasks)."""
+    found: dict[str, float] = {}
+    for chunk in chunks(attempt_ids):
+        found.update(conn.execute(Q["deadlines"].format(marks=marks(len(chunk))), chunk).fetchall())
+    return found
 
 
 def promote_due(conn: sqlite3.Connection, batch: Batch, *, now: float) -> int:

@@ -105,25 +105,30 @@ locked AS MATERIALIZED (
     WHERE (t.state || '') IN {working} AND t.lease_expires_at > $4
     ORDER BY t.id FOR NO KEY UPDATE OF t
 )
-UPDATE tasks t SET lease_expires_at = $5 FROM locked WHERE t.id = locked.id
+-- never past the attempt's run deadline (least() skips a NULL: no deadline yet)
+UPDATE tasks t SET lease_expires_at = least($5, (SELECT a.deadline_at FROM attempts a WHERE a.id = t.lease_attempt_id))
+FROM locked WHERE t.id = locked.id
 RETURNING t.lease_attempt_id
 
 -- name: set_phase
+-- An attempt's first note starts it; the first that carries a deadline ($7: seconds from now) fixes it.
 WITH l AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[])
-        AS l(id, attempt_id, token, phase, progress)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $7::float8[])
+        AS l(id, attempt_id, token, phase, progress, deadline_s)
 ), locked AS MATERIALIZED (
-    SELECT t.id, l.phase, l.progress FROM tasks t
+    SELECT t.id, l.phase, l.progress, l.deadline_s FROM tasks t
     JOIN l ON t.id = l.id AND t.lease_attempt_id = l.attempt_id AND t.lease_token = l.token
     WHERE (t.state || '') IN {working} AND t.lease_expires_at > $6
     ORDER BY t.id FOR NO KEY UPDATE OF t
 ), noted AS (
     UPDATE tasks t SET phase = locked.phase, progress = coalesce(locked.progress, t.progress),
         updated_at = $6, state = 'running'
-    FROM locked WHERE t.id = locked.id RETURNING t.lease_attempt_id
+    FROM locked WHERE t.id = locked.id RETURNING t.lease_attempt_id, locked.deadline_s
 ), started AS (
-    UPDATE attempts a SET status = 'running' FROM noted
-    WHERE a.id = noted.lease_attempt_id AND a.status = 'leased'
+    UPDATE attempts a SET status = 'running', deadline_at = coalesce(a.deadline_at, $6 + noted.deadline_s)
+    FROM noted
+    WHERE a.id = noted.lease_attempt_id
+      AND (a.status = 'leased' OR (a.deadline_at IS NULL AND noted.deadline_s IS NOT NULL))
 )
 SELECT lease_attempt_id FROM noted
 
@@ -148,28 +153,43 @@ WITH l AS (
 )
 SELECT lease_attempt_id FROM done
 
--- name: cancelling
--- Of the leases a multi-row write did not take, those whose task is being cancelled.
-SELECT l.attempt_id FROM unnest($1::text[], $2::text[], $3::text[]) AS l(id, attempt_id, token)
+-- name: lost_why
+-- Of the leases a multi-row write did not take, those still named by their task: its state (a cancel may
+-- have won) and the attempt's run deadline.
+SELECT l.attempt_id, t.state, a.deadline_at FROM unnest($1::text[], $2::text[], $3::text[]) AS l(id, attempt_id, token)
 JOIN tasks t ON t.id = l.id AND t.lease_attempt_id = l.attempt_id AND t.lease_token = l.token
-WHERE t.state = 'cancelling'
+LEFT JOIN attempts a ON a.id = l.attempt_id
 
 -- name: why_lost
-SELECT state FROM tasks WHERE id = $1 AND lease_attempt_id = $2 AND lease_token = $3
+SELECT t.state, a.deadline_at FROM tasks t LEFT JOIN attempts a ON a.id = t.lease_attempt_id
+WHERE t.id = $1 AND t.lease_attempt_id = $2 AND t.lease_token = $3
 
 -- name: record_result
--- FOR SHARE holds off an expiry or a cancel until the result is in, or sees theirs first.
+-- FOR SHARE holds off an expiry or a cancel until the result is in, or sees theirs first. The attempt's row,
+-- locked, counts what it stored: a batch goes in only while the quota ($11 batches, $13 bytes; NULL: none)
+-- has room for its $12 bytes, and the count moves with it. A batch refused here for want of room may still be
+-- one stored before (sent again): the caller looks its key up before it says the quota is reached.
 WITH fenced AS (
     SELECT id FROM tasks WHERE id = $1 AND lease_attempt_id = $2 AND lease_token = $3
       AND state IN {working} AND lease_expires_at > $4
     FOR SHARE
+), counted AS MATERIALIZED (
+    SELECT a.result_count, a.result_bytes FROM attempts a WHERE a.id = $2 AND EXISTS (SELECT 1 FROM fenced)
+    FOR NO KEY UPDATE
+), room AS (
+    SELECT 1 FROM counted
+    WHERE $11::integer IS NULL OR (result_count + 1 <= $11 AND result_bytes + $12::bigint <= $13::bigint)
 ), stored AS (
     INSERT INTO results (idempotency_key, task_id, attempt_id, plugin, sequence, sha256, final, payload,
                          created_at)
-    SELECT $5, id, $2, $6, $7, $8, $9, $10, $4 FROM fenced
+    SELECT $5, id, $2, $6, $7, $8, $9, $10, $4 FROM fenced WHERE EXISTS (SELECT 1 FROM room)
     ON CONFLICT (idempotency_key) DO NOTHING RETURNING 1
+), counts AS (
+    UPDATE attempts a SET result_count = a.result_count + 1, result_bytes = a.result_bytes + $12::bigint
+    WHERE a.id = $2 AND EXISTS (SELECT 1 FROM stored)
 )
-SELECT (SELECT count(*) FROM fenced), (SELECT count(*) FROM stored)
+SELECT (SELECT count(*) FROM fenced), (SELECT count(*) FROM stored), (SELECT count(*) FROM room),
+       (SELECT result_count FROM counted), (SELECT result_bytes FROM counted)
 
 -- name: earlier_result
 SELECT plugin, sequence, idempotency_key, sha256, final, payload, attempt_id FROM results WHERE idempotency_key = $1

@@ -6,13 +6,15 @@
 -- nodes' rows.
 
 -- name: expiring
-SELECT state, attempt, max_attempts, interruptions, id, lease_attempt_id, lease_token, type, scan_id, scan_index
+SELECT state, attempt, max_attempts, interruptions, id, lease_attempt_id, lease_token, type, scan_id, scan_index,
+       lease_expires_at, (SELECT a.deadline_at FROM attempts a WHERE a.id = tasks.lease_attempt_id)
 FROM tasks WHERE state IN {active} AND lease_expires_at <= $1
 LIMIT $2 FOR NO KEY UPDATE SKIP LOCKED
 
 -- name: expiring_of_node
 -- Every lease of a node's other processes (a restart of that node), expired or not.
-SELECT state, attempt, max_attempts, interruptions, id, lease_attempt_id, lease_token, type, scan_id, scan_index
+SELECT state, attempt, max_attempts, interruptions, id, lease_attempt_id, lease_token, type, scan_id, scan_index,
+       lease_expires_at, (SELECT a.deadline_at FROM attempts a WHERE a.id = tasks.lease_attempt_id)
 FROM tasks WHERE state IN {active} AND node_id = $1 AND lease_instance IS DISTINCT FROM $2
 LIMIT $3 FOR NO KEY UPDATE SKIP LOCKED
 

@@ -37,11 +37,23 @@ INSERT INTO attempts (id, task_id, number, node_id, instance_id, worker_id, stat
 (?, ?, (SELECT count(*) + 1 FROM attempts WHERE task_id = ?), ?, ?, ?, 'leased', ?)
 
 -- name: renew
-UPDATE tasks SET lease_expires_at = ?
-WHERE id = ? AND lease_attempt_id = ? AND lease_token = ? AND state IN {working} AND lease_expires_at > ?
+-- Never past the attempt's run deadline: a lease that ran to it is over, and every fenced write finds it so.
+UPDATE tasks SET lease_expires_at = min(?1, coalesce((SELECT deadline_at FROM attempts WHERE id = ?3), ?1))
+WHERE id = ?2 AND lease_attempt_id = ?3 AND lease_token = ?4 AND state IN {working} AND lease_expires_at > ?5
 
 -- name: fenced_state
-SELECT state FROM tasks WHERE id = ? AND lease_attempt_id = ? AND lease_token = ?
+SELECT t.state, a.deadline_at FROM tasks t LEFT JOIN attempts a ON a.id = t.lease_attempt_id
+WHERE t.id = ? AND t.lease_attempt_id = ? AND t.lease_token = ?
+
+-- name: start_deadline
+-- The first note of an attempt's run phase fixes its deadline; a later one changes nothing.
+UPDATE attempts SET deadline_at = ? WHERE id = ? AND deadline_at IS NULL
+
+-- name: result_counts
+SELECT result_count, result_bytes FROM attempts WHERE id = ?
+
+-- name: count_result
+UPDATE attempts SET result_count = result_count + 1, result_bytes = result_bytes + ? WHERE id = ?
 
 -- name: note_phases
 -- `+tasks.state` keeps the planner on the primary key rather than the state index.

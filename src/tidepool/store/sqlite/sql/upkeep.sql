@@ -11,6 +11,10 @@ SELECT state, attempt, max_attempts, interruptions, lease_expires_at, id, lease_
        scan_id, scan_index
 FROM tasks WHERE state IN {active} AND node_id = ? AND lease_instance IS NOT ?
 
+-- name: deadlines
+-- The run deadlines of the attempts the expiry found, those that have one.
+SELECT id, deadline_at FROM attempts WHERE id IN ({marks}) AND deadline_at IS NOT NULL
+
 -- name: promote_due
 UPDATE tasks SET state = 'pending', updated_at = ? WHERE state = 'retry_wait' AND available_at <= ?
 
