@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -114,13 +115,16 @@ async def test_a_refused_change_is_said_beside_the_panel(
 
 @pytest.mark.e2e
 async def test_a_node_that_is_no_gateway_shows_no_panel_and_a_gateway_says_it_has_no_worker_yet(
-        make_token_daemon: Callable[..., Daemon], gateway: Gateway, browser_page: tuple[Any, list[str]]) -> None:
+        make_daemon: Callable[..., Daemon], gateway: Gateway, browser_page: tuple[Any, list[str]],
+        tmp_path: Path) -> None:
     from playwright.async_api import expect
 
-    daemon, (page, errors) = make_token_daemon({}), browser_page
-    await open_with_token(page, daemon)
-    await expect(page.locator("#workers")).not_to_have_text("\u2013", timeout=10_000)  # the pool was read
+    (tmp_path / "plain").mkdir()
+    plain, (page, errors) = make_daemon({}, root=tmp_path / "plain"), browser_page
+    plain.start()
+    await page.goto(plain.url + "/")  # no token there
     await expect(page.locator("#conn")).to_have_text("live", timeout=10_000)
+    await expect(page.locator("#workers")).not_to_have_text("\u2013", timeout=10_000)  # the pool was read
     await expect(page.locator("#remote")).to_be_hidden()
 
     await open_with_token(page, gateway.daemon)

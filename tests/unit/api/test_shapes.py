@@ -134,13 +134,14 @@ def test_the_pool_shows_its_sizes_queue_guards_and_resources() -> None:
     guards = GuardStats(("disk",), 0, 100, None, 50)
     body = _conforms(PoolOut.of(PoolView(stats, node_id="n1", draining=False, queue={"pending": 4, "running": 1},
                                          guards=guards, resources={"gpu": ResourceStats(("cuda",), 2, 1)},
-                                         pending_restart=["api.listen"])))
+                                         pending_restart=["api.listen"]), gateway=True))
     assert body == {
         "node_id": "n1", "min_workers": 2, "max_workers": 16, "idle_timeout_s": 30.0, "workers": 3, "busy": 1,
         "baseline": 2, "demand": 1, "claiming": True, "draining": False, "queue": {"pending": 4, "running": 1},
         "guards": {"tripped": ["disk"], "min_free_memory_mb": 0, "min_free_disk_mb": 100, "free_memory_mb": None,
                    "free_disk_mb": 50},
-        "resources": {"gpu": {"in_use": 1, "count": 2, "tags": ["cuda"]}}, "pending_restart": ["api.listen"]}
+        "resources": {"gpu": {"in_use": 1, "count": 2, "tags": ["cuda"]}}, "pending_restart": ["api.listen"],
+        "gateway": True}
 
 
 @pytest.mark.parametrize("error, status, code", [
