@@ -23,6 +23,11 @@ MAX_QUEUED_FRAMES = 1000
 REFUSALS_KEPT = 10_000  # identities refused lately, remembered so that their new connections are not held long
 
 
+def too_many_connections(identity: str, most: int) -> str:
+    return f"worker {identity} holds {most} connections already, the most one identity may " \
+           "(gateway.max_connections_per_worker)"
+
+
 def frame(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
@@ -70,7 +75,7 @@ class Controls:
         self._streams: dict[str, dict[ControlStream, None]] = {}  # per identity, oldest first
         self._connections: dict[str, set[asyncio.BaseTransport]] = {}
         self._over: set[asyncio.BaseTransport] = set()  # connections past their identity's cap, until they go
-        self._refused: OrderedDict[str, None] = OrderedDict()  # identities lately refused a 403, latest last
+        self._refused: OrderedDict[str, str] = OrderedDict()  # identity -> the code of its latest 403, latest last
         self._parked = parked  # identities with a parked acquire: a wake reaches those through it
         self._wakes = 0
 
@@ -161,20 +166,21 @@ class Controls:
     def connections(self, identity: str) -> int:
         return len(self._connections.get(identity, ()))
 
-    def refused(self, identity: str) -> None:
-        """The identity was answered a 403 that closes its connection (pending, revoked, outdated, ...)."""
-        self._refused[identity] = None
+    def refused(self, identity: str, code: str) -> None:
+        """The identity was answered a 403 that closes its connection (worker_pending, worker_revoked, ...)."""
+        self._refused[identity] = code
         self._refused.move_to_end(identity)
         if len(self._refused) > REFUSALS_KEPT:
             self._refused.popitem(last=False)
 
-    def refused_lately(self, identity: str) -> bool:
-        return identity in self._refused
+    def refusal_of(self, identity: str) -> str | None:
+        """The code of the identity's latest such 403, if it has not been enabled since."""
+        return self._refused.get(identity)
 
     def cut_off(self, identity: str, state: str) -> None:
         """A revoked worker: its streams get their last event and end, its connections are closed."""
         self.worker_state(identity, state)
-        self.refused(identity)
+        self.refused(identity, "worker_revoked")
         for stream in list(self._streams.get(identity, ())):
             stream.close(state)
         loop = asyncio.get_running_loop()

@@ -7,20 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import resource
 import socket
 import ssl
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any
 
 import anyio
 from aiohttp import web
 from anyio.abc import TaskGroup, TaskStatus
 
+from ..client import API_HEADER
 from ..http.guard import HEADER_TIMEOUT_S, KEEPALIVE_TIMEOUT_S, LISTEN_BACKLOG, MAX_CONNECTIONS, ConnectionGuard
 from ..logs import Outage
 from ..settings import api_address
+from .control import too_many_connections
 from .protocol import Gateway
 from .routes import build_app
 from .tls import Credentials, peer_of
@@ -34,9 +38,12 @@ NAME = "gateway listener"
 FILES_PER_POOL_WORKER = 4
 FILES_MARGIN = 256
 MIN_CONNECTIONS = 64
-# A new connection of an identity lately refused (revoked, pending, outdated), or past its own cap, sends its
-# first request at once or is closed: it is not held for the whole header deadline.
+# A new connection of an identity lately refused (pending, outdated) sends its first request at once or is
+# closed: it is not held for the whole header deadline.
 REFUSED_FIRST_REQUEST_S = 1.0
+# A closed connection waits this long for its peer's close_notify: one that never answers it (a refused
+# caller) keeps its place no longer (asyncio's default is 30 s).
+SHUTDOWN_TIMEOUT_S = 2.0
 ACCEPT_RETRY_S = 1.0  # out of file descriptors: accepting again this much later (asyncio's servers do the same)
 _OUT_OF_FILES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
@@ -114,7 +121,7 @@ class TlsListener:
         try:
             transport, _ = await asyncio.get_running_loop().connect_accepted_socket(
                 lambda: self._guard.admitted(self._handler()), connection, ssl=self._context,
-                ssl_handshake_timeout=self._guard.header_timeout_s)
+                ssl_handshake_timeout=self._guard.header_timeout_s, ssl_shutdown_timeout=SHUTDOWN_TIMEOUT_S)
             made = True
         except OSError as exc:  # ssl.SSLError, a reset, the handshake's deadline: nothing was served
             log.debug("%s: a TLS handshake failed: %s", NAME, exc)
@@ -128,19 +135,38 @@ class TlsListener:
 
 
 def _holding_nothing(gateway: Gateway, guard: ConnectionGuard) -> Callable[[asyncio.BaseTransport], None]:
-    """What a connection is told once its handshake names its peer: one of an identity lately refused, or past
-    the identity's own cap, must send its first request at once (answered 403 or 429, then closed)."""
+    """What a connection is told once its handshake names its peer. One past its identity's own cap is
+    answered 429 and closed, and one of a revoked identity 403, at once: neither holds a place of the
+    listener's. One of an identity refused lately otherwise (pending, outdated) must send its first request at
+    once (its record decides, it may have been enabled since)."""
 
     def admitted(transport: asyncio.BaseTransport) -> None:
         peer = peer_of(transport)
         if peer is None:
             return  # its first request is refused: no identity
-        within = gateway.controls.join(peer.identity, transport, most=gateway.settings.max_connections_per_worker,
-                                       when_lost=guard.when_lost)
-        if not within or gateway.controls.refused_lately(peer.identity):
+        controls, most = gateway.controls, gateway.settings.max_connections_per_worker
+        if controls.refusal_of(peer.identity) == "worker_revoked":
+            guard.let_go(transport)
+            _answer_and_close(transport, 403, "worker_revoked", f"worker {peer.identity}: revoked by an operator: "
+                              "its calls are refused for good")
+        elif not controls.join(peer.identity, transport, most=most, when_lost=guard.when_lost):
+            gateway.metrics.connections_refused.inc(("too_many_connections",))
+            guard.let_go(transport)
+            _answer_and_close(transport, 429, "too_many_connections", too_many_connections(peer.identity, most))
+        elif controls.refusal_of(peer.identity) is not None:
             guard.hurry(transport, REFUSED_FIRST_REQUEST_S)
 
     return admitted
+
+
+def _answer_and_close(transport: asyncio.BaseTransport, status: int, code: str, message: str) -> None:
+    """An answer before any request, as a server may send one (as to a request that takes too long), then the
+    close: the caller reads it whether it has sent its request yet or not."""
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n{API_HEADER[0]}: w1\r\n\r\n")
+    transport.write(head.encode() + body)  # type: ignore[attr-defined]
+    transport.close()
 
 
 async def serve_gateway(gateway: Gateway, credentials: Credentials, listen: str, *,

@@ -15,7 +15,7 @@ from ..http.bodies import parse
 from ..http.guard import ConnectionGuard
 from ..http.refusals import Refusal, error, errors_as_json
 from ..model import RemoteWorker, WorkerState
-from .control import ControlStream, frame
+from .control import ControlStream, frame, too_many_connections
 from .protocol import Gateway
 from .schemas import AcquireIn, FinishIn, PhaseIn, RenewIn, ResultIn
 from .tls import peer_of
@@ -45,7 +45,7 @@ def _refusals(request: web.Request, exc: Exception) -> web.StreamResponse | None
         answer = error(403, exc.code, str(exc))
         if exc.code not in KEEPS_ITS_CONNECTION:
             answer.force_close()
-            request.app[GATEWAY].controls.refused(exc.identity)
+            request.app[GATEWAY].controls.refused(exc.identity, exc.code)
         return answer
     if isinstance(exc, Refusal) and exc.code in ("no_identity", "too_many_connections"):
         answer = error(exc.status, exc.code, str(exc))
@@ -63,10 +63,11 @@ async def _caller(request: web.Request) -> RemoteWorker:
                                           "(a common name, else a DNS name)")
     gateway = request.app[GATEWAY]
     most = gateway.settings.max_connections_per_worker
-    if not gateway.controls.join(peer.identity, request.transport, most=most, when_lost=request.app[GUARD].when_lost):
-        gateway.metrics.connections_refused.inc(("too_many_connections",))
-        raise Refusal(429, "too_many_connections", f"worker {peer.identity} holds {most} connections already, the "
-                      "most one identity may (gateway.max_connections_per_worker)")
+    transport = request.transport
+    if not gateway.controls.join(peer.identity, transport, most=most, when_lost=request.app[GUARD].when_lost):
+        if transport is not None and not transport.is_closing():  # else answered and counted at its handshake
+            gateway.metrics.connections_refused.inc(("too_many_connections",))
+        raise Refusal(429, "too_many_connections", too_many_connections(peer.identity, most))
     refusal = request.app[TRUST].refusal(peer, request.transport)
     if refusal is not None:
         gateway.metrics.connections_refused.inc((refusal.code,))
