@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -16,7 +17,7 @@ from functools import partial
 import anyio
 import pytest
 
-from tidepool.gateway.listener import serve_gateway
+from tidepool.gateway.listener import connection_cap, serve_gateway
 from tidepool.gateway.tls import Credentials
 
 from ..conftest import free_port
@@ -183,3 +184,26 @@ async def _served_once_admitted(node: Node, port: int) -> int | None:
             if status is not None:
                 return status
             await anyio.sleep(0.05)
+
+
+def test_max_connections_0_is_sized_from_the_open_file_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowered = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowered, hard))
+    try:
+        assert connection_cap(0, pool_workers=16) == lowered - 512 - 4 * 16 - 256
+        assert connection_cap(100, pool_workers=16) == 100  # a setting is taken as it is
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_the_nodes_listener_holds_gateway_max_connections(make_node: MakeNode) -> None:
+    async with make_node(gateway={**AUTO, "max_connections": 2}) as node:
+        port = int(node.w1.rpartition(":")[2])
+        held = [await tls(node, port) for _ in range(2)]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        with anyio.fail_after(AT_ONCE_S):
+            assert await closed_by_the_gateway(reader)
+        writer.close()
+        for opened in held:
+            close(opened)
