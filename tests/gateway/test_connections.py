@@ -127,7 +127,10 @@ async def test_a_revoked_worker_is_closed_after_its_403_and_its_silent_connectio
     async with make_node(gateway=AUTO) as node:
         port = int(node.w1.rpartition(":")[2])
         assert (await node.remote("w1").acquire()).status == 200  # enrolled
+        quiet = await tls(node, port)  # open, and silent, when the revoke comes
         assert (await node.call("POST", "/v1/workers/w1/revoke")).status == 202
+        assert await closed_soon(quiet[0])
+        close(quiet)
         assert await call_on(await tls(node, port)) == Raw(403, "worker_revoked", True, True)
         silent = await tls(node, port)  # it sends nothing: not kept for the header deadline
         assert await closed_soon(silent[0])
