@@ -135,6 +135,7 @@ async def test_a_revoked_worker_is_closed_after_its_403_and_its_silent_connectio
         silent = await tls(node, port)  # it sends nothing: not kept for the header deadline
         assert await closed_soon(silent[0])
         close(silent)
+        assert await call_on(await tls(node, port)) == Raw(403, "worker_revoked", True, True)  # one that asks
 
 
 async def test_a_pending_worker_is_closed_after_its_403(make_node: MakeNode) -> None:

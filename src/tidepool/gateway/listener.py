@@ -38,8 +38,8 @@ NAME = "gateway listener"
 FILES_PER_POOL_WORKER = 4
 FILES_MARGIN = 256
 MIN_CONNECTIONS = 64
-# A new connection of an identity lately refused (pending, outdated) sends its first request at once or is
-# closed: it is not held for the whole header deadline.
+# A new connection of an identity lately refused (revoked, pending, outdated) sends its first request at once
+# or is closed: it is not held for the whole header deadline.
 REFUSED_FIRST_REQUEST_S = 1.0
 # A closed connection waits this long for its peer's close_notify: one that never answers it (a refused
 # caller) keeps its place no longer (asyncio's default is 30 s).
@@ -80,8 +80,8 @@ class TlsListener:
         host, port = address
         sockets: list[socket.socket] = []
         try:
-            for family, kind, proto, _, where in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                                     flags=socket.AI_PASSIVE):
+            found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            for family, kind, proto, _, where in dict.fromkeys(found):  # once each, in the resolver's order
                 sock = socket.socket(family, kind, proto)
                 sockets.append(sock)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -102,12 +102,15 @@ class TlsListener:
         while True:
             try:
                 connection, _ = await loop.sock_accept(sock)
+            except (ConnectionAbortedError, InterruptedError):
+                continue  # the client left before it was accepted
             except OSError as exc:
-                if exc.errno in _OUT_OF_FILES:
-                    self._no_files.failing("%s: cannot accept connections: %s; trying again every %.0f s", NAME,
-                                           exc.strerror or exc, ACCEPT_RETRY_S)
-                    await anyio.sleep(ACCEPT_RETRY_S)
-                continue  # else the client left before it was accepted
+                if exc.errno not in _OUT_OF_FILES:
+                    raise
+                self._no_files.failing("%s: cannot accept connections: %s; trying again every %.0f s", NAME,
+                                       exc.strerror or exc, ACCEPT_RETRY_S)
+                await anyio.sleep(ACCEPT_RETRY_S)
+                continue
             self._no_files.over("%s: accepting connections again", NAME)
             if not self._guard.admit():
                 connection.close()
@@ -126,6 +129,9 @@ class TlsListener:
         except OSError as exc:  # ssl.SSLError, a reset, the handshake's deadline: nothing was served
             log.debug("%s: a TLS handshake failed: %s", NAME, exc)
             return
+        except Exception:  # one connection's fault never stops the listener
+            log.exception("%s: a connection could not be set up", NAME)
+            return
         finally:
             if not made:
                 self._guard.release()
@@ -135,21 +141,18 @@ class TlsListener:
 
 
 def _holding_nothing(gateway: Gateway, guard: ConnectionGuard) -> Callable[[asyncio.BaseTransport], None]:
-    """What a connection is told once its handshake names its peer. One past its identity's own cap is
-    answered 429 and closed, and one of a revoked identity 403, at once: neither holds a place of the
-    listener's. One of an identity refused lately otherwise (pending, outdated) must send its first request at
-    once (its record decides, it may have been enabled since)."""
+    """What a connection is told once its handshake names its peer. One past its identity's own cap is answered
+    429 and closed at once, and gives its place in the listener back at once. One of an identity refused lately
+    (revoked, pending, outdated) must send its first request at once: a revoked worker may still say that
+    what the revoke cancelled has stopped, and a pending one may have been enabled since, but neither holds
+    a silent connection."""
 
     def admitted(transport: asyncio.BaseTransport) -> None:
         peer = peer_of(transport)
         if peer is None:
             return  # its first request is refused: no identity
         controls, most = gateway.controls, gateway.settings.max_connections_per_worker
-        if controls.refusal_of(peer.identity) == "worker_revoked":
-            guard.let_go(transport)
-            _answer_and_close(transport, 403, "worker_revoked", f"worker {peer.identity}: revoked by an operator: "
-                              "its calls are refused for good")
-        elif not controls.join(peer.identity, transport, most=most, when_lost=guard.when_lost):
+        if not controls.join(peer.identity, transport, most=most, when_lost=guard.when_lost):
             gateway.metrics.connections_refused.inc(("too_many_connections",))
             guard.let_go(transport)
             _answer_and_close(transport, 429, "too_many_connections", too_many_connections(peer.identity, most))

@@ -155,7 +155,8 @@ async def control(request: web.Request) -> web.StreamResponse:
     try:
         await response.prepare(request)
         await response.write(frame("worker", {"state": worker.state.value}))
-        await _follow(request, stream, response)
+        if not await _follow(request, stream, response):
+            response.force_close()  # its certificate is no longer trusted: nor is the connection
     except ConnectionError:  # the worker went away mid-write: a routine end, not a server error
         stream.close("dropped by the worker")
     finally:
@@ -163,16 +164,16 @@ async def control(request: web.Request) -> web.StreamResponse:
         gateway.controls.close(stream)
         if not stream.closed:
             stream.close("shutdown")  # cancelled
-    log.info("worker %s control stream closed after %.1f s: %s", worker.id, time.monotonic() - opened, stream.why)
-    if stream.why.startswith("certificate"):
-        response.force_close()
+    if stream.why != "shutdown":  # a stopping gateway ends them all: no line for each
+        log.info("worker %s control stream closed after %.1f s: %s", worker.id, time.monotonic() - opened,
+                 stream.why)
     return response
 
 
-async def _follow(request: web.Request, stream: ControlStream, response: web.StreamResponse) -> None:
-    """Write the stream's frames as they come, a keep-alive comment when there are none; every KEEP_ALIVE_S at
-    least, the connection's certificate is checked again. What a revoke said before it closed the stream is
-    written last."""
+async def _follow(request: web.Request, stream: ControlStream, response: web.StreamResponse) -> bool:
+    """Write the stream's frames as they come, a keep-alive comment when there are none, until the stream is
+    closed; what a revoke said before it closed the stream is written last. Every KEEP_ALIVE_S at least, the
+    connection's certificate is checked again: False when it is no longer trusted."""
     trust, peer = request.app[TRUST], peer_of(request.transport)
     checked = time.monotonic()
     while not stream.closed:
@@ -181,11 +182,12 @@ async def _follow(request: web.Request, stream: ControlStream, response: web.Str
             checked = time.monotonic()
             if (refusal := trust.refusal(peer, request.transport)) is not None:
                 request.app[GATEWAY].metrics.connections_refused.inc((refusal.code,))
-                stream.close(f"{refusal.code.replace('_', ' ')}")
-                return
+                stream.close(refusal.code.replace("_", " "))
+                return False
         await response.write(b"".join(frames) if frames else b": keep-alive\n\n")
     for last in await stream.next_frames(0):
         await response.write(last)
+    return True
 
 
 async def _identify(request: web.Request, response: web.StreamResponse) -> None:
