@@ -1,20 +1,23 @@
 """The /w1 listener's own protections, over real TLS: a client that does not finish its handshake or its
 request's headers in time is cut off while the others are served, and connections past the cap are closed at
-once while those within it are served. The deadline and the cap are the listener's arguments here (a
-second listener on the node's gateway), so that they show in a second and with a handful of connections."""
+once, before their TLS handshake, while those within it are served. The deadline and the cap are the
+listener's arguments here (a second listener on the node's gateway), so that they show in a second and with
+a handful of connections."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import resource
 import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 
 import anyio
+import pytest
 
-from tidepool.gateway.listener import serve_gateway
+from tidepool.gateway.listener import connection_cap, serve_gateway
 from tidepool.gateway.tls import Credentials
 
 from ..conftest import free_port
@@ -23,6 +26,7 @@ from .conftest import AUTO, MakeNode, Node, client_context
 HEADER_TIMEOUT_S = 1.0
 CUT_OFF_S = 10 * HEADER_TIMEOUT_S  # far past the deadline, far short of any other timeout that would close it
 SLOW_BYTE_S = 0.25  # a trickle: a byte this often, never a pause long enough to look idle
+AT_ONCE_S = 2.0  # far short of the handshake deadline of a listener left at its default (10 s)
 
 Opened = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
@@ -129,21 +133,38 @@ async def test_a_client_that_never_finishes_its_handshake_is_cut_off(make_node: 
         close(finishing)
 
 
-async def test_connections_past_the_cap_are_closed_and_those_within_it_served(make_node: MakeNode) -> None:
+async def test_connections_past_the_cap_are_closed_before_their_handshake_and_those_within_it_served(
+        make_node: MakeNode) -> None:
     cap = 3
     async with make_node(gateway=AUTO) as node, listener(node, max_connections=cap) as port:
         await node.remote("w1").acquire()  # enrolled
         within = [await tls(node, port) for _ in range(cap)]
-        past = await tls(node, port)  # the handshake completes; the gateway then closes it
-        assert await closed_by_the_gateway(past[0])
+        # TCP only, no ClientHello: within the cap it would wait for its handshake's deadline (10 s here)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        with anyio.fail_after(AT_ONCE_S):
+            assert await closed_by_the_gateway(reader)  # at once, and not one byte of TLS was sent
+        writer.close()
+        with pytest.raises(OSError):  # a TLS client past the cap: its handshake never answered
+            await tls(node, port)
         assert [await acquire_on(c) for c in within] == [200] * cap  # the connections it holds still serve
-        refused = await tls(node, port)
-        assert await acquire_on(refused) is None  # still full: closed unanswered
-        close(refused)
+        refused = node.daemon.gateway.metrics.connections_refused.values[("listener_full",)]
+        assert refused == 2
         close(within.pop())
         assert await _served_once_admitted(node, port) == 200  # a place came free
-        for opened in [*within, past]:
+        for opened in within:
             close(opened)
+
+
+async def test_the_full_listener_says_so_once_naming_itself(make_node: MakeNode,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    async with make_node(gateway=AUTO) as node, listener(node, max_connections=1) as port:
+        held = await tls(node, port)
+        for _ in range(5):
+            with pytest.raises(OSError):
+                await tls(node, port)
+        full = [r.getMessage() for r in caplog.records if "connections are open" in r.getMessage()]
+        assert full == ["gateway listener: 1 connections are open, the most it holds; new ones are closed at once"]
+        close(held)
 
 
 async def _served_once_admitted(node: Node, port: int) -> int | None:
@@ -151,7 +172,11 @@ async def _served_once_admitted(node: Node, port: int) -> int | None:
     takes a moment to reach it."""
     with anyio.fail_after(CUT_OFF_S):
         while True:
-            opened = await tls(node, port)
+            try:
+                opened = await tls(node, port)
+            except OSError:  # still full: closed before its handshake
+                await anyio.sleep(0.05)
+                continue
             try:
                 status = await acquire_on(opened)
             finally:
@@ -159,3 +184,26 @@ async def _served_once_admitted(node: Node, port: int) -> int | None:
             if status is not None:
                 return status
             await anyio.sleep(0.05)
+
+
+def test_max_connections_0_is_sized_from_the_open_file_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowered = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowered, hard))
+    try:
+        assert connection_cap(0, pool_workers=16) == lowered - 512 - 4 * 16 - 256
+        assert connection_cap(100, pool_workers=16) == 100  # a setting is taken as it is
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_the_nodes_listener_holds_gateway_max_connections(make_node: MakeNode) -> None:
+    async with make_node(gateway={**AUTO, "max_connections": 2}) as node:
+        port = int(node.w1.rpartition(":")[2])
+        held = [await tls(node, port) for _ in range(2)]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        with anyio.fail_after(AT_ONCE_S):
+            assert await closed_by_the_gateway(reader)
+        writer.close()
+        for opened in held:
+            close(opened)

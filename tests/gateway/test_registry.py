@@ -187,7 +187,8 @@ async def test_a_pending_workers_connection_is_closed_after_its_answer(make_node
 
 
 async def test_one_worker_holds_a_bounded_number_of_acquires(make_node: MakeNode) -> None:
-    async with make_node(gateway=AUTO) as node:
+    # each held acquire is a connection of its own: room for them all, and one more
+    async with make_node(gateway={**AUTO, "max_connections_per_worker": MAX_HELD_PER_WORKER + 1}) as node:
         parking = node.daemon.gateway.parking
         w1 = node.remote("w1")
         answers: list[Any] = []

@@ -29,8 +29,10 @@ SERVERS = [{"url": "https://{gateway}", "description": "gateway.listen; a client
             "gateway.client_ca_file is required", "variables": {"gateway": {"default": "localhost:8471"}}}]
 SAID = {"403": "the registry refuses the worker (worker_pending, worker_revoked) or its certificate names no one",
         "410": "the lease is gone (error.reason: expired, cancelled, revoked, superseded, deadline)",
-        "413": "the body is too large, or (a result) the attempt's result quota is reached: result_quota"}
-BODY_ERRORS = ("400", "403", "408", "413", "415", "503")
+        "413": "the body is too large, or (a result) the attempt's result quota is reached: result_quota",
+        "429": "the identity holds gateway.max_connections_per_worker connections already (too_many_connections); "
+               "this one is closed"}
+BODY_ERRORS = ("400", "403", "408", "413", "415", "429", "503")
 
 
 def _operation(operation_id: str, summary: str, ok: dict[str, type[BaseModel] | None], errors: tuple[str, ...], *,
@@ -56,7 +58,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "finish", "end attempts", {"200": FinishOut}, (*BODY_ERRORS, "410"), body=FinishIn),
     ("get", "/w1/control"): _operation(
         "controlStream", "server-sent events for this worker: cancel, worker, wake", {"200": ControlOut},
-        ("403",), media="text/event-stream"),
+        ("403", "429"), media="text/event-stream"),
 }
 WORKER_PROTOCOL = ServerPaths(OPERATIONS, REQUESTS, tag=TAG, servers=SERVERS,
                               schemes={"mutualTLS": {"type": "mutualTLS"}})

@@ -3,7 +3,8 @@ that refuses unknown fields, its errors JSON as the /v1 API's (a lost lease's wi
 
 from __future__ import annotations
 
-import asyncio
+import logging
+import time
 from collections.abc import Callable
 
 from aiohttp import web
@@ -13,19 +14,28 @@ from ..errors import LeaseGone, WorkerRefused
 from ..http.bodies import parse
 from ..http.guard import ConnectionGuard
 from ..http.refusals import Refusal, error, errors_as_json
-from ..model import RemoteWorker
-from .control import frame
+from ..model import RemoteWorker, WorkerState
+from .control import ControlStream, frame, too_many_connections
 from .protocol import Gateway
 from .schemas import AcquireIn, FinishIn, PhaseIn, RenewIn, ResultIn
 from .tls import peer_of
+from .trust import CHECK_EVERY_S, Trust
 
+log = logging.getLogger("tidepool.gateway")
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway")
 GUARD: web.AppKey[ConnectionGuard] = web.AppKey("gateway_guard")
-KEEP_ALIVE_S = 15.0  # a comment on an idle control stream, under common proxy idle timeouts
+TRUST: web.AppKey[Trust] = web.AppKey("gateway_trust")
+# A comment on an idle control stream, under common proxy idle timeouts; as often, the stream's certificate
+# is looked at again.
+KEEP_ALIVE_S = CHECK_EVERY_S
+# A disabled worker keeps its connection (it renews and finishes what it runs): it only gets no control stream.
+KEEPS_ITS_CONNECTION = frozenset({"worker_disabled"})
 
 
 def _refusals(request: web.Request, exc: Exception) -> web.StreamResponse | None:
-    """The gateway's own: a lost lease's 410 says why; a worker the registry does not serve keeps no connection."""
+    """The gateway's own: a lost lease's 410 says why; a caller the gateway does not serve (no identity, pending,
+    revoked, outdated, a conflicting or untrusted certificate, past its connections) keeps no connection: it is
+    closed right after the answer."""
     if isinstance(exc, LeaseGone):
         answer = error(410, exc.code, str(exc), reason=exc.reason)
         if exc.reason == "revoked":
@@ -33,20 +43,35 @@ def _refusals(request: web.Request, exc: Exception) -> web.StreamResponse | None
         return answer
     if isinstance(exc, WorkerRefused):
         answer = error(403, exc.code, str(exc))
-        if exc.code in ("worker_revoked", "worker_pending", "worker_outdated"):
-            answer.force_close()  # a worker that is not served keeps no connection open
+        if exc.code not in KEEPS_ITS_CONNECTION:
+            answer.force_close()
+            request.app[GATEWAY].controls.refused(exc.identity, exc.code)
+        return answer
+    if isinstance(exc, Refusal) and exc.code in ("no_identity", "too_many_connections"):
+        answer = error(exc.status, exc.code, str(exc))
+        answer.force_close()
         return answer
     return None
 
 
 async def _caller(request: web.Request) -> RemoteWorker:
-    """The calling worker's record, from its certificate (the TLS handshake has verified it)."""
+    """The calling worker's record, from its certificate (the TLS handshake has verified it, and the trust
+    checks it still holds); a connection past its identity's cap is refused."""
     peer = peer_of(request.transport)
     if peer is None:
         raise Refusal(403, "no_identity", "the client certificate names no identity of 1-255 characters "
                                           "(a common name, else a DNS name)")
     gateway = request.app[GATEWAY]
-    gateway.controls.seen(peer.identity, request.transport, request.app[GUARD].when_lost)
+    most = gateway.settings.max_connections_per_worker
+    transport = request.transport
+    if not gateway.controls.join(peer.identity, transport, most=most, when_lost=request.app[GUARD].when_lost):
+        if transport is not None and not transport.is_closing():  # else answered and counted at its handshake
+            gateway.metrics.connections_refused.inc(("too_many_connections",))
+        raise Refusal(429, "too_many_connections", too_many_connections(peer.identity, most))
+    refusal = request.app[TRUST].refusal(peer, request.transport)
+    if refusal is not None:
+        gateway.metrics.connections_refused.inc((refusal.code,))
+        raise refusal
     return await gateway.meet(peer, version=_version(request))
 
 
@@ -110,41 +135,72 @@ async def finish(request: web.Request) -> web.Response:
 
 
 async def control(request: web.Request) -> web.StreamResponse:
-    """The worker's control stream: its state first, then cancel, worker and wake events as they happen."""
+    """The worker's control stream: its state first, then cancel, worker and wake events as they happen, until
+    the worker drops it, a newer one of its own replaces it, or the gateway ends it (revoked, its certificate
+    no longer trusted, shutdown). A disabled worker opens none."""
     gateway = request.app[GATEWAY]
     worker = await _caller(request)
     gateway.registry.refuse_unless_served(worker, write=False)
-    stream = gateway.controls.open(worker.id)
-    undo = request.app[GUARD].when_lost(request.transport, stream.close) if request.transport else (lambda: None)
+    if worker.state is WorkerState.DISABLED:
+        raise WorkerRefused(worker.id, "worker_disabled", "disabled by an operator (a drain): no control stream "
+                            "until it is enabled again; its acquires say when")
+    stream, replaced = gateway.controls.open(worker.id, most=gateway.settings.max_control_streams)
+    if replaced:
+        gateway.metrics.connections_refused.inc(("control_streams",))
+    transport = request.transport
+    undo = request.app[GUARD].when_lost(transport, lambda: stream.close("dropped by the worker")) \
+        if transport is not None else (lambda: None)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    opened = time.monotonic()
     try:
         await response.prepare(request)
         await response.write(frame("worker", {"state": worker.state.value}))
-        while not stream.closed:
-            frames = await stream.next_frames(KEEP_ALIVE_S)
-            await response.write(b"".join(frames) if frames else b": keep-alive\n\n")
-        for last in await stream.next_frames(0):  # what a revoke said before it closed the stream
-            await response.write(last)
-    except (ConnectionError, asyncio.CancelledError):
-        if not stream.closed:
-            stream.close()
-        raise
+        if not await _follow(request, stream, response):
+            response.force_close()  # its certificate is no longer trusted: nor is the connection
+    except ConnectionError:  # the worker went away mid-write: a routine end, not a server error
+        stream.close("dropped by the worker")
     finally:
         undo()
         gateway.controls.close(stream)
+        if not stream.closed:
+            stream.close("shutdown")  # cancelled
+    if stream.why != "shutdown":  # a stopping gateway ends them all: no line for each
+        log.info("worker %s control stream closed after %.1f s: %s", worker.id, time.monotonic() - opened,
+                 stream.why)
     return response
+
+
+async def _follow(request: web.Request, stream: ControlStream, response: web.StreamResponse) -> bool:
+    """Write the stream's frames as they come, a keep-alive comment when there are none, until the stream is
+    closed; what a revoke said before it closed the stream is written last. Every KEEP_ALIVE_S at least, the
+    connection's certificate is checked again: False when it is no longer trusted."""
+    trust, peer = request.app[TRUST], peer_of(request.transport)
+    checked = time.monotonic()
+    while not stream.closed:
+        frames = await stream.next_frames(KEEP_ALIVE_S)
+        if peer is not None and time.monotonic() - checked >= KEEP_ALIVE_S:
+            checked = time.monotonic()
+            if (refusal := trust.refusal(peer, request.transport)) is not None:
+                request.app[GATEWAY].metrics.connections_refused.inc((refusal.code,))
+                stream.close(refusal.code.replace("_", " "))
+                return False
+        await response.write(b"".join(frames) if frames else b": keep-alive\n\n")
+    for last in await stream.next_frames(0):
+        await response.write(last)
+    return True
 
 
 async def _identify(request: web.Request, response: web.StreamResponse) -> None:
     response.headers[API_HEADER[0]] = "w1"
 
 
-def build_app(gateway: Gateway, guard: ConnectionGuard, *, max_body_kb: int) -> web.Application:
+def build_app(gateway: Gateway, guard: ConnectionGuard, trust: Trust, *, max_body_kb: int) -> web.Application:
     refusals = errors_as_json(max_body_kb=lambda request: request.app[GATEWAY].max_body_kb, own=_refusals)
     app = web.Application(middlewares=[guard.next_request, refusals], client_max_size=max_body_kb * 1024)
     app.on_response_prepare.append(_identify)
     app[GATEWAY] = gateway
     app[GUARD] = guard
+    app[TRUST] = trust
     app.router.add_post("/w1/acquire", acquire)
     app.router.add_post("/w1/renew", renew)
     app.router.add_post("/w1/phase", phase)

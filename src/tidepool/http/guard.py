@@ -3,7 +3,7 @@
 aiohttp has no deadline for receiving a request's headers, so a client trickling bytes holds its
 connection forever (a slowloris attack). Each connection is wrapped: if a request has not reached
 the app within `header_timeout_s` of its first byte (of the connection, for the first request), or
-the node already holds `max_connections`, the connection is closed. The app's `next_request`
+the server already holds `max_connections`, the connection is closed. The app's `next_request`
 middleware says when a request arrives and when it is done; the next byte after that starts the
 next request's clock. Idle keep-alive connections are closed by aiohttp's keepalive_timeout; bodies
 have their own deadline where they are read (bodies.parse).
@@ -40,15 +40,52 @@ KEEPALIVE_TIMEOUT_S = 15.0
 
 
 class ConnectionGuard:
-    def __init__(self, *, header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> None:
+    """`name` is the server's, as its log lines say it ("API", "gateway listener"), in `logger`."""
+
+    def __init__(self, *, header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
+                 name: str = "API", logger: logging.Logger = log) -> None:
         self.header_timeout_s = header_timeout_s
         self.max_connections = max_connections
+        self.name = name
         self.open = 0
-        self.full = Outage(log)  # said once when the cap starts refusing, once when it admits again
+        self.full = Outage(logger)  # said once when the cap starts refusing, once when it admits again
         self._connections: dict[object, _Guarded] = {}  # by transport, for the middleware
 
     def wrap(self, factory: Callable[[], RequestHandler]) -> Callable[[], asyncio.Protocol]:
         return lambda: _Guarded(_answering_as_tidepool(factory()), self)
+
+    def admitted(self, handler: RequestHandler) -> _Guarded:
+        """The guarded protocol of a connection `admit` already counted (a listener that admits before its
+        TLS handshake); its loss releases the place."""
+        return _Guarded(_answering_as_tidepool(handler), self, counted=True)
+
+    def admit(self) -> bool:
+        """Whether one more connection may be held; if so it is counted, until `release` (or its loss)."""
+        if self.open >= self.max_connections:
+            self.full.failing("%s: %d connections are open, the most it holds; new ones are closed at once",
+                              self.name, self.max_connections)
+            return False
+        self.open += 1
+        self.full.over("%s: a new connection was admitted again (%d open)", self.name, self.open)
+        return True
+
+    def release(self) -> None:
+        """An admitted connection that never reached its protocol (its TLS handshake failed)."""
+        self.open -= 1
+
+    def let_go(self, transport: asyncio.BaseTransport) -> None:
+        """A connection being closed gives its place back now, not once its peer has answered the close."""
+        connection = self._connections.get(transport)
+        if connection is not None and connection._counted:
+            connection._counted = False
+            self.open -= 1
+
+    def hurry(self, transport: asyncio.BaseTransport, deadline_s: float) -> None:
+        """The connection's first request must come within `deadline_s`: one of a caller that may hold no
+        connection is not kept for the full header deadline."""
+        connection = self._connections.get(transport)
+        if connection is not None:
+            connection.hurry(deadline_s)
 
     def when_lost(self, transport: asyncio.BaseTransport, callback: Callable[[], None]) -> Callable[[], None]:
         """Call `callback` once the connection of `transport` is gone (at once if it is already); the answer
@@ -103,9 +140,10 @@ class _Guarded(asyncio.Protocol):
     like the end of a header block: a body left unread could hold a blank line and switch it off.
     """
 
-    def __init__(self, inner: asyncio.Protocol, guard: ConnectionGuard) -> None:
+    def __init__(self, inner: asyncio.Protocol, guard: ConnectionGuard, *, counted: bool = False) -> None:
         self._inner = inner
         self._guard = guard
+        self._counted = counted  # its place among max_connections is taken
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._between_requests = False  # the last request is done; the next one has not begun
@@ -113,15 +151,13 @@ class _Guarded(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's transports don't subclass asyncio's
-        self._guard.open += 1
         self._guard._connections[transport] = self
         self._inner.connection_made(transport)
-        if self._guard.open > self._guard.max_connections:
-            self._guard.full.failing("API: %d connections are open, the most a node holds; new ones are closed "
-                                     "at once", self._guard.max_connections)
-            self._cut_off()
-            return
-        self._guard.full.over("API: a new connection was admitted again (%d open)", self._guard.open)
+        if not self._counted:
+            if not self._guard.admit():
+                self._cut_off()
+                return
+            self._counted = True
         self._start_clock()
 
     def request_started(self) -> None:
@@ -132,6 +168,11 @@ class _Guarded(asyncio.Protocol):
 
     def expect_request(self) -> None:
         self._between_requests = True
+
+    def hurry(self, deadline_s: float) -> None:
+        if self._timer is not None and not self._between_requests:
+            self._timer.cancel()
+            self._timer = asyncio.get_running_loop().call_later(deadline_s, self._cut_off)
 
     def data_received(self, data: bytes) -> None:
         if self._between_requests:
@@ -145,7 +186,8 @@ class _Guarded(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._guard.open -= 1
+        if self._counted:
+            self._guard.open -= 1
         self._guard._connections.pop(self._transport, None)
         self._inner.connection_lost(exc)
         for callback in self.on_lost:

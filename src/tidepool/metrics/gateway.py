@@ -1,5 +1,6 @@
 """The gateway's Prometheus series: workers by state, acquires held and answered, leases handed out, writes
-refused by reason, control streams open. A collector of its own, registered in the node's registry."""
+refused by reason, connections and control streams refused by reason, control streams open. A collector of
+its own, registered in the node's registry."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from .series import Counter, gauge
 ANSWERS = ("leased", "empty", "disabled")
 REFUSALS = ("expired", "cancelled", "revoked", "superseded", "pending", "sha256", "conflict", "identity_conflict",
             "outdated", "deadline", "result_quota")
+# listener_full: closed before the TLS handshake; too_many_connections: the identity's cap (429);
+# control_streams: an identity's oldest stream closed for a new one; certificate_*: a live connection closed
+CONNECTION_REFUSALS = ("listener_full", "too_many_connections", "control_streams", "certificate_expired",
+                       "certificate_untrusted")
 
 
 class GatewayMetrics:
@@ -25,6 +30,9 @@ class GatewayMetrics:
         self.leases = Counter("tidepool_gateway_leases", "Leases handed out to remote workers.")
         self.refused = Counter("tidepool_gateway_writes_refused", "Remote workers' calls refused, by reason.",
                                "reason", known=[(r,) for r in REFUSALS])
+        self.connections_refused = Counter(
+            "tidepool_gateway_connections_refused", "Connections and control streams of the gateway listener "
+            "refused or closed, by reason.", "reason", known=[(r,) for r in CONNECTION_REFUSALS])
 
     def collect(self) -> Iterator[Metric]:
         workers = GaugeMetricFamily("tidepool_gateway_workers", "Remote workers in the registry, by state.",
@@ -39,3 +47,4 @@ class GatewayMetrics:
         yield self.answered.family()
         yield self.leases.family()
         yield self.refused.family()
+        yield self.connections_refused.family()

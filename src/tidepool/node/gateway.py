@@ -38,7 +38,8 @@ class NodeGateway:
         """The watch and the listener, when this node listens: bound before the pool starts, as the API is."""
         if self.credentials is not None:
             await tg.start(self.watch.run)
-            await tg.start(partial(serve_gateway, self.gateway, self.credentials, settings.gateway.listen))
+            await tg.start(partial(serve_gateway, self.gateway, self.credentials, settings.gateway.listen,
+                                   pool_workers=settings.pool.max_workers))
 
     def configure(self, new: Settings) -> None:
         self.gateway.configure(new.gateway, new.lease, run_deadline(new))
