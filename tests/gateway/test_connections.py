@@ -182,7 +182,8 @@ async def test_a_reload_closes_the_connections_and_streams_of_the_ca_it_removed_
         assert refusals(node, "certificate_untrusted") == 2
         fresh_context = client_context(new_lab, "w1")
         fresh_context.load_verify_locations(cafile=str(lab.ca_file))  # the gateway's own certificate is of the old
-        fresh = node.remote(context=fresh_context)  # a certificate of the new CA is served
+        fresh = node.remote(context=fresh_context)  # a certificate of the new CA is served, once the operator
+        assert (await node.call("PATCH", "/v1/workers/w1", {"reset_issuer": True})).status == 200  # lets it bind
         assert (await fresh.acquire()).status == 200
         close(old)
 
