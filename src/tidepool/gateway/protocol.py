@@ -17,7 +17,16 @@ from typing import Any
 
 import anyio
 
-from ..errors import Conflict, InvalidRequest, LeaseGone, LeaseLost, StoreUnavailable, TaskCancelling, TidepoolError
+from ..errors import (
+    Conflict,
+    InvalidRequest,
+    LeaseGone,
+    LeaseLost,
+    StoreUnavailable,
+    TaskCancelling,
+    TidepoolError,
+    ValueRefused,
+)
 from ..events import EventBus
 from ..http.answers import TaskDetailOut
 from ..lifecycle import RetryPolicy
@@ -285,6 +294,10 @@ class Gateway:
             raise
         except LeaseLost as exc:
             raise await self._gone(worker.id, lease, exc) from None
+        except ValueRefused as exc:
+            log.error("task %s attempt %s of worker %s: result %s refused by the store: %s", lease.task_id,
+                      lease.attempt_id, worker.id, batch.idempotency_key, exc)
+            raise ValueRefused("the store refused a value of this result") from None
         self.reports.result(worker.id, lease.task_id, ack)
         return ack, ack.stored_now
 
@@ -310,6 +323,11 @@ class Gateway:
                     continue
                 gone = await self._gone(worker.id, lease, answer)
                 out.append({"attempt_id": ending.attempt_id, "lost": gone.reason})
+            elif isinstance(answer, ValueRefused):  # sent again it would be refused again: said, not retried
+                log.error("task %s attempt %s of worker %s: its ending was refused by the store: %s",
+                          ending.lease_token.partition(".")[0], ending.attempt_id, worker.id, answer)
+                out.append({"attempt_id": ending.attempt_id,
+                            "error": {"code": answer.code, "message": "the store refused a value of this ending"}})
             elif isinstance(answer, TidepoolError):
                 raise answer  # the store did not take it (StoreUnavailable): the worker sends it again
             else:

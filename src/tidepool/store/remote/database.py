@@ -21,7 +21,7 @@ import anyio
 
 from ... import __version__
 from ...backoff import Backoff
-from ...errors import ConfigError, StoreError, StoreUnavailable
+from ...errors import ConfigError, StoreError, StoreUnavailable, ValueRefused
 from ...logs import Outage
 from ...model import Phase, State, Task, TaskError
 
@@ -106,6 +106,8 @@ class Wire:
                 status = response.status
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise StoreUnavailable(f"gateway {self.url} did not answer {path}: {reason(exc)}") from None
+        except UnicodeError as exc:  # a value no JSON body can carry (the port makes text storable first)
+            raise ValueRefused(f"{path}: a value cannot be sent to the gateway: {exc}") from exc
         return checked(Answer(status, parse_json(raw)), path, self.url)
 
     def get_stream(self, path: str, *, idle_s: float) -> Any:
@@ -171,6 +173,8 @@ class Calls:
 def checked(answer: Answer, path: str, url: str) -> Answer:
     if answer.status == 403 and answer.error_code().startswith("worker_"):
         raise Refusal(answer.error_code(), answer.error_message())
+    if answer.status == ValueRefused.http_status and answer.error_code() == ValueRefused.code:
+        raise ValueRefused(f"gateway {url} refused a value of {path}: {answer.error_message()}")
     if answer.status >= 500 or answer.status == 429:
         raise StoreUnavailable(f"gateway {url} answered {path} with {answer.status}: {answer.error_message()}")
     return answer

@@ -22,7 +22,16 @@ from typing import Any, Protocol
 
 import anyio
 
-from ...errors import Conflict, InvalidRequest, LeaseLost, StoreError, StoreUnavailable, TaskCancelling, TidepoolError
+from ...errors import (
+    Conflict,
+    InvalidRequest,
+    LeaseLost,
+    StoreError,
+    StoreUnavailable,
+    TaskCancelling,
+    TidepoolError,
+    ValueRefused,
+)
 from ...lifecycle import RetryPolicy
 from ...model import Claimed, ClaimFilter, Lease, Phase, ResultBatch, State, Worker, new_id, sha256_of
 from ..port import Ending, PhaseNote
@@ -241,7 +250,7 @@ class GatewayLeases:
             await self._last_progress(live)
             answers |= await self._finish(live)
         for e in endings:
-            if not isinstance(answers[e.lease.attempt_id], StoreUnavailable):
+            if not isinstance(answers[e.lease.attempt_id], StoreUnavailable | ValueRefused):  # to be sent again
                 self._live.forget(e.lease.attempt_id)
         return [answers[e.lease.attempt_id] for e in endings]
 
@@ -263,7 +272,7 @@ class GatewayLeases:
         except Refusal as exc:
             return dict(self._refused([e.lease for e in endings], exc))
         except StoreError as exc:
-            unavailable = exc if isinstance(exc, StoreUnavailable) else StoreUnavailable(str(exc))
+            unavailable = exc if isinstance(exc, StoreUnavailable | ValueRefused) else StoreUnavailable(str(exc))
             return {e.lease.attempt_id: unavailable for e in endings}
         try:
             with self._calls.reading("/w1/finish"):
@@ -273,8 +282,7 @@ class GatewayLeases:
         result: dict[str, State | TidepoolError] = {}
         for e in endings:
             item = answered.get(e.lease.attempt_id, {"lost": "not in the gateway's answer"})
-            result[e.lease.attempt_id] = State(item["state"]) if item.get("state") else self._live.lost(
-                e.lease, item.get("lost"))
+            result[e.lease.attempt_id] = _answer_of(item, e.lease, self._live)
         return result
 
     # the gateway's cancels and revoke
@@ -313,6 +321,17 @@ def _ending(e: Ending) -> dict[str, Any]:
     if e.outcome.scope:  # the engine gives one with a success only; an empty one merges nothing
         ending["scope"] = e.outcome.scope
     return ending
+
+
+def _answer_of(item: dict[str, Any], lease: Lease, live: LocalLeases) -> State | TidepoolError:
+    """One ending as the gateway answered it: the task's state, the value its store refused, or the lease lost."""
+    if item.get("state"):
+        return State(item["state"])
+    error = item.get("error")
+    if isinstance(error, dict) and error.get("code") == ValueRefused.code:
+        return ValueRefused(f"task {lease.task_id} attempt {lease.attempt_id}: the gateway's store refused a value "
+                            f"of its ending: {error.get('message', '')}")
+    return live.lost(lease, item.get("lost"))
 
 
 def _reason(answer: Answer) -> str | None:
