@@ -140,18 +140,26 @@ class Calls:
         return answer
 
     async def post_within(self, path: str, body: dict[str, Any], *, budget_s: float) -> Answer:
-        """A POST answered 200, tried again with backoff while the gateway is away (a restart), for at most
-        budget_s; the last StoreUnavailable then."""
+        """A write answered 200, tried again with backoff while the gateway is away (a restart), for at most
+        budget_s; the last StoreUnavailable then (ValueRefused at once: a refused body is not tried again)."""
         give_up_at = self._monotonic() + budget_s
         for wait_s in RECONNECT.delays():
             left_s = give_up_at - self._monotonic()
             try:
-                return self.ok(await self.post(path, body, timeout_s=max(1.0, min(REQUEST_TIMEOUT_S, left_s))))
+                return self.written(await self.post(path, body, timeout_s=max(1.0, min(REQUEST_TIMEOUT_S, left_s))))
             except StoreUnavailable:
                 if self._monotonic() + wait_s >= give_up_at:
                     raise
             await anyio.sleep(wait_s)
         raise AssertionError("RECONNECT has no end")
+
+    def written(self, answer: Answer) -> Answer:
+        """A write's answer, as ok(); a body the gateway refused (400, 422) is ValueRefused: sent again, it would
+        be refused again, so no caller may take it for the gateway being away."""
+        if answer.status in (400, 422):
+            raise ValueRefused(f"gateway {self._wire.url} refused the request ({answer.status} {answer.error_code()}): "
+                               f"{answer.error_message()}")
+        return self.ok(answer)
 
     def ok(self, answer: Answer) -> Answer:
         if answer.status != 200 or not isinstance(answer.body, dict):

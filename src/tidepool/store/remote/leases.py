@@ -209,7 +209,7 @@ class GatewayLeases:
                            **({"progress": n.progress} if n.progress is not None else {})} for n in live]}
         timeout_s = min(REQUEST_TIMEOUT_S, max(1.0, self.terms.renew_after_s / 2))  # renewals wait behind it
         try:
-            answer = self._calls.ok(await self._calls.post("/w1/phase", body, timeout_s=timeout_s))
+            answer = self._calls.written(await self._calls.post("/w1/phase", body, timeout_s=timeout_s))
         except Refusal as exc:
             return lost | self._refused(live_leases, exc)
         with self._calls.reading("/w1/phase"):
