@@ -15,6 +15,7 @@ each run of the same failure.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 
@@ -98,8 +99,15 @@ class Inside:
 
 def hidden_reason(reason: str) -> str:
     """A readiness probe's reason as a caller without the token reads it: the node's own words (starting,
-    draining), but of a store's failure only that it is one."""
-    return "store unavailable" if reason.startswith("store unavailable") else reason
+    draining), but of a store's failure only that it is one; a remote worker's standing at its gateway
+    (pending, revoked: what its operator must act on) without the gateway's address."""
+    if not reason.startswith("store unavailable"):
+        return reason
+    standing = _STANDING.search(reason)
+    return f"store unavailable: this worker is {standing.group(1)} at its gateway" if standing else "store unavailable"
+
+
+_STANDING = re.compile(r"has this worker (pending|revoked)\b")
 
 
 def _answer(request: web.Request, exc: Exception, max_body_kb: Callable[[web.Request], int], *,
