@@ -10,6 +10,7 @@ the write sees text every store takes.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import replace
@@ -34,18 +35,42 @@ def text(value: str) -> str:
 
 def json_value(value: Any) -> Any:
     """A JSON value with every string in it (the keys of its objects too) made storable; the same object when
-    nothing in it had to change, so a clean payload costs one walk and no copy."""
+    nothing in it had to change, so a clean value costs one walk and no copy."""
     if isinstance(value, str):
         return text(value)
     if isinstance(value, dict):
-        cleaned = {text(k) if isinstance(k, str) else k: json_value(v) for k, v in value.items()}
-        same = len(cleaned) == len(value) and all(
-            a is b and c is d for (a, c), (b, d) in zip(cleaned.items(), value.items(), strict=True))
-        return value if same else cleaned
+        for k, v in value.items():
+            if (isinstance(k, str) and _UNSTORABLE.search(k)) or json_value(v) is not v:
+                return {text(k): json_value(v) for k, v in value.items()}
+        return value
     if isinstance(value, list | tuple):
-        items = [json_value(v) for v in value]
-        return value if all(a is b for a, b in zip(items, value, strict=True)) else type(value)(items)
+        for v in value:
+            if json_value(v) is not v:
+                return type(value)(json_value(v) for v in value)
     return value
+
+
+def payload(value: Any) -> Any:
+    """A result payload made storable, as json_value; a big clean one (the common case) is told by one pass of
+    the C encoder rather than a walk in Python: it spells a NUL as \\u0000 and leaves a surrogate as it is."""
+    try:
+        encoded = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):  # not JSON: the store refuses it as it does
+        return json_value(value)
+    if "\\u0000" in encoded or not _utf8(encoded):  # a literal "\\u0000" too: then walked, for nothing
+        return json_value(value)
+    return value
+
+
+def _utf8(encoded: str) -> bool:
+    """Whether the text holds no lone surrogate: the C encoder says so faster than any search."""
+    if encoded.isascii():
+        return True
+    try:
+        encoded.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def outcome(ended: Outcome) -> Outcome:
@@ -72,10 +97,10 @@ def endings(ends: Sequence[Ending]) -> Sequence[Ending]:
 def batch(result: ResultBatch) -> ResultBatch:
     """A result batch with its payload made storable; its sha256 is then the stored payload's, so the same
     batch sent again is the same batch."""
-    payload = json_value(result.payload)
-    if payload is result.payload:
+    cleaned = payload(result.payload)
+    if cleaned is result.payload:
         return result
-    return replace(result, payload=payload, sha256=sha256_of(payload))
+    return replace(result, payload=cleaned, sha256=sha256_of(cleaned))
 
 
 def notes(written: Sequence[PhaseNote]) -> Sequence[PhaseNote]:
