@@ -115,3 +115,24 @@ async def test_an_api_without_a_token_configured_tells_no_caller_the_inside(make
         says_nothing_of_the_inside(refused, tmp_path)
         ready = await call(node, "GET", "/readyz")
         assert ready.body == {"status": "unavailable", "reason": "store unavailable"}
+
+
+@pytest.mark.parametrize("store_kind", ["sqlite", "postgres"])
+async def test_another_workers_attempt_is_answered_as_an_unknown_one_and_publishes_nothing(
+        make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        await node.submit()
+        w1, w2 = node.remote("w1"), node.remote("w2")
+        lease = await w1.leased()
+        seen: list[Event] = []
+        node.daemon.events.listen(seen.append)
+        task_id = lease["lease_token"].split(".")[0]
+        unknown = {**lease, "attempt_id": "0" * 26}
+
+        def shown(answers: list[Answer], attempt_id: str) -> str:
+            return str(answers).replace(attempt_id, "ATTEMPT")
+
+        others = await forged_writes(w2, lease, task_id)  # w1's attempt and its token, from w2
+        none = await forged_writes(w2, unknown, task_id)
+        assert shown(others, lease["attempt_id"]) == shown(none, unknown["attempt_id"])
+        assert [e.name for e in seen if e.data.get("task_id") == task_id] == []
