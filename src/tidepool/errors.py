@@ -17,7 +17,7 @@
     │   │   └── IssuerConflict   a certificate of another CA than the one its identity is bound to
     │   ├── QueueFull            pending + retry_wait is at pool.max_queued (HTTP 429)
     │   ├── RemoteNode           this node is a remote worker: the queue lives on its gateway (HTTP 409)
-    │   ├── ValueRefused         the store cannot keep this value as it is (never retried as an outage)
+    │   ├── ValueRefused         the store cannot keep this value as it is (HTTP 422, never retried as an outage)
     │   ├── QuotaExceeded        an attempt wrote past its quota of results (HTTP 413 result_quota)
     │   └── LeaseLost            the attempt's lease is stale, expired or taken over
     │       ├── TaskCancelling   the lease ended because a cancel was committed
@@ -156,6 +156,8 @@ class RemoteNode(StoreError):
 class ValueRefused(StoreError):
     """The store refused a value (text it cannot encode, a number past its range): writing it again would be
     refused again, so a caller must never retry it as though the store were away."""
+
+    http_status, code = 422, "value_refused"
 
 
 class QuotaExceeded(StoreError):

@@ -203,12 +203,20 @@ def test_a_refused_token_is_exit_2_and_a_full_queue_exit_3_never_the_task_failed
 
 
 @pytest.mark.e2e
-def test_a_daemon_whose_store_is_down_is_unreachable_exit_3(daemon: Daemon, cli: Cli) -> None:
-    """Exit 3 when the daemon or its store cannot be reached; the daemon says the latter with a 503. Its
-    database deleted under it, the daemon writes nothing more: a retry later (after a restart) may work."""
+def test_a_daemon_whose_store_is_down_is_unreachable_exit_3(make_daemon: Callable[..., Daemon], cli: Cli,
+                                                              tmp_path: Path) -> None:
+    """Exit 3 when the daemon or its store cannot be reached; the daemon says the latter with a 503 (why, to a
+    caller with its token). Its database deleted under it, the daemon writes nothing more: a retry later
+    (after a restart) may work."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    daemon = make_daemon({"api": {"token_file": str(token)}})
+    daemon.start()
+    config = tmp_path / "client.toml"
+    config.write_text(to_toml({"api": {"listen": f"127.0.0.1:{daemon.port}", "token_file": str(token)}}))
     daemon.delete_database()
     for args in (["submit", "noop"], ["submit", "noop", "--wait"]):
-        result = cli(*args, "--url", daemon.url)
+        result = cli(*args, "--config", str(config))
         assert result.returncode == UNREACHABLE, result.stderr
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and "(503 store_unavailable)" in lines[0] and "deleted" in lines[0], result.stderr

@@ -25,7 +25,7 @@ from tidepool.client import Client
 
 from ..conftest import POSTGRES_URL
 from .api_helpers import NUL_REQUESTS
-from .conftest import free_port
+from .conftest import TOKEN, free_port
 from .pg_fleet import Fleet
 
 pytestmark = pytest.mark.e2e
@@ -308,7 +308,11 @@ def test_a_submit_to_a_blackholed_store_is_answered_503_naming_the_store_within_
     server = urlsplit(POSTGRES_URL)
     with Proxy((server.hostname or "127.0.0.1", server.port or 5432)) as proxy:
         url = f"postgresql://{server.username or 'postgres'}@127.0.0.1:{proxy.port}{server.path}?schema={fleet.schema}"
-        a = fleet.add("a", url=url)
+        token_file = fleet.root / "api.token"  # the store is named to a caller with the token only
+        token_file.write_text(TOKEN + "\n")
+        token_file.chmod(0o600)
+        a = fleet.add("a", url=url, api={"token_file": str(token_file)})
+        a.token = TOKEN
         fleet.start(a)
         assert a.post("/v1/tasks", {"type": "append", "payload": {"file": str(fleet.done_file)}}).status == 201
         proxy.blackhole()

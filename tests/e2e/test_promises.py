@@ -286,9 +286,9 @@ def read_only(path: Path, unavailable: Callable[[str], NoReturn]) -> Iterator[No
 
 
 def test_a_read_only_database_answers_submits_503_naming_it_and_still_reads(
-        make_daemon: Callable[..., Daemon], unavailable: Callable[[str], NoReturn]) -> None:
-    daemon = make_daemon()
-    daemon.start()
+        make_token_daemon: Callable[..., Daemon], unavailable: Callable[[str], NoReturn]) -> None:
+    daemon = make_token_daemon()
+    daemon.token = TOKEN  # the store's failure is told word for word to a caller with the token only
     kept = daemon.wait_terminal(daemon.submit("noop")["id"])
     assert daemon.stop() == 0
     with read_only(daemon.db_path, unavailable):

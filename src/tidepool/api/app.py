@@ -15,7 +15,7 @@ from ..http.openapi import ServerPaths
 from ..http.refusals import error, errors_as_json, http_code
 from ..settings import api_address
 from . import node, openapi, scans, schedules, stream, tasks, workers
-from .auth import TOKEN, require_token
+from .auth import TOKEN, holds_token, require_token
 from .browsers import browser_guard, no_framing
 from .operations import DAEMON, Operations
 
@@ -55,7 +55,8 @@ def build_app(daemon: Operations, fanout: stream.Fanout, *, token: str | None = 
               worker_protocol: ServerPaths | None = None) -> web.Application:
     """`guard_browsers`: refuse what web pages may not do to an API without a token (see browsers);
     `worker_protocol`: the gateway's routes, for the document."""
-    refusals = errors_as_json(max_body_kb=lambda request: request.app[DAEMON].max_body_kb, own=_refusals)
+    refusals = errors_as_json(max_body_kb=lambda request: request.app[DAEMON].max_body_kb, own=_refusals,
+                              trusted=holds_token)
     middlewares = [refusals, *([browser_guard()] if guard_browsers else []), require_token, no_nul]
     app = web.Application(middlewares=middlewares, client_max_size=daemon.max_body_kb * 1024)
     app.on_response_prepare.append(no_framing)

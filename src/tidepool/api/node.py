@@ -11,11 +11,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from ..http.answers import Answer, Instant, attributes
 from ..http.bodies import integral, parse
-from ..http.refusals import Refusal
+from ..http.refusals import Refusal, hidden_reason
 from ..metrics.exporter import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..model import RemoteWorker, WorkerState
 from ..settings import MAX_WORKERS
 from ..store.port import Node
+from .auth import holds_token
 from .operations import DAEMON, PoolView
 
 STATIC = Path(__file__).parent / "static"
@@ -143,7 +144,8 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     reason = await request.app[DAEMON].not_ready_reason()
     if reason:
-        return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+        shown = reason if holds_token(request) else hidden_reason(reason)  # an open probe: the inside stays in
+        return web.json_response({"status": "unavailable", "reason": shown}, status=503)
     return web.json_response({"status": "ready"})
 
 

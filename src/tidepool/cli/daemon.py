@@ -110,6 +110,8 @@ def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
     effective = settings.model_dump(mode="json")
     effective["node"]["id"] = settings.node.node_id  # an empty id means the host name: say which
     effective["store"]["url"] = redacted(settings.store.url)  # printed, pasted into tickets: no password
+    for plugin in effective["plugins"]["defs"].values():  # a plugin's env is where its API keys go
+        plugin["env"] = dict.fromkeys(plugin["env"], "***")
     print(json.dumps(effective, indent=2))
     print(f"tidepool: {_read_from(args)}", file=sys.stderr)
     return OK

@@ -14,6 +14,7 @@ import anyio.lowlevel
 
 from ..errors import InvalidArgument
 from ..model import ResultBatch, Task, sha256_of
+from ..store import values
 from .resources import Slot
 
 
@@ -77,6 +78,7 @@ class TaskContext:
         sequence = self._sequence.get(self.plugin, 0)
         self._sequence[self.plugin] = sequence + 1
         stored_key = f"{self.task.id}:{key}" if key else f"{self.attempt_id}:{self.plugin}:{sequence}"
+        result = values.json_value(result)  # as the store keeps it: the acknowledgement is of this batch
         try:
             digest = sha256_of(result)
         except (TypeError, ValueError) as exc:  # a set, an object, NaN: stored, no client could read it back

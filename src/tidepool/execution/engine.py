@@ -23,7 +23,7 @@ import anyio
 import anyio.lowlevel
 
 from ..backoff import Backoff
-from ..errors import PluginError, QuotaExceeded, StoreUnavailable
+from ..errors import PluginError, QuotaExceeded, StoreUnavailable, ValueRefused
 from ..events import EventBus
 from ..lifecycle import RetryPolicy
 from ..model import CANCELLED_ON_REQUEST, AttemptStatus, Claimed, Outcome, Phase, ResultBatch, Task, TaskError
@@ -275,6 +275,11 @@ class Engine:
             except QuotaExceeded as exc:
                 self._said_over_quota(held.lease.task_id, held.lease.attempt_id, exc)
                 raise
+            except ValueRefused as exc:  # sent again it would be refused again: the plugin's emit fails
+                log.error("task %s attempt %s: result %s refused by the store: %s", held.lease.task_id,
+                          held.lease.attempt_id, batch.idempotency_key, exc)
+                raise PluginError(f"the store refused a value of result {batch.sequence} of {batch.plugin}",
+                                  code=exc.code, retryable=False) from exc
             await anyio.sleep(wait)
         self._events.publish("task.result", task_id=held.lease.task_id, worker_id=worker_id, plugin=ack.plugin,
                              sequence=ack.sequence, idempotency_key=ack.idempotency_key, final=ack.final)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import anyio
 from anyio.abc import TaskStatus
 
-from ..errors import LeaseLost, StoreUnavailable, TaskCancelling
+from ..errors import LeaseLost, StoreUnavailable, TaskCancelling, ValueRefused
 from ..logs import Outage
 from ..model import Lease, Phase
 from ..store.port import PhaseNote, WorkerPort
@@ -159,7 +159,8 @@ class LeaseKeeper:
         notes = [PhaseNote(h.lease, h.phase, h.progress, h.deadline_s) for a in self._dirty
                  if (h := self._held.get(a)) is not None and h.phase is not None]
         self._dirty.clear()
-        if notes and await self._apply(self._store.set_phase(notes, now=self._clock()), "phase") is None:
+        if notes and await self._apply(self._store.set_phase(notes, now=self._clock()), "phase",
+                                       tasks=[n.lease.task_id for n in notes]) is None:
             self._dirty.update(n.lease.attempt_id for n in notes)  # not written: try with the next flush
 
     async def renew(self) -> None:
@@ -170,15 +171,23 @@ class LeaseKeeper:
             return
         started = self._monotonic()
         lost = await self._apply(self._store.renew([h.lease for h in held], now=self._clock(),
-                                                   lease_s=self.lease_s), "renewal")
+                                                   lease_s=self.lease_s), "renewal",
+                                 tasks=[h.lease.task_id for h in held])
         if lost is not None:
             for h in held:
                 if h.lease.attempt_id not in lost:
                     h.deadline, h.margin_s = started + self.lease_s, self._margin_s()
 
-    async def _apply(self, write: object, what: str) -> dict[str, LeaseLost] | None:
+    async def _apply(self, write: object, what: str, *, tasks: list[str]) -> dict[str, LeaseLost] | None:
+        """The leases a write found lost; None when it is to be tried again. A value the store refused would be
+        refused again: that write ends here, said once, and is not tried again (phase notes are dropped; a
+        renewal goes on at its next turn, as any)."""
         try:
             lost: dict[str, LeaseLost] = await write  # type: ignore[misc]
+        except ValueRefused as exc:
+            log.error("tasks %s: lease %s write refused by the store, not tried again: %s", ", ".join(tasks[:5]),
+                      what, exc)
+            return {} if what == "phase" else None
         except StoreUnavailable as exc:
             self._outages[what].failing("lease %s writes fail, retrying until the store answers: %s", what, exc)
             return None

@@ -22,11 +22,11 @@ import anyio
 from anyio.abc import TaskStatus
 
 from ..backoff import Backoff
-from ..errors import LeaseLost, StoreUnavailable, TidepoolError
+from ..errors import LeaseLost, StoreUnavailable, TidepoolError, ValueRefused
 from ..events import EventBus
 from ..lifecycle import RetryPolicy
 from ..logs import Completions
-from ..model import AttemptStatus, Outcome, State, Task
+from ..model import AttemptStatus, Outcome, State, Task, TaskError
 from ..store.port import Ending, WorkerPort
 from .leases import Held, LeaseKeeper
 
@@ -35,6 +35,10 @@ said = logging.getLogger("tidepool.engine")  # how attempts ended is told under 
 # Four tries again, 3.75 s of waits in all, then the outcome is given up on; the lease is renewed meanwhile
 # (see Outcomes). The store does not retry a write itself: this is the one retry of an outcome.
 RETRY = Backoff(first_s=0.25, cap_s=2.0, tries=4)
+# An outcome the store refused a value of, written instead: the same output would be refused again, so the
+# attempt is not tried again on its account.
+VALUE_REFUSED = TaskError("value_refused", "the store refused a value of this attempt's outcome (see the "
+                          "node's log); the attempt is recorded failed instead", retryable=False)
 
 
 @dataclass(eq=False, slots=True)
@@ -48,6 +52,7 @@ class Posted:
     now: float
     tries: int = 0
     retry_at: float = 0.0  # monotonic: not before this after a try the store did not answer
+    refused: bool = False  # the store refused a value of its outcome: this is the failure written instead
 
 
 class OutcomeWriter:
@@ -122,12 +127,12 @@ class OutcomeWriter:
         try:
             answers: list[State | TidepoolError] = await self._store.finish_many(endings, policy=self._policy())
         except Exception as exc:  # the adapter failed as a whole: every outcome of the batch shares it
-            if not isinstance(exc, StoreUnavailable):
-                log.exception("outcomes of %d tasks: finish_many failed", len(batch))
-            unavailable = exc if isinstance(exc, StoreUnavailable) else StoreUnavailable(f"finish_many failed: {exc}")
-            answers = [unavailable] * len(batch)
+            answers = [self._failed_whole(batch, exc)] * len(batch)
         again = []
         for posted, answer in zip(batch, answers, strict=True):
+            if isinstance(answer, ValueRefused) and not posted.refused:
+                again.append(self._refused(posted, answer))
+                continue
             delay_s = self._retry.delay(posted.tries) if isinstance(answer, StoreUnavailable) else None
             if delay_s is not None:
                 posted.tries += 1
@@ -144,6 +149,24 @@ class OutcomeWriter:
                 log.exception("task %s attempt %s: reporting its outcome failed", posted.task.id,
                               posted.held.lease.attempt_id)
         return again
+
+    @staticmethod
+    def _failed_whole(batch: list[Posted], exc: Exception) -> TidepoolError:
+        if isinstance(exc, StoreUnavailable | ValueRefused):
+            return exc
+        log.exception("outcomes of %d tasks: finish_many failed", len(batch))
+        return StoreUnavailable(f"finish_many failed: {exc}")
+
+    def _refused(self, posted: Posted, refused: ValueRefused) -> Posted:
+        """The store refused a value of this outcome: sent again as it is, it would be refused again until the
+        lease ran out and the task ran once more. It is written at once as the attempt's failure, saying why,
+        with nothing of what the plugin said: the refused value may be any of it, its exit status too."""
+        log.error("task %s attempt %s: the store refused the outcome %s (%s); writing it as failed (%s) instead",
+                  posted.task.id, posted.held.lease.attempt_id, posted.outcome.status, refused, VALUE_REFUSED.code)
+        posted.outcome = Outcome(AttemptStatus.FAILED, VALUE_REFUSED)
+        posted.refused = True
+        posted.retry_at = 0.0
+        return posted
 
 
 class Outcomes(OutcomeWriter):

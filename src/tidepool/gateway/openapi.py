@@ -30,9 +30,11 @@ SERVERS = [{"url": "https://{gateway}", "description": "gateway.listen; a client
 SAID = {"403": "the registry refuses the worker (worker_pending, worker_revoked) or its certificate names no one",
         "410": "the lease is gone (error.reason: expired, cancelled, revoked, superseded, deadline)",
         "413": "the body is too large, or (a result) the attempt's result quota is reached: result_quota",
+        "422": "value_refused: the store refused a value of the body; sent again it would be refused again",
         "429": "the identity holds gateway.max_connections_per_worker connections already (too_many_connections); "
                "this one is closed"}
 BODY_ERRORS = ("400", "403", "408", "413", "415", "429", "503")
+WRITE_ERRORS = (*BODY_ERRORS, "410", "422")
 
 
 def _operation(operation_id: str, summary: str, ok: dict[str, type[BaseModel] | None], errors: tuple[str, ...], *,
@@ -48,14 +50,14 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         {"200": AcquireOut}, BODY_ERRORS, body=AcquireIn),
     ("post", "/w1/renew"): _operation(
         "renew", "extend leases; each is held, to cancel, or lost", {"200": RenewOut},
-        (*BODY_ERRORS, "410"), body=RenewIn),
+        WRITE_ERRORS, body=RenewIn),
     ("post", "/w1/phase"): _operation(
-        "notePhases", "record phases and progress", {"200": PhaseOut}, (*BODY_ERRORS, "410"), body=PhaseIn),
+        "notePhases", "record phases and progress", {"200": PhaseOut}, WRITE_ERRORS, body=PhaseIn),
     ("post", "/w1/results"): _operation(
         "recordResult", "store a result batch once (200: its key was stored already; 409: with another sha256)",
-        {"201": ResultAckOut, "200": ResultAckOut}, (*BODY_ERRORS, "409", "410"), body=ResultIn),
+        {"201": ResultAckOut, "200": ResultAckOut}, (*WRITE_ERRORS, "409"), body=ResultIn),
     ("post", "/w1/finish"): _operation(
-        "finish", "end attempts", {"200": FinishOut}, (*BODY_ERRORS, "410"), body=FinishIn),
+        "finish", "end attempts", {"200": FinishOut}, WRITE_ERRORS, body=FinishIn),
     ("get", "/w1/control"): _operation(
         "controlStream", "server-sent events for this worker: cancel, worker, wake", {"200": ControlOut},
         ("403", "429"), media="text/event-stream"),

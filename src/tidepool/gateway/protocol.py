@@ -26,7 +26,9 @@ from ..errors import (
     QuotaExceeded,
     StoreUnavailable,
     TaskCancelling,
+    TaskNotFound,
     TidepoolError,
+    ValueRefused,
 )
 from ..events import EventBus
 from ..http.answers import TaskDetailOut
@@ -251,6 +253,9 @@ class Gateway:
         ids = [i.attempt_id for i in items]
         mine = {a for a in ids if (known := self.attempts.get(a)) is not None and known.identity == worker.id}
         unknown = [a for a in ids if a not in mine]
+        # a token must name the attempt's own task: one naming another is a lease the caller does not hold
+        mine -= {i.attempt_id for i in items if (known := self.attempts.get(i.attempt_id)) is not None
+                 and lease_of(i.attempt_id, i.lease_token).task_id != known.task_id}
         if unknown:
             owners = await self.store.attempt_owners(unknown)
             mine.update(a for a, owner in owners.items() if owner == worker.id)
@@ -275,8 +280,9 @@ class Gateway:
                 answers.append({"attempt_id": item.attempt_id, "status": "cancel"})
             elif why is not None:
                 reason = await self._reason(lease := lease_of(item.attempt_id, item.lease_token), why)
-                await self.reports.lost(worker.id, lease.task_id, item.attempt_id, reason)
-                answers.append({"attempt_id": item.attempt_id, "status": "lost", "reason": reason})
+                if reason is not None:
+                    await self.reports.lost(worker.id, lease.task_id, item.attempt_id, reason)
+                answers.append({"attempt_id": item.attempt_id, "status": "lost", "reason": reason or NOT_YOURS})
             else:
                 answers.append({"attempt_id": item.attempt_id, "status": "held",
                                 "lease_expires_at": rfc3339(now + lease_s)})
@@ -294,9 +300,9 @@ class Gateway:
             why = lost.get(note.attempt_id)
             if why is None:
                 self.reports.noted(worker.id, phase_note.lease.task_id, note)
-            elif not isinstance(why, TaskCancelling):
-                await self.reports.lost(worker.id, phase_note.lease.task_id, note.attempt_id,
-                                        await self._reason(phase_note.lease, why))
+            elif not isinstance(why, TaskCancelling) and \
+                    (reason := await self._reason(phase_note.lease, why)) is not None:
+                await self.reports.lost(worker.id, phase_note.lease.task_id, note.attempt_id, reason)
         refused = [n.attempt_id for n in notes if n.attempt_id not in mine or n.attempt_id in lost]
         return {"lost": refused}
 
@@ -330,6 +336,10 @@ class Gateway:
             raise
         except LeaseLost as exc:
             raise await self._gone(worker.id, lease, exc) from None
+        except ValueRefused as exc:
+            log.error("task %s attempt %s of worker %s: result %s refused by the store: %s", lease.task_id,
+                      lease.attempt_id, worker.id, batch.idempotency_key, exc)
+            raise ValueRefused("the store refused a value of this result") from None
         self.reports.result(worker.id, lease.task_id, ack)
         return ack, ack.stored_now
 
@@ -355,6 +365,11 @@ class Gateway:
                     continue
                 gone = await self._gone(worker.id, lease, answer)
                 out.append({"attempt_id": ending.attempt_id, "lost": gone.reason})
+            elif isinstance(answer, ValueRefused):  # sent again it would be refused again: said, not retried
+                log.error("task %s attempt %s of worker %s: its ending was refused by the store: %s",
+                          ending.lease_token.partition(".")[0], ending.attempt_id, worker.id, answer)
+                out.append({"attempt_id": ending.attempt_id,
+                            "error": {"code": answer.code, "message": "the store refused a value of this ending"}})
             elif isinstance(answer, TidepoolError):
                 raise answer  # the store did not take it (StoreUnavailable): the worker sends it again
             else:
@@ -387,19 +402,28 @@ class Gateway:
 
     async def _gone(self, identity: str, lease: Lease, lost: LeaseLost) -> LeaseGone:
         reason = "cancelled" if isinstance(lost, TaskCancelling) else await self._reason(lease, lost)
+        if reason is None:  # its token names a task that is not its attempt's: as an attempt it does not hold
+            self.metrics.refused.inc((NOT_YOURS,))
+            return LeaseGone(f"attempt {lease.attempt_id}", NOT_YOURS)
         self.metrics.refused.inc((reason,))
         await self.reports.lost(identity, lease.task_id, lease.attempt_id, reason)
         return LeaseGone(f"task {lease.task_id} attempt {lease.attempt_id}", reason)
 
-    async def _reason(self, lease: Lease, lost: LeaseLost) -> str:
+    async def _reason(self, lease: Lease, lost: LeaseLost) -> str | None:
         """Why a lease the store refused is gone: past its run deadline, cancelled, superseded (another attempt
-        holds the task) or expired."""
+        holds the task) or expired. None when the task its token names (unknown, or another's) has no such
+        attempt: the caller is answered as for an attempt it does not hold, and nothing is published for that
+        task, so a worker learns nothing of tasks that are not its own."""
         if isinstance(lost, DeadlinePassed):
             return lost.reason
         try:
             task = await self.store.get(lease.task_id)
+        except TaskNotFound:
+            return None
         except (StoreUnavailable, TidepoolError):
             return "expired"
+        if not any(a.id == lease.attempt_id for a in task.attempts):
+            return None
         if task.state in (State.CANCELLING, State.CANCELLED):
             return "cancelled"
         if task.attempts and task.attempts[-1].id != lease.attempt_id:

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from ..http.answers import Answer, TaskDetailOut
+from ..http.answers import Answer, ErrorBody, TaskDetailOut
 from ..http.bodies import JsonInt, integral
 from ..model import Phase
 from ..scans import SCOPE_MAX_BYTES
@@ -144,6 +144,8 @@ class EndingOut(Answer):
     state: str | None = None
     lost: str | None = Field(None, description="why the ending was refused: expired, cancelled, revoked, superseded, "
                                                "deadline")
+    error: ErrorBody | None = Field(None, description="value_refused: the store refused a value of this ending; "
+                                    "sent again it would be refused again (the worker records a failure instead)")
 
 
 class FinishOut(Answer):

@@ -13,6 +13,7 @@ from ..execution.waker import Waker
 from ..model import NewTask, State, Task
 from ..plugins import command
 from ..schedules import Schedule
+from ..settings import redacted_url
 from ..store import Page
 from ..store.remote import LeaseTerms, RemoteStore
 from .operations import NodeOperations
@@ -34,7 +35,7 @@ class RemoteOperations(NodeOperations):
     409 remote_worker, naming the gateway, where the node would ask its store."""
 
     def _gateway(self) -> RemoteNode:
-        return RemoteNode(self._settings.store.url)
+        return RemoteNode(redacted_url(self._settings.store.url))
 
     async def submit(self, new: NewTask) -> tuple[Task, bool]:
         raise self._gateway()

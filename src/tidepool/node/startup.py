@@ -4,7 +4,6 @@ starts with, what they leave out, and the store's schema brought up to date (`ti
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 from ..api import load_token
@@ -12,7 +11,7 @@ from ..errors import ConfigError
 from ..execution.resources import ResourcePool
 from ..gateway.tls import Credentials
 from ..plugins import Registry
-from ..settings import BUILTIN_TYPES, Settings
+from ..settings import BUILTIN_TYPES, Settings, redacted_url
 from ..store import SCHEMA_VERSION, open_store
 
 log = logging.getLogger("tidepool.service")  # the node's own lines, under the name they always had
@@ -43,9 +42,8 @@ async def migrate(settings: Settings) -> tuple[int, int]:
 
 
 def redacted(url: str) -> str:
-    """The URL with its password, if any, as ***: for logs and messages. libpq takes one in the query too."""
-    url = re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
-    return re.sub(r"([?&](?:ssl)?password=)[^&]*", r"\1***", url)
+    """The URL with its password, if any, as ***: for logs and messages."""
+    return redacted_url(url)
 
 
 def check_state_dir(state_dir: Path) -> None:

@@ -87,6 +87,23 @@ class StoreSettings(Section):
         return self
 
 
+def redacted_url(url: str) -> str:
+    """A store URL as it may be printed (logs, messages, `config check`): its password, if any, as ***, whatever
+    the scheme, also with no user (`postgresql://:pw@host`) or an `@` in the password (the host follows the
+    last one); a `password=` of the query (libpq takes one there too) as well. Where a URL is odd, more is
+    hidden rather than less."""
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        at = rest.rfind("@")
+        if at >= 0 and ":" in rest[:at]:
+            rest = rest[:at].split(":", 1)[0] + ":***" + rest[at:]
+        url = scheme + sep + rest
+    return _PASSWORD_PARAMETER.sub(r"\1***", url)
+
+
+_PASSWORD_PARAMETER = re.compile(r"((?:ssl)?pass(?:word)?\s*=\s*)[^&\s]*", re.IGNORECASE)
+
+
 class PoolSettings(Section):
     # The baseline polls the queue: with none, nothing claims.
     min_workers: int = Field(2, ge=1, le=MAX_WORKERS, description="Baseline workers: they start with the "

@@ -63,5 +63,7 @@ def open_store(url: str, *, section: StoreSettings | None = None) -> Store:
         from .memory import MemoryStore
 
         return MemoryStore()
-    raise ConfigError(f"config: store.url: unsupported URL {url!r} (use sqlite:///path, "
+    from ..settings import redacted_url  # an unknown scheme's URL may still hold a password
+
+    raise ConfigError(f"config: store.url: unsupported URL {redacted_url(url)!r} (use sqlite:///path, "
                       "postgresql://user:pass@host/db, or a gateway's https://host:port)")

@@ -31,6 +31,7 @@ from ...model import (
 )
 from ...scans import NewScan, Scan, ScanState
 from ...schedules import Fired, Schedule
+from .. import values
 from ..port import (
     Acquired,
     CancelAnswer,
@@ -97,16 +98,17 @@ class MemoryStore:
         return renew_leases(self._db, leases, now=now, lease_s=lease_s)
 
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
-        return leases.set_phase(self._db, notes, now=now)
+        return leases.set_phase(self._db, values.notes(notes), now=now)
 
     async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float,
                             quota: ResultQuota | None = None) -> ResultBatch:
-        return leases.record_result(self._db, lease, batch, now=now, quota=quota)
+        return leases.record_result(self._db, lease, values.batch(batch), now=now, quota=quota)
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
         return await finish_alone(self, lease, outcome, now=now, policy=policy)
 
     async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
+        endings = values.endings(endings)  # what any worker writes, made storable alike on every store
         return leases.finish_many(self._db, endings, policy=policy)
 
     # schedules

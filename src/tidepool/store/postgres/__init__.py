@@ -40,6 +40,7 @@ from ...model import (
 )
 from ...scans import NewScan, Scan, ScanState
 from ...schedules import Fired, Schedule
+from .. import values
 from ..notices import Notice
 from ..port import (
     Acquired,
@@ -59,6 +60,7 @@ from ..port import (
     ScanPage,
 )
 from ..rows import SCHEMA_VERSION
+from ..rules import finish_alone
 from . import leases, scans, schedules, tasks, upkeep, workers
 from .database import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, DRIVER_ERRORS, Database, Session, channel_for
 
@@ -120,16 +122,17 @@ class PostgresStore:
         return await self._leases.renew(leases, now=now, lease_s=lease_s)
 
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
-        return await self._leases.set_phase(notes, now=now)
+        return await self._leases.set_phase(values.notes(notes), now=now)
 
     async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float,
                             quota: ResultQuota | None = None) -> ResultBatch:
-        return await self._leases.record_result(lease, batch, now=now, quota=quota)
+        return await self._leases.record_result(lease, values.batch(batch), now=now, quota=quota)
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
-        return await self._leases.finish(lease, outcome, now=now, policy=policy)
+        return await finish_alone(self, lease, outcome, now=now, policy=policy)
 
     async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
+        endings = values.endings(endings)  # what any worker writes, made storable alike on every store
         return await self._leases.finish_many(endings, policy=policy)
 
     # schedules

@@ -33,7 +33,7 @@ import asyncpg  # type: ignore[import-untyped, unused-ignore]  # typed when asyn
 from anyio.abc import TaskStatus
 
 from ...backoff import Backoff
-from ...errors import ConfigError, SchemaMismatch, StoreUnavailable
+from ...errors import ConfigError, SchemaMismatch, StoreUnavailable, ValueRefused
 from .. import sql
 from ..port import Node
 from ..rows import node_of
@@ -48,6 +48,9 @@ DRIVER_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,
 )
+# What the driver raises when the server (or asyncpg's own encoder) refuses a value: text it cannot encode, a
+# number past a column's range. Written again it would be refused again: ValueRefused, never an outage.
+VALUE_ERRORS: tuple[type[BaseException], ...] = (asyncpg.DataError, UnicodeError, OverflowError)
 SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 CONNECT_TIMEOUT_S = 3.0  # a new connection's handshake, and the longest wait for a pooled one
 CALL_TIMEOUT_S = 5.0  # one store call, from asking for a connection to its last statement's answer
@@ -176,6 +179,8 @@ class Database:
             raise StoreUnavailable(f"store {self.where}: {said(exc)}") from exc
         try:
             yield conn
+        except VALUE_ERRORS as exc:  # the server answered (or the value never left): the connection serves on
+            raise ValueRefused(f"store {self.where} refused a value: {said(exc)}") from exc
         except asyncpg.PostgresError as exc:  # the server answered: the connection serves on
             raise StoreUnavailable(f"store {self.where}: {said(exc)}") from exc
         except (*DRIVER_ERRORS, anyio.get_cancelled_exc_class()) as exc:
@@ -197,7 +202,7 @@ class Database:
 
 def said(exc: BaseException) -> str:
     """What went wrong, in words: a timeout's own text is empty ("TimeoutError: " told a user nothing)."""
-    if isinstance(exc, StoreUnavailable):
+    if isinstance(exc, StoreUnavailable | ValueRefused):
         return str(exc)
     if isinstance(exc, TimeoutError):
         return f"no answer in time{f' ({exc})' if str(exc) else ''}: the server or the network is stuck"
@@ -314,8 +319,9 @@ class Group(Generic[I, R]):
         except BaseException as exc:
             for _, future in batch:
                 if not future.done():
-                    error = StoreUnavailable(f"grouped write failed: {said(exc)}")
-                    error.__cause__ = exc.__cause__ if isinstance(exc, StoreUnavailable) else exc
+                    kind = ValueRefused if isinstance(exc, ValueRefused) else StoreUnavailable
+                    error = kind(f"grouped write failed: {said(exc)}")
+                    error.__cause__ = exc.__cause__ if isinstance(exc, StoreUnavailable | ValueRefused) else exc
                     future.set_exception(error)
             if not isinstance(exc, Exception):
                 raise

@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import anyio
 
-from ...errors import Conflict, DeadlinePassed, LeaseLost, StoreUnavailable, TaskCancelling, TidepoolError
+from ...errors import Conflict, DeadlinePassed, LeaseLost, StoreUnavailable, TaskCancelling, TidepoolError, ValueRefused
 from ...lifecycle import Decision, RetryPolicy, decide_end
 from ...model import AttemptStatus, Claimed, ClaimFilter, Lease, Outcome, ResultBatch, State, Worker, new_id, new_token
 from .. import sql
@@ -135,7 +135,7 @@ class Leases:
             try:
                 done = await self._complete_group([(endings[i].lease, endings[i].now, endings[i].outcome.progress)
                                                    for i in fast])
-            except StoreUnavailable:  # perhaps written with the answer lost: their own paths find out
+            except (StoreUnavailable, ValueRefused):  # perhaps written, or one refused: their own paths find out
                 done = [False] * len(fast)
                 maybe_written.update(fast)
             for i, completed in zip(fast, done, strict=True):

@@ -34,6 +34,7 @@ from ...model import (
 )
 from ...scans import NewScan, Scan, ScanState
 from ...schedules import Fired, Schedule
+from .. import values
 from ..port import (
     Acquired,
     CancelAnswer,
@@ -101,16 +102,18 @@ class RemoteStore:
         return await self._leases.renew(leases, now=now, lease_s=lease_s)
 
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
-        return await self._leases.set_phase(notes, now=now)
+        return await self._leases.set_phase(values.notes(notes), now=now)
 
     async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float,
                             quota: ResultQuota | None = None) -> ResultBatch:
-        return await self._leases.record_result(lease, batch, now=now)  # the gateway holds it to its own quota
+        # the gateway holds it to its own quota
+        return await self._leases.record_result(lease, values.batch(batch), now=now)
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
         return await finish_alone(self, lease, outcome, now=now, policy=policy)
 
     async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
+        endings = values.endings(endings)  # what any worker writes, made storable alike on every store
         return await self._leases.finish_many(endings, policy=policy)
 
     # tasks

@@ -21,7 +21,7 @@ import anyio
 
 from ... import __version__
 from ...backoff import Backoff
-from ...errors import ConfigError, StoreError, StoreUnavailable
+from ...errors import ConfigError, StoreError, StoreUnavailable, ValueRefused
 from ...logs import Outage
 from ...model import Phase, State, Task, TaskError
 
@@ -106,6 +106,8 @@ class Wire:
                 status = response.status
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise StoreUnavailable(f"gateway {self.url} did not answer {path}: {reason(exc)}") from None
+        except UnicodeError as exc:  # a value no JSON body can carry (the port makes text storable first)
+            raise ValueRefused(f"{path}: a value cannot be sent to the gateway: {exc}") from exc
         return checked(Answer(status, parse_json(raw)), path, self.url)
 
     def get_stream(self, path: str, *, idle_s: float) -> Any:
@@ -138,18 +140,26 @@ class Calls:
         return answer
 
     async def post_within(self, path: str, body: dict[str, Any], *, budget_s: float) -> Answer:
-        """A POST answered 200, tried again with backoff while the gateway is away (a restart), for at most
-        budget_s; the last StoreUnavailable then."""
+        """A write answered 200, tried again with backoff while the gateway is away (a restart), for at most
+        budget_s; the last StoreUnavailable then (ValueRefused at once: a refused body is not tried again)."""
         give_up_at = self._monotonic() + budget_s
         for wait_s in RECONNECT.delays():
             left_s = give_up_at - self._monotonic()
             try:
-                return self.ok(await self.post(path, body, timeout_s=max(1.0, min(REQUEST_TIMEOUT_S, left_s))))
+                return self.written(await self.post(path, body, timeout_s=max(1.0, min(REQUEST_TIMEOUT_S, left_s))))
             except StoreUnavailable:
                 if self._monotonic() + wait_s >= give_up_at:
                     raise
             await anyio.sleep(wait_s)
         raise AssertionError("RECONNECT has no end")
+
+    def written(self, answer: Answer) -> Answer:
+        """A write's answer, as ok(); a body the gateway refused (400, 422) is ValueRefused: sent again, it would
+        be refused again, so no caller may take it for the gateway being away."""
+        if answer.status in (400, 422):
+            raise ValueRefused(f"gateway {self._wire.url} refused the request ({answer.status} {answer.error_code()}): "
+                               f"{answer.error_message()}")
+        return self.ok(answer)
 
     def ok(self, answer: Answer) -> Answer:
         if answer.status != 200 or not isinstance(answer.body, dict):
@@ -171,6 +181,8 @@ class Calls:
 def checked(answer: Answer, path: str, url: str) -> Answer:
     if answer.status == 403 and answer.error_code().startswith("worker_"):
         raise Refusal(answer.error_code(), answer.error_message())
+    if answer.status == ValueRefused.http_status and answer.error_code() == ValueRefused.code:
+        raise ValueRefused(f"gateway {url} refused a value of {path}: {answer.error_message()}")
     if answer.status >= 500 or answer.status == 429:
         raise StoreUnavailable(f"gateway {url} answered {path} with {answer.status}: {answer.error_message()}")
     return answer

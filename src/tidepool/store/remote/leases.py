@@ -32,6 +32,7 @@ from ...errors import (
     StoreUnavailable,
     TaskCancelling,
     TidepoolError,
+    ValueRefused,
 )
 from ...lifecycle import RetryPolicy
 from ...model import Claimed, ClaimFilter, Lease, Phase, ResultBatch, State, Worker, new_id, sha256_of
@@ -214,7 +215,7 @@ class GatewayLeases:
                            **({"progress": n.progress} if n.progress is not None else {})} for n in live]}
         timeout_s = min(REQUEST_TIMEOUT_S, max(1.0, self.terms.renew_after_s / 2))  # renewals wait behind it
         try:
-            answer = self._calls.ok(await self._calls.post("/w1/phase", body, timeout_s=timeout_s))
+            answer = self._calls.written(await self._calls.post("/w1/phase", body, timeout_s=timeout_s))
         except Refusal as exc:
             return lost | self._refused(live_leases, exc)
         with self._calls.reading("/w1/phase"):
@@ -257,7 +258,7 @@ class GatewayLeases:
             await self._last_progress(live)
             answers |= await self._finish(live)
         for e in endings:
-            if not isinstance(answers[e.lease.attempt_id], StoreUnavailable):
+            if not isinstance(answers[e.lease.attempt_id], StoreUnavailable | ValueRefused):  # to be sent again
                 self._live.forget(e.lease.attempt_id)
         return [answers[e.lease.attempt_id] for e in endings]
 
@@ -279,7 +280,7 @@ class GatewayLeases:
         except Refusal as exc:
             return dict(self._refused([e.lease for e in endings], exc))
         except StoreError as exc:
-            unavailable = exc if isinstance(exc, StoreUnavailable) else StoreUnavailable(str(exc))
+            unavailable = exc if isinstance(exc, StoreUnavailable | ValueRefused) else StoreUnavailable(str(exc))
             return {e.lease.attempt_id: unavailable for e in endings}
         try:
             with self._calls.reading("/w1/finish"):
@@ -289,8 +290,7 @@ class GatewayLeases:
         result: dict[str, State | TidepoolError] = {}
         for e in endings:
             item = answered.get(e.lease.attempt_id, {"lost": "not in the gateway's answer"})
-            result[e.lease.attempt_id] = State(item["state"]) if item.get("state") else self._live.lost(
-                e.lease, item.get("lost"))
+            result[e.lease.attempt_id] = _answer_of(item, e.lease, self._live)
         return result
 
     # the gateway's cancels and revoke
@@ -329,6 +329,17 @@ def _ending(e: Ending) -> dict[str, Any]:
     if e.outcome.scope:  # the engine gives one with a success only; an empty one merges nothing
         ending["scope"] = e.outcome.scope
     return ending
+
+
+def _answer_of(item: dict[str, Any], lease: Lease, live: LocalLeases) -> State | TidepoolError:
+    """One ending as the gateway answered it: the task's state, the value its store refused, or the lease lost."""
+    if item.get("state"):
+        return State(item["state"])
+    error = item.get("error")
+    if isinstance(error, dict) and error.get("code") == ValueRefused.code:
+        return ValueRefused(f"task {lease.task_id} attempt {lease.attempt_id}: the gateway's store refused a value "
+                            f"of its ending: {error.get('message', '')}")
+    return live.lost(lease, item.get("lost"))
 
 
 def _reason(answer: Answer) -> str | None:

@@ -35,6 +35,7 @@ from ...model import (
 )
 from ...scans import NewScan, Scan, ScanState
 from ...schedules import Fired, Schedule
+from .. import values
 from ..port import (
     Acquired,
     CancelAnswer,
@@ -109,16 +110,18 @@ class SqliteStore:
         return await self._write(partial(renew_leases, leases=leases, now=now, lease_s=lease_s))
 
     async def set_phase(self, notes: Sequence[PhaseNote], *, now: float) -> dict[str, LeaseLost]:
-        return await self._write(partial(leases.set_phase, notes=notes, now=now))
+        return await self._write(partial(leases.set_phase, notes=values.notes(notes), now=now))
 
     async def record_result(self, lease: Lease, batch: ResultBatch, *, now: float,
                             quota: ResultQuota | None = None) -> ResultBatch:
-        return await self._write(partial(leases.record_result, lease=lease, result=batch, now=now, quota=quota))
+        return await self._write(partial(leases.record_result, lease=lease, result=values.batch(batch), now=now,
+                                         quota=quota))
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
         return await finish_alone(self, lease, outcome, now=now, policy=policy)
 
     async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
+        endings = values.endings(endings)  # what any worker writes, made storable alike on every store
         if not endings:
             return []
         try:

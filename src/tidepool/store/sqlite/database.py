@@ -33,7 +33,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import anyio.to_thread
 
-from ...errors import ConfigError, SchemaMismatch, StoreUnavailable, TidepoolError
+from ...errors import ConfigError, SchemaMismatch, StoreUnavailable, TidepoolError, ValueRefused
 from ...model import Attempt, Task
 from .. import sql
 from ..rows import SCHEMA_VERSION, loads
@@ -48,6 +48,9 @@ GROUP_PAUSE_FROM = 8  # ops in this batch and the last before a pause can pay fo
 # What the file did, not the op: SQLite may have rolled the whole transaction back already.
 FILE_FAULTS = frozenset({sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB,
                          sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_NOMEM})
+# What binding a value raises when SQLite cannot keep it: text that is not UTF-8 (a lone surrogate), an integer
+# past 64 bits, a string or blob past its limits. Written again it would be refused again: never an outage.
+VALUE_ERRORS: tuple[type[BaseException], ...] = (UnicodeError, OverflowError, sqlite3.DataError)
 CHUNK = 500  # rows per statement: 7 parameters each at most, far below SQLite's 32,766
 T = TypeVar("T")
 
@@ -325,6 +328,10 @@ def run_alone(conn: sqlite3.Connection, batch: Batch, op: Any) -> tuple[Any, Tid
         batch.queued = None  # the op may have counted itself in before failing: recount
         if isinstance(exc, TidepoolError):  # Conflict, LeaseLost, InvalidTransition, ...
             return None, exc
+        if isinstance(exc, VALUE_ERRORS):
+            refused = ValueRefused(f"sqlite refused a value: {type(exc).__name__}: {exc}")
+            refused.__cause__ = exc
+            return None, refused
         log.error("sqlite op failed and was rolled back alone: %r", exc)
         error = StoreUnavailable(f"sqlite write failed: {exc}")
         error.__cause__ = exc
