@@ -78,13 +78,20 @@ class RemoteAttempts:
     async def deadline_s(self, attempt_id: str, task_id: str, identity: str, *, rule: RunDeadline,
                          read: Callable[[str], Awaitable[Task]]) -> float | None:
         """How long from now the attempt may live, its run phase having started: from the task as the store
-        holds it and the gateway's own settings. None for a task gone from the store (its note is refused)."""
-        attempt = self.known(attempt_id, task_id, identity)
-        if attempt.limits is None:
+        holds it and the gateway's own settings. None when the token's task is gone from the store or is not
+        the attempt's (the store refuses that note): such a note must not make the attempt known as another
+        task's, nor lend it another task's timeout."""
+        attempt = self._attempts.get(attempt_id)
+        if attempt is not None and attempt.task_id != task_id:
+            return None
+        if attempt is None or attempt.limits is None:
             try:
                 task = await read(task_id)
             except TaskNotFound:
                 return None
+            if not any(a.id == attempt_id for a in task.attempts):
+                return None
+            attempt = self.known(attempt_id, task_id, identity)
             attempt.limits, attempt.type = (task.type, task.timeout_s), attempt.type or task.type
         return rule.seconds(*attempt.limits)
 
