@@ -180,3 +180,25 @@ async def test_a_target_outside_fails_the_web_probe_of_its_ports_before_any_conn
             await probe_web_ports(INSIDE, [server.port], scope=Scope.of([f"{OUTSIDE}/32"]))
         summary, _answers = await probe_web_ports(INSIDE, [server.port], scope=Scope.of([f"{INSIDE}/32"]))
     assert summary["web"] == [server.port] and server.requests == 1
+
+
+CALLED: list[str] = []
+
+
+async def noted(ctx: Any) -> None:
+    """A Python plugin held to a scope by its config: it notes each target it was let run with."""
+    CALLED.append(ctx.payload["host"])
+
+
+async def test_a_python_plugin_with_scope_fields_starts_only_inside(sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    CALLED.clear()
+    spec = PluginSpec(python=f"{__name__}:noted", scope=(f"{INSIDE}/32",), scope_fields=("host",))
+    scoped = Registry.from_settings(PluginsSettings(defs={"noted": spec}), {"noted": TypeSettings(plugins=("noted",))},
+                                    kill_grace_s=GRACE_S)
+    async with running_node(sqlite_store, {}, registry=scoped, work_root=tmp_path) as node:
+        inside = await node.finished(await node.submit("noted", {"host": INSIDE}))
+        outside = await node.finished(await node.submit("noted", {"host": [INSIDE, OUTSIDE]}))
+    assert inside.state is State.COMPLETED
+    assert outside.state is State.FAILED and outside.error is not None
+    assert outside.error.message == f"payload.host.1: {OUTSIDE} is outside the scope ({INSIDE}/32)"
+    assert CALLED == [INSIDE]
