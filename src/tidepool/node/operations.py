@@ -39,6 +39,7 @@ from ..model import (
     rfc3339,
 )
 from ..plugins import Registry
+from ..plugins.scope import Resolved
 from ..scans import SCOPE_MAX_BYTES, JobState, NewScan, Scan, ScanState, StepSpec
 from ..schedules import Schedule, task_for, tick_key, validate
 from ..settings import Settings
@@ -183,10 +184,11 @@ class NodeOperations:
 
     async def submit_many(self, news: list[NewTask]) -> list[tuple[str, bool]]:
         fleet = await self._fleet_tags(news)
+        resolved: Resolved = {}  # a batch of tasks against one host resolves it once
         for i, new in enumerate(news):
             try:
                 news[i] = self.check(new, fleet_tags=fleet)
-                await self._check_scope(new.type, new.payload)
+                await self._check_scope(new.type, new.payload, resolved=resolved)
             except InvalidRequest as exc:
                 raise type(exc)(f"tasks.{i}.{exc.field}", str(exc).split(": ", 1)[1]) from None
         added = await self._store.add_many(news, now=time.time(), max_queued=self._max_queued())
@@ -413,8 +415,9 @@ class ScanOperations:
         """The submit with its profile's steps and each step's task defaults (its type's attempt budget, timeout
         and tags), checked as a submit of each step's type would be; InvalidRequest naming the field."""
         new = self.new_scan(request)
+        resolved: Resolved = {}
         for step in new.steps:  # what the payload names already; what the steps learn is checked as each starts
-            await self._check_scope(step.type, new.payload)
+            await self._check_scope(step.type, new.payload, resolved=resolved)
         await self._check_tags(request.profile, new.steps)
         return new
 

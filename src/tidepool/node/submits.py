@@ -15,7 +15,7 @@ from yarl import URL
 
 from ..errors import InvalidArgument, InvalidRequest, OutOfScope, TargetRefused
 from ..plugins.command import render_argv
-from ..plugins.scope import Scope, plugin_scope
+from ..plugins.scope import Resolved, Scope, plugin_scope
 from ..settings import Settings
 
 # What the node fills in for every attempt: their values are the node's, never the payload's to get wrong.
@@ -56,15 +56,16 @@ class ScopeCheck:
             if scoped := [(plugin, scope) for plugin, scope in found if scope is not None]:
                 self._scopes[task_type] = scoped
 
-    async def __call__(self, task_type: str, payload: Mapping[str, Any]) -> None:
+    async def __call__(self, task_type: str, payload: Mapping[str, Any], *, resolved: Resolved | None = None) -> None:
         """OutOfScope naming the payload field whose target lies outside the scope of a plugin of `task_type`
         (or whose name does not resolve). A field the payload lacks names no target and is not checked: a
-        scan's later steps get theirs from what the steps before learn, and are checked when they start."""
+        scan's later steps get theirs from what the steps before learn, and are checked when they start.
+        `resolved`: the names a batch's earlier tasks resolved, not asked again."""
         for plugin, scope in self._scopes.get(task_type, ()):
             try:
-                await scope.check_payload(payload)
+                await scope.check_payload(payload, resolved=resolved)
                 if plugin == "http_probe" and (host := _url_host(payload.get("url"))):
-                    await scope.addresses(host, field="payload.url")
+                    await scope.addresses(host, field="payload.url", resolved=resolved)
             except TargetRefused as exc:
                 raise OutOfScope(exc.field, f"{str(exc).split(': ', 1)[1]} (plugin {plugin})") from None
 

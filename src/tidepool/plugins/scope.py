@@ -28,6 +28,7 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 RESOLVE_TIMEOUT_S = 5.0
 MAX_TARGETS_PER_FIELD = 4096  # a list field is a list of targets, not a way to make the check resolve forever
+Resolved = dict[str, list[str]]  # host name -> its addresses, as one submit found them
 
 
 @dataclass(frozen=True)
@@ -53,30 +54,31 @@ class Scope:
     def covers(self, block: Network) -> bool:
         return any(block.version == n.version and block.subnet_of(n) for n in self.networks)  # type: ignore[arg-type]
 
-    async def check_payload(self, payload: Mapping[str, Any]) -> None:
+    async def check_payload(self, payload: Mapping[str, Any], *, resolved: Resolved | None = None) -> None:
         """TargetRefused naming the first field of `fields` that names a target outside the scope. A field the
-        payload does not have (or has as null) names no target: there is nothing to check."""
+        payload does not have (or has as null) names no target: there is nothing to check. `resolved` keeps
+        the names found so far across the payloads of one batch, each resolved once."""
         for field in self.fields:
             value = payload.get(field)
             if value is not None:
-                await self.check_value(value, field=f"payload.{field}")
+                await self.check_value(value, field=f"payload.{field}", resolved=resolved)
 
-    async def check_value(self, value: object, *, field: str) -> None:
+    async def check_value(self, value: object, *, field: str, resolved: Resolved | None = None) -> None:
         """A target, or a list of them (each named `field.INDEX`), checked against the scope."""
         if isinstance(value, list | tuple):
             if len(value) > MAX_TARGETS_PER_FIELD:
                 raise TargetRefused(field, f"lists {len(value)} targets; at most {MAX_TARGETS_PER_FIELD} are checked")
             for index, item in enumerate(value):
-                await self.check_value(item, field=f"{field}.{index}")
+                await self.check_value(item, field=f"{field}.{index}", resolved=resolved)
             return
         if not isinstance(value, str) or not value:
             raise TargetRefused(field, f"must be a host name, an address or a CIDR block, got {_shown(value)}")
         if "/" in value:
             self._check_block(value, field=field)
         else:
-            await self.addresses(value, field=field)
+            await self.addresses(value, field=field, resolved=resolved)
 
-    async def addresses(self, host: str, *, field: str, port: int = 0) -> list[str]:
+    async def addresses(self, host: str, *, field: str, port: int = 0, resolved: Resolved | None = None) -> list[str]:
         """The addresses of `host` (itself if it is one), all inside the scope; else TargetRefused. A caller
         connects to these, never to the name resolved again."""
         literal = _address(host)
@@ -84,7 +86,11 @@ class Scope:
             if not self.contains(literal):
                 raise TargetRefused(field, f"{host} is outside the scope ({self})")
             return [str(literal)]
-        found = await self._resolve(host, field=field, port=port)
+        found = resolved.get(host) if resolved is not None else None
+        if found is None:
+            found = await self._resolve(host, field=field, port=port)
+            if resolved is not None:
+                resolved[host] = found
         outside = [a for a in found if not self.contains(_address(a))]  # type: ignore[arg-type]
         if outside:
             raise TargetRefused(field, f"{host!r} resolves to {', '.join(outside)}, outside the scope ({self})")

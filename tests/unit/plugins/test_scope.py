@@ -64,6 +64,22 @@ async def test_one_address_outside_refuses_the_name(monkeypatch: pytest.MonkeyPa
         await SCOPE.check_value("split.example", field="payload.target")
 
 
+async def test_one_batch_resolves_a_name_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[str] = []
+    answer = _resolver({"web.example": ["10.0.0.7"]})
+
+    def counting(host: str, *args: Any, **kwargs: Any) -> Any:
+        asked.append(host)
+        return answer(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", counting)
+    resolved: dict[str, list[str]] = {}
+    for _ in range(3):
+        await SCOPE.check_payload({"target": "web.example"}, resolved=resolved)
+    await SCOPE.check_payload({"target": "web.example"})  # another submit asks again
+    assert asked == ["web.example", "web.example"]
+
+
 async def test_a_name_that_does_not_resolve_is_refused_saying_which() -> None:
     with pytest.raises(TargetRefused, match=r"^payload\.target: 'no-such-host\.invalid' does not resolve"):
         await SCOPE.check_value("no-such-host.invalid", field="payload.target")
