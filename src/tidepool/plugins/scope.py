@@ -85,7 +85,7 @@ class Scope:
         if literal is not None:
             if not self.contains(literal):
                 raise TargetRefused(field, f"{host} is outside the scope ({self})")
-            return [str(literal)]
+            return [host]  # as written: an IPv6 zone says which interface reaches it
         found = resolved.get(host) if resolved is not None else None
         if found is None:
             found = await self._resolve(host, field=field, port=port)
