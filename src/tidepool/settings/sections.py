@@ -388,12 +388,16 @@ class PluginsSettings(Section):
 
 
 def check_scopes(plugins: PluginsSettings, default_scope: tuple[str, ...]) -> None:
-    """ConfigError naming the key: scope_fields with no scope to check them against, or a table with only a
-    scope naming a plugin that is not a built-in prober."""
+    """ConfigError naming the key: scope_fields with no scope to check them against, a plugin's scope with no
+    scope_fields to check (it would hold nothing), or a table with only a scope naming a plugin that is not
+    a built-in prober."""
     for name, spec in plugins.defs.items():
         if spec.command is None and spec.python is None and name not in SCOPED_BUILTINS:
             raise ConfigError(f"config: plugins.{name}: set exactly one of command or python (a table with "
                               f"only a scope is for the built-ins {', '.join(sorted(SCOPED_BUILTINS))})")
+        if spec.scope is not None and not spec.scope_fields and (spec.command or spec.python):
+            raise ConfigError(f"config: plugins.{name}.scope: it holds nothing without scope_fields, the payload "
+                              "fields that name the plugin's targets; add them")
         if spec.scope_fields and spec.scope is None and not default_scope:
             raise ConfigError(f"config: plugins.{name}.scope_fields: no scope to check them against; set "
                               f"plugins.{name}.scope or execution.scope")

@@ -130,14 +130,16 @@ def test_plugin_scope_defaults_to_the_node_wide_one() -> None:
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"plugins": {"scan": {"command": ["x"], "scope": ["10.0.0.300/8"]}}},
+    ({"plugins": {"scan": {"command": ["x"], "scope": ["10.0.0.300/8"], "scope_fields": ["t"]}}},
      r"plugins\.scan\.scope\.0: '10\.0\.0\.300/8' is not a CIDR block"),
-    ({"plugins": {"scan": {"command": ["x"], "scope": ["10.0.0.1/8"]}}},
+    ({"plugins": {"scan": {"command": ["x"], "scope": ["10.0.0.1/8"], "scope_fields": ["t"]}}},
      r"plugins\.scan\.scope\.0: '10\.0\.0\.1/8' is not a CIDR block \(10\.0\.0\.1/8 has host bits set\)"),
     ({"execution": {"scope": ["lan"]}}, r"execution\.scope\.0: 'lan' is not a CIDR block"),
     ({"plugins": {"scan": {"command": ["x"], "scope": []}}}, r"plugins\.scan\.scope: "),
     ({"plugins": {"scan": {"command": ["x", "{target}"], "scope_fields": ["target"]}}},
      r"plugins\.scan\.scope_fields: no scope to check them against; set plugins\.scan\.scope or execution\.scope"),
+    ({"plugins": {"scan": {"command": ["x", "{target}"], "scope": ["10.0.0.0/8"]}}},
+     r"plugins\.scan\.scope: it holds nothing without scope_fields"),
     ({"plugins": {"scan": {"scope": ["10.0.0.0/8"]}}},
      r"plugins\.scan: set exactly one of command or python \(a table with only a scope is for the built-ins"),
     ({"plugins": {"tcp_connect": {"scope": ["10.0.0.0/8"], "scope_fields": ["target"]}}},
