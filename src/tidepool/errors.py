@@ -4,6 +4,7 @@
     ├── ConfigError              a setting is missing, unknown or inconsistent (exit 2)
     ├── InvalidTransition        the lifecycle table forbids this move (nothing changed)
     ├── InvalidRequest           a submission names an unknown type or unserviceable tags (HTTP 400)
+    │   └── OutOfScope           a payload field names a target outside its plugin's scope (HTTP 400 out_of_scope)
     ├── WorkerRefused            the registry refuses a remote worker's call (HTTP 403: worker_pending, ...)
     ├── LeaseGone                a remote worker's write behind a lease it no longer holds (HTTP 410 lease_lost)
     ├── StoreError
@@ -24,7 +25,8 @@
     │       └── DeadlinePassed   the attempt ran past its run deadline: the store takes nothing more of it
     └── PluginError              a plugin failed; `code` says how, `retryable` whether to try again
         ├── InvalidArgument      a template value was refused before anything ran (not retried)
-        └── LimitExceeded        a plugin breached memory_mb, cpu_s, nofile or max_output_kb
+        ├── LimitExceeded        a plugin breached memory_mb, cpu_s, nofile or max_output_kb
+        └── TargetRefused        a target outside the plugin's scope, found before anything reached it
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ class InvalidRequest(TidepoolError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class OutOfScope(InvalidRequest):
+    """A payload field names a target outside the CIDRs its plugin may reach: refused before anything is queued."""
+
+    code = "out_of_scope"
 
 
 class WorkerRefused(TidepoolError):
@@ -226,3 +234,15 @@ class LimitExceeded(PluginError):
     def __init__(self, limit: str, message: str) -> None:
         super().__init__(f"{limit} exceeded: {message}")
         self.limit = limit
+
+
+class TargetRefused(PluginError):
+    """A target outside its plugin's scope (or a name whose addresses are unknown), found before the plugin
+    reached it. Not retried, but for a resolver that failed for now (retryable then)."""
+
+    code = "out_of_scope"
+    retryable = False
+
+    def __init__(self, field: str, message: str, *, retryable: bool = False) -> None:
+        super().__init__(f"{field}: {message}", retryable=retryable)
+        self.field = field

@@ -39,13 +39,14 @@ from ..model import (
     rfc3339,
 )
 from ..plugins import Registry
+from ..plugins.scope import Resolved
 from ..scans import SCOPE_MAX_BYTES, JobState, NewScan, Scan, ScanState, StepSpec
 from ..schedules import Schedule, task_for, tick_key, validate
 from ..settings import Settings
 from ..settings.profiles import ProfileSettings
 from ..store import Page, Store, retry_step
 from ..store.port import CancelAnswer, ScanMove, ScanPage
-from .submits import PayloadCheck
+from .submits import PayloadCheck, ScopeCheck
 
 log = logging.getLogger("tidepool.service")  # the node's own lines, under the name they always had
 READY_PROBE_S = 2.0  # /readyz: a store slower than this to count the queue is as good as away
@@ -96,6 +97,7 @@ class NodeOperations:
         self.registry = registry
         self._settings = settings
         self._check_payload = PayloadCheck(settings)
+        self._check_scope = ScopeCheck(settings)
         self._shared_store = settings.db_path() is None  # SQLite: this node is the whole fleet
         self.scans = ScanOperations(settings, registry, ScanParts(
             parts.store, parts.events, parts.waker, parts.leases, parts.resources, self.fleet_tag_sets))
@@ -104,6 +106,7 @@ class NodeOperations:
         """A reload's settings and task types: every submit, retry and schedule from now on is checked by them."""
         self._settings, self.registry = settings, registry
         self._check_payload = PayloadCheck(settings)
+        self._check_scope = ScopeCheck(settings)
         self.scans.configure(settings, registry)
 
     @property
@@ -172,6 +175,7 @@ class NodeOperations:
 
     async def submit(self, new: NewTask) -> tuple[Task, bool]:
         new = self.check(new, fleet_tags=await self._fleet_tags([new]))
+        await self._check_scope(new.type, new.payload)
         task, created = await self._store.add(new, now=time.time(), max_queued=self._max_queued())
         if created:
             self._created(task.id, new)
@@ -180,11 +184,13 @@ class NodeOperations:
 
     async def submit_many(self, news: list[NewTask]) -> list[tuple[str, bool]]:
         fleet = await self._fleet_tags(news)
+        resolved: Resolved = {}  # a batch of tasks against one host resolves it once
         for i, new in enumerate(news):
             try:
                 news[i] = self.check(new, fleet_tags=fleet)
+                await self._check_scope(new.type, new.payload, resolved=resolved)
             except InvalidRequest as exc:
-                raise InvalidRequest(f"tasks.{i}.{exc.field}", str(exc).split(": ", 1)[1]) from None
+                raise type(exc)(f"tasks.{i}.{exc.field}", str(exc).split(": ", 1)[1]) from None
         added = await self._store.add_many(news, now=time.time(), max_queued=self._max_queued())
         fresh = [(task_id, new) for (task_id, created), new in zip(added, news, strict=True) if created]
         for task_id, new in fresh:
@@ -294,6 +300,7 @@ class NodeOperations:
                          required_tags=self.registry.required_tags(schedule.type))  # checked as its submit would be
         try:
             self.check(probe, fleet_tags=await self._fleet_tags([probe]))
+            await self._check_scope(probe.type, probe.payload)
         except InvalidRequest as exc:
             if exc.field != "required_tags":  # the type, or a payload its commands cannot take
                 raise
@@ -385,6 +392,7 @@ class ScanOperations:
         self._settings, self._registry = settings, registry
         self._profiles = settings.all_profiles
         self._check_payload = PayloadCheck(settings)
+        self._check_scope = ScopeCheck(settings)
 
     @property
     def profiles(self) -> dict[str, ProfileSettings]:
@@ -407,6 +415,9 @@ class ScanOperations:
         """The submit with its profile's steps and each step's task defaults (its type's attempt budget, timeout
         and tags), checked as a submit of each step's type would be; InvalidRequest naming the field."""
         new = self.new_scan(request)
+        resolved: Resolved = {}
+        for step in new.steps:  # what the payload names already; what the steps learn is checked as each starts
+            await self._check_scope(step.type, new.payload, resolved=resolved)
         await self._check_tags(request.profile, new.steps)
         return new
 

@@ -54,7 +54,8 @@ def check_state_dir(state_dir: Path) -> None:
 
 
 def plugin_registry(settings: Settings) -> Registry:
-    return Registry.from_settings(settings.plugins, settings.all_types, kill_grace_s=settings.execution.kill_grace_s)
+    return Registry.from_settings(settings.plugins, settings.all_types, kill_grace_s=settings.execution.kill_grace_s,
+                                  scope=settings.execution.scope)
 
 
 def say_left_out(settings: Settings) -> None:

@@ -24,8 +24,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, PluginError
-from ..settings import ENTRY_POINT_GROUP, PluginSpec, PluginsSettings, TypeSettings, plugin_permitted
+from ..settings import (
+    ENTRY_POINT_GROUP,
+    SCOPED_BUILTINS,
+    PluginSpec,
+    PluginsSettings,
+    TypeSettings,
+    plugin_permitted,
+)
 from .context import PluginContext
+from .scope import Scope, plugin_scope
 
 Plugin = Callable[[PluginContext], Awaitable[None]]
 RESERVED = frozenset({"allow", "deny"})
@@ -58,17 +66,25 @@ class Registry:
 
     @classmethod
     def from_settings(cls, settings: PluginsSettings, types: Mapping[str, TypeSettings], *,
-                      kill_grace_s: float) -> Registry:
-        from .builtin import BUILTINS, command_plugin
+                      kill_grace_s: float, scope: tuple[str, ...] = ()) -> Registry:
+        """`scope`: execution.scope, the CIDRs of every plugin that names none of its own."""
+        from .builtin import BUILTINS, command_plugin, scoped_builtin
 
         known: dict[str, PluginDef] = {name: PluginDef(name, fn) for name, fn in BUILTINS.items()}
+        for name in SCOPED_BUILTINS:
+            held_to = plugin_scope(name, settings.defs.get(name), scope)
+            if held_to is not None:
+                known[name] = PluginDef(name, scoped_builtin(name, held_to))
         registry = cls(known, types, allow=settings.allow, deny=settings.deny)
         for name, spec in settings.defs.items():
             if name in RESERVED:
                 raise ConfigError(f"config: plugins.{name}: {name!r} is a reserved name")
+            if spec.command is None and spec.python is None:
+                continue  # a built-in prober's scope, bound above
             if registry.allowed(name):  # a denied plugin is never imported nor built
                 registry._plugins[name] = _from_spec(name, spec, kill_grace_s=kill_grace_s,
-                                                     command_plugin=command_plugin)
+                                                     command_plugin=command_plugin,
+                                                     scope=plugin_scope(name, spec, scope))
         for type_name, type_settings in types.items():
             for plugin in type_settings.plugins:
                 registry._check(type_name, plugin, load=True)
@@ -126,10 +142,22 @@ def denied(plugin: str, type_name: str) -> PluginError:
 
 
 def _from_spec(name: str, spec: PluginSpec, *, kill_grace_s: float,
-               command_plugin: Callable[..., Plugin]) -> PluginDef:
+               command_plugin: Callable[..., Plugin], scope: Scope | None) -> PluginDef:
     if spec.python is not None:
-        return PluginDef(name, load_dotted(spec.python, key=f"plugins.{name}.python"), spec.timeout_s)
-    return PluginDef(name, command_plugin(name, spec, kill_grace_s=kill_grace_s), spec.timeout_s)
+        run = load_dotted(spec.python, key=f"plugins.{name}.python")
+        return PluginDef(name, run if scope is None else _held_to(scope, run), spec.timeout_s)
+    return PluginDef(name, command_plugin(name, spec, kill_grace_s=kill_grace_s, scope=scope), spec.timeout_s)
+
+
+def _held_to(scope: Scope, run: Plugin) -> Plugin:
+    """A Python plugin that starts only once the targets its payload names are found inside `scope`."""
+
+    async def checked(ctx: PluginContext) -> None:
+        await scope.check_payload(ctx.payload)
+        await run(ctx)
+
+    checked.__name__ = getattr(run, "__name__", "plugin")
+    return checked
 
 
 def load_dotted(path: str, *, key: str) -> Plugin:

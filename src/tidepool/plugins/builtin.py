@@ -16,6 +16,7 @@ from .context import PluginContext
 from .netprobe import http_probe as probe_url
 from .netprobe import probe_web_ports, validate_ports, validate_target
 from .netprobe import tcp_connect as scan_ports
+from .scope import Scope
 
 
 async def noop(ctx: PluginContext) -> None:
@@ -33,17 +34,18 @@ async def sleep(ctx: PluginContext) -> None:
         ctx.progress((i + 1) / steps, f"slept {seconds * (i + 1) / steps:.2f}s of {seconds}s")
 
 
-async def tcp_connect(ctx: PluginContext) -> None:
-    """Open/closed/filtered for payload.target and payload.ports (default 80, 443)."""
+async def tcp_connect(ctx: PluginContext, *, scope: Scope | None = None) -> None:
+    """Open/closed/filtered for payload.target and payload.ports (default 80, 443); with a scope, a target
+    outside it fails the attempt out_of_scope before any connect."""
     target = validate_target(ctx.payload.get("target"))
     ports = validate_ports(ctx.payload.get("ports"))
     result = await scan_ports(target, ports, concurrency=_int(ctx, "concurrency", 100),
-                              connect_timeout_s=_float(ctx, "connect_timeout_s", 2.0))
+                              connect_timeout_s=_float(ctx, "connect_timeout_s", 2.0), scope=scope)
     ctx.scope["open_ports"] = result["open"]
     await ctx.emit(result, final=True)
 
 
-async def http_probe(ctx: PluginContext) -> None:
+async def http_probe(ctx: PluginContext, *, scope: Scope | None = None) -> None:
     """Status, headers, redirects and TLS facts of payload.url, or of every open port of payload.target.
 
     With payload.url, one result: that URL's. Otherwise each port of the target is tried over TLS, then
@@ -53,15 +55,19 @@ async def http_probe(ctx: PluginContext) -> None:
     "server"), then a final summary says for every port which scheme answered, or what each said.
     ctx.scope["web_urls"] lists the URLs that answered, for the steps after it. payload.timeout_s bounds
     each request (10 s), payload.probe_concurrency the ports probed at once (10).
+
+    With a scope, it connects to no address outside it, redirects included: a URL (or a redirect) whose
+    host is outside fails the attempt out_of_scope, and a port's probe that meets one says so in its entry.
     """
     timeout_s = _float(ctx, "timeout_s", 10.0)
     verify_tls = bool(ctx.payload.get("verify_tls", True))
     if "url" in ctx.payload:
-        await ctx.emit(await probe_url(ctx.payload["url"], timeout_s=timeout_s, verify_tls=verify_tls), final=True)
+        await ctx.emit(await probe_url(ctx.payload["url"], timeout_s=timeout_s, verify_tls=verify_tls, scope=scope),
+                       final=True)
         return
     target = validate_target(ctx.payload.get("target"))
     summary, answers = await probe_web_ports(target, _web_ports(ctx), timeout_s=timeout_s, verify_tls=verify_tls,
-                                             concurrency=_int(ctx, "probe_concurrency", 10))
+                                             concurrency=_int(ctx, "probe_concurrency", 10), scope=scope)
     ctx.scope["web_urls"] = [summary["ports"][str(port)]["url"] for port in summary["web"]]
     for answer in answers:
         await ctx.emit(answer)
@@ -92,8 +98,9 @@ def _float(ctx: PluginContext, name: str, default: float) -> float:
     return float(value)
 
 
-def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float) -> Plugin:
-    """A plugin that runs spec.command (an argument list, never a shell) in its own process tree."""
+def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float, scope: Scope | None = None) -> Plugin:
+    """A plugin that runs spec.command (an argument list, never a shell) in its own process tree; with a
+    scope, the targets its payload names are checked against it right before the command starts."""
     assert spec.command is not None
     try:
         check_template(spec.command)
@@ -108,6 +115,8 @@ def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float) -> Plugi
         argv = render_argv(spec.command or (), values)
         workdir = Path(ctx.workdir)
         await anyio.to_thread.run_sync(lambda: workdir.mkdir(parents=True, exist_ok=True))
+        if scope is not None:  # names are resolved now, not at submit: one that moved since is caught here
+            await scope.check_payload(ctx.payload)
         result = await run_command(argv, env=scrubbed_env(spec.env), workdir=workdir, limits=limits,
                                    kill_grace_s=kill_grace_s, on_end=partial(_keep_on_attempt, ctx))
         # A failed run's output is kept to look at, but it is not the plugin's result: a task retried to
@@ -129,3 +138,14 @@ def _keep_on_attempt(ctx: PluginContext, exit_status: int | None, stderr_tail: s
 
 
 BUILTINS: dict[str, Plugin] = {"noop": noop, "sleep": sleep, "tcp_connect": tcp_connect, "http_probe": http_probe}
+
+
+def scoped_builtin(name: str, scope: Scope) -> Plugin:
+    """The built-in prober `name` (tcp_connect, http_probe) bound to a scope it never connects outside of."""
+    probe = {"tcp_connect": tcp_connect, "http_probe": http_probe}[name]
+
+    async def run(ctx: PluginContext) -> None:
+        await probe(ctx, scope=scope)
+
+    run.__name__ = name
+    return run

@@ -36,6 +36,7 @@ from .sections import (
     ScheduleSettings,
     StoreSettings,
     TypeSettings,
+    check_scopes,
     local_url,
 )
 
@@ -166,6 +167,7 @@ def parse(data: dict[str, Any]) -> Settings:
 
 def _check_references(settings: Settings) -> None:
     check_profiles(settings.profiles, settings.types, settings.plugins)
+    check_scopes(settings.plugins, settings.execution.scope)
     if settings.store.remote and settings.gateway.listen:
         raise ConfigError("config: gateway.listen: a remote worker (store.url https://) cannot serve workers of its "
                           "own: its queue is its gateway's; point them at that gateway")

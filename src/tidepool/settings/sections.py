@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import socket
@@ -165,6 +166,20 @@ class RetrySettings(Section):
         return RetryPolicy(self.backoff_base_s, self.backoff_max_s, self.jitter, self.max_interruptions)
 
 
+def _check_cidr(cidr: str) -> str:
+    """An address block of a scope: "10.0.0.0/8", "2001:db8::/32", or one address (a /32 or /128)."""
+    try:
+        ipaddress.ip_network(cidr, strict=True)
+    except ValueError as exc:
+        raise ValueError(f"{cidr!r} is not a CIDR block ({exc})") from None
+    return cidr
+
+
+Cidr = Annotated[str, AfterValidator(_check_cidr)]
+# The built-in plugins that connect to a target themselves: a [plugins.NAME] table may give them a scope alone.
+SCOPED_BUILTINS = frozenset({"tcp_connect", "http_probe"})
+
+
 class ExecutionSettings(Section):
     timeout_s: float = Field(600.0, gt=0, description="Seconds a task's run phase (all its plugins) may take "
                              "when neither the task nor its type sets a timeout.")
@@ -181,6 +196,9 @@ class ExecutionSettings(Section):
                                          "attempt may store; past it a write is refused.")
     max_result_bytes_per_attempt: int = Field(RESULT_BYTES_PER_ATTEMPT, ge=1, description="Bytes of result "
                                               "payloads a local attempt may store, all batches together.")
+    scope: tuple[Cidr, ...] = Field((), description="CIDR blocks every plugin that names no `scope` of its own "
+                                    "may reach: the targets of its `scope_fields`, and what the built-in "
+                                    "`tcp_connect` and `http_probe` connect to. Empty: no node-wide scope.")
 
 
 class ReconcilerSettings(Section):
@@ -343,9 +361,19 @@ class PluginSpec(Section):
                                "the daemon's limit.")
     max_output_kb: int = Field(10240, gt=0, description="The most a command may write to stdout, its result, "
                                "in KiB; past it, the attempt fails `limit_exceeded`.")
+    scope: tuple[Cidr, ...] | None = Field(None, min_length=1, description="CIDR blocks the targets named by "
+                                           "`scope_fields` must lie in (a name must resolve only into them), "
+                                           "checked at submit and again right before the plugin starts; for "
+                                           "`tcp_connect` and `http_probe`, what they may connect to. Unset: "
+                                           "`execution.scope`.")
+    scope_fields: tuple[str, ...] = Field((), description="Payload fields that name targets (a host name, an "
+                                          "address or a CIDR block, or a list of them), each checked against "
+                                          "`scope` (or `execution.scope`), which must be set.")
 
     @model_validator(mode="after")
     def _one_kind(self) -> PluginSpec:
+        if self.command is None and self.python is None and self.model_fields_set <= {"scope"} and self.scope:
+            return self  # a built-in's scope alone: check_scopes makes sure the name is a built-in's
         if (self.command is None) == (self.python is None):
             raise ValueError("set exactly one of command or python")
         if self.command is not None and not self.command:
@@ -374,6 +402,25 @@ class PluginsSettings(Section):
                 defs[name] = _decoded(name, data.pop(name))
             data["defs"] = defs
         return data
+
+
+def check_scopes(plugins: PluginsSettings, default_scope: tuple[str, ...]) -> None:
+    """ConfigError naming the key: scope_fields with no scope to check them against, a plugin's scope with no
+    scope_fields to check (it would hold nothing), or a table with only a scope naming a plugin that is not
+    a built-in prober."""
+    for name, spec in plugins.defs.items():
+        if spec.command is None and spec.python is None and name not in SCOPED_BUILTINS:
+            raise ConfigError(f"config: plugins.{name}: set exactly one of command or python (a table with "
+                              f"only a scope is for the built-ins {', '.join(sorted(SCOPED_BUILTINS))})")
+        if spec.scope is not None and not spec.scope_fields and (spec.command or spec.python):
+            raise ConfigError(f"config: plugins.{name}.scope: it holds nothing without scope_fields, the payload "
+                              "fields that name the plugin's targets; add them")
+        if spec.scope_fields and spec.scope is None and not default_scope:
+            raise ConfigError(f"config: plugins.{name}.scope_fields: no scope to check them against; set "
+                              f"plugins.{name}.scope or execution.scope")
+        for field in spec.scope_fields:
+            if not field or field in ("task_id", "attempt", "workdir"):
+                raise ConfigError(f"config: plugins.{name}.scope_fields: {field!r} is not a payload field")
 
 
 def plugin_permitted(plugin: str, allow: tuple[str, ...], deny: tuple[str, ...]) -> bool:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import aiohttp.abc
 import anyio
 from multidict import CIMultiDictProxy
 from yarl import URL
 
-from ...errors import InvalidArgument, PluginError
+from ...errors import InvalidArgument, PluginError, TargetRefused
+from ..scope import Scope
 from .targets import parse_url, require_positive, shown, url_problem
 from .tls import RecordingContext, new_ssl_context, tls_facts
 
@@ -39,6 +43,7 @@ async def http_probe(
     max_redirects: int = 10,
     verify_tls: bool = True,
     session: aiohttp.ClientSession | None = None,
+    scope: Scope | None = None,
 ) -> dict[str, Any]:
     """GET `url`, following up to `max_redirects` redirects, and report status, headers and TLS facts.
 
@@ -46,6 +51,11 @@ async def http_probe(
     bare TimeoutError, so a caller's own deadline is not confused with the probe's. Network and TLS
     failures raise PluginError "http_error" (a certificate that fails verification is not retryable),
     a redirect loop "too_many_redirects". The body is read up to BODY_CAP_BYTES and dropped.
+
+    With a `scope`, no request goes to an address outside it: each hop's host (the URL's, then every
+    redirect's) is checked before its request, its connection goes only to the addresses that check
+    returned (scoped_connector's resolver), and the peer it reached is checked again; a hop outside raises
+    TargetRefused (out_of_scope, not retried). A caller's `session` must then be made with scoped_connector.
     """
     start = parse_url(url)
     require_positive("timeout_s", timeout_s)
@@ -54,9 +64,9 @@ async def http_probe(
     try:
         with anyio.fail_after(timeout_s):
             if session is not None:
-                return await _follow(session, url, start, max_redirects, verify_tls)
-            async with aiohttp.ClientSession() as own_session:
-                return await _follow(own_session, url, start, max_redirects, verify_tls)
+                return await _follow(session, url, start, max_redirects, verify_tls, scope)
+            async with aiohttp.ClientSession(connector=scoped_connector(scope)) as own_session:
+                return await _follow(own_session, url, start, max_redirects, verify_tls, scope)
     except TimeoutError as exc:
         raise PluginError(
             f"http_probe: {url} gave no complete answer within {timeout_s}s", code="timeout"
@@ -64,12 +74,13 @@ async def http_probe(
 
 
 async def _follow(
-    session: aiohttp.ClientSession, original: str, start: URL, max_redirects: int, verify_tls: bool
+    session: aiohttp.ClientSession, original: str, start: URL, max_redirects: int, verify_tls: bool,
+    scope: Scope | None,
 ) -> dict[str, Any]:
     ssl_context = await new_ssl_context(verify_tls)
     started = time.perf_counter()
     redirects: list[dict[str, Any]] = []
-    hop = await _fetch(session, start, ssl_context)
+    hop = await _fetch(session, start, ssl_context, scope)
     while hop.next_url is not None:
         if len(redirects) == max_redirects:
             raise PluginError(
@@ -79,7 +90,7 @@ async def _follow(
                 retryable=False,
             )
         redirects.append({"url": str(hop.url), "status": hop.status, "location": hop.location})
-        hop = await _fetch(session, hop.next_url, ssl_context)
+        hop = await _fetch(session, hop.next_url, ssl_context, scope, redirected_from=hop.url)
     return {
         "url": original,
         "final_url": str(hop.url),
@@ -92,7 +103,10 @@ async def _follow(
     }
 
 
-async def _fetch(session: aiohttp.ClientSession, url: URL, ssl_context: RecordingContext) -> _Hop:
+async def _fetch(session: aiohttp.ClientSession, url: URL, ssl_context: RecordingContext, scope: Scope | None,
+                 *, redirected_from: URL | None = None) -> _Hop:
+    if scope is not None:
+        await _check_hop(scope, url, redirected_from)
     seen = len(ssl_context.created)
     try:
         # "Connection: close": a probe leaves no idle connection behind in a caller's session.
@@ -103,6 +117,8 @@ async def _fetch(session: aiohttp.ClientSession, url: URL, ssl_context: Recordin
             ssl=ssl_context,
             headers={"Connection": "close"},
         ) as response:
+            if scope is not None:
+                _check_peer(scope, url, response)
             next_url = _redirect_target(url, response)
             location = response.headers.get("Location")
             if next_url is not None:
@@ -116,6 +132,49 @@ async def _fetch(session: aiohttp.ClientSession, url: URL, ssl_context: Recordin
         raise  # aiohttp's own timeouts are TimeoutErrors too; http_probe reports them as "timeout"
     except aiohttp.ClientError as exc:
         raise _http_error(url, exc) from exc
+
+
+class ScopedResolver(aiohttp.abc.AbstractResolver):
+    """aiohttp's resolver of a scoped probe: a name's addresses, only when every one is inside the scope.
+    aiohttp connects to what this returns, so the addresses checked are the addresses connected to."""
+
+    def __init__(self, scope: Scope) -> None:
+        self._scope = scope
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[aiohttp.abc.ResolveResult]:
+        addresses = await self._scope.addresses(host, field="payload.url", port=port)
+        return [{"hostname": host, "host": address, "port": port,
+                 "family": socket.AF_INET6 if ":" in address else socket.AF_INET, "proto": 0,
+                 "flags": socket.AI_NUMERICHOST} for address in addresses]
+
+    async def close(self) -> None:
+        pass
+
+
+def scoped_connector(scope: Scope | None) -> aiohttp.TCPConnector | None:
+    """The connector of a session whose connections stay inside `scope` (None, aiohttp's own, without one).
+    No DNS cache: each connection's addresses are those of a check made for it."""
+    return None if scope is None else aiohttp.TCPConnector(resolver=ScopedResolver(scope), use_dns_cache=False)
+
+
+async def _check_hop(scope: Scope, url: URL, redirected_from: URL | None) -> None:
+    try:
+        await scope.addresses(url.raw_host or "", field="payload.url", port=url.port or 0)
+    except TargetRefused as exc:
+        if redirected_from is None:
+            raise
+        raise TargetRefused("payload.url", f"{redirected_from} redirects to {url}, which is not followed: "
+                                          f"{str(exc).split(': ', 1)[1]}") from None
+
+
+def _check_peer(scope: Scope, url: URL, response: aiohttp.ClientResponse) -> None:
+    """The address the request actually went to, checked too: whatever the path to it, it must be inside."""
+    connection = response.connection
+    transport = None if connection is None else connection.transport
+    peer = None if transport is None else transport.get_extra_info("peername")
+    if peer and not scope.contains(ipaddress.ip_address(str(peer[0]).split("%", 1)[0])):
+        raise TargetRefused("payload.url", f"GET {url} reached {peer[0]}, outside the scope ({scope})")
 
 
 def _redirect_target(url: URL, response: aiohttp.ClientResponse) -> URL | None:

@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 
 from ...errors import InvalidArgument, PluginError
+from ..scope import Scope
 from .targets import require_positive, shown, validate_ports, validate_target
 
 # Errors of our own host (out of descriptors, buffers or ephemeral ports), not facts about the target.
@@ -18,7 +19,8 @@ _LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOM
 
 
 async def tcp_connect(
-    target: str, ports: Sequence[int], *, concurrency: int = 100, connect_timeout_s: float = 2.0
+    target: str, ports: Sequence[int], *, concurrency: int = 100, connect_timeout_s: float = 2.0,
+    scope: Scope | None = None,
 ) -> dict[str, Any]:
     """Try a TCP connection to each port of `target`; each port is "open", "closed" or "filtered".
 
@@ -26,13 +28,16 @@ async def tcp_connect(
     result as "address"). At most `concurrency` connects are in flight; each has its own timeout.
     Raises PluginError "resolve_failed" for a name that does not resolve and "socket_error" when
     this host runs out of sockets or ephemeral ports (a local problem, not a fact about the target).
+
+    With a `scope`, the target (every address a name resolves to) must lie inside it, else TargetRefused
+    before any connect; the address scanned is one the check returned, never the name resolved again.
     """
     target = validate_target(target)
     port_list = sorted(validate_ports(list(ports)))
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise InvalidArgument("concurrency", f"must be an integer >= 1, got {shown(concurrency)}")
     require_positive("connect_timeout_s", connect_timeout_s)
-    family, address = await _resolve(target)
+    family, address = await _resolve(target) if scope is None else await _resolve_inside(target, scope)
     states: dict[int, str] = {}
     pending = iter(port_list)
     try:
@@ -61,6 +66,12 @@ async def _resolve(target: str) -> tuple[socket.AddressFamily, str]:
         ) from exc
     family, _type, _proto, _canonname, sockaddr = infos[0]
     return family, str(sockaddr[0])
+
+
+async def _resolve_inside(target: str, scope: Scope) -> tuple[socket.AddressFamily, str]:
+    address = (await scope.addresses(target, field="payload.target"))[0]
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    return family, address
 
 
 async def _scan_worker(

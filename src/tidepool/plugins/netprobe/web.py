@@ -9,7 +9,8 @@ import aiohttp
 import anyio
 
 from ...errors import InvalidArgument, PluginError
-from .http import http_probe
+from ..scope import Scope
+from .http import http_probe, scoped_connector
 from .targets import require_positive, shown, validate_target
 
 SCHEMES = ("https", "http")  # the order a port is tried in: a TLS server never answers plain HTTP usefully
@@ -22,6 +23,7 @@ async def probe_web_ports(
     timeout_s: float = 10.0,
     verify_tls: bool = True,
     concurrency: int = 10,
+    scope: Scope | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """GET / on each port of `target`, over TLS and, if TLS got no answer, over plain HTTP.
 
@@ -31,12 +33,16 @@ async def probe_web_ports(
     http_probe's whole result plus "port", "scheme" and "server". A certificate that fails verification
     (with `verify_tls`) is a TLS answer without a status: plain HTTP is not tried on that port.
     Each request is bounded by `timeout_s` (a port costs at most twice that); at most `concurrency`
-    ports are probed at once. Nothing a port does fails the probe: its entry says what happened.
+    ports are probed at once. Nothing a port does fails the probe: its entry says what happened. With a
+    `scope`, a target outside it fails the probe (TargetRefused) before any connect, and a port whose
+    redirects lead outside has an out_of_scope error in its entry.
     """
     target = validate_target(target)
     require_positive("timeout_s", timeout_s)
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise InvalidArgument("concurrency", f"must be an integer >= 1, got {shown(concurrency)}")
+    if scope is not None:  # refused once, not as an error of every port
+        await scope.addresses(target, field="payload.target")
     host = f"[{target}]" if ":" in target else target
     port_list = sorted(set(ports))
     found: dict[int, tuple[dict[str, Any], dict[str, Any] | None]] = {}
@@ -44,9 +50,9 @@ async def probe_web_ports(
 
     async def probe(port: int) -> None:
         async with limiter:
-            found[port] = await _probe_port(session, host, port, timeout_s, verify_tls)
+            found[port] = await _probe_port(session, host, port, timeout_s, verify_tls, scope)
 
-    async with aiohttp.ClientSession() as session, anyio.create_task_group() as tg:
+    async with aiohttp.ClientSession(connector=scoped_connector(scope)) as session, anyio.create_task_group() as tg:
         for port in port_list:
             tg.start_soon(probe, port)
     summary = {
@@ -59,13 +65,13 @@ async def probe_web_ports(
 
 
 async def _probe_port(
-    session: aiohttp.ClientSession, host: str, port: int, timeout_s: float, verify_tls: bool
+    session: aiohttp.ClientSession, host: str, port: int, timeout_s: float, verify_tls: bool, scope: Scope | None
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     errors: dict[str, dict[str, str]] = {}
     for scheme in SCHEMES:
         url = f"{scheme}://{host}:{port}/"
         try:
-            result = await http_probe(url, timeout_s=timeout_s, verify_tls=verify_tls, session=session)
+            result = await http_probe(url, timeout_s=timeout_s, verify_tls=verify_tls, session=session, scope=scope)
         except PluginError as exc:
             errors[scheme] = {"code": exc.code, "message": str(exc)}
             if isinstance(exc.__cause__, aiohttp.ClientConnectorCertificateError):
