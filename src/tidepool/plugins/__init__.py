@@ -58,7 +58,7 @@ class Registry:
 
     @classmethod
     def from_settings(cls, settings: PluginsSettings, types: Mapping[str, TypeSettings], *,
-                      kill_grace_s: float) -> Registry:
+                      kill_grace_s: float, command_user: str = "") -> Registry:
         from .builtin import BUILTINS, command_plugin
 
         known: dict[str, PluginDef] = {name: PluginDef(name, fn) for name, fn in BUILTINS.items()}
@@ -68,7 +68,7 @@ class Registry:
                 raise ConfigError(f"config: plugins.{name}: {name!r} is a reserved name")
             if registry.allowed(name):  # a denied plugin is never imported nor built
                 registry._plugins[name] = _from_spec(name, spec, kill_grace_s=kill_grace_s,
-                                                     command_plugin=command_plugin)
+                                                     command_user=command_user, command_plugin=command_plugin)
         for type_name, type_settings in types.items():
             for plugin in type_settings.plugins:
                 registry._check(type_name, plugin, load=True)
@@ -125,11 +125,12 @@ def denied(plugin: str, type_name: str) -> PluginError:
                        code="plugin_denied", retryable=False)
 
 
-def _from_spec(name: str, spec: PluginSpec, *, kill_grace_s: float,
+def _from_spec(name: str, spec: PluginSpec, *, kill_grace_s: float, command_user: str,
                command_plugin: Callable[..., Plugin]) -> PluginDef:
     if spec.python is not None:
         return PluginDef(name, load_dotted(spec.python, key=f"plugins.{name}.python"), spec.timeout_s)
-    return PluginDef(name, command_plugin(name, spec, kill_grace_s=kill_grace_s), spec.timeout_s)
+    return PluginDef(name, command_plugin(name, spec, kill_grace_s=kill_grace_s, command_user=command_user),
+                     spec.timeout_s)
 
 
 def load_dotted(path: str, *, key: str) -> Plugin:

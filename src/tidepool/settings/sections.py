@@ -27,6 +27,7 @@ MAX_WORKERS = 10_000  # each worker is a coroutine of this one process: far past
 RESULTS_PER_ATTEMPT = 1000           # result batches one attempt may store
 RESULT_BYTES_PER_ATTEMPT = 64 * 2**20  # their payloads' bytes together
 VERSION = re.compile(r"\d+(\.\d+){0,2}")
+USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")  # a POSIX user name, as useradd takes one
 
 
 class Section(BaseModel):
@@ -148,6 +149,15 @@ class RetrySettings(Section):
         return RetryPolicy(self.backoff_base_s, self.backoff_max_s, self.jitter, self.max_interruptions)
 
 
+def _check_user(name: str) -> str:
+    if name and not USER_NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a user name: a lowercase letter or _, then up to 31 of a-z 0-9 _ -")
+    return name
+
+
+UserName = Annotated[str, AfterValidator(_check_user)]
+
+
 class ExecutionSettings(Section):
     timeout_s: float = Field(600.0, gt=0, description="Seconds a task's run phase (all its plugins) may take "
                              "when neither the task nor its type sets a timeout.")
@@ -164,6 +174,9 @@ class ExecutionSettings(Section):
                                          "attempt may store; past it a write is refused.")
     max_result_bytes_per_attempt: int = Field(RESULT_BYTES_PER_ATTEMPT, ge=1, description="Bytes of result "
                                               "payloads a local attempt may store, all batches together.")
+    command_user: UserName = Field("", description="The unprivileged user (and its group) every command "
+                                   "plugin runs as, unless the plugin names its own `user`; the daemon must run "
+                                   "as root to switch. Empty: commands run as the daemon's user.")
 
 
 class ReconcilerSettings(Section):
@@ -326,6 +339,15 @@ class PluginSpec(Section):
                                "the daemon's limit.")
     max_output_kb: int = Field(10240, gt=0, description="The most a command may write to stdout, its result, "
                                "in KiB; past it, the attempt fails `limit_exceeded`.")
+    disk_mb: int | None = Field(None, gt=0, description="Disk a command's work directory (its inputs and "
+                                "outputs) may use, in MiB, measured while it runs; past it, the attempt fails "
+                                "`limit_exceeded`. Unset: no limit.")
+    network: Literal["host", "none"] = Field("host", description="`host`: the command shares the host's "
+                                             "network. `none`: it runs in a network namespace of its own with "
+                                             "only loopback up; a node that cannot make one refuses to start.")
+    user: UserName | None = Field(None, description="The unprivileged user (and its group) the command runs "
+                                  "as, in a work directory it owns; the daemon must run as root. Unset: "
+                                  "`execution.command_user`.")
 
     @model_validator(mode="after")
     def _one_kind(self) -> PluginSpec:
@@ -333,6 +355,12 @@ class PluginSpec(Section):
             raise ValueError("set exactly one of command or python")
         if self.command is not None and not self.command:
             raise ValueError("command must not be empty")
+        # A Python plugin runs inside the daemon: nothing could hold it to these, so they are not taken.
+        contained = [key for key, unset in (("disk_mb", None), ("network", "host"), ("user", None))
+                     if getattr(self, key) != unset]
+        if self.python is not None and contained:
+            raise ValueError(f"{', '.join(contained)}: only a command plugin can be held to them; a Python "
+                             "plugin runs inside the daemon")
         return self
 
 
