@@ -4,7 +4,10 @@ network = "none" cannot reach a server on the host's loopback, and one with "hos
 
 from __future__ import annotations
 
+import json
+import pwd
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tidepool.model import State
+from tidepool.plugins.command.spawn import Confinement, launcher_command, launcher_instructions
 from tidepool.settings import PluginSpec
 from tidepool.store.sqlite import SqliteStore
 
@@ -21,6 +25,7 @@ from .conftest import registry_of, running_node
 pytestmark = pytest.mark.timeout(60)
 
 PY = sys.executable
+LAUNCHER = launcher_command()
 
 # Writes 4 MiB a step into its work directory, and its child does too, until something stops them.
 FILL = RECORD + """
@@ -140,3 +145,19 @@ async def test_network_none_holds_with_rlimits_too(sqlite_store: SqliteStore, tm
                             work_root=tmp_path / "work") as node:
         task = await node.finished(await node.submit("limited", {}), timeout_s=20)
     assert [r.payload for r in task.results] == [[77, 77]]
+
+
+def test_a_daemon_that_is_not_root_gets_network_none_through_a_user_namespace(tmp_path: Path) -> None:
+    """The launcher as a daemon of an unprivileged user starts it (the host's own Python: the test's may sit
+    where that user cannot run it): the command keeps its uid, and has only a loopback of its own, up."""
+    python = Path("/usr/bin/python3")
+    assert python.exists(), "Debian's python3 runs the launcher as an unprivileged user here"
+    given = launcher_instructions({}, {"PATH": "/usr/bin:/bin"}, Confinement(network_none=True))
+    show = ("import json, os, socket; s = socket.create_server(('127.0.0.1', 0)); "
+            "socket.create_connection(s.getsockname(), timeout=3).close(); "
+            "print(json.dumps([os.getuid(), [n for _, n in socket.if_nameindex()]]))")
+    done = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", str(python),
+                           *LAUNCHER[1:], str(python), "-c", show], input=given, capture_output=True,
+                          timeout=30, check=False, cwd="/")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [pwd.getpwnam("nobody").pw_uid, ["lo"]]

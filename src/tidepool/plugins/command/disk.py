@@ -56,13 +56,13 @@ class DiskWatch:
         self._due = 0.0  # monotonic
 
     async def over(self, *, now: float, force: bool = False) -> bool:
-        """Whether the directory is past its cap, measured anew if a walk is due (or `force`d)."""
+        """Whether the directory is past its cap, measured anew if a walk is due at `now` (monotonic), or
+        `force`d."""
         if force or now >= self._due:
             started = time.monotonic()
             try:
                 self.used = await anyio.to_thread.run_sync(used_bytes, self.workdir)
             except FileNotFoundError:  # nothing there, nothing used
                 self.used = 0
-            took = time.monotonic() - started
-            self._due = time.monotonic() + max(self.interval_s, _REST_PER_WALK * took)
+            self._due = now + max(self.interval_s, (1 + _REST_PER_WALK) * (time.monotonic() - started))
         return self.used > self.cap_mb * 2**20

@@ -152,12 +152,12 @@ async def spawn(
         if not confinement.needed and (prlimit := _prlimit_program()) is not None:
             command = _under_prlimit(prlimit, argv, limits, env=env, workdir=workdir)
             return await _exec(command, protocol, env=env, workdir=workdir, stdin=asyncio.subprocess.DEVNULL)
-        command = [*_launcher(), _program(argv[0], env, workdir), *argv[1:]]
+        command = [*launcher_command(), _program(argv[0], env, workdir), *argv[1:]]
         transport = await _exec(command, protocol, env=env, workdir=workdir, stdin=asyncio.subprocess.PIPE)
     except OSError as exc:
         raise _spawn_failed(argv[0], exc) from exc
     try:
-        _hand_over(transport, _instructions(limits, env, confinement))
+        _hand_over(transport, launcher_instructions(limits, env, confinement))
     except BaseException:
         transport.kill()  # it would wait for them as long as the pipe is open
         transport.close()
@@ -183,11 +183,14 @@ async def _exec(
     return transport
 
 
-def _launcher() -> list[str]:
+def launcher_command() -> list[str]:
+    """The launcher as a command line: the program it starts, and that program's arguments, follow."""
     return [sys.executable, "-I", "-S", "-c", _LAUNCHER]
 
 
-def _instructions(limits: Rlimits, env: Mapping[str, str], confinement: Confinement, *, probe: bool = False) -> bytes:
+def launcher_instructions(limits: Rlimits, env: Mapping[str, str], confinement: Confinement, *,
+                          probe: bool = False) -> bytes:
+    """What the launcher reads on its stdin; with `probe` it stops short of exec, once all is set up."""
     user = confinement.run_as
     return json.dumps({
         "rlimits": [[which, soft, hard] for which, (soft, hard) in limits.items()], "env": dict(env),
@@ -208,9 +211,9 @@ def _hand_over(transport: asyncio.SubprocessTransport, instructions: bytes) -> N
 def network_namespace_failure() -> str:
     """Why a command cannot get a network namespace of its own on this node ('' when it can): the launcher is
     asked to make one, for real, and stop there. Blocking, some tens of milliseconds, once per process."""
-    given = _instructions({}, {}, Confinement(network_none=True), probe=True)
+    given = launcher_instructions({}, {}, Confinement(network_none=True), probe=True)
     try:
-        done = subprocess.run(_launcher(), input=given, capture_output=True, timeout=PROBE_TIMEOUT_S,
+        done = subprocess.run(launcher_command(), input=given, capture_output=True, timeout=PROBE_TIMEOUT_S,
                               check=False, env={})
     except (OSError, subprocess.TimeoutExpired) as exc:
         return str(exc)
