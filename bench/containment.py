@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from _harness import Figure, arguments, median, report, reproduce, temp_dir
-
 from tidepool.plugins.command import CommandLimits, run_command
 from tidepool.plugins.command.disk import used_bytes
 from tidepool.plugins.command.spawn import Confinement
