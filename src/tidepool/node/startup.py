@@ -31,7 +31,6 @@ def check_startable(settings: Settings) -> None:
     ResourcePool.from_settings(settings.resources)
     load_token(settings.api.token_file, settings.api.listen)
     check_state_dir(settings.node.state_dir)
-    check_secrets(settings)
     if settings.gateway.listen:
         Credentials(settings.gateway)
 
@@ -63,10 +62,9 @@ def check_state_dir(state_dir: Path) -> None:
 def keep_private(settings: Settings) -> None:
     """Before the daemon opens its store: node.state_dir 0700 (created so when missing) and the SQLite file
     0600 (created empty so, before SQLite makes it; its -wal and -shm files take its mode), so that no other
-    user of the host, and no command run as one, reads them; and the secrets checked (check_secrets)."""
+    user of the host, and no command run as one, reads them."""
     state_dir = settings.node.state_dir
     check_state_dir(state_dir)
-    check_secrets(settings)
     state_dir.mkdir(mode=stat.S_IRWXU, parents=True, exist_ok=True)
     _at_most(state_dir, stat.S_IRWXU)
     db = settings.db_path()
@@ -108,11 +106,11 @@ def command_users(settings: Settings) -> list[RunAs]:
 
 
 def plugin_registry(settings: Settings) -> Registry:
-    command_user = settings.execution.command_user
-    if command_user:  # refused even on a node that has no command plugin yet
-        run_as(command_user, key="execution.command_user")
+    """The plugins of these settings, built as the daemon runs them (at start, at reload, at `config check`);
+    the users commands run as are checked first, execution.command_user even on a node with no command."""
+    check_secrets(settings)
     return Registry.from_settings(settings.plugins, settings.all_types, kill_grace_s=settings.execution.kill_grace_s,
-                                  command_user=command_user)
+                                  command_user=settings.execution.command_user)
 
 
 def say_left_out(settings: Settings) -> None:
