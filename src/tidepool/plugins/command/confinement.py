@@ -13,6 +13,7 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,10 +59,21 @@ def check_network_namespace(*, key: str) -> None:
 
 def hand_over(workdir: Path, user: RunAs) -> None:
     """Make the work directory and all in it (the inputs placed there) the user's, and its alone. Symbolic
-    links are changed, never followed. Blocking: run it in a thread."""
+    links are changed, never followed; a file with another hard link (a blob the daemon keeps elsewhere)
+    is replaced by a copy first, so that only the work directory's own files change hands. Blocking: run
+    it in a thread."""
     for path in _tree(workdir):
+        info = os.lstat(path)
+        if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+            _own_copy(path)
         os.chown(path, user.uid, user.gid, follow_symlinks=False)
     workdir.chmod(stat.S_IRWXU)
+
+
+def _own_copy(path: str) -> None:
+    copy = f"{path}.tidepool-copy"
+    shutil.copy2(path, copy, follow_symlinks=False)
+    os.replace(copy, path)
 
 
 def _tree(root: Path) -> Iterator[str]:
