@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 # What the command can see of the daemon's secrets: each named file read, or refused.
 PEEK = """
 state_dir=$1; shift
+echo "workdir given as $1"; shift
 echo "uid $(id -u) gid $(id -g) groups $(id -G) parent $PPID"
 echo "workdir $(stat -c %u:%g:%a .)"
 for f in "$@" "/proc/$PPID/environ"; do
@@ -76,8 +77,8 @@ def user_node(make_daemon: Callable[..., Daemon], root: Path, command_user: str,
         "store": {"url": f"sqlite:///{db}"},
         "api": {"token_file": str(token)},
         "execution": {"command_user": command_user},
-        "plugins.peek": {"command": ["/bin/sh", "-c", PEEK, "sh", str(root / "var"), str(db), str(token),
-                                     str(public)], **plugin},
+        "plugins.peek": {"command": ["/bin/sh", "-c", PEEK, "sh", str(root / "var"), "{workdir}", str(db),
+                                     str(token), str(public)], **plugin},
         "types.peek": {"plugins": ["peek"]},
     }, root=root)
     daemon.token = token.read_text().strip()
@@ -99,6 +100,7 @@ def test_a_command_runs_as_its_user_and_cannot_read_the_nodes_secrets(
     db, token, public = (f"{open_root}/db/tidepool.db", f"{open_root}/api.token", f"{open_root}/public.txt")
     uid, gid = scan_user.pw_uid, scan_user.pw_gid
     assert lines == [
+        "workdir given as .",  # the path above it is the daemon's alone
         f"uid {uid} gid {gid} groups {gid} parent {daemon.pid}",
         f"workdir {uid}:{gid}:700",
         f"refused {db}",

@@ -96,7 +96,7 @@ async def test_writing_past_disk_mb_kills_the_tree_removes_the_workdir_and_names
     assert task.error is not None and task.error.code == "limit_exceeded"
     assert task.error.message.startswith("disk_mb exceeded: the work directory used "), task.error.message
     used_mb = int(task.error.message.split("used ")[1].split(" MiB")[0])
-    assert 32 < used_mb < 128  # stopped soon after the cap, long before the writers' 512 MiB
+    assert 32 < used_mb < 256  # stopped after the cap, long before the writers' 512 MiB
     assert set(pids(pidfile)) == {"leader", "child.bin", "leader.bin"}
     assert all(gone(pid) for pid in pids(pidfile).values())
     assert list(work_root.iterdir()) == []
