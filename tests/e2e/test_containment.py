@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 PEEK = """
 state_dir=$1; shift
 echo "workdir given as $1"; shift
-echo "uid $(id -u) gid $(id -g) groups $(id -G) parent $PPID"
+echo "uid $(id -u) gid $(id -g) groups $(id -G) parent $PPID home $HOME"
 echo "workdir $(stat -c %u:%g:%a .)"
 for f in "$@" "/proc/$PPID/environ"; do
   if cat "$f" >/dev/null 2>&1; then echo "read $f"; else echo "refused $f"; fi
@@ -101,7 +101,7 @@ def test_a_command_runs_as_its_user_and_cannot_read_the_nodes_secrets(
     uid, gid = scan_user.pw_uid, scan_user.pw_gid
     assert lines == [
         "workdir given as .",  # the path above it is the daemon's alone
-        f"uid {uid} gid {gid} groups {gid} parent {daemon.pid}",
+        f"uid {uid} gid {gid} groups {gid} parent {daemon.pid} home {scan_user.pw_dir}",
         f"workdir {uid}:{gid}:700",
         f"refused {db}",
         f"refused {token}",

@@ -106,6 +106,7 @@ def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float, command_
     confined = confinement(network=spec.network, user=spec.user or command_user or None, key=f"plugins.{name}",
                            user_key=f"plugins.{name}.user" if spec.user else "execution.command_user")
     run_as = confined.run_as
+    extra_env = dict(spec.env) if run_as is None else {"HOME": run_as.home, **spec.env}
 
     async def run(ctx: PluginContext) -> None:
         # A command of its own user reaches its work directory only as its current directory: the daemon's
@@ -117,7 +118,7 @@ def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float, command_
         await anyio.to_thread.run_sync(lambda: workdir.mkdir(parents=True, exist_ok=True))
         if run_as is not None:
             await anyio.to_thread.run_sync(hand_over, workdir, run_as)
-        result = await run_command(argv, env=scrubbed_env(spec.env), workdir=workdir, limits=limits,
+        result = await run_command(argv, env=scrubbed_env(extra_env), workdir=workdir, limits=limits,
                                    kill_grace_s=kill_grace_s, on_end=partial(_keep_on_attempt, ctx),
                                    confinement=confined)
         # A failed run's output is kept to look at, but it is not the plugin's result: a task retried to

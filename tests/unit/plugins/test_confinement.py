@@ -11,7 +11,7 @@ import pytest
 from tidepool.errors import ConfigError
 from tidepool.plugins.command.confinement import RunAs, hand_over, run_as
 
-SOMEONE = RunAs("someone", 54321, 54322)  # no such user is needed: root may give a file to any uid
+SOMEONE = RunAs("someone", 54321, 54322, "/nonexistent")  # no such user is needed: root may give a file to any uid
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root may give files away")

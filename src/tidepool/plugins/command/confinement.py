@@ -45,7 +45,7 @@ def run_as(name: str, *, key: str) -> RunAs:
     if entry.pw_uid == 0 or entry.pw_gid == 0:
         raise ConfigError(f"config: {key}: {name!r} has uid {entry.pw_uid} and gid {entry.pw_gid}; a command "
                           "must run as an unprivileged user, name one whose uid and group are not 0")
-    return RunAs(name, entry.pw_uid, entry.pw_gid)
+    return RunAs(name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
 
 
 def check_network_namespace(*, key: str) -> None:

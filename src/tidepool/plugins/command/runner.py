@@ -2,9 +2,9 @@
 
 The runner owns the child process's whole life: it starts it (spawn, confined as its plugin says), watches its
 output (output), the RSS and CPU budget of its whole process tree (tree) and its work directory's disk (disk),
-and kills that tree - on a breached limit, on cancellation
-(timeouts and cancels arrive that way) and after a normal exit, so that nothing the command left behind
-keeps running. What the exit status means, retries and results belong to the caller.
+and kills that tree - on a breached limit, on cancellation (timeouts and cancels arrive that way) and after a
+normal exit, so that nothing the command left behind keeps running. What the exit status means, retries and
+results belong to the caller.
 """
 
 from __future__ import annotations

@@ -91,6 +91,7 @@ class RunAs:
     name: str
     uid: int
     gid: int
+    home: str  # the command's HOME: the daemon's own is no place for it
 
 
 @dataclass(frozen=True)
