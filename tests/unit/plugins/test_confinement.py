@@ -38,13 +38,3 @@ def test_the_workdir_and_its_files_change_hands_but_nothing_behind_a_link(tmp_pa
 def test_root_is_no_user_to_run_a_command_as() -> None:
     with pytest.raises(ConfigError, match=r"^config: plugins.x.user: 'root' has uid 0"):
         run_as("root", key="plugins.x.user")
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="the daemon's own uid is switched for the check")
-def test_a_daemon_that_is_not_root_cannot_run_commands_as_another_user() -> None:
-    os.seteuid(65534)
-    try:
-        with pytest.raises(ConfigError, match=r"^config: execution.command_user: .* only when the daemon runs as root"):
-            run_as("nobody", key="execution.command_user")
-    finally:
-        os.seteuid(0)
