@@ -161,3 +161,16 @@ def test_a_daemon_that_is_not_root_gets_network_none_through_a_user_namespace(tm
                           timeout=30, check=False, cwd="/")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [pwd.getpwnam("nobody").pw_uid, ["lo"]]
+
+
+async def test_network_none_and_a_user_together(sqlite_store: SqliteStore, tmp_path: Path, host_server: int) -> None:
+    """The namespace is made as root, then the user taken: the command has both (Debian's python3 runs it, which
+    that user may run; the test's own Python may sit where it cannot)."""
+    show = CONNECT.replace('print(json.dumps({', 'print(json.dumps({"uid": __import__("os").getuid(), ')
+    literal = show.replace("{", "{{").replace("}", "}}")  # the command's template takes {name} only
+    spec = PluginSpec(command=("/usr/bin/python3", "-c", literal, "{port}"), network="none", user="nobody")
+    registry = registry_of({"both": spec})
+    async with running_node(sqlite_store, {}, registry=registry, work_root=tmp_path / "work") as node:
+        task = await node.finished(await node.submit("both", {"port": str(host_server)}), timeout_s=20)
+    assert [r.payload for r in task.results] == [
+        {"uid": pwd.getpwnam("nobody").pw_uid, "host": "ConnectionRefusedError", "own": "reached"}], task.error
