@@ -1,6 +1,7 @@
 """A command held to its work directory's disk and to a network of its own, through the engine, with real
 processes: a command that writes past disk_mb is killed whole and its attempt names the key; one with
-network = "none" cannot reach a server on the host's loopback, and one with "host" can."""
+network = "none" cannot reach a server on the host's loopback, and one with "host" can, also as a user of its
+own, and also when the daemon is not root (through a user namespace)."""
 
 from __future__ import annotations
 

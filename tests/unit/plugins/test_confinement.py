@@ -7,9 +7,11 @@ import stat
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from tidepool.errors import ConfigError
 from tidepool.plugins.command.confinement import RunAs, hand_over, run_as
+from tidepool.settings import PluginSpec
 
 SOMEONE = RunAs("someone", 54321, 54322, "/nonexistent")  # no such user is needed: root may give a file to any uid
 
@@ -38,3 +40,9 @@ def test_the_workdir_and_its_files_change_hands_but_nothing_behind_a_link(tmp_pa
 def test_root_is_no_user_to_run_a_command_as() -> None:
     with pytest.raises(ConfigError, match=r"^config: plugins.x.user: 'root' has uid 0"):
         run_as("root", key="plugins.x.user")
+
+
+@pytest.mark.parametrize("key", [{"disk_mb": 10}, {"network": "none"}, {"user": "nobody"}])
+def test_a_python_plugin_cannot_be_given_what_only_a_command_is_held_to(key: dict[str, object]) -> None:
+    with pytest.raises(ValidationError, match="only a command plugin can be held to them"):
+        PluginSpec(python="package.module:function", **key)  # type: ignore[arg-type]
