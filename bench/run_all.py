@@ -20,7 +20,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 # each takes --summary PATH
 BENCHES = ("throughput.py", "latency.py", "w2.py", "elasticity.py", "api_load.py", "pg_throughput.py", "scans.py",
-           "gateway.py")
+           "gateway.py", "containment.py")
 
 
 def main() -> int:

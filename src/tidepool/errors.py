@@ -25,7 +25,7 @@
     │       └── DeadlinePassed   the attempt ran past its run deadline: the store takes nothing more of it
     └── PluginError              a plugin failed; `code` says how, `retryable` whether to try again
         ├── InvalidArgument      a template value was refused before anything ran (not retried)
-        ├── LimitExceeded        a plugin breached memory_mb, cpu_s, nofile or max_output_kb
+        ├── LimitExceeded        a plugin breached memory_mb, cpu_s, nofile, max_output_kb or disk_mb
         └── TargetRefused        a target outside the plugin's scope, found before anything reached it
 """
 

@@ -48,7 +48,7 @@ DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    300.0)
 KILL_REASONS = {"timeout": "timeout", "cancelled": "cancel"}  # error code -> plugin kill reason
-LIMITS = ("memory_mb", "cpu_s", "nofile", "max_output_kb")
+LIMITS = ("memory_mb", "cpu_s", "nofile", "max_output_kb", "disk_mb")
 # The label values each series is exported with from the start (task types are read at each scrape).
 TERMINAL_STATES = tuple(sorted(state.value for state in TERMINAL))
 RECONCILER_ACTIONS = ("expired", "promoted", "cancelled", "pruned", "unserviceable")

@@ -49,7 +49,7 @@ from .gateway import NodeGateway, WakerWithGateway
 from .lock import file_safe, node_lock
 from .operations import NodeOperations, NodeParts, NodeStatus, store_answers
 from .remote import RemoteOperations, attach_remote
-from .startup import check_state_dir, plugin_registry, redacted, say_left_out
+from .startup import keep_private, plugin_registry, redacted, say_left_out
 from .systemd import Notifier, report_status, run_watchdog
 
 log = logging.getLogger("tidepool.service")
@@ -149,7 +149,7 @@ class Daemon:
         claimed nothing; READY=1 goes out once the pool's baseline workers run as well.
         """
         token = load_token(self.settings.api.token_file, self.settings.api.listen)
-        check_state_dir(self.settings.node.state_dir)
+        keep_private(self.settings)
         self.node_gateway.read_credentials(self.settings)
         with node_lock(self.node_id, work_root=self.work_root, db_path=self.settings.db_path()):
             await self.store.open(migrate=self.settings.store.migrate)

@@ -66,7 +66,7 @@ class Registry:
 
     @classmethod
     def from_settings(cls, settings: PluginsSettings, types: Mapping[str, TypeSettings], *,
-                      kill_grace_s: float, scope: tuple[str, ...] = ()) -> Registry:
+                      kill_grace_s: float, scope: tuple[str, ...] = (), command_user: str = "") -> Registry:
         """`scope`: execution.scope, the CIDRs of every plugin that names none of its own."""
         from .builtin import BUILTINS, command_plugin, scoped_builtin
 
@@ -83,7 +83,7 @@ class Registry:
                 continue  # a built-in prober's scope, bound above
             if registry.allowed(name):  # a denied plugin is never imported nor built
                 registry._plugins[name] = _from_spec(name, spec, kill_grace_s=kill_grace_s,
-                                                     command_plugin=command_plugin,
+                                                     command_user=command_user, command_plugin=command_plugin,
                                                      scope=plugin_scope(name, spec, scope))
         for type_name, type_settings in types.items():
             for plugin in type_settings.plugins:
@@ -141,12 +141,13 @@ def denied(plugin: str, type_name: str) -> PluginError:
                        code="plugin_denied", retryable=False)
 
 
-def _from_spec(name: str, spec: PluginSpec, *, kill_grace_s: float,
+def _from_spec(name: str, spec: PluginSpec, *, kill_grace_s: float, command_user: str,
                command_plugin: Callable[..., Plugin], scope: Scope | None) -> PluginDef:
     if spec.python is not None:
         run = load_dotted(spec.python, key=f"plugins.{name}.python")
         return PluginDef(name, run if scope is None else _held_to(scope, run), spec.timeout_s)
-    return PluginDef(name, command_plugin(name, spec, kill_grace_s=kill_grace_s, scope=scope), spec.timeout_s)
+    return PluginDef(name, command_plugin(name, spec, kill_grace_s=kill_grace_s, command_user=command_user,
+                                          scope=scope), spec.timeout_s)
 
 
 def _held_to(scope: Scope, run: Plugin) -> Plugin:

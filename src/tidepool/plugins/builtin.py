@@ -12,6 +12,7 @@ from ..errors import ConfigError, InvalidArgument, LimitExceeded, PluginError
 from ..settings import PluginSpec
 from . import Plugin
 from .command import CommandLimits, check_template, ran_out_of_files, render_argv, run_command, scrubbed_env
+from .command.confinement import confinement, hand_over
 from .context import PluginContext
 from .netprobe import http_probe as probe_url
 from .netprobe import probe_web_ports, validate_ports, validate_target
@@ -98,27 +99,38 @@ def _float(ctx: PluginContext, name: str, default: float) -> float:
     return float(value)
 
 
-def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float, scope: Scope | None = None) -> Plugin:
-    """A plugin that runs spec.command (an argument list, never a shell) in its own process tree; with a
-    scope, the targets its payload names are checked against it right before the command starts."""
+def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float, command_user: str = "",
+                   scope: Scope | None = None) -> Plugin:
+    """A plugin that runs spec.command (an argument list, never a shell) in its own process tree, as its own
+    user (`user`, else `command_user`) when one is named; with a scope, the targets its payload names are
+    checked against it right before the command starts."""
     assert spec.command is not None
     try:
         check_template(spec.command)
     except InvalidArgument as exc:
         raise ConfigError(f"config: plugins.{name}.{exc}") from None
     limits = CommandLimits(memory_mb=spec.memory_mb, cpu_s=spec.cpu_s, nofile=spec.nofile,
-                           max_output_kb=spec.max_output_kb)
+                           max_output_kb=spec.max_output_kb, disk_mb=spec.disk_mb)
+    confined = confinement(network=spec.network, user=spec.user or command_user or None, key=f"plugins.{name}",
+                           user_key=f"plugins.{name}.user" if spec.user else "execution.command_user")
+    run_as = confined.run_as
+    extra_env = dict(spec.env) if run_as is None else {"HOME": run_as.home, **spec.env}
 
     async def run(ctx: PluginContext) -> None:
+        # A command of its own user reaches its work directory only as its current directory: the daemon's
+        # state directory above it is the daemon's alone.
         values: dict[str, Any] = {**ctx.payload, "task_id": ctx.task.id, "attempt": ctx.task.attempt,
-                                  "workdir": ctx.workdir}
+                                  "workdir": ctx.workdir if run_as is None else "."}
         argv = render_argv(spec.command or (), values)
         workdir = Path(ctx.workdir)
         await anyio.to_thread.run_sync(lambda: workdir.mkdir(parents=True, exist_ok=True))
         if scope is not None:  # names are resolved now, not at submit: one that moved since is caught here
             await scope.check_payload(ctx.payload)
-        result = await run_command(argv, env=scrubbed_env(spec.env), workdir=workdir, limits=limits,
-                                   kill_grace_s=kill_grace_s, on_end=partial(_keep_on_attempt, ctx))
+        if run_as is not None:
+            await anyio.to_thread.run_sync(hand_over, workdir, run_as)
+        result = await run_command(argv, env=scrubbed_env(extra_env), workdir=workdir, limits=limits,
+                                   kill_grace_s=kill_grace_s, on_end=partial(_keep_on_attempt, ctx),
+                                   confinement=confined)
         # A failed run's output is kept to look at, but it is not the plugin's result: a task retried to
         # success has one final result per plugin, that of the attempt that succeeded.
         await ctx.emit(result.result_payload(), final=result.exit_status == 0)

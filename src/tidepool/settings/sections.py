@@ -28,6 +28,7 @@ MAX_WORKERS = 10_000  # each worker is a coroutine of this one process: far past
 RESULTS_PER_ATTEMPT = 1000           # result batches one attempt may store
 RESULT_BYTES_PER_ATTEMPT = 64 * 2**20  # their payloads' bytes together
 VERSION = re.compile(r"\d+(\.\d+){0,2}")
+USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")  # a POSIX user name, as useradd takes one
 
 
 class Section(BaseModel):
@@ -178,6 +179,13 @@ def _check_cidr(cidr: str) -> str:
 Cidr = Annotated[str, AfterValidator(_check_cidr)]
 # The built-in plugins that connect to a target themselves: a [plugins.NAME] table may give them a scope alone.
 SCOPED_BUILTINS = frozenset({"tcp_connect", "http_probe"})
+def _check_user(name: str) -> str:
+    if name and not USER_NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a user name: a lowercase letter or _, then up to 31 of a-z 0-9 _ -")
+    return name
+
+
+UserName = Annotated[str, AfterValidator(_check_user)]
 
 
 class ExecutionSettings(Section):
@@ -199,6 +207,9 @@ class ExecutionSettings(Section):
     scope: tuple[Cidr, ...] = Field((), description="CIDR blocks every plugin that names no `scope` of its own "
                                     "may reach: the targets of its `scope_fields`, and what the built-in "
                                     "`tcp_connect` and `http_probe` connect to. Empty: no node-wide scope.")
+    command_user: UserName = Field("", description="The unprivileged user (and its group) every command "
+                                   "plugin runs as, unless the plugin names its own `user`; the daemon must run "
+                                   "as root to switch. Empty: commands run as the daemon's user.")
 
 
 class ReconcilerSettings(Section):
@@ -369,6 +380,15 @@ class PluginSpec(Section):
     scope_fields: tuple[str, ...] = Field((), description="Payload fields that name targets (a host name, an "
                                           "address or a CIDR block, or a list of them), each checked against "
                                           "`scope` (or `execution.scope`), which must be set.")
+    disk_mb: int | None = Field(None, gt=0, description="Disk a command's work directory (its inputs and "
+                                "outputs) may use, in MiB, measured while it runs; past it, the attempt fails "
+                                "`limit_exceeded`. Unset: no limit.")
+    network: Literal["host", "none"] = Field("host", description="`host`: the command shares the host's "
+                                             "network. `none`: it runs in a network namespace of its own with "
+                                             "only loopback up; a node that cannot make one refuses to start.")
+    user: UserName | None = Field(None, description="The unprivileged user (and its group) the command runs "
+                                  "as, in a work directory it owns; the daemon must run as root. Unset: "
+                                  "`execution.command_user`.")
 
     @model_validator(mode="after")
     def _one_kind(self) -> PluginSpec:
@@ -378,6 +398,12 @@ class PluginSpec(Section):
             raise ValueError("set exactly one of command or python")
         if self.command is not None and not self.command:
             raise ValueError("command must not be empty")
+        # A Python plugin runs inside the daemon: nothing could hold it to these, so they are not taken.
+        contained = [key for key, unset in (("disk_mb", None), ("network", "host"), ("user", None))
+                     if getattr(self, key) != unset]
+        if self.python is not None and contained:
+            raise ValueError(f"{', '.join(contained)}: only a command plugin can be held to them; a Python "
+                             "plugin runs inside the daemon")
         return self
 
 

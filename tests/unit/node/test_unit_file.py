@@ -66,7 +66,7 @@ REQUIRED = [
     ("Service", "User", "tidepool"),
     ("Service", "Group", "tidepool"),
     ("Service", "StateDirectory", "tidepool"),
-    ("Service", "StateDirectoryMode", "0750"),
+    ("Service", "StateDirectoryMode", "0700"),
     ("Service", "RuntimeDirectory", "tidepool"),
     ("Service", "ConfigurationDirectory", "tidepool"),
     ("Service", "ConfigurationDirectoryMode", "0750"),
@@ -183,6 +183,21 @@ def test_systemd_analyze_verify_finds_no_error(tmp_path: Path) -> None:
     errors, tolerated = verify(UNIT_TEXT, DROP_IN_TEXT, tmp_path)
     print("tolerated:", *tolerated, sep="\n  ")
     assert errors == []
+
+
+@pytest.mark.usefixtures("systemd_analyze")
+@pytest.mark.parametrize("drop_in", ["command-user.conf", "network-none.conf"])
+def test_the_containment_drop_ins_verify_too(drop_in: str, tmp_path: Path) -> None:
+    errors, _ = verify(UNIT_TEXT, (SYSTEMD_DIR / drop_in).read_text(), tmp_path)
+    assert errors == []
+
+
+def test_the_command_user_drop_in_runs_the_daemon_as_root_with_only_what_switching_users_needs() -> None:
+    service = parse_unit((SYSTEMD_DIR / "command-user.conf").read_text())["Service"]
+    assert service["User"] == ["root"]
+    assert set(service["CapabilityBoundingSet"][0].split()) == {
+        "CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_FOWNER", "CAP_DAC_OVERRIDE", "CAP_KILL", "CAP_SYS_PTRACE"}
+    assert "AmbientCapabilities" not in service
 
 
 @pytest.mark.usefixtures("systemd_analyze")

@@ -1,9 +1,10 @@
 """Running one external command for a command plugin, and nothing it starts outliving it.
 
-The runner owns the child process's whole life: it starts it (spawn), watches its output (output), the RSS
-and CPU budget of its whole process tree (tree), and kills that tree - on a breached limit, on cancellation
-(timeouts and cancels arrive that way) and after a normal exit, so that nothing the command left behind
-keeps running. What the exit status means, retries and results belong to the caller.
+The runner owns the child process's whole life: it starts it (spawn, confined as its plugin says), watches its
+output (output), the RSS and CPU budget of its whole process tree (tree) and its work directory's disk (disk),
+and kills that tree - on a breached limit, on cancellation (timeouts and cancels arrive that way) and after a
+normal exit, so that nothing the command left behind keeps running. What the exit status means, retries and
+results belong to the caller.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from pathlib import Path
 import anyio
 
 from ...errors import LimitExceeded, PluginError
+from .disk import DiskWatch
 from .output import Capture, CommandResult
 from .processes import PROCESSES, RUN_COOKIE
-from .spawn import rlimits, spawn
+from .spawn import NOT_CONFINED, Confinement, rlimits, spawn
 from .tree import ProcessTree, node_mark
 
 CLEANUP_SLACK_S = 5.0  # cleanup may take kill_grace_s plus this, never longer
@@ -36,6 +38,7 @@ class CommandLimits:
     cpu_s: float | None = None
     nofile: int | None = None
     max_output_kb: int = 10240
+    disk_mb: int | None = None
 
 
 async def run_command(
@@ -47,6 +50,7 @@ async def run_command(
     kill_grace_s: float,
     poll_interval_s: float = 0.2,
     on_end: Callable[[int | None, str], None] = lambda exit_status, stderr_tail: None,
+    confinement: Confinement = NOT_CONFINED,
 ) -> CommandResult:
     """Run argv in its own session; a non-zero exit is a result, a breached limit a LimitExceeded.
     `on_end` hears the exit status and stderr tail however the run ended: a timeout or a cancel arrives as
@@ -59,11 +63,12 @@ async def run_command(
     # Shielded so an anyio cancel cannot strike between fork and the cleanup below owning the tree.
     with anyio.CancelScope(shield=True):
         transport = await spawn(argv, capture, env={**env, RUN_COOKIE: cookie}, workdir=workdir,
-                                limits=rlimits(cpu_s=limits.cpu_s, nofile=limits.nofile))
+                                limits=rlimits(cpu_s=limits.cpu_s, nofile=limits.nofile), confinement=confinement)
     tree = ProcessTree(transport.get_pid(), cookie=cookie)
+    disk = None if limits.disk_mb is None else DiskWatch(workdir, cap_mb=limits.disk_mb, interval_s=poll_interval_s)
     breach: LimitExceeded | None = None
     try:
-        breach = await _supervise(capture, tree, limits, poll_interval_s=poll_interval_s)
+        breach = await _supervise(capture, tree, limits, disk, poll_interval_s=poll_interval_s)
     finally:
         await _end(transport, capture, tree, kill_grace_s=kill_grace_s)
         on_end(transport.get_returncode(), capture.stderr.decode(errors="replace"))
@@ -104,15 +109,17 @@ _EMFILE = re.escape(os.strerror(errno.EMFILE)) + "(?! in system)"
 
 
 async def _supervise(
-    capture: Capture, tree: ProcessTree, limits: CommandLimits, *, poll_interval_s: float
+    capture: Capture, tree: ProcessTree, limits: CommandLimits, disk: DiskWatch | None, *, poll_interval_s: float
 ) -> LimitExceeded | None:
     """Wait for the child to exit; return the limit it breached first, if any."""
     memory_cap = None if limits.memory_mb is None else limits.memory_mb * 2**20
     while True:
         if capture.stdout_dropped:
             return LimitExceeded("max_output_kb", f"stdout passed {limits.max_output_kb} KiB")
-        if capture.exited:
-            return None
+        if capture.exited:  # what it wrote last counts too, however quickly it exited
+            return await _disk_breach(disk, force=True)
+        if (breach := await _disk_breach(disk)) is not None:
+            return breach
         # A snapshot up to one interval old will do: whoever took it, it was taken for all (see ProcessTable).
         rss = tree.refresh(await PROCESSES.taken_since(time.monotonic() - poll_interval_s))
         if memory_cap is not None and rss > memory_cap:
@@ -121,6 +128,12 @@ async def _supervise(
             return LimitExceeded("cpu_s", f"the process tree used {tree.cpu_s:.1f} s of CPU, over {limits.cpu_s}")
         with anyio.move_on_after(poll_interval_s):
             await capture.wake.wait()
+
+
+async def _disk_breach(disk: DiskWatch | None, *, force: bool = False) -> LimitExceeded | None:
+    if disk is None or not await disk.over(now=time.monotonic(), force=force):
+        return None
+    return LimitExceeded("disk_mb", f"the work directory used {disk.used >> 20} MiB of {disk.cap_mb}")
 
 
 def _cpu_limit_hit(exit_status: int, tree: ProcessTree, limits: CommandLimits) -> bool:

@@ -1,10 +1,11 @@
-"""Starting a command's process: a scrubbed environment, its own session, and rlimits that bind it from its
-first instruction.
+"""Starting a command's process: a scrubbed environment, its own session, and rlimits, network namespace and
+user that bind it from its first instruction.
 
-The rlimits are set in the child before the command's program is exec'd in the same process, so they bind it
-and all it forks. util-linux's prlimit program does that; where it is missing, the child starts as a small
-Python program that waits on a pipe for its limits and environment, sets them, and execs the command.
-Never preexec_fn: the daemon has threads, and a forked child may deadlock on a lock one of them held.
+They are set in the child before the command's program is exec'd in the same process, so they bind it and all
+it forks. For rlimits alone util-linux's prlimit program does that. Otherwise (no prlimit, or a network
+namespace or a user to switch to) the child starts as a small Python program, the launcher, that waits on a
+pipe for its instructions and environment, carries them out, and execs the command; it needs nothing beyond
+Python. Never preexec_fn: the daemon has threads, and a forked child may deadlock on a lock one of them held.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import math
 import os
 import resource
 import shutil
+import subprocess
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -35,20 +38,75 @@ _INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "HOME", "TZ")
 _SPAWN_FAILS_FOR_GOOD = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG, errno.EACCES,
                                    errno.EPERM, errno.ENOEXEC, errno.E2BIG})
 _PRLIMIT_OPTIONS = {resource.RLIMIT_CPU: "--cpu", resource.RLIMIT_NOFILE: "--nofile"}
-# The child's first program where prlimit is missing. Its limits and environment come by the pipe on its stdin:
-# Python's own start may add to its environment (LC_CTYPE, under the C locale), and an argument list is there
-# for every user of the host to read. Until they have come, the command has not started.
-_SET_LIMITS_AND_EXEC = """\
+PROBE_TIMEOUT_S = 10.0  # how long the launcher may take to say whether it can make a network namespace
+# The child's first program when prlimit will not do: the launcher. Its instructions and environment come by
+# the pipe on its stdin: Python's own start may add to its environment (LC_CTYPE, under the C locale), and an
+# argument list is there for every user of the host to read. Until they have come, the command has not started.
+# A network namespace: CLONE_NEWNET, with CLONE_NEWUSER for a daemon that is not root (a user namespace of
+# its own, where it is the same uid and may bring its loopback up); loopback up by SIOCGIFFLAGS/SIOCSIFFLAGS.
+# The user last: making the namespace and lowering limits need the privileges it gives up.
+_LAUNCHER = """\
 import json, os, resource, sys
 given = json.loads(sys.stdin.buffer.read())
+def own_network():
+    import ctypes, fcntl, socket, struct
+    uid, gid = os.geteuid(), os.getegid()
+    if ctypes.CDLL(None, use_errno=True).unshare(0x40000000 if uid == 0 else 0x50000000) != 0:
+        raise OSError(ctypes.get_errno(), "unshare: " + os.strerror(ctypes.get_errno()))
+    if uid != 0:
+        for name, line in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(line)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s, 0x8913, struct.pack("16sH14x", b"lo", 0)))[1]
+        fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", flags | 1))
+try:
+    if given["network_none"]:
+        own_network()
+except OSError as exc:
+    sys.exit(f"cannot make a network namespace of its own: {exc}")
 for which, soft, hard in given["rlimits"]:
     resource.setrlimit(which, (soft, hard))
+if given["uid"] is not None:
+    try:
+        os.setgroups([given["gid"]])
+        os.setgid(given["gid"])
+        os.setuid(given["uid"])
+    except OSError as exc:
+        sys.exit(f"cannot switch to uid {given['uid']}: {exc}")
+if given["probe"]:
+    sys.exit(0)
 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
 try:
     os.execve(sys.argv[1], sys.argv[1:], given["env"])
 except OSError as exc:
     sys.exit(f"cannot start {sys.argv[1]!r}: {exc}")
 """
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """An unprivileged user and its group, as a command runs under them."""
+
+    name: str
+    uid: int
+    gid: int
+    home: str  # the command's HOME: the daemon's own is no place for it
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """What the launcher sets up beyond rlimits: a network namespace with loopback only, and a user."""
+
+    network_none: bool = False
+    run_as: RunAs | None = None
+
+    @property
+    def needed(self) -> bool:
+        return self.network_none or self.run_as is not None
+
+
+NOT_CONFINED = Confinement()
 
 
 def scrubbed_env(extra: Mapping[str, str], *, source: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -84,22 +142,23 @@ def rlimits(*, cpu_s: float | None, nofile: int | None) -> dict[int, tuple[int, 
 
 
 async def spawn(
-    argv: list[str], protocol: asyncio.SubprocessProtocol, *, env: dict[str, str], workdir: Path, limits: Rlimits
+    argv: list[str], protocol: asyncio.SubprocessProtocol, *, env: dict[str, str], workdir: Path, limits: Rlimits,
+    confinement: Confinement = NOT_CONFINED,
 ) -> asyncio.SubprocessTransport:
-    """Start argv in its own session and process group, in `workdir`, under `limits` from its first instruction;
-    PluginError "spawn_failed" if it cannot start."""
+    """Start argv in its own session and process group, in `workdir`, under `limits` and `confinement` from its
+    first instruction; PluginError "spawn_failed" if it cannot start."""
     try:
-        if not limits:
+        if not limits and not confinement.needed:
             return await _exec(argv, protocol, env=env, workdir=workdir, stdin=asyncio.subprocess.DEVNULL)
-        if (prlimit := _prlimit_program()) is not None:
+        if not confinement.needed and (prlimit := _prlimit_program()) is not None:
             command = _under_prlimit(prlimit, argv, limits, env=env, workdir=workdir)
             return await _exec(command, protocol, env=env, workdir=workdir, stdin=asyncio.subprocess.DEVNULL)
-        command = [sys.executable, "-I", "-S", "-c", _SET_LIMITS_AND_EXEC, _program(argv[0], env, workdir), *argv[1:]]
+        command = [*launcher_command(), _program(argv[0], env, workdir), *argv[1:]]
         transport = await _exec(command, protocol, env=env, workdir=workdir, stdin=asyncio.subprocess.PIPE)
     except OSError as exc:
         raise _spawn_failed(argv[0], exc) from exc
     try:
-        _hand_over(transport, limits, env)
+        _hand_over(transport, launcher_instructions(limits, env, confinement))
     except BaseException:
         transport.kill()  # it would wait for them as long as the pipe is open
         transport.close()
@@ -125,12 +184,41 @@ async def _exec(
     return transport
 
 
-def _hand_over(transport: asyncio.SubprocessTransport, limits: Rlimits, env: dict[str, str]) -> None:
-    """Give the waiting child its limits and environment: it sets them and execs the command."""
+def launcher_command() -> list[str]:
+    """The launcher as a command line: the program it starts, and that program's arguments, follow."""
+    return [sys.executable, "-I", "-S", "-c", _LAUNCHER]
+
+
+def launcher_instructions(limits: Rlimits, env: Mapping[str, str], confinement: Confinement, *,
+                          probe: bool = False) -> bytes:
+    """What the launcher reads on its stdin; with `probe` it stops short of exec, once all is set up."""
+    user = confinement.run_as
+    return json.dumps({
+        "rlimits": [[which, soft, hard] for which, (soft, hard) in limits.items()], "env": dict(env),
+        "network_none": confinement.network_none,
+        "uid": None if user is None else user.uid, "gid": None if user is None else user.gid,
+        "probe": probe,
+    }).encode()
+
+
+def _hand_over(transport: asyncio.SubprocessTransport, instructions: bytes) -> None:
+    """Give the waiting launcher its instructions and environment: it carries them out and execs the command."""
     pipe = cast(asyncio.WriteTransport, transport.get_pipe_transport(0))  # uvloop's is one, unregistered
-    given = {"rlimits": [[which, soft, hard] for which, (soft, hard) in limits.items()], "env": env}
-    pipe.write(json.dumps(given).encode())
+    pipe.write(instructions)
     pipe.close()  # its end of file: all is there (a child gone meanwhile only leaves the pipe broken)
+
+
+@functools.cache  # the host's answer does not change while the daemon runs: asked once per process
+def network_namespace_failure() -> str:
+    """Why a command cannot get a network namespace of its own on this node ('' when it can): the launcher is
+    asked to make one, for real, and stop there. Blocking, some tens of milliseconds, once per process."""
+    given = launcher_instructions({}, {}, Confinement(network_none=True), probe=True)
+    try:
+        done = subprocess.run(launcher_command(), input=given, capture_output=True, timeout=PROBE_TIMEOUT_S,
+                              check=False, env={})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    return "" if done.returncode == 0 else done.stderr.decode(errors="replace").strip()[-300:]
 
 
 def _spawn_failed(program: str, exc: OSError) -> PluginError:
