@@ -50,6 +50,7 @@ from _harness import (
     percentile,
     report,
     reproduce,
+    spread,
     temp_dir,
     thread_cpu_s,
 )
@@ -158,9 +159,9 @@ def drain_rows(args: Any, lab: pki.Lab) -> list[Figure]:
     ratios = ", ".join(f"{r:.3f}" for r in got["ratio"])
     return [
         Figure(b, f"drain, 2 remote workers x {args.workers}, SQLite", m["remote"], "tasks/s",
-               f"{_runs(got['remote'])}; N={args.n}; {cb}; first start .. last finish"),
+               f"{spread(got['remote'])}; N={args.n}; {cb}; first start .. last finish"),
         Figure(b, f"drain, one local node x {2 * args.workers}, same store", m["local"], "tasks/s",
-               f"{_runs(got['local'])}; {cb}"),
+               f"{spread(got['local'])}; {cb}"),
         Figure(b, "drain, remote / local", m["remote"] / m["local"], "x",
                f"{cb}; the runs' own ratios {ratios}; the goal: at least 0.5"),
         Figure(b, "remote drain CPU per task, gateway's loop", m["gw_loop_us"], "µs", "from /proc"),
@@ -168,12 +169,6 @@ def drain_rows(args: Any, lab: pki.Lab) -> list[Figure]:
         Figure(b, "remote drain CPU per task, both workers", m["workers_us"], "µs", "all their threads"),
     ]
 
-
-def _runs(values: list[float]) -> str:
-    """How many runs a median is of, and their min-max; a figure of one run says so."""
-    if len(values) == 1:
-        return "one run"
-    return f"median of {len(values)}, {min(values):,.0f}-{max(values):,.0f}"
 
 
 # pickup
