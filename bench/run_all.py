@@ -24,7 +24,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 # each takes --summary PATH
 BENCHES = ("throughput.py", "latency.py", "w2.py", "elasticity.py", "api_load.py", "pg_throughput.py", "scans.py",
-           "gateway.py")
+           "gateway.py", "recovery.py", "gateway_fleet.py")
 SERVICES = {"PostgreSQL": ("127.0.0.1", 5432), "Redis": ("127.0.0.1", 6379)}  # peers.py's PG_URL, REDIS_URL
 
 
@@ -75,6 +75,11 @@ def main() -> int:
         # NaN (never equal to itself): not measured, the benchmark's own output says why
         shown = "-" if value != value else f"{value:,.1f}" if abs(value) >= 100 else f"{value:,.3g}"
         print(f"  {f['bench']:<11} {f['name']:<46} {shown:>12} {f['unit']}")
+    print("\n== the same as rows of docs/performance.md's table (figure, its runs, the command that printed it)")
+    for f in figures:
+        value = f["value"]
+        shown = "-" if value != value else f"{value:,.1f}" if abs(value) >= 100 else f"{value:,.3g}"
+        print(f"| {f['name']} | {shown} {f['unit']} | {f['note']} | `{f.get('command', f['bench'])}` |")
     sys.path.insert(0, str(HERE))
     from _harness import fsync_note
 
