@@ -11,7 +11,7 @@ lease it is handed is ended at once (`succeeded`). The identities are opened at 
 --ramp-s, so that, as in a fleet, their acquires come back at their own times. A connection the gateway
 cuts is counted and not opened again: the figures say what was held, not what was asked.
 
-Once every identity has opened (or been cut), after --settle-s:
+Once every identity has opened and each of its connections is made (TLS done) or failed, after --settle-s:
   held     the TCP connections established on the gateway's listener (its sockets, from /proc), beside
            the 2 x --identities asked and what the load client still holds;
   cpu/rss  the gateway's CPU (all threads, % of one core) over --windows windows of --window-s, its RSS;
@@ -96,7 +96,8 @@ class Holder:
     def __init__(self, lab_dir: Path, w1: str, names: list[str]) -> None:
         host, port = w1.removeprefix("https://").rsplit(":", 1)
         self.host, self.port, self.lab_dir, self.names = host, int(port), lab_dir, names
-        self.streams = self.parked = self.answered = self.cut = 0
+        self.streams = self.parked = self.answered = 0
+        self.connected = self.unconnected = self.dropped = 0  # handshakes done / failed, connections lost after
         self.errors: list[str] = []
         self.opened = 0
 
@@ -120,7 +121,13 @@ class Holder:
         await asyncio.gather(*tasks)
 
     async def _connect(self, context: ssl.SSLContext) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        return await asyncio.open_connection(self.host, self.port, ssl=context, server_hostname=self.host)
+        try:
+            got = await asyncio.open_connection(self.host, self.port, ssl=context, server_hostname=self.host)
+        except Exception:
+            self.unconnected += 1
+            raise
+        self.connected += 1
+        return got
 
     async def _control(self, context: ssl.SSLContext) -> None:
         try:
@@ -163,14 +170,15 @@ class Holder:
             self._lost(f"acquire: {type(exc).__name__}: {exc}")
 
     def _lost(self, why: str) -> None:
-        self.cut += 1
+        self.dropped += 1
         if len(self.errors) < 3:
             self.errors.append(why[:200])
 
     async def report_every(self, period_s: float) -> None:
         while True:
-            _emit({"streams": self.streams, "parked": self.parked, "answered": self.answered, "cut": self.cut,
-                   "opened": self.opened, "errors": self.errors})
+            _emit({"streams": self.streams, "parked": self.parked, "answered": self.answered,
+                   "connected": self.connected, "unconnected": self.unconnected,
+                   "dropped": self.dropped - self.unconnected, "opened": self.opened, "errors": self.errors})
             await asyncio.sleep(period_s)
 
 
@@ -243,6 +251,17 @@ class Clients:
                 raise RuntimeError(f"{self.total('opened')} of {count} identities opened; clients {codes}")
             time.sleep(0.5)
 
+    def wait_settled(self, count: int, timeout_s: float) -> float:
+        """Wait until `count` connections have each been made or failed (handshakes queue at a busy gateway);
+        the seconds it took. Raises past timeout_s, saying how many were still pending."""
+        started = time.monotonic()
+        while (done := self.total("connected") + self.total("unconnected")) < count:
+            if time.monotonic() - started > timeout_s:
+                raise RuntimeError(f"{count - done:,} of {count:,} connections neither made nor failed after "
+                                   f"{timeout_s:g} s")
+            time.sleep(0.5)
+        return time.monotonic() - started
+
     def wait_leased(self, task_id: str, timeout_s: float) -> float | None:
         with self._seen:
             self._seen.wait_for(lambda: task_id in self.leased, timeout_s)
@@ -278,7 +297,8 @@ def measure(gateway: GatewayDaemon, clients: Clients, args: Any) -> dict[str, An
         got["rss"] = max(got["rss"], process.memory_info().rss)
         got["held"].append(gateway_connections(gateway.pid, port))
     got["answered"] = (clients.total("answered") - got["answered"]) / (time.perf_counter() - started)
-    got["streams"], got["parked"], got["cut"] = clients.total("streams"), clients.total("parked"), clients.total("cut")
+    for key in ("streams", "parked", "connected", "unconnected", "dropped"):
+        got[key] = clients.total(key)
     got["pickup"], got["missed"] = [], 0
     for _ in range(args.submits):
         sent = time.time()
@@ -292,9 +312,10 @@ def measure(gateway: GatewayDaemon, clients: Clients, args: Any) -> dict[str, An
     return got
 
 
-def error_lines(gateway: GatewayDaemon) -> int:
+def log_lines(gateway: GatewayDaemon, word: str) -> int:
+    """Lines of the gateway's log holding `word` so far."""
     with contextlib.suppress(OSError):
-        return sum(1 for line in gateway.log_path.read_text(errors="replace").splitlines() if " ERROR " in line)
+        return sum(1 for line in gateway.log_path.read_text(errors="replace").splitlines() if word in line)
     return 0
 
 
@@ -312,19 +333,22 @@ def run(args: Any) -> tuple[list[Figure], list[str]]:
         try:
             clients = Clients(lab.dir, gateway.w1, names, args.processes, args.ramp_s)
             clients.wait_opened(args.identities, args.ramp_s + 120)
+            settled_s = clients.wait_settled(2 * args.identities, 300.0)
             time.sleep(args.settle_s)
             got = measure(gateway, clients, args)
             errors = clients.errors()
-            before_stop = error_lines(gateway)
+            got["full"] = log_lines(gateway, "connections are open")
+            before_stop = log_lines(gateway, " ERROR ")
             clients.stop()
             time.sleep(2.0)
-            got["errors_at_stop"] = error_lines(gateway) - before_stop
+            got["errors_at_stop"] = log_lines(gateway, " ERROR ") - before_stop
         finally:
             if clients is not None:
                 clients.stop()
             with contextlib.suppress(HttpError, OSError):
                 gateway.stop()
     return figures(args, got), [nofile, f"{args.identities:,} certificates made in {made_s:.1f} s",
+                                f"every connection made or failed {settled_s:.1f} s after the ramp's end",
                                 *(f"load client: {e}" for e in errors[:3])]
 
 
@@ -338,9 +362,11 @@ def figures(args: Any, got: dict[str, Any]) -> list[Figure]:
     p50 = 1000 * percentile(picked, 50) if picked else float("nan")
     return [
         Figure(b, f"gateway's connections, {args.identities:,} identities", held, "conns",
-               f"{held:,.0f} of {asked:,} held; gateway.max_connections {cap}"),
+               f"{held:,.0f} of {asked:,} held; gateway.max_connections {cap}; "
+               f"{got['full']} 'connections are open' warnings in its log"),
         Figure(b, "control streams the load client holds", got["streams"], "streams",
-               f"{got['parked']:,} acquires parked; {got['cut']:,} connections cut"),
+               f"{got['parked']:,} acquires parked; of {asked:,} connections {got['connected']:,} made (TLS done), "
+               f"{got['unconnected']:,} not, {got['dropped']:,} cut after"),
         Figure(b, "gateway CPU while holding them", median(got["cpu"]), "%",
                f"{windows}; of one core; the goal: at most 5 %"),
         Figure(b, "gateway RSS while holding them", got["rss"] / 2**20, "MiB", "largest seen; the goal: at most 1 GiB"),
