@@ -1,15 +1,19 @@
-"""Recovery: how long a task held by a node killed mid-task waits before it runs again on another node.
+"""Recovery: how long the tasks of a node killed mid-task wait to run again, on another node or after a restart.
 
-Two nodes on one PostgreSQL schema (of the server at --url, dropped afterwards) with the settings of
-tests/e2e/test_pg_failover.py (the shipped lease, reconciler and retry settings; pools of 2-4); a `sleep`
-task of 12 s is submitted, and 2 s after it started the node running it is killed with SIGKILL. Per run:
-  rerun    the kill .. the second attempt's start on the survivor, as the store recorded it;
-  ended    the first attempt's end (the victim's last heartbeat, not when the survivor noticed) minus
-           the kill: at most 0, how long before the kill the victim was last heard of.
-Both at the shipped node.heartbeat_s and at 0.5 s (the row the test called "recovers sooner"); median of
---runs with min-max. docs/postgresql.md states the bound at the defaults: 10 s.
-Figures only: nothing here passes or fails on time; the test keeps what must happen (one rerun on the
-survivor, never two live leases) and only a bound that stops it hanging.
+Rows (--rows picks some), each the median of --runs with min and max:
+  failover two nodes on one PostgreSQL schema (of the server at --url, dropped afterwards) with the settings
+           of tests/e2e/test_pg_failover.py (the shipped lease, reconciler and retry settings; pools of 2-4);
+           a `sleep` task of 12 s is submitted, and 2 s after it started the node running it is killed
+           with SIGKILL. rerun: the kill .. the second attempt's start on the survivor, as the store
+           recorded it; ended: the first attempt's end (the victim's last heartbeat, not when the survivor
+           noticed) minus the kill, at most 0: how long before the kill the victim was last heard of.
+           Both at the shipped node.heartbeat_s and at 0.5 s (--heartbeats); docs/postgresql.md states
+           the bound at the defaults: 10 s.
+  restart  one daemon on SQLite (tests/e2e/test_crash_recovery.py's settings: a 30 s lease, 50 workers)
+           with 50 `sleep` tasks of 5 s running is killed with SIGKILL and started again; the start ..
+           all 50 completed (each run again once, not after its lease ran out), seen by polling the API.
+Figures only: nothing here passes or fails on time; the tests keep what must happen (one rerun, never two
+live leases, not after the lease) and only a bound that stops them hanging.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from typing import Any
 from _harness import Daemon, Figure, arguments, median, report, reproduce, spread, temp_dir
 from pg_throughput import fetch, schema
 
-DEFAULTS: dict[str, Any] = {"runs": 3, "url": "postgresql://postgres@127.0.0.1:5432/test", "heartbeats": "default,0.5"}
+DEFAULTS: dict[str, Any] = {"rows": "failover,restart", "runs": 3, "url": "postgresql://postgres@127.0.0.1:5432/test",
+                            "heartbeats": "default,0.5"}
+RESTART = {"lease": {"duration_s": 30.0, "renew_every_s": 10.0}, "retry": {"backoff_base_s": 0.2},
+           "pool": {"max_workers": 50}}  # tests/e2e/test_crash_recovery.py's
 SETTINGS: dict[str, dict[str, Any]] = {  # tests/e2e/test_pg_failover.py's DEFAULTS
     "lease": {"duration_s": 30.0, "renew_every_s": 10.0}, "reconciler": {"interval_s": 5.0},
     "retry": {"backoff_base_s": 2.0, "backoff_max_s": 300.0, "max_attempts": 3},
@@ -64,6 +71,38 @@ def _wait(check: Any, what: str) -> Any:
     return got
 
 
+def restarted(tmp: Path) -> float:
+    """Seconds from the restart of a daemon killed with 50 tasks running to all 50 completed."""
+    daemon = Daemon(tmp, overrides=RESTART)
+    daemon.start(timeout_s=60)
+    try:
+        ids = daemon.submit_batch([{"type": "sleep", "payload": {"seconds": 5}}] * 50)
+        _wait(lambda: daemon.pool()["busy"] == 50, "50 tasks running")
+        daemon.kill()
+        started = time.monotonic()
+        daemon.start(timeout_s=60)
+        _wait(lambda: daemon.query("SELECT count(*) FROM tasks WHERE state = 'completed'")[0][0] == len(ids),
+              "every task completed after the restart")
+        done = time.monotonic() - started
+        (twice,), = daemon.query("SELECT count(*) FROM tasks WHERE attempt <> 2")
+        if twice:
+            raise RuntimeError(f"restart: {twice} tasks did not run exactly twice")
+        return done
+    finally:
+        daemon.kill()
+
+
+def restart_rows(args: Any) -> list[Figure]:
+    took = []
+    for run in range(args.runs):
+        with temp_dir("recovery-restart") as tmp:
+            took.append(restarted(tmp))
+        print(f"  restart run {run + 1}/{args.runs}: all completed {took[-1]:.2f} s after the restart",
+              file=sys.stderr, flush=True)
+    return [Figure("recovery", "SIGKILL, 50 running, restart .. all completed", median(took), "s",
+                   f"{spread(took, 2)}; 5 s tasks, a 30 s lease: not waited for")]
+
+
 def rows(args: Any, heartbeat: str) -> list[Figure]:
     heartbeat_s = None if heartbeat == "default" else float(heartbeat)
     rerun, ended = [], []
@@ -86,8 +125,13 @@ def rows(args: Any, heartbeat: str) -> list[Figure]:
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(__doc__.splitlines()[0], **DEFAULTS).parse_args(argv)
-    figures = [f for heartbeat in args.heartbeats.split(",") for f in rows(args, heartbeat)]
-    report("recovery: a node killed mid-task on PostgreSQL, two nodes", figures,
+    wanted = set(args.rows.split(","))
+    figures = []
+    if "failover" in wanted:
+        figures += [f for heartbeat in args.heartbeats.split(",") for f in rows(args, heartbeat)]
+    if "restart" in wanted:
+        figures += restart_rows(args)
+    report("recovery: a node killed mid-task (PostgreSQL, two nodes; SQLite, a restart)", figures,
            reproduce("recovery.py", args, DEFAULTS), args.summary)
     return 0
 
