@@ -36,7 +36,13 @@ docs: $(VENV)/.dev
 	$(BIN)/python docs/gen_reference.py
 	$(MKDOCS) build --strict --quiet
 
-bench: $(VENV)/.dev
+# the peers bench/peers.py runs (pgqueuer, dramatiq with redis), from the `bench` extra; they use the machine's
+# PostgreSQL (127.0.0.1:5432) and Redis (127.0.0.1:6379) as running services, which run_all.py checks first
+$(VENV)/.bench: $(VENV)/.dev
+	$(BIN)/pip install --quiet -e ".[dev,docs,bench]"
+	touch $@
+
+bench: $(VENV)/.bench
 	$(BIN)/python bench/run_all.py
 
 clean:

@@ -69,6 +69,14 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+def spread(values: Sequence[float], digits: int = 0) -> str:
+    """What a median stands on: "median of N, min A, max B", or "one run", which a figure of one run says."""
+    kept = [v for v in values if not math.isnan(v)]
+    if len(kept) <= 1:
+        return "one run"
+    return f"median of {len(kept)}, min {min(kept):,.{digits}f}, max {max(kept):,.{digits}f}"
+
+
 def percentile(values: Sequence[float], p: float) -> float:
     """The nearest-rank percentile: the smallest value with at least p % of the values at or below it."""
     ordered = sorted(values)
@@ -303,5 +311,5 @@ def report(title: str, figures: list[Figure], command: str, summary: Path | None
     sys.stdout.flush()
     if summary is not None:
         with open(summary, "a") as f:
-            for figure in figures:
-                f.write(json.dumps(asdict(figure)) + "\n")
+            for figure in figures:  # with its command, so that run_all.py can print each row beside it
+                f.write(json.dumps({**asdict(figure), "command": command}) + "\n")

@@ -31,7 +31,18 @@ from typing import Any
 import aiohttp
 import psutil
 
-from _harness import Daemon, Figure, arguments, fsync_note, median, percentile, report, reproduce, temp_dir
+from _harness import (
+    Daemon,
+    Figure,
+    arguments,
+    fsync_note,
+    median,
+    percentile,
+    report,
+    reproduce,
+    spread,
+    temp_dir,
+)
 
 DEFAULTS: dict[str, Any] = {"clients": 200, "tasks": 10_000, "subscribers": 20, "sse_tasks": 1000, "runs": 7,
                             "against": ""}
@@ -77,7 +88,7 @@ def bench_submit(root: Path, clients: int, tasks: int) -> list[Figure]:
     if code != 0 or refused or completed != tasks or stored != tasks:
         raise RuntimeError(f"submit: exit {code}, {refused} refused, {stored} stored, {completed} of {tasks} "
                            f"completed: {daemon.log_tail()}")
-    b, note = "api_load", f"{clients} clients, n={tasks}"
+    b, note = "api_load", f"one run; {clients} clients, n={tasks}"
     return [
         Figure(b, "submit: accepted (201) and completed", completed, "tasks", f"of {tasks}, none refused"),
         Figure(b, "submit: accepted/s (first POST .. last 201)", tasks / elapsed, "tasks/s", note),
@@ -277,8 +288,10 @@ def bench_sse(root: Path, subscribers: int, tasks: int, runs: int) -> list[Figur
                f"{tasks} tasks, all present, ids contiguous"),
         Figure(b, "sse: bytes each subscriber read", median([r[4] for r in with_subs]) * 1000 / tasks, "bytes",
                "per 1,000 tasks, HTTP chunks included"),
-        Figure(b, f"sse: drain with {subscribers} subscribers", rate_with, "tasks/s", note),
-        Figure(b, "sse: drain without subscribers", rate_without, "tasks/s", note),
+        Figure(b, f"sse: drain with {subscribers} subscribers", rate_with, "tasks/s",
+               f"{spread([r[0] for r in with_subs])}, n={tasks}"),
+        Figure(b, "sse: drain without subscribers", rate_without, "tasks/s",
+               f"{spread([r[0] for r in without])}, n={tasks}"),
         Figure(b, "sse: drain ratio with / without", median(ratios), "x",
                f"median of each round's ratio ({ratios[0]:.2f}-{ratios[-1]:.2f}); 1.0 = subscribers cost nothing"),
         Figure(b, f"sse: daemon CPU with {subscribers} subscribers", per_1000(r[2] for r in with_subs), "s",

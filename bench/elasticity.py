@@ -6,7 +6,8 @@ tasks of --seconds each goes in as one batch while GET /v1/pool is polled every 
   shrink  end of the burst's work (nothing queued or running, busy 0) .. workers == min
           (expected: about idle_timeout_s)
 Then the pool is left alone for --idle-window seconds and the daemon's CPU time (psutil
-cpu_times, user + system) over that window is printed as a percentage of one core.
+cpu_times, user + system) over that window is printed as a percentage of one core. Each of --runs runs
+is a fresh daemon; a figure is the median of the runs, with their min and max.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from typing import Any
 
 import psutil
 
-from _harness import Daemon, Figure, arguments, report, reproduce, running, temp_dir
+from _harness import Daemon, Figure, arguments, median, report, reproduce, running, spread, temp_dir
 
 DEFAULTS: dict[str, Any] = {"min": 2, "max": 16, "idle": 2.0, "tasks": 64, "seconds": 1.0,
-                            "idle_window": 10.0}
+                            "idle_window": 10.0, "runs": 3}
 
 
 def poll_until(daemon: Daemon, done: Any, *, timeout_s: float, poll_s: float = 0.01) -> tuple[float, Any]:
@@ -33,8 +34,8 @@ def poll_until(daemon: Daemon, done: Any, *, timeout_s: float, poll_s: float = 0
     raise RuntimeError(f"pool condition not reached within {timeout_s}s: {daemon.pool()}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = arguments(__doc__.splitlines()[0], **DEFAULTS).parse_args(argv)
+def one_run(args: Any) -> dict[str, float]:
+    """Grow (ms), shrink (s), the burst's work (s), idle CPU (% of a core) and the peak, on a fresh daemon."""
     overrides = {"pool": {"min_workers": args.min, "max_workers": args.max, "idle_timeout_s": args.idle}}
     with temp_dir("elasticity") as tmp, running(tmp, overrides=overrides) as daemon:
         poll_until(daemon, lambda p: p["workers"] == args.min, timeout_s=10)
@@ -54,15 +55,26 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(args.idle_window)
         after, t1 = process.cpu_times(), time.monotonic()
         idle_cpu = ((after.user - before.user) + (after.system - before.system)) / (t1 - t0)
-    b = "elasticity"
+    return {"grow": 1000 * (grown - burst), "shrink": shrunk - work_done, "work": work_done - burst,
+            "idle": 100 * idle_cpu, "peak": peak}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(__doc__.splitlines()[0], **DEFAULTS).parse_args(argv)
+    got: dict[str, list[float]] = {}
+    for _ in range(args.runs):
+        for key, value in one_run(args).items():
+            got.setdefault(key, []).append(value)
+    b, m = "elasticity", {k: median(v) for k, v in got.items()}
     figures = [
-        Figure(b, f"grow: burst .. workers == {args.max}", 1000 * (grown - burst), "ms",
-               f"{args.tasks} x {args.seconds}s sleeps; peak {peak} workers"),
-        Figure(b, f"shrink: work done .. workers == {args.min}", shrunk - work_done, "s",
-               f"idle_timeout_s = {args.idle}"),
-        Figure(b, f"burst work time ({args.tasks} x {args.seconds}s)", work_done - burst, "s",
-               f"ideal {args.tasks * args.seconds / args.max:.1f}s at {args.max} workers"),
-        Figure(b, f"idle CPU over {args.idle_window:.0f}s", 100 * idle_cpu, "%", "of one core, user + system"),
+        Figure(b, f"grow: burst .. workers == {args.max}", m["grow"], "ms",
+               f"{spread(got['grow'])}; {args.tasks} x {args.seconds}s sleeps; peak {max(got['peak']):.0f} workers"),
+        Figure(b, f"shrink: work done .. workers == {args.min}", m["shrink"], "s",
+               f"{spread(got['shrink'], 2)}; idle_timeout_s = {args.idle}"),
+        Figure(b, f"burst work time ({args.tasks} x {args.seconds}s)", m["work"], "s",
+               f"{spread(got['work'], 2)}; ideal {args.tasks * args.seconds / args.max:.1f}s at {args.max} workers"),
+        Figure(b, f"idle CPU over {args.idle_window:.0f}s", m["idle"], "%",
+               f"{spread(got['idle'], 2)}; of one core, user + system"),
     ]
     report(f"elasticity: min {args.min}, max {args.max}, idle_timeout_s {args.idle}", figures,
            reproduce("elasticity.py", args, DEFAULTS), args.summary)

@@ -8,8 +8,10 @@ and, where said, their pool's size. Rows (--rows picks some):
 
   drain    N noop tasks queued first (by a daemon that runs none), the queue copied; one copy drained by
            two remote workers of --workers each through a gateway on it, the other by one local node of
-           2 x --workers on the same machine; rate = N / (first attempt's start .. last finish) as the
-           SQLite file recorded them; median of --runs; the ratio of the two medians.
+           2 x --workers on the same machine, both pools at the same pool.claim_batch (--claim-batch, the
+           shipped 32 unless set; a remote acquire asks for at most 256); rate = N / (first attempt's
+           start .. last finish) as the SQLite file recorded them; median of --runs; the ratio of the two
+           medians, and of each run's pair.
   pickup   one idle remote worker (the default pool); --pickups noop tasks submitted one at a time to the
            gateway; pickup = the worker's own `plugin.started` stamp (read from its event stream) minus
            when the submit's answer came back; beside it, the gateway's stamps (created .. leased).
@@ -48,6 +50,7 @@ from _harness import (
     percentile,
     report,
     reproduce,
+    spread,
     temp_dir,
     thread_cpu_s,
 )
@@ -57,8 +60,8 @@ from throughput import copy_store, drain, enqueue
 from tidepool.gateway import pki
 
 DEFAULTS: dict[str, Any] = {"rows": "drain,pickup,scale,revoke", "n": 20_000, "batch": 1000, "workers": 16,
-                            "runs": 3, "pickups": 200, "identities": 100, "parked": 1000, "ramp_s": 25.0,
-                            "window_s": 10.0, "windows": 3, "submits": 30, "revokes": 5}
+                            "claim_batch": 32, "runs": 3, "pickups": 200, "identities": 100, "parked": 1000,
+                            "ramp_s": 25.0, "window_s": 10.0, "windows": 3, "submits": 30, "revokes": 5}
 TREE = ["sh", "-c", "sleep 600 & sleep 600 & wait"]  # a command whose process tree outlives a killed leader
 TREE_TYPE = {"plugins.tree": {"command": TREE}, "types.tree": {"plugins": ["tree"]}}
 
@@ -102,10 +105,10 @@ def raise_nofile() -> str:
 # drain
 
 
-def remote_drain(state_dir: Path, lab: pki.Lab, n: int, workers: int) -> dict[str, float]:
+def remote_drain(state_dir: Path, lab: pki.Lab, n: int, workers: int, claim_batch: int) -> dict[str, float]:
     """Two remote workers drain the queue already in state_dir: tasks/s as the gateway's file recorded it, and
     CPU µs per task of the gateway's event loop, of its other threads, and of both workers together."""
-    pool = {"min_workers": workers, "max_workers": workers}
+    pool = {"min_workers": workers, "max_workers": workers, "claim_batch": claim_batch}
     gateway = GatewayDaemon(state_dir, lab)
     gateway.start(timeout_s=60)
     try:
@@ -144,28 +147,28 @@ def drain_rows(args: Any, lab: pki.Lab) -> list[Figure]:
         with temp_dir("gateway-drain") as tmp:
             enqueue(tmp / "remote", args.n, args.batch)
             copy_store(tmp / "remote", tmp / "local")
-            figures = remote_drain(tmp / "remote", lab, args.n, args.workers)
-            figures["local"] = drain(tmp / "local", args.n, 2 * args.workers, 1)[0]
+            figures = remote_drain(tmp / "remote", lab, args.n, args.workers, args.claim_batch)
+            figures["local"] = drain(tmp / "local", args.n, 2 * args.workers, args.claim_batch)[0]
+            figures["ratio"] = figures["remote"] / figures["local"]
         for key, value in figures.items():
             got.setdefault(key, []).append(value)
-        print(f"  drain run {run + 1}/{args.runs}: remote {figures['remote']:,.0f}, local {figures['local']:,.0f} "
-              "tasks/s", file=sys.stderr, flush=True)
+        print(f"  drain run {run + 1}/{args.runs} at claim_batch {args.claim_batch}: remote {figures['remote']:,.0f}, "
+              f"local {figures['local']:,.0f} tasks/s", file=sys.stderr, flush=True)
     m = {k: median(v) for k, v in got.items()}
-    runs, b = f"median of {args.runs}, runs {_span(got['remote'])}", "gateway"
+    b, cb = "gateway", f"claim_batch {args.claim_batch} both"
+    ratios = ", ".join(f"{r:.3f}" for r in got["ratio"])
     return [
         Figure(b, f"drain, 2 remote workers x {args.workers}, SQLite", m["remote"], "tasks/s",
-               f"{runs}; N={args.n}; first start .. last finish"),
+               f"{spread(got['remote'])}; N={args.n}; {cb}; first start .. last finish"),
         Figure(b, f"drain, one local node x {2 * args.workers}, same store", m["local"], "tasks/s",
-               f"median of {args.runs}, runs {_span(got['local'])}"),
-        Figure(b, "drain, remote / local", m["remote"] / m["local"], "x", "the goal: at least 0.5"),
+               f"{spread(got['local'])}; {cb}"),
+        Figure(b, "drain, remote / local", m["remote"] / m["local"], "x",
+               f"{cb}; the runs' own ratios {ratios}; the goal: at least 0.5"),
         Figure(b, "remote drain CPU per task, gateway's loop", m["gw_loop_us"], "µs", "from /proc"),
         Figure(b, "remote drain CPU per task, gateway's others", m["gw_others_us"], "µs", "SQLite writer, readers"),
         Figure(b, "remote drain CPU per task, both workers", m["workers_us"], "µs", "all their threads"),
     ]
 
-
-def _span(values: list[float]) -> str:
-    return f"{min(values):,.0f} to {max(values):,.0f}"
 
 
 # pickup

@@ -37,6 +37,7 @@ from _harness import (
     percentile,
     report,
     reproduce,
+    spread,
     temp_dir,
 )
 
@@ -183,20 +184,22 @@ def main(argv: list[str] | None = None) -> int:
               + f", pickup p50 {p50[-1]:.2f} ms p99 {p99[-1]:.2f} ms, double claims so far {doubles}",
               file=sys.stderr, flush=True)
     m = {k: median(v) for k, v in rates.items()}
-    b, runs = "pg", f"median of {args.runs}"
+    b, r = "pg", {k: spread(v) for k, v in rates.items()}
+    ratios = [100 * a / c for a, c in zip(rates["node1"], rates["ceil"], strict=True)]  # each run's own
     figures = [
         Figure(b, f"1 node drain, {w} workers, claim_batch {cb}", m["node1"], "tasks/s",
-               f"{runs}, N={n}; first claim .. last finish, every completion committed"),
-        Figure(b, f"1 node drain, {w} workers, claim_batch 1", m["node1_cb1"], "tasks/s", runs),
-        Figure(b, f"2 nodes drain, combined, claim_batch {cb}", m["node2"], "tasks/s", runs),
-        Figure(b, f"3 nodes drain, combined, claim_batch {cb}", m["node3"], "tasks/s", runs),
+               f"{r['node1']}, N={n}; first claim .. last finish, every completion committed"),
+        Figure(b, f"1 node drain, {w} workers, claim_batch 1", m["node1_cb1"], "tasks/s", r["node1_cb1"]),
+        Figure(b, f"2 nodes drain, combined, claim_batch {cb}", m["node2"], "tasks/s", r["node2"]),
+        Figure(b, f"3 nodes drain, combined, claim_batch {cb}", m["node3"], "tasks/s", r["node3"]),
         Figure(b, "double claims (attempts table), all runs", doubles, "tasks", "must be 0"),
-        Figure(b, f"store ceiling, {w} loops, claim {cb}", m["ceil"], "tasks/s", f"{runs}; PostgresStore alone"),
-        Figure(b, f"store ceiling, {w} loops, claim 1", m["ceil1"], "tasks/s", f"{runs}; PostgresStore alone"),
-        Figure(b, f"1 node / ceiling, claim_batch {cb}", 100 * m["node1"] / m["ceil"], "%"),
+        Figure(b, f"store ceiling, {w} loops, claim {cb}", m["ceil"], "tasks/s", f"{r['ceil']}; PostgresStore alone"),
+        Figure(b, f"store ceiling, {w} loops, claim 1", m["ceil1"], "tasks/s", f"{r['ceil1']}; PostgresStore alone"),
+        Figure(b, f"1 node / ceiling, claim_batch {cb}", median(ratios), "%", f"each run's own, {spread(ratios, 1)}"),
         Figure(b, "pickup across nodes p50", median(p50), "ms",
-               f"{runs}; {args.pickups} single submits on A, run on B"),
-        Figure(b, "pickup across nodes p99", median(p99), "ms", "submit on A -> NOTIFY -> B's attempt started"),
+               f"{spread(p50, 2)}; {args.pickups} single submits on A, run on B"),
+        Figure(b, "pickup across nodes p99", median(p99), "ms",
+               f"{spread(p99, 2)}; submit on A -> NOTIFY -> B's attempt started"),
     ]
     notes = [f"durable figures: {fsync_note()}",
              "2 CPUs here run the nodes and PostgreSQL together: more nodes add contention, not cores"]

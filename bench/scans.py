@@ -25,7 +25,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from _harness import Daemon, Figure, arguments, fsync_note, median, percentile, report, reproduce, running, temp_dir
+from _harness import (
+    Daemon,
+    Figure,
+    arguments,
+    fsync_note,
+    median,
+    percentile,
+    report,
+    reproduce,
+    running,
+    spread,
+    temp_dir,
+)
 
 DEFAULTS: dict[str, Any] = {"scans": 2000, "steps": 3, "workers": 16, "handoff": 100, "runs": 3}
 CLAIMS_NOTHING = {"TIDEPOOL_POOL__TASK_TYPES": '["nothing"]'}
@@ -173,18 +185,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  run {k + 1}: {1e6 * step_s:.0f} µs per step, {1e6 * task_s:.0f} µs per task; store alone "
                   f"{step_rate:.0f} steps/s, {task_rate:.0f} tasks/s; "
                   f"hand-off p50 {1000 * p50[-1]:.2f} ms p99 {1000 * p99[-1]:.2f} ms", flush=True)
-    b, runs = "scans", f"median of {args.runs} runs"
+    b = "scans"
     ratios = [s / t for s, t in zip(per_step, per_task, strict=True)]
+    store_ratios = [t / s for s, t in zip(store_steps, store_tasks, strict=True)]
     n = args.scans * args.steps
     figures = [
-        Figure(b, f"time per scan step ({args.scans} x {args.steps} no-op)", 1e6 * median(per_step), "µs", runs),
-        Figure(b, f"time per independent no-op task ({n})", 1e6 * median(per_task), "µs", runs),
-        Figure(b, "step / task, same run", median(ratios), "x",
-               f"{runs}; each {', '.join(f'{r:.2f}' for r in ratios)}"),
-        Figure(b, "store alone: steps claimed and finished", median(store_steps), "/s", runs),
-        Figure(b, "store alone: independent tasks claimed and finished", median(store_tasks), "/s", runs),
-        Figure(b, "hand-off p50 (step end .. next step start)", 1000 * median(p50), "ms", runs),
-        Figure(b, "hand-off p99", 1000 * median(p99), "ms", f"{runs}, {args.handoff * (args.steps - 1)} each"),
+        Figure(b, f"time per scan step ({args.scans} x {args.steps} no-op)", 1e6 * median(per_step), "µs",
+               spread([1e6 * x for x in per_step])),
+        Figure(b, f"time per independent no-op task ({n})", 1e6 * median(per_task), "µs",
+               spread([1e6 * x for x in per_task])),
+        Figure(b, "step / task, same run", median(ratios), "x", f"each run's own, {spread(ratios, 2)}"),
+        Figure(b, "store alone: steps claimed and finished", median(store_steps), "/s", spread(store_steps)),
+        Figure(b, "store alone: independent tasks claimed and finished", median(store_tasks), "/s",
+               spread(store_tasks)),
+        Figure(b, "store alone: tasks / steps, same run", median(store_ratios), "x",
+               f"each run's own, {spread(store_ratios, 2)}"),
+        Figure(b, "hand-off p50 (step end .. next step start)", 1000 * median(p50), "ms",
+               spread([1000 * x for x in p50], 2)),
+        Figure(b, "hand-off p99", 1000 * median(p99), "ms",
+               f"{spread([1000 * x for x in p99], 2)}; {args.handoff * (args.steps - 1)} each"),
     ]
     report(f"scans: {args.scans} scans of {args.steps} no-op steps vs {n} tasks, {args.workers} workers, SQLite",
            figures, reproduce("scans.py", args, DEFAULTS), args.summary, [f"durable figures: {fsync_note()}"])

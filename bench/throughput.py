@@ -38,6 +38,7 @@ from _harness import (
     median,
     report,
     reproduce,
+    spread,
     temp_dir,
     thread_cpu_s,
 )
@@ -177,19 +178,24 @@ def one_run(tmp: Path, args: Any, skipped: dict[str, str]) -> dict[str, float]:
     got["ceil1"] = store_ceiling(tmp / "c1", n, workers, 1)
     got["ceilN"] = store_ceiling(tmp / "c2", n, workers, SHIPPED_CLAIM_BATCH)
     got["bare"] = sqlite_reference(tmp / "bare.db", n)
+    got["vs_bare"] = 100 * got["drain1"] / got["bare"]  # against the reference of this same run
+    got["vs_ceil1"] = 100 * got["drain1"] / got["ceil1"]
+    for peer in filter(None, args.peers.split(",")):
+        got[f"vs_{peer}"] = got["drain1"] / got[peer]
     return got
 
 
-def peer_figures(m: dict[str, float], args: Any, skipped: dict[str, str]) -> list[Figure]:
-    """Each peer's drain, and tidepool's at the shipped defaults over it (the goal: at least 3 x)."""
+def peer_figures(m: dict[str, float], rates: dict[str, list[float]], args: Any,
+                 skipped: dict[str, str]) -> list[Figure]:
+    """Each peer's drain, and tidepool's at the shipped defaults over it in the same run (the goal: at least 3 x)."""
     b, figures = "throughput", []
     for peer in filter(None, args.peers.split(",")):
         how = {"pgqueuer": "PostgreSQL, its defaults", "dramatiq": f"Redis, {args.workers} threads, prefetches"}
-        note = skipped.get(peer, f"{how.get(peer, '')}; median of {args.runs}; first start .. last finish")
+        note = skipped.get(peer, f"{how.get(peer, '')}; {spread(rates[peer])}; first start .. last finish")
         figures.append(Figure(b, f"{peer} {peers.version(peer)}, drain", m[peer], "tasks/s", note))
     for peer in filter(None, args.peers.split(",")):
-        figures.append(Figure(b, f"tidepool / {peer}, drain at the defaults", m["drain1"] / m[peer], "x",
-                              skipped.get(peer, "the goal: at least 3")))
+        figures.append(Figure(b, f"tidepool / {peer}, drain at the defaults", m[f"vs_{peer}"], "x", skipped.get(
+            peer, f"each run's own ratio, {spread(rates[f'vs_{peer}'], 2)}; the goal: at least 3")))
     return figures
 
 
@@ -205,26 +211,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  run {run + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()),
               file=sys.stderr, flush=True)
     m = {k: median([x for x in v if not math.isnan(x)] or [math.nan]) for k, v in rates.items()}
-    b, runs = "throughput", f"median of {args.runs}"
+    b, r = "throughput", {k: spread(v) for k, v in rates.items()}
     figures = [
-        Figure(b, f"enqueue, batches of {args.batch}", m["enqueue"], "tasks/s", f"{runs}, N={n}"),
+        Figure(b, f"enqueue, batches of {args.batch}", m["enqueue"], "tasks/s", f"{r['enqueue']}, N={n}"),
         Figure(b, f"drain, {workers} workers, shipped defaults", m["drain1"], "tasks/s",
-               f"{runs}; claim_batch {scb}, log level info; first claim .. last finish"),
-        Figure(b, f"drain, {workers} workers, claim_batch {cb}", m["drainN"], "tasks/s", runs),
-        *peer_figures(m, args, skipped),
-        Figure(b, f"store ceiling, {workers} loops, claim 1", m["ceil1"], "tasks/s", f"{runs}; SqliteStore alone"),
+               f"{r['drain1']}; claim_batch {scb}, log level info; first claim .. last finish"),
+        Figure(b, f"drain, {workers} workers, claim_batch {cb}", m["drainN"], "tasks/s", r["drainN"]),
+        *peer_figures(m, rates, args, skipped),
+        Figure(b, f"store ceiling, {workers} loops, claim 1", m["ceil1"], "tasks/s",
+               f"{r['ceil1']}; SqliteStore alone"),
         Figure(b, f"store ceiling, {workers} loops, claim {scb}", m["ceilN"], "tasks/s",
-               f"{runs}; SqliteStore alone, each loop runs its {scb} in turn"),
+               f"{r['ceilN']}; SqliteStore alone, each loop runs its {scb} in turn"),
         Figure(b, "bare sqlite3, claim+complete 64 a transaction", m["bare"], "tasks/s",
-               f"{runs}; this machine now"),
-        Figure(b, "daemon at the defaults / ceiling, claim 1", 100 * m["drain1"] / m["ceil1"], "%"),
-        Figure(b, "daemon at the defaults / bare sqlite3", 100 * m["drain1"] / m["bare"], "%",
-               "the goal: at least 30 %"),
+               f"{r['bare']}; this machine now"),
+        Figure(b, "daemon at the defaults / ceiling, claim 1", m["vs_ceil1"], "%",
+               f"each run's own ratio, {spread(rates['vs_ceil1'], 1)}"),
+        Figure(b, "daemon at the defaults / bare sqlite3", m["vs_bare"], "%",
+               f"each run's own ratio, {spread(rates['vs_bare'], 1)}; the goal: at least 30 %"),
         Figure(b, "drain wall, /readyz .. all completed seen", m["wall1"], "s",
-               "shipped defaults; claiming starts just before /readyz"),
-        Figure(b, "drain CPU per task, event loop thread", m["loop_us"], "µs", "shipped defaults; from /proc"),
+               f"{spread(rates['wall1'], 2)}; shipped defaults; claiming starts just before /readyz"),
+        Figure(b, "drain CPU per task, event loop thread", m["loop_us"], "µs",
+               f"{r['loop_us']}; shipped defaults; from /proc"),
         Figure(b, "drain CPU per task, other threads", m["others_us"], "µs",
-               "shipped defaults; the SQLite writer (and readers), sharing the GIL with the loop"),
+               f"{r['others_us']}; the SQLite writer (and readers), sharing the GIL with the loop"),
     ]
     report(f"throughput: N={n} noop tasks, SQLite store, shipped defaults", figures,
            reproduce("throughput.py", args, DEFAULTS), args.summary, [f"durable figures: {fsync_note()}"])

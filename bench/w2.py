@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 import peers
-from _harness import Figure, arguments, median, report, reproduce, running, temp_dir, thread_cpu_s
+from _harness import Figure, arguments, median, report, reproduce, running, spread, temp_dir, thread_cpu_s
 
 DEFAULTS: dict[str, Any] = {"tasks": 2000, "seconds": 0.05, "workers": 50, "runs": 3,
                             "peers": ",".join(peers.PEERS)}
@@ -40,7 +40,7 @@ def peer_figures(args: Any, ideal: float, wall: float) -> list[Figure]:
             walls.append(got)
         peer_wall = median(walls) if walls else math.nan
         figures.append(Figure(b, f"{peer} {peers.version(peer)}, wall / ideal", peer_wall / ideal, "x",
-                              reason or f"median of {args.runs}; first enqueue .. queue seen empty"))
+                              reason or f"{spread([w / ideal for w in walls], 3)}; first enqueue .. queue seen empty"))
         ratios.append(Figure(b, f"tidepool / {peer}, overhead over the ideal", (wall - ideal) / (peer_wall - ideal),
                              "x", reason or ("the goal: at most 0.8" if peer == "dramatiq" else "")))
     return figures + ratios
@@ -72,14 +72,15 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
     b, wall = "w2", median(walls)
     figures = [
-        Figure(b, "wall, first submit .. all completed", wall, "s", f"median of {args.runs}"),
+        Figure(b, "wall, first submit .. all completed", wall, "s", spread(walls, 3)),
         Figure(b, "ideal (tasks * seconds / workers)", ideal, "s"),
-        Figure(b, "wall / ideal", wall / ideal, "x", "tidepool at the shipped defaults"),
-        Figure(b, "stored span, created_at .. last finished_at", median(spans), "s", f"median of {args.runs}"),
+        Figure(b, "wall / ideal", wall / ideal, "x",
+               f"{spread([w / ideal for w in walls], 3)}; tidepool at the shipped defaults"),
+        Figure(b, "stored span, created_at .. last finished_at", median(spans), "s", spread(spans, 3)),
         Figure(b, "tasks completed per second", args.tasks / wall, "tasks/s"),
-        Figure(b, "CPU per task, event loop thread", median(loop_us), "µs", f"median of {args.runs}; from /proc"),
+        Figure(b, "CPU per task, event loop thread", median(loop_us), "µs", f"{spread(loop_us)}; from /proc"),
         Figure(b, "CPU per task, other threads", median(others_us), "µs",
-               f"median of {args.runs}; the SQLite writer and readers"),
+               f"{spread(others_us)}; the SQLite writer and readers"),
         *peer_figures(args, ideal, wall),
     ]
     report(f"w2: {args.tasks} x {args.seconds * 1000:.0f} ms sleeps at {args.workers} workers", figures,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -34,15 +33,15 @@ def test_sigkill_with_50_tasks_in_flight_recovers_on_restart_not_by_lease_time(
     daemon.kill()
     assert daemon.query("SELECT count(*) FROM tasks WHERE state = 'running'") == [(50,)]
 
-    restarted = time.monotonic()
     daemon.start()
+
     def all_completed() -> list[dict[str, Any]] | None:
         tasks = [daemon.task(i) for i in ids]
         return tasks if all(t["state"] == "completed" for t in tasks) else None
 
-    tasks: list[dict[str, Any]] = daemon.wait_for("every task to complete", all_completed, timeout_s=20, poll_s=0.2)
-    # Well inside the 30 s lease: the new process expired its predecessor's leases when it started.
-    assert time.monotonic() - restarted < 20
+    # 60 s only so that it fails instead of hanging; how soon is bench/recovery.py's `restart` row. That the new
+    # process expired its predecessor's leases when it started, not by their time, is the started_at check below.
+    tasks: list[dict[str, Any]] = daemon.wait_for("every task to complete", all_completed, timeout_s=60, poll_s=0.2)
 
     for task in tasks:
         first, *rest = task["attempts"]

@@ -1,5 +1,6 @@
 """A node killed mid-task on PostgreSQL, with the default lease, reconciler and retry settings: its task
-runs again on the survivor within the 10 s the documentation promises, never with two live leases."""
+runs again on the survivor, once, never with two live leases. How soon it does (docs/postgresql.md says
+within 10 s) is bench/recovery.py's figure: tests assert no wall-clock time."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from .pg_fleet import Fleet
 
 pytestmark = pytest.mark.e2e
 
-RECOVERY_BOUND_S = 10.0  # docs/postgresql.md states it
+HANG_S = 60.0  # only so that a rerun that never comes fails the test instead of hanging it
 DEFAULTS: dict[str, dict[str, Any]] = {
     "lease": {"duration_s": 30.0, "renew_every_s": 10.0}, "reconciler": {"interval_s": 5.0},
     "retry": {"backoff_base_s": 2.0, "backoff_max_s": 300.0, "max_attempts": 3},
@@ -45,17 +46,17 @@ class LiveLeases:
         self._thread.join(timeout=10)
 
 
-def test_kill_9_of_a_node_mid_task_its_task_runs_again_on_the_other_within_ten_seconds(fleet: Fleet) -> None:
-    assert _killed_mid_task(fleet, DEFAULTS) < RECOVERY_BOUND_S
+def test_kill_9_of_a_node_mid_task_its_task_runs_again_on_the_other(fleet: Fleet) -> None:
+    _killed_mid_task(fleet, DEFAULTS)
 
 
-def test_a_shorter_node_heartbeat_recovers_sooner(fleet: Fleet) -> None:
-    """node.heartbeat_s = 0.5: gone after 1.5 s, looked for every second; 10 s would be the default's bound."""
-    assert _killed_mid_task(fleet, {**DEFAULTS, "node": {"heartbeat_s": 0.5}}) < 5.0
+def test_with_a_shorter_node_heartbeat_the_task_runs_again_on_the_other(fleet: Fleet) -> None:
+    """node.heartbeat_s = 0.5: gone after 1.5 s, looked for every second (bench/recovery.py times it)."""
+    _killed_mid_task(fleet, {**DEFAULTS, "node": {"heartbeat_s": 0.5}})
 
 
-def _killed_mid_task(fleet: Fleet, settings: dict[str, dict[str, Any]]) -> float:
-    """Kill -9 the node running a task mid-way; check how it ran again; the seconds from the kill to its rerun."""
+def _killed_mid_task(fleet: Fleet, settings: dict[str, dict[str, Any]]) -> None:
+    """Kill -9 the node running a task mid-way; check how it ran again."""
     a, b = fleet.add("a", **settings), fleet.add("b", **settings)  # type: ignore[arg-type]
     fleet.start(a, b)
     (task_id,) = fleet.submit("append", 1, via=[a], seconds=12.0)
@@ -65,18 +66,18 @@ def _killed_mid_task(fleet: Fleet, settings: dict[str, dict[str, Any]]) -> float
     survivor_id = "b" if victim_id == "a" else "a"
     time.sleep(2.0)  # mid-task
     with LiveLeases(fleet, task_id) as leases:
-        killed_at = time.time()
         victim.kill()
-        fleet.wait("the task running again on the survivor", lambda: fleet.live_attempts(survivor_id), timeout_s=30)
-        fleet.wait("the task completed", lambda: fleet.completed([task_id]), timeout_s=30)
+        dead_at = time.time()  # the victim reaped: nothing it stamps can come later
+        fleet.wait("the task running again on the survivor", lambda: fleet.live_attempts(survivor_id),
+                   timeout_s=HANG_S)
+        fleet.wait("the task completed", lambda: fleet.completed([task_id]), timeout_s=HANG_S)
     rows = fleet.q("SELECT id, node_id, status, number, started_at, finished_at FROM attempts WHERE task_id = $1 "
                    "ORDER BY number", task_id)
     assert [(r[1], r[2], r[3]) for r in rows] == [(victim_id, "expired", 1), (survivor_id, "succeeded", 2)], rows
     (_, _, _, _, started, ended), (_, _, _, _, again, _) = rows
-    # ended when the node was last heard of (a heartbeat before the kill), not when the survivor noticed
-    assert started < ended <= killed_at + 0.5, (started, ended, killed_at)
+    # ended when the node was last heard of (a heartbeat before it died), not when the survivor noticed
+    assert started < ended <= dead_at < again, (started, ended, dead_at, again)
     assert leases.most == 1, "two live leases on one task"
     fleet.assert_no_overlapping_attempts()
     gone = [line for line in survivor.log(200).splitlines() if f"node {victim_id} is gone" in line]
     assert len(gone) == 1 and "1 of its attempts expired" in gone[0], gone
-    return float(again - killed_at)
