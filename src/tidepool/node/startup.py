@@ -67,7 +67,8 @@ def keep_private(settings: Settings) -> None:
     _at_most(state_dir, stat.S_IRWXU)
     db = settings.db_path()
     if db is not None and db.parent.is_dir():
-        os.close(os.open(db, os.O_CREAT | os.O_WRONLY, stat.S_IRUSR | stat.S_IWUSR))
+        if not db.exists():  # created private; an existing one (read-only on purpose, say) is left to the store
+            os.close(os.open(db, os.O_CREAT | os.O_WRONLY, stat.S_IRUSR | stat.S_IWUSR))
         for path in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
             if path.exists():
                 _at_most(path, stat.S_IRUSR | stat.S_IWUSR)
@@ -75,7 +76,10 @@ def keep_private(settings: Settings) -> None:
 
 def _at_most(path: Path, mode: int) -> None:
     if stat.S_IMODE(path.stat().st_mode) & ~mode:
-        path.chmod(mode)
+        try:
+            path.chmod(mode)
+        except OSError as exc:  # an immutable file: the store says what it can do with it
+            log.warning("could not make %s private (mode %o): %s", path, mode, exc)
 
 
 def check_secrets(settings: Settings) -> None:
