@@ -74,6 +74,13 @@ def took(started: str, finished: str | None) -> str:
     return f"{seconds:.2f}s"
 
 
+def result_line(result: dict[str, Any], *, chars: int = 2000) -> str:
+    """One result batch as `show` prints it: plugin#sequence, whether final, and its payload's first `chars` of JSON
+    (the rest is in --json)."""
+    final = " (final)" if result["final"] else ""
+    return f"{result['plugin']}#{result['sequence']}{final}: {json.dumps(result['payload'])[:chars]}"
+
+
 def fact(key: str, value: Any) -> str:
     """One field of a task as a person reads it: "-" for none, progress and errors as sentences."""
     if value is None or value == []:

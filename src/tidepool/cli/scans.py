@@ -21,14 +21,27 @@ from rich.text import Text
 from ..client import ApiError, Client, Unreachable
 from ..settings import Settings
 from ..settings.profiles import SCAN_VERBS
-from .output import ERR, OK, STYLE, TASK_FAILED, USAGE, fact, print_json, stdout, table, text, visible, when
+from .output import (
+    ERR,
+    OK,
+    STYLE,
+    TASK_FAILED,
+    USAGE,
+    fact,
+    print_json,
+    result_line,
+    stdout,
+    table,
+    text,
+    visible,
+    when,
+)
 from .talk import with_client
 
 SCAN_ENDED = frozenset({"succeeded", "failed", "cancelled"})
 SCAN_STYLE = {**STYLE, "succeeded": "green", "success": "green", "timeout": "red", "skipped": "dim",
               "waiting": "dim"}
 REREAD_S = 1.0  # while waiting: the scan is read again this often even when no event of it came
-RESULT_CHARS = 2000  # of one result's JSON in `scan show`: the rest is in --json
 
 
 def cmd_scan(args: argparse.Namespace, settings: Settings) -> int:
@@ -151,9 +164,7 @@ def cmd_scan_show(args: argparse.Namespace, settings: Settings) -> int:
         console.print(Pretty(scan["scope"], indent_guides=False) if scan["scope"] else text("  nothing yet"))
         for task in tasks:
             for r in task["results"]:
-                shown = visible(json.dumps(r["payload"]))[:RESULT_CHARS]
-                console.print(text(f"result of {task['type']} ({task['id']}) {r['plugin']}#{r['sequence']}"
-                                   f"{' (final)' if r['final'] else ''}: {shown}"))
+                console.print(text(f"result of {task['type']} ({task['id']}) {result_line(r)}"))
         return OK
 
     return with_client(args, settings, body)

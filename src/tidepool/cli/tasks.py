@@ -24,6 +24,7 @@ from .output import (
     fact,
     percent,
     print_json,
+    result_line,
     stdout,
     table,
     text,
@@ -141,8 +142,7 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
                                          took(a["started_at"], a["finished_at"]), fact("error", a["error"]))))
         console.print(attempts)
         for r in task["results"]:
-            console.print(text(f"result {r['plugin']}#{r['sequence']}{' (final)' if r['final'] else ''}: "
-                               f"{json.dumps(r['payload'])[:2000]}"))
+            console.print(text(f"result {result_line(r)}"))
         return OK
 
     return with_client(args, settings, body)

@@ -66,6 +66,11 @@ def _ca_certificates(path: str) -> tuple[x509.Certificate, ...]:
 _ISSUERS: weakref.WeakKeyDictionary[ssl.SSLContext, tuple[x509.Certificate, ...]] = weakref.WeakKeyDictionary()
 
 
+def authorities(context: ssl.SSLContext) -> tuple[x509.Certificate, ...]:
+    """The CA certificates `context` trusts, as its load of client_ca_file read them."""
+    return _ISSUERS.get(context, ())
+
+
 def _reason(exc: OSError | ssl.SSLError) -> str:
     return str(exc.strerror or exc) if isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError) else str(exc)
 
@@ -141,7 +146,7 @@ def _read_peer(tls: Any, transport: Any) -> Peer | None:
     peername = transport.get_extra_info("peername")
     address = str(peername[0]) if isinstance(peername, tuple) and peername else None
     return Peer(identity, hashlib.sha256(der).hexdigest(), ssl.cert_time_to_seconds(cert["notAfter"]), address,
-                issuer_of(der, _ISSUERS.get(tls.context, ())))
+                issuer_of(der, authorities(tls.context)))
 
 
 def issuer_of(der: bytes, authorities: tuple[x509.Certificate, ...]) -> str:

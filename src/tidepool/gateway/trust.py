@@ -15,12 +15,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from cryptography import x509
-from cryptography.exceptions import InvalidSignature
-
 from ..errors import WorkerRefused
 from ..model import rfc3339
-from .tls import Credentials, Peer
+from .tls import Credentials, Peer, authorities, issuer_of
 
 CHECK_EVERY_S = 10.0  # an open control stream's certificate is looked at again at least this often
 
@@ -33,7 +30,6 @@ class Trust:
         self._clock = clock
         # per connection (its SSLObject): the context it was last judged against, and the verdict
         self._judged: weakref.WeakKeyDictionary[Any, tuple[ssl.SSLContext, bool]] = weakref.WeakKeyDictionary()
-        self._cas: weakref.WeakKeyDictionary[ssl.SSLContext, list[x509.Certificate]] = weakref.WeakKeyDictionary()
 
     def refusal(self, peer: Peer, transport: Any) -> WorkerRefused | None:
         """Why the connection of `peer` may no longer be served (its certificate expired, or no CA of the
@@ -56,28 +52,12 @@ class Trust:
         if judged is not None and judged[0] is current:
             return judged[1]
         der = tls.getpeercert(binary_form=True)
-        cert = x509.load_der_x509_certificate(der) if der else None
-        verdict = cert is not None and (
-            _signed_by_one_of(cert, self._authorities(current))
-            or (not _signed_by_one_of(cert, self._authorities(handshake)) and self._kept_all(handshake, current)))
+        verdict = der is not None and (
+            issuer_of(der, authorities(current)) != ""
+            or (issuer_of(der, authorities(handshake)) == "" and _kept_all(handshake, current)))
         self._judged[tls] = (current, verdict)
         return verdict
 
-    def _authorities(self, context: ssl.SSLContext) -> list[x509.Certificate]:
-        if context not in self._cas:
-            self._cas[context] = [x509.load_der_x509_certificate(d) for d in context.get_ca_certs(binary_form=True)]
-        return self._cas[context]
 
-    def _kept_all(self, before: ssl.SSLContext, now: ssl.SSLContext) -> bool:
-        return set(self._authorities(before)) <= set(self._authorities(now))
-
-def _signed_by_one_of(cert: x509.Certificate, authorities: list[x509.Certificate]) -> bool:
-    for ca in authorities:
-        if ca.subject != cert.issuer:
-            continue
-        try:
-            cert.verify_directly_issued_by(ca)
-        except (ValueError, TypeError, InvalidSignature):
-            continue
-        return True
-    return False
+def _kept_all(before: ssl.SSLContext, now: ssl.SSLContext) -> bool:
+    return set(authorities(before)) <= set(authorities(now))

@@ -138,8 +138,7 @@ def step_retry_refused(task_id: str, scan_id: str, index: int) -> str:
 
 ORGANIZATION = re.compile(ORGANIZATION_PATTERN)
 MAX_ORGANIZATIONS = 256
-MAX_TYPE_GLOBS = 256
-MAX_TAG_GLOBS = 256
+MAX_GLOBS = 256  # of a record's task_types, and of its tags
 MAX_CONCURRENT_TASKS = 100_000
 REMOTE_INSTANCE = "remote"  # the instance id of a remote worker's attempts: the store never knows its process
 
@@ -197,11 +196,11 @@ def changed(worker: RemoteWorker, change: WorkerChange) -> RemoteWorker:
                                                          f"and {MAX_CONCURRENT_TASKS}")
         fields["max_concurrent_tasks"] = change.max_concurrent_tasks
     if change.task_types is not None:
-        fields["task_types"] = _type_globs(change.task_types)
+        fields["task_types"] = _globs("task_types", change.task_types)
     if change.organizations is not None:
         fields["organizations"] = _organizations(change.organizations)
     if change.tags is not None:
-        fields["tags"] = _tag_globs(change.tags)
+        fields["tags"] = _globs("tags", change.tags)
     if change.reset_issuer:
         fields["issuer"] = None
     after = dataclasses.replace(worker, **fields)  # type: ignore[arg-type]
@@ -211,21 +210,13 @@ def changed(worker: RemoteWorker, change: WorkerChange) -> RemoteWorker:
     return after
 
 
-def _type_globs(globs: Sequence[str]) -> tuple[str, ...]:
-    if len(globs) > MAX_TYPE_GLOBS:
-        raise InvalidRequest("task_types", f"{len(globs)} globs; at most {MAX_TYPE_GLOBS}")
+def _globs(field: str, globs: Sequence[str]) -> tuple[str, ...]:
+    """A record's globs as the operator gave them, each once: `field` names them in a refusal."""
+    if len(globs) > MAX_GLOBS:
+        raise InvalidRequest(field, f"{len(globs)} globs; at most {MAX_GLOBS}")
     for glob in globs:
         if not 1 <= len(glob) <= 200:
-            raise InvalidRequest("task_types", f"{glob!r}: a glob is 1 to 200 characters")
-    return tuple(dict.fromkeys(globs))
-
-
-def _tag_globs(globs: Sequence[str]) -> tuple[str, ...]:
-    if len(globs) > MAX_TAG_GLOBS:
-        raise InvalidRequest("tags", f"{len(globs)} globs; at most {MAX_TAG_GLOBS}")
-    for glob in globs:
-        if not 1 <= len(glob) <= 200:
-            raise InvalidRequest("tags", f"{glob!r}: a glob is 1 to 200 characters")
+            raise InvalidRequest(field, f"{glob!r}: a glob is 1 to 200 characters")
     return tuple(dict.fromkeys(globs))
 
 
