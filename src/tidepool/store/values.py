@@ -38,15 +38,14 @@ def json_value(value: Any) -> Any:
     nothing in it had to change, so a clean value costs one walk and no copy."""
     if isinstance(value, str):
         return text(value)
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if (isinstance(k, str) and _UNSTORABLE.search(k)) or json_value(v) is not v:
-                return {text(k): json_value(v) for k, v in value.items()}
-        return value
+    if isinstance(value, dict):  # each child is walked once: walking it again to copy it would double per level
+        pairs = [(k, v, text(k), json_value(v)) for k, v in value.items()]
+        if all(k is ck and v is cv for k, v, ck, cv in pairs):
+            return value
+        return {ck: cv for _, _, ck, cv in pairs}
     if isinstance(value, list | tuple):
-        for v in value:
-            if json_value(v) is not v:
-                return type(value)(json_value(v) for v in value)
+        items = [json_value(v) for v in value]
+        return value if all(c is v for c, v in zip(items, value, strict=True)) else type(value)(items)
     return value
 
 
