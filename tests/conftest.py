@@ -48,6 +48,15 @@ async def postgres_admin() -> asyncpg.Connection:
         _unavailable(f"PostgreSQL at {POSTGRES_URL} is unreachable: {exc}")
 
 
+async def drop_schema(schema: str) -> None:
+    """The test schema `schema` and all it holds, gone (a daemon under test made it)."""
+    admin = await postgres_admin()
+    try:
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await admin.close()
+
+
 @pytest.fixture
 async def postgres_schema() -> AsyncIterator[tuple[str, str]]:
     """(url, schema): a schema name unique to this test, dropped with all it holds afterwards."""

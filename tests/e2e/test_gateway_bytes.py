@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ..conftest import POSTGRES_URL, postgres_admin
+from ..conftest import POSTGRES_URL, drop_schema
 from ..lab import make_lab
 from .gateway_helpers import WORKERS, Gateway, ended, running, submit, worker_daemon
 
@@ -35,14 +35,6 @@ def dirty_type(tmp_path: Path) -> dict[str, dict[str, Any]]:
             "types.dirty": {"plugins": ["dirty"]}}
 
 
-async def _drop(schema: str) -> None:
-    admin = await postgres_admin()
-    try:
-        await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    finally:
-        await admin.close()
-
-
 @pytest.fixture(params=["sqlite", "postgres"])
 def gateway_store(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     if request.param == "sqlite":
@@ -52,7 +44,7 @@ def gateway_store(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     try:
         yield {"store": {"url": f"{POSTGRES_URL}?schema={schema}"}}
     finally:
-        asyncio.run(_drop(schema))
+        asyncio.run(drop_schema(schema))
 
 
 @pytest.mark.e2e

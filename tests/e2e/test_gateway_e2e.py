@@ -18,7 +18,7 @@ import pytest
 
 from tidepool.gateway import pki
 
-from ..conftest import POSTGRES_URL, postgres_admin
+from ..conftest import POSTGRES_URL, drop_schema, postgres_admin
 from ..lab import make_lab
 from ..process_trees import RECORD, gone, pids
 from ..w1_client import Remote, client_context
@@ -230,18 +230,10 @@ def test_two_gateways_on_one_postgresql_store_lease_no_attempt_twice(tmp_path: P
             ids = [submit(via, "sleep", {"seconds": 0.05}) for _ in range(40) for via in (one, two)]
             done = [ended(one, task_id) for task_id in ids]
     finally:
-        asyncio.run(_drop(schema))
+        asyncio.run(drop_schema(schema))
     assert {t["state"] for t in done} == {"completed"}
     assert all(attempts(t) == [(t["node_id"], "succeeded")] for t in done)  # one attempt each: none leased twice
     assert {t["node_id"] for t in done} == {"scan-a", "scan-b", "scan-c"}  # both gateways handed out work
-
-
-async def _drop(schema: str) -> None:
-    admin = await postgres_admin()
-    try:
-        await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    finally:
-        await admin.close()
 
 
 def test_a_cancel_reaches_the_running_command_on_the_control_stream_not_at_the_next_renewal(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import json
 import ssl
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,15 @@ def make_node(tmp_path: Path, lab: pki.Lab, store_url: str) -> Callable[..., Any
                 daemon.shutdown()
 
     return running
+
+def expiring_context(lab: pki.Lab, name: str = "brief", *, left_s: float = 2.0) -> ssl.SSLContext:
+    """A client context whose certificate (a day's, of `lab`'s CA) has `left_s` seconds of it left."""
+    soon = datetime.now(UTC) - timedelta(days=1) + timedelta(seconds=left_s)
+    issued = pki.issue(lab.dir, name, days=1, now=soon)
+    context = ssl.create_default_context(cafile=str(lab.ca_file))
+    context.load_cert_chain(issued.cert, issued.key)
+    return context
+
 
 def lease_of(lease: dict[str, Any]) -> dict[str, str]:
     """The two fields that name a lease in a worker's renew, progress, result or finish."""

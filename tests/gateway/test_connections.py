@@ -9,7 +9,6 @@ import asyncio
 import json
 import logging
 import ssl
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -20,7 +19,7 @@ from tidepool.gateway import pki, routes
 from tidepool.settings import load
 
 from ..lab import make_lab
-from .conftest import AUTO, MakeNode, Node, Remote, client_context, gateway_settings, open_control
+from .conftest import AUTO, MakeNode, Node, Remote, client_context, expiring_context, gateway_settings, open_control
 from .test_listener import Opened, close, listener, tls
 from .test_tls import write_config
 
@@ -217,12 +216,8 @@ async def test_a_dropped_control_stream_is_one_info_line_and_no_traceback(
 async def test_a_control_stream_whose_certificate_expires_is_closed(
         make_node: MakeNode, lab: pki.Lab, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(routes, "KEEP_ALIVE_S", 0.2)  # an open stream's certificate checked this often
-    soon = datetime.now(UTC) - timedelta(days=1) + timedelta(seconds=2)  # a day's certificate, 2 s of it left
-    issued = pki.issue(lab.dir, "brief", days=1, now=soon)
     async with make_node(gateway=AUTO) as node:
-        context = ssl.create_default_context(cafile=str(lab.ca_file))
-        context.load_cert_chain(issued.cert, issued.key)
-        remote = Remote(node.w1, context)
+        remote = Remote(node.w1, expiring_context(lab))  # a day's certificate, 2 s of it left
         try:
             stream = await open_control(remote)
             assert await stream.next() == ("worker", {"state": "enabled"})

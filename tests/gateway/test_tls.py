@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import ssl
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
@@ -18,7 +18,7 @@ from tidepool.gateway import pki
 from tidepool.settings import load
 
 from ..lab import gateway_section, make_lab
-from .conftest import AUTO, MakeNode, Remote, client_context, gateway_settings
+from .conftest import AUTO, MakeNode, Remote, client_context, expiring_context, gateway_settings
 
 
 def write_config(config: Path, sections: dict[str, dict[str, object]]) -> None:
@@ -129,12 +129,8 @@ async def test_a_session_of_a_ca_a_reload_removed_is_not_resumed(
 
 async def test_a_certificate_that_expires_while_its_connection_is_open_is_refused(
         make_node: MakeNode, lab: pki.Lab) -> None:
-    soon = datetime.now(UTC) - timedelta(days=1) + timedelta(seconds=2)  # a day's certificate, 2 s of it left
-    issued = pki.issue(lab.dir, "brief", days=1, now=soon)
     async with make_node(gateway=AUTO) as node:
-        context = ssl.create_default_context(cafile=str(lab.ca_file))
-        context.load_cert_chain(issued.cert, issued.key)
-        remote = Remote(node.w1, context)
+        remote = Remote(node.w1, expiring_context(lab))  # a day's certificate, 2 s of it left
         try:
             assert (await remote.acquire()).status == 200
             await anyio.sleep(2.5)
