@@ -122,3 +122,39 @@ async def test_a_scheduled_task_carries_its_type_s_tags_and_a_schedule_no_node_c
     (task,) = (await daemon.store.list_tasks()).tasks
     assert [f.task_id for f in said if f.task_id] == [task.id] and task.required_tags == ("lic",)
     assert [s.name for s in await daemon.store.list_schedules()] == ["licensed"]
+
+
+SCOPED = """
+[store]
+url = "memory://"
+
+[plugins.scoped]
+command = ["true", "{target}"]
+scope = ["127.0.0.0/8"]
+scope_fields = ["target"]
+
+[types.scoped]
+plugins = ["scoped"]
+
+[[schedules]]
+name = "inside"
+type = "scoped"
+every_s = 3600
+payload = {target = "127.0.0.2"}
+"""
+
+
+async def test_a_config_schedule_outside_its_plugins_scope_is_not_saved_and_the_log_names_its_field(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tidepool.toml"
+    path.write_text(SCOPED)
+    daemon = Daemon(settings.load(path), config_path=path)
+    await daemon.store.open()
+    await daemon._sync_schedules(daemon.settings)
+    (inside,) = await daemon.store.list_schedules()
+    path.write_text(SCOPED + '\n[[schedules]]\nname = "outside"\ntype = "scoped"\nevery_s = 60\n'
+                             'payload = {target = "192.0.2.7"}\n')
+    await daemon.reload()
+    assert await daemon.store.list_schedules() == [inside]  # none saved: the stored ones are as they were
+    (line,) = [line for line in capfd.readouterr().err.splitlines() if "not saved" in line]
+    assert "schedules.outside.payload.target: 192.0.2.7 is outside the scope (127.0.0.0/8)" in line

@@ -367,7 +367,7 @@ class Daemon:
         if self.remote is not None:
             return
         await self.scheduler.save_config(settings.schedules, source=str(self.config_path or "defaults"),
-                                         timeout_s=timeout_s)
+                                         timeout_s=timeout_s, check=self.ops.check_schedule)
 
 
 async def serve(settings: Settings, *, config_path: Path | None = None, notifier: Notifier | None = None,

@@ -291,10 +291,16 @@ class NodeOperations:
         return ScheduleView(schedule, last_task_state=state)
 
     async def save_schedule(self, schedule: Schedule) -> Schedule:
+        await self.check_schedule(schedule)
+        return await self._saved(schedule)
+
+    async def check_schedule(self, schedule: Schedule) -> None:
+        """InvalidRequest (OutOfScope among them) where a tick of `schedule` would be refused as a submit: its
+        type or profile, its payload, the scopes of its plugins. The config file's schedules are checked so too."""
         validate(schedule)
         if schedule.profile is not None:  # checked as a submit of its profile would be
             await self.scans.resolve(ScanRequest(schedule.profile, dict(schedule.payload), schedule.priority))
-            return await self._saved(schedule)
+            return
         assert schedule.type is not None
         probe = task_for(schedule, time.time(), max_attempts=self.max_attempts_for(schedule.type),
                          required_tags=self.registry.required_tags(schedule.type))  # checked as its submit would be
@@ -306,7 +312,6 @@ class NodeOperations:
                 raise
             raise InvalidRequest("type", f"type {schedule.type!r} needs tags no resource of this fleet has: "
                                  f"{sorted(self.registry.required_tags(schedule.type))}") from None
-        return await self._saved(schedule)
 
     async def _saved(self, schedule: Schedule) -> Schedule:
         saved = await self._store.save_schedule(schedule, now=time.time())

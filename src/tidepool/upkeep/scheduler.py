@@ -21,6 +21,8 @@ from ..store import Store
 
 log = logging.getLogger("tidepool.scheduler")
 
+ScheduleCheck = Callable[[Schedule], Awaitable[None]]  # InvalidRequest where a tick would be refused as a submit
+
 
 class Scheduler:
     def __init__(self, store: Store, events: EventBus, *, node_id: str,
@@ -45,14 +47,14 @@ class Scheduler:
         self._max_queued = section.max_queued
 
     async def save_config(self, configured: Sequence[ScheduleSettings], *, source: str,
-                          timeout_s: float = math.inf) -> None:
+                          timeout_s: float = math.inf, check: ScheduleCheck | None = None) -> None:
         """Save the config's [[schedules]] (a failure is logged: the next start or SIGHUP tries again). Then
         say which stored schedules name a type this node does not define: it leaves them to a node that
         does, and with no such node (SQLite has one) they do not fire at all."""
         stored = None
         with anyio.move_on_after(timeout_s):
             try:
-                stored = await self.sync_config(configured)
+                stored = await self.sync_config(configured, check=check)
             except (InvalidRequest, StoreUnavailable) as exc:
                 log.error("schedules from %s not saved: %s", source, exc)
                 return
@@ -66,13 +68,22 @@ class Scheduler:
                 log.warning("schedule %s names %s, which this node does not define: it fires only on a node that "
                             "does", schedule.name, what)
 
-    async def sync_config(self, configured: Sequence[ScheduleSettings]) -> list[Schedule]:
+    async def sync_config(self, configured: Sequence[ScheduleSettings], *,
+                          check: ScheduleCheck | None = None) -> list[Schedule]:
         """Save the config file's schedules, their state (next/last run, paused) kept, and remove those
         this node's config defined before and defines no more; the schedules stored then. A schedule saved
         through the API, or by another node's config, is not this file's to remove: on a fleet, one node
         may define them all."""
-        for item in configured:
-            await self._store.save_schedule(validate(from_settings(item, self._node_id)), now=self._clock())
+        schedules = [validate(from_settings(item, self._node_id)) for item in configured]
+        if check is not None:  # all of them before any is saved: a refused one leaves the stored ones as they were
+            for schedule in filter(self._defines, schedules):  # another node's type is that node's to check
+                try:
+                    await check(schedule)
+                except InvalidRequest as exc:
+                    raise InvalidRequest(f"schedules.{schedule.name}.{exc.field}",
+                                         str(exc).removeprefix(f"{exc.field}: ")) from None
+        for schedule in schedules:
+            await self._store.save_schedule(schedule, now=self._clock())
         names = {item.name for item in configured}
         kept = []
         for schedule in await self._store.list_schedules():
