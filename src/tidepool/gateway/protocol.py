@@ -413,15 +413,15 @@ class Gateway:
         """Why a lease the store refused is gone: past its run deadline, cancelled, superseded (another attempt
         holds the task) or expired. None when the task its token names (unknown, or another's) has no such
         attempt: the caller is answered as for an attempt it does not hold, and nothing is published for that
-        task, so a worker learns nothing of tasks that are not its own."""
-        if isinstance(lost, DeadlinePassed):
+        task, so a worker learns nothing of tasks that are not its own. StoreUnavailable when the task cannot be
+        read: until the token's task is known to hold the attempt, nothing is said or published of either (the
+        worker sends its write again)."""
+        if isinstance(lost, DeadlinePassed):  # the store found it fenced on task, attempt and token
             return lost.reason
         try:
             task = await self.store.get(lease.task_id)
         except TaskNotFound:
             return None
-        except (StoreUnavailable, TidepoolError):
-            return "expired"
         if not any(a.id == lease.attempt_id for a in task.attempts):
             return None
         if task.state in (State.CANCELLING, State.CANCELLED):
