@@ -295,11 +295,12 @@ class Gateway:
         written = [PhaseNote(lease := lease_of(n.attempt_id, n.lease_token), n.phase,
                              None if n.progress is None else n.progress.model_dump(),
                              await self._deadline_s(worker.id, lease, n.phase)) for n in kept]
-        lost = await self.store.set_phase(written, now=self._clock()) if written else {}
+        now = self._clock()
+        lost = await self.store.set_phase(written, now=now) if written else {}
         for note, phase_note in zip(kept, written, strict=True):
             why = lost.get(note.attempt_id)
             if why is None:
-                self.reports.noted(worker.id, phase_note.lease.task_id, note)
+                self.reports.noted(worker.id, phase_note.lease.task_id, note, now=now)
             elif not isinstance(why, TaskCancelling) and \
                     (reason := await self._reason(phase_note.lease, why)) is not None:
                 await self.reports.lost(worker.id, phase_note.lease.task_id, note.attempt_id, reason)
