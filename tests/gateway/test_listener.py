@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import resource
+import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -167,13 +168,39 @@ async def test_the_full_listener_says_so_once_naming_itself(make_node: MakeNode,
         close(held)
 
 
-async def _served_once_admitted(node: Node, port: int) -> int | None:
+def refused_and_silent(node: Node, port: int) -> ssl.SSLSocket:
+    """A connection of w1 past its identity's cap, its 429 read to the end; then the gateway's close is left
+    unanswered and the socket open, as a client may. Blocking: Python's ssl client answers no close by itself."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=CUT_OFF_S)
+    opened = client_context(node.lab, "w1").wrap_socket(raw, server_hostname="127.0.0.1")
+    answer = b""
+    while chunk := opened.recv(65536):
+        answer += chunk
+    assert answer.startswith(b"HTTP/1.1 429 "), answer
+    return opened
+
+
+async def test_a_connection_refused_past_its_identitys_cap_keeps_its_place_until_its_socket_is_closed(
+        make_node: MakeNode) -> None:
+    async with make_node(gateway={**AUTO, "max_connections_per_worker": 1}) as node, \
+            listener(node, max_connections=2) as port:
+        held = await tls(node, port)
+        assert await acquire_on(held) == 200
+        silent = await anyio.to_thread.run_sync(refused_and_silent, node, port)
+        with pytest.raises(OSError):  # two sockets are open, the cap: a third is closed before its handshake
+            await tls(node, port, "w2")
+        silent.close()
+        assert await _served_once_admitted(node, port, "w2") == 200  # its place came free with its socket
+        close(held)
+
+
+async def _served_once_admitted(node: Node, port: int, worker: str = "w1") -> int | None:
     """An acquire's status on a new connection, tried again while the gateway closes them: a closed connection
     takes a moment to reach it."""
     with anyio.fail_after(CUT_OFF_S):
         while True:
             try:
-                opened = await tls(node, port)
+                opened = await tls(node, port, worker)
             except OSError:  # still full: closed before its handshake
                 await anyio.sleep(0.05)
                 continue

@@ -142,10 +142,12 @@ class TlsListener:
 
 def _holding_nothing(gateway: Gateway, guard: ConnectionGuard) -> Callable[[asyncio.BaseTransport], None]:
     """What a connection is told once its handshake names its peer. One past its identity's own cap is answered
-    429 and closed at once, and gives its place in the listener back at once. One of an identity refused lately
-    (revoked, pending, outdated) must send its first request at once: a revoked worker may still say that
-    what the revoke cancelled has stopped, and a pending one may have been enabled since, but neither holds
-    a silent connection."""
+    429 and closed at once; it keeps its place in the listener until its socket is closed (its peer's answer to
+    the close, or SHUTDOWN_TIMEOUT_S): a place stands for an open socket, and places given back before their
+    sockets were gone would let refused sockets pile up past the cap and the open files it is sized for. One of
+    an identity refused lately (revoked, pending, outdated) must send its first request at once: a revoked
+    worker may still say that what the revoke cancelled has stopped, and a pending one may have been enabled
+    since, but neither holds a silent connection."""
 
     def admitted(transport: asyncio.BaseTransport) -> None:
         peer = peer_of(transport)
@@ -154,7 +156,6 @@ def _holding_nothing(gateway: Gateway, guard: ConnectionGuard) -> Callable[[asyn
         controls, most = gateway.controls, gateway.settings.max_connections_per_worker
         if not controls.join(peer.identity, transport, most=most, when_lost=guard.when_lost):
             gateway.metrics.connections_refused.inc(("too_many_connections",))
-            guard.let_go(transport)
             _answer_and_close(transport, 429, "too_many_connections", too_many_connections(peer.identity, most))
         elif controls.refusal_of(peer.identity) is not None:
             guard.hurry(transport, REFUSED_FIRST_REQUEST_S)
