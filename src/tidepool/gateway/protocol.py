@@ -345,8 +345,9 @@ class Gateway:
         return ack, ack.stored_now
 
     async def finish(self, worker: RemoteWorker, endings: Sequence[EndingIn]) -> dict[str, Any]:
-        taken = _acknowledgements(endings) if worker.state is WorkerState.REVOKED else endings
-        if not taken:
+        revoked = worker.state is WorkerState.REVOKED
+        taken = _acknowledgements(endings) if revoked else endings
+        if not (revoked and taken):  # what a revoked worker may still say is taken; a pending one holds nothing
             self.registry.refuse_unless_served(worker, write=True)
         mine = await self._owned(worker, taken)
         now = self._clock()
