@@ -50,10 +50,11 @@ SHUTDOWN_TIMEOUT_S = 2.0
 # A socket that has not finished it by then holds a place in the listener for nothing (one that never sends a
 # ClientHello would hold it until the header deadline).
 HANDSHAKE_TIMEOUT_S = 3.0
-# Connections of one source address in their handshake at once: far above what a worker (or a NAT of many,
-# reconnecting after a gateway restart) has in flight; past it a new one is closed at once, so one address
-# cannot fill the listener with silent sockets before any certificate has been seen.
-MAX_HANDSHAKES_PER_ADDRESS = 16
+# Connections of one source address in their handshake at once: above what a worker opens at once (each of
+# its 64 held acquires is a connection of its own) or a NAT of a few of them, reconnecting after a gateway
+# restart; past it a new one is closed at once, so one address cannot fill the listener with silent sockets
+# before any certificate has been seen.
+MAX_HANDSHAKES_PER_ADDRESS = 128
 ACCEPT_RETRY_S = 1.0  # out of file descriptors: accepting again this much later (asyncio's servers do the same)
 _OUT_OF_FILES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
