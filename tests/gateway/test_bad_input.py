@@ -8,7 +8,9 @@ import asyncio
 import anyio
 import pytest
 
-from .conftest import AUTO, MakeNode, Node, Remote
+from tidepool.events import Event
+
+from .conftest import AUTO, MakeNode, Node, Remote, lease_of
 
 
 async def nothing_changed(node: Node, task_id: str) -> None:
@@ -66,3 +68,25 @@ async def test_a_held_acquire_whose_client_went_away_leases_nothing(make_node: M
         await anyio.sleep(0.2)  # a wake the parked acquire would have answered by now
         await nothing_changed(node, task_id)
         assert len((await Remote.leased(node.remote("w1")))["task"]["id"]) == 32
+
+
+async def test_a_batch_naming_one_attempt_twice_is_refused_and_its_ending_then_publishes_task_finished(
+        make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node:
+        task_id = await node.submit()
+        w1 = node.remote("w1")
+        held = lease_of(await w1.leased())
+        seen: list[Event] = []
+        node.daemon.events.listen(seen.append)
+        twice = {"/w1/renew": {"leases": [held, held]},
+                 "/w1/phase": {"notes": [{**held, "phase": "run"}, {**held, "phase": "run"}]},
+                 "/w1/finish": {"endings": [{**held, "status": "succeeded"}, {**held, "status": "failed"}]}}
+        for path, body in twice.items():
+            answer = await w1.post(path, body)
+            field = next(iter(body))
+            assert (answer.status, answer.code) == (400, "invalid_request"), answer
+            assert answer.body["error"]["message"].startswith(field) and "twice" in answer.body["error"]["message"]
+        assert (await node.task(task_id))["state"] == "leased"  # not even the phase note landed
+        ended = await w1.post("/w1/finish", {"endings": [{**held, "status": "succeeded"}]})
+        assert ended.body == {"endings": [{"attempt_id": held["attempt_id"], "state": "completed"}]}
+        assert [e.data["state"] for e in seen if e.name == "task.finished"] == ["completed"]

@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tidepool.errors import StoreUnavailable
 from tidepool.events import Event
 from tidepool.model import sha256_of
 
@@ -21,13 +22,13 @@ UNKNOWN_TASK = "0" * 26
 TOKEN = "the-api-token-of-this-gateway-0123456789"
 
 
-async def forged_writes(w1: Remote, lease: dict[str, Any], task_id: str) -> list[Answer]:
+async def forged_writes(w1: Remote, lease: dict[str, Any], task_id: str, *, phase: str = "run") -> list[Answer]:
     """Every write of the protocol behind `lease`'s attempt with a token naming `task_id` instead."""
     forged = {"attempt_id": lease["attempt_id"], "lease_token": f"{task_id}.{lease['lease_token'].split('.')[1]}"}
     payload = {"x": 1}
     return [
         await w1.post("/w1/renew", {"leases": [forged]}),
-        await w1.post("/w1/phase", {"notes": [{**forged, "phase": "run"}]}),
+        await w1.post("/w1/phase", {"notes": [{**forged, "phase": phase}]}),
         await w1.post("/w1/results", {**forged, "plugin": "p", "sequence": 0, "idempotency_key": "k",
                                       "sha256": sha256_of(payload), "final": True, "payload": payload}),
         await w1.post("/w1/finish", {"endings": [{**forged, "status": "failed"}]}),
@@ -65,6 +66,34 @@ async def test_a_token_naming_another_task_is_answered_as_an_unknown_one_and_pub
         assert (await node.task(other))["state"] == "pending"
         held = await w1.post("/w1/renew", {"leases": [lease_of(lease)]})
         assert held.body["leases"][0]["status"] == "held", "the caller's own lease is untouched"
+
+
+async def test_a_refused_write_while_the_store_cannot_be_read_is_store_unavailable_and_publishes_nothing(
+        make_node: MakeNode, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attempt this gateway did not hand out, behind a token naming another task: the store fences the write
+    and refuses it, then cannot say whether that task holds the attempt. Nothing is published for that task
+    (another's), and the gateway does not take the attempt as that task's."""
+    async with make_node(gateway=AUTO) as node:
+        await node.submit()
+        other = await node.submit()
+        w1 = node.remote("w1")
+        lease = await w1.leased()
+        gateway = node.daemon.gateway
+        gateway.attempts.drop(lease["attempt_id"])  # as after a restart, or from another gateway of the store
+        seen: list[Event] = []
+        node.daemon.events.listen(seen.append)
+
+        async def unreadable(task_id: str) -> Any:
+            raise StoreUnavailable("store: the database is locked")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(gateway.store, "get", unreadable)  # only the read after the refusal fails
+            answers = await forged_writes(w1, lease, other, phase="prepare")
+        assert [(a.status, a.code) for a in answers] == [(503, "store_unavailable")] * 4, answers
+        assert [e.name for e in seen if e.name == "task.lease_lost"] == []
+        assert gateway.attempts.get(lease["attempt_id"]) is None
+        held = await w1.post("/w1/renew", {"leases": [lease_of(lease)]})
+        assert held.body["leases"][0]["status"] == "held"
 
 
 async def call(node: Any, method: str, path: str, *, token: str | None = None, body: Any = None) -> Answer:

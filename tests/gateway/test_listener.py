@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import resource
+import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -17,7 +18,7 @@ from functools import partial
 import anyio
 import pytest
 
-from tidepool.gateway.listener import connection_cap, serve_gateway
+from tidepool.gateway.listener import HANDSHAKE_TIMEOUT_S, MAX_HANDSHAKES_PER_ADDRESS, connection_cap, serve_gateway
 from tidepool.gateway.tls import Credentials
 
 from ..conftest import free_port
@@ -26,7 +27,7 @@ from .conftest import AUTO, MakeNode, Node, client_context
 HEADER_TIMEOUT_S = 1.0
 CUT_OFF_S = 10 * HEADER_TIMEOUT_S  # far past the deadline, far short of any other timeout that would close it
 SLOW_BYTE_S = 0.25  # a trickle: a byte this often, never a pause long enough to look idle
-AT_ONCE_S = 2.0  # far short of the handshake deadline of a listener left at its default (10 s)
+AT_ONCE_S = 1.0  # far short of the handshake deadline (HANDSHAKE_TIMEOUT_S)
 
 Opened = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
@@ -133,13 +134,38 @@ async def test_a_client_that_never_finishes_its_handshake_is_cut_off(make_node: 
         close(finishing)
 
 
+async def test_a_silent_connection_is_cut_off_at_the_handshake_deadline_not_the_header_one(
+        make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node, listener(node) as port:  # the header deadline left at 10 s
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # TCP only: no ClientHello
+        with anyio.fail_after(HANDSHAKE_TIMEOUT_S + AT_ONCE_S):
+            assert await closed_by_the_gateway(reader)
+        writer.close()
+
+
+async def test_one_address_of_silent_connections_cannot_take_the_listener_from_another(make_node: MakeNode) -> None:
+    async with make_node(gateway=AUTO) as node, \
+            listener(node, max_connections=MAX_HANDSHAKES_PER_ADDRESS + 2) as port:
+        silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(MAX_HANDSHAKES_PER_ADDRESS)]
+        past = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        for reader, _ in past:  # at once, not at the handshake deadline
+            with anyio.fail_after(AT_ONCE_S):
+                assert await closed_by_the_gateway(reader)
+        other = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0),
+                                              ssl=client_context(node.lab, "w1"), server_hostname="127.0.0.1")
+        assert await acquire_on(other) == 200
+        assert node.daemon.gateway.metrics.connections_refused.values[("handshakes_per_address",)] == 2
+        for _, writer in [*silent, *past, other]:
+            writer.transport.abort()
+
+
 async def test_connections_past_the_cap_are_closed_before_their_handshake_and_those_within_it_served(
         make_node: MakeNode) -> None:
     cap = 3
     async with make_node(gateway=AUTO) as node, listener(node, max_connections=cap) as port:
         await node.remote("w1").acquire()  # enrolled
         within = [await tls(node, port) for _ in range(cap)]
-        # TCP only, no ClientHello: within the cap it would wait for its handshake's deadline (10 s here)
+        # TCP only, no ClientHello: within the cap it would wait for its handshake's deadline
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         with anyio.fail_after(AT_ONCE_S):
             assert await closed_by_the_gateway(reader)  # at once, and not one byte of TLS was sent
@@ -167,13 +193,39 @@ async def test_the_full_listener_says_so_once_naming_itself(make_node: MakeNode,
         close(held)
 
 
-async def _served_once_admitted(node: Node, port: int) -> int | None:
+def refused_and_silent(node: Node, port: int) -> ssl.SSLSocket:
+    """A connection of w1 past its identity's cap, its 429 read to the end; then the gateway's close is left
+    unanswered and the socket open, as a client may. Blocking: Python's ssl client answers no close by itself."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=CUT_OFF_S)
+    opened = client_context(node.lab, "w1").wrap_socket(raw, server_hostname="127.0.0.1")
+    answer = b""
+    while chunk := opened.recv(65536):
+        answer += chunk
+    assert answer.startswith(b"HTTP/1.1 429 "), answer
+    return opened
+
+
+async def test_a_connection_refused_past_its_identitys_cap_keeps_its_place_until_its_socket_is_closed(
+        make_node: MakeNode) -> None:
+    async with make_node(gateway={**AUTO, "max_connections_per_worker": 1}) as node, \
+            listener(node, max_connections=2) as port:
+        held = await tls(node, port)
+        assert await acquire_on(held) == 200
+        silent = await anyio.to_thread.run_sync(refused_and_silent, node, port)
+        with pytest.raises(OSError):  # two sockets are open, the cap: a third is closed before its handshake
+            await tls(node, port, "w2")
+        silent.close()
+        assert await _served_once_admitted(node, port, "w2") == 200  # its place came free with its socket
+        close(held)
+
+
+async def _served_once_admitted(node: Node, port: int, worker: str = "w1") -> int | None:
     """An acquire's status on a new connection, tried again while the gateway closes them: a closed connection
     takes a moment to reach it."""
     with anyio.fail_after(CUT_OFF_S):
         while True:
             try:
-                opened = await tls(node, port)
+                opened = await tls(node, port, worker)
             except OSError:  # still full: closed before its handshake
                 await anyio.sleep(0.05)
                 continue

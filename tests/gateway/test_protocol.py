@@ -46,7 +46,8 @@ async def test_the_gateway_publishes_the_events_of_remote_attempts(make_node: Ma
         w1 = node.remote("w1")
         lease = await w1.leased()
         note = {**lease_of(lease), "phase": "initialize"}
-        await w1.post("/w1/phase", {"notes": [note, {**note, "phase": "run", "progress": {"fraction": 1.0}}]})
+        await w1.post("/w1/phase", {"notes": [note]})
+        await w1.post("/w1/phase", {"notes": [{**note, "phase": "run", "progress": {"fraction": 1.0}}]})
         await w1.post("/w1/finish", {"endings": [{**lease_of(lease), "status": "succeeded"}]})
         names = [name for name, worker in seen if worker == "w1"]
         assert names == ["worker.enrolled", "task.leased", "task.phase", "task.phase", "task.progress", "task.finished"]

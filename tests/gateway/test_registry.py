@@ -178,6 +178,17 @@ async def test_a_worker_at_its_cap_is_held_until_one_of_its_attempts_ends(make_n
         assert [t["task"]["id"] for t in answers[0].body["tasks"]] == [second]
 
 
+async def test_a_pending_workers_every_write_is_worker_pending_finish_included(make_node: MakeNode) -> None:
+    async with make_node() as node:
+        w1 = node.remote("w1")
+        assert (await w1.acquire()).code == "worker_pending"  # recorded pending
+        held = {"attempt_id": "a" * 32, "lease_token": f"{'0' * 26}.{'f' * 32}"}
+        for path, body in (("/w1/renew", {"leases": [held]}), ("/w1/phase", {"notes": [{**held, "phase": "run"}]}),
+                           ("/w1/finish", {"endings": [{**held, "status": "succeeded"}]})):
+            answer = await w1.post(path, body)
+            assert (answer.status, answer.code) == (403, "worker_pending"), (path, answer)
+
+
 async def test_a_pending_workers_connection_is_closed_after_its_answer(make_node: MakeNode) -> None:
     async with make_node() as node:
         w1 = node.remote("w1")

@@ -21,7 +21,7 @@ async def test_a_record_read_before_a_revoke_does_not_replace_the_revoked_one() 
     now = 1_000.0
     registry = WorkerRegistry(MemoryStore(), EventBus(), Controls(), Parking(),
                               GatewayMetrics(held=lambda: 0, streams=lambda: 0), clock=lambda: now)
-    peer = Peer("w1", "ab" * 32, now + 3600, "127.0.0.1")
+    peer = Peer("w1", "ab" * 32, now + 3600, "127.0.0.1", "cd" * 32)
 
     async def meet() -> WorkerState:
         worker = await registry.meet(peer, cert=CertSeen(peer.fingerprint, peer.not_after), enroll="auto",
@@ -42,7 +42,7 @@ async def test_a_submits_tag_check_counts_only_the_tags_a_workers_record_allows(
     store = MemoryStore()
     registry = WorkerRegistry(store, EventBus(), Controls(), Parking(),
                               GatewayMetrics(held=lambda: 0, streams=lambda: 0), clock=lambda: now)
-    peer = Peer("w1", "ab" * 32, now + 3600, "127.0.0.1")
+    peer = Peer("w1", "ab" * 32, now + 3600, "127.0.0.1", "cd" * 32)
     await registry.meet(peer, cert=CertSeen(peer.fingerprint, peer.not_after), enroll="auto", max_concurrent_tasks=4)
     await store.acquire("w1", ClaimFilter(("noop",)), limit=1, now=now, lease_s=30.0, worker_id="w-1",
                         slots=[["gpu", "lab-1"]], version="0.1.0")
@@ -59,7 +59,7 @@ async def test_a_version_is_compared_with_min_worker_version_as_numbers(version:
     now = 1_000.0
     registry = WorkerRegistry(MemoryStore(), EventBus(), Controls(), Parking(),
                               GatewayMetrics(held=lambda: 0, streams=lambda: 0), clock=lambda: now)
-    peer = Peer("w1", "ab" * 32, now + 3600, "127.0.0.1")
+    peer = Peer("w1", "ab" * 32, now + 3600, "127.0.0.1", "cd" * 32)
     try:
         await registry.meet(peer, cert=CertSeen(peer.fingerprint, peer.not_after), enroll="auto",
                             max_concurrent_tasks=4, version=version, min_version="0.3.0")

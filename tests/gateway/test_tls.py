@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import socket
 import ssl
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aiohttp
 import anyio
 import pytest
-from cryptography.hazmat.primitives import serialization
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
 
 from tidepool.gateway import pki
 from tidepool.settings import load
@@ -148,9 +149,6 @@ def test_an_identity_over_255_characters_is_none() -> None:
 
 
 def test_the_issuer_of_a_certificate_is_the_ca_whose_key_signed_it_among_cas_of_one_name(tmp_path: Path) -> None:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-
     from tidepool.gateway.tls import issuer_of
 
     now = datetime.now(UTC)
@@ -161,3 +159,62 @@ def test_the_issuer_of_a_certificate_is_the_ca_whose_key_signed_it_among_cas_of_
         serialization.Encoding.DER)
     assert issuer_of(der, cas) == cas[1].fingerprint(hashes.SHA256()).hex()
     assert issuer_of(der, cas[:1]) == ""  # a CA of its name that did not sign it is not its issuer
+
+
+def intermediate_chain(directory: Path, name: str) -> tuple[Path, Path, pki.Issued]:
+    """A root CA, an intermediate CA it signs and a client certificate for `name` the intermediate signs, as
+    files: (the root's, the intermediate's, the client's, whose certificate file sends the intermediate too)."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.now(UTC)
+
+    def signed(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, by: ec.EllipticCurvePrivateKey,
+               *, ca: bool) -> x509.Certificate:
+        built = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
+                                                                                      subject)]))
+                 .issuer_name(issuer).public_key(key.public_key()).serial_number(x509.random_serial_number())
+                 .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + timedelta(days=1))
+                 .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            built = (built.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                     .add_extension(x509.SubjectAlternativeName([x509.DNSName(subject)]), critical=False))
+        return built.sign(by, hashes.SHA256())
+
+    root_key, middle_key, leaf_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
+    root = signed("chain root CA", root_key, x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "chain root CA")]),
+                  root_key, ca=True)
+    middle = signed("chain intermediate CA", middle_key, root.subject, root_key, ca=True)
+    leaf = signed(name, leaf_key, middle.subject, middle_key, ca=False)
+    pem = serialization.Encoding.PEM
+    directory.mkdir(parents=True)
+    files = (directory / "root.pem", directory / "intermediate.pem", directory / f"{name}.pem", directory / "key.pem")
+    files[0].write_bytes(root.public_bytes(pem))
+    files[1].write_bytes(middle.public_bytes(pem))
+    files[2].write_bytes(leaf.public_bytes(pem) + middle.public_bytes(pem))
+    files[3].write_bytes(leaf_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return files[0], files[1], pki.Issued(files[2], files[3])
+
+
+async def test_a_certificate_an_intermediate_ca_signed_is_bound_to_it_or_refused_never_left_unbound(
+        make_node: MakeNode, lab: pki.Lab, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Python's ssl tells no verified chain: with only the root in client_ca_file the CA that anchors the chain
+    is unknown, and the certificate is refused; with the intermediate in the file too, it is its issuer."""
+    root, middle, issued = intermediate_chain(tmp_path / "chain", "w9")
+    context = ssl.create_default_context(cafile=str(lab.ca_file))
+    context.load_cert_chain(issued.cert, issued.key)
+    for n, trusted in enumerate(([root], [root, middle])):
+        bundle = tmp_path / f"bundle-{n}.pem"
+        bundle.write_bytes(b"".join(p.read_bytes() for p in (lab.ca_file, *trusted)))
+        async with make_node(gateway={**AUTO, "client_ca_file": str(bundle)}) as node:
+            answer = await node.remote(context=context).acquire()
+            workers = (await node.call("GET", "/v1/workers")).body["workers"]
+        if len(trusted) == 1:
+            assert (answer.status, answer.code) == (403, "identity_conflict"), answer
+            assert workers == []
+            assert any("w9 refused: no CA of gateway.client_ca_file signed its certificate" in r.getMessage()
+                       for r in caplog.records)
+        else:
+            assert answer.status == 200, answer
+            fingerprint = x509.load_pem_x509_certificate(middle.read_bytes()).fingerprint(hashes.SHA256()).hex()
+            assert [(w["id"], w["issuer"]) for w in workers] == [("w9", fingerprint)]

@@ -74,6 +74,20 @@ async def test_a_result_payloads_strings_keys_and_nested_values_are_stored_stora
     assert [r.payload for r in t.results] == [stored]
 
 
+async def test_a_results_plugin_name_and_key_are_stored_storable_and_the_task_completes(store: Store) -> None:
+    c = await running(store)
+    payload = {"n": 1}
+    batch = ResultBatch(dirty("plugin"), 0, f"{c.task.id}:{dirty('k')}", sha256_of(payload), True, payload,
+                        c.lease.attempt_id)
+    ack = await store.record_result(c.lease, batch, now=T0 + 1)
+    assert (ack.plugin, ack.idempotency_key, ack.stored_now) == (CLEAN + "plugin", f"{c.task.id}:{CLEAN}k", True)
+    again = await store.record_result(c.lease, batch, now=T0 + 2)  # the same key cleaned alike: found, not new
+    assert (again.idempotency_key, again.stored_now) == (ack.idempotency_key, False)
+    assert await store.finish(c.lease, Outcome(AttemptStatus.SUCCEEDED), now=T0 + 3, policy=POLICY) is State.COMPLETED
+    t = await store.get(c.task.id)
+    assert [(r.plugin, r.idempotency_key) for r in t.results] == [(CLEAN + "plugin", f"{c.task.id}:{CLEAN}k")]
+
+
 async def test_a_phase_notes_progress_message_is_stored_storable(store: Store) -> None:
     c = await running(store)
     note = PhaseNote(c.lease, Phase.RUN, {"fraction": 0.25, "message": dirty("")})

@@ -44,6 +44,7 @@ class RemoteAttempt:
     identity: str
     phase: str | None = None  # the last one published
     lost: bool = False        # its loss was published
+    progress_at: float = float("-inf")  # when its progress was last published
     limits: tuple[str, float | None] | None = None  # its task's (type, own timeout_s), once known
 
 

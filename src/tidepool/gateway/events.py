@@ -3,7 +3,8 @@ under the names and fields a local attempt's engine uses, and nothing the protoc
 
 A phase note carries an attempt's phase and progress but not the plugin that reported it, so a remote
 `task.progress` has `plugin: null`, and there is no `plugin.started` or `plugin.finished` for a remote attempt.
-A result names its plugin (`task.result` has it). A phase is published when it changes, though notes repeat it.
+A result names its plugin (`task.result` has it). A phase is published when it changes, though notes repeat it;
+progress at most once every PROGRESS_EVERY_S per attempt.
 A lease that expired under the worker is published once per attempt, as `task.lease_lost`, when the gateway
 first refuses a write behind it; not once another attempt holds the task, whose events share its task id.
 A task's end is published as a local attempt's is, with bare arguments (events.py): its data is built only if
@@ -19,7 +20,10 @@ from ..store import Store
 from .attempts import RemoteAttempt, RemoteAttempts
 from .schemas import EndingIn, NoteIn
 
-LOST = ("expired", "deadline")  # a cancelled attempt, or a revoked worker's, ends as cancelled instead
+LOST = ("expired", "deadline")
+# A worker may send progress notes as fast as it likes: published as they came, they would push every other
+# event out of the ring the event stream replays from. The store still keeps each attempt's latest progress.
+PROGRESS_EVERY_S = 1.0  # a cancelled attempt, or a revoked worker's, ends as cancelled instead
 
 
 class AttemptEvents:
@@ -36,13 +40,14 @@ class AttemptEvents:
                                  attempt_id=c.lease.attempt_id, attempt=c.task.attempt, type=c.task.type,
                                  available_at=c.task.available_at)
 
-    def noted(self, identity: str, task_id: str, note: NoteIn) -> None:
+    def noted(self, identity: str, task_id: str, note: NoteIn, *, now: float) -> None:
         attempt = self._attempts.known(note.attempt_id, task_id, identity)
         if attempt.phase != note.phase.value:
             attempt.phase = note.phase.value
             self._events.publish("task.phase", task_id=task_id, worker_id=identity, phase=note.phase.value,
                                  attempt_id=note.attempt_id)
-        if note.progress is not None:
+        if note.progress is not None and now - attempt.progress_at >= PROGRESS_EVERY_S:
+            attempt.progress_at = now
             self._events.publish("task.progress", task_id=task_id, worker_id=identity, plugin=None,
                                  **note.progress.model_dump())
 

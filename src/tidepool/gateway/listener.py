@@ -1,7 +1,8 @@
 """The gateway's TLS listener: the /w1 app on sockets of its own, behind the same connection guard as the /v1
 API (a deadline for each request's headers, a cap on connections, a short keep-alive), with two more steps
 for each connection it accepts: the cap is applied before any byte of TLS (a full listener closes the new
-socket at once, a refusal costs no handshake), and the handshake has the header deadline too."""
+socket at once, a refusal costs no handshake, and so does one past its source address's handshakes in flight),
+and the handshake has a short deadline of its own."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import logging
 import resource
 import socket
 import ssl
+from collections import Counter
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
@@ -44,6 +46,15 @@ REFUSED_FIRST_REQUEST_S = 1.0
 # A closed connection waits this long for its peer's close_notify: one that never answers it (a refused
 # caller) keeps its place no longer (asyncio's default is 30 s).
 SHUTDOWN_TIMEOUT_S = 2.0
+# A TLS 1.3 handshake with a client certificate is two round trips: done in a second even over a slow link.
+# A socket that has not finished it by then holds a place in the listener for nothing (one that never sends a
+# ClientHello would hold it until the header deadline).
+HANDSHAKE_TIMEOUT_S = 3.0
+# Connections of one source address in their handshake at once: above what a worker opens at once (each of
+# its 64 held acquires is a connection of its own) or a NAT of a few of them, reconnecting after a gateway
+# restart; past it a new one is closed at once, so one address cannot fill the listener with silent sockets
+# before any certificate has been seen.
+MAX_HANDSHAKES_PER_ADDRESS = 128
 ACCEPT_RETRY_S = 1.0  # out of file descriptors: accepting again this much later (asyncio's servers do the same)
 _OUT_OF_FILES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
@@ -72,6 +83,7 @@ class TlsListener:
         self._refused = refused    # a connection refused, by reason (the metric)
         self._admitted = admitted  # a connection past its handshake, its peer known
         self._no_files = Outage(log)
+        self._handshaking: Counter[str] = Counter()  # connections in their handshake, by source address
 
     def bind(self) -> list[socket.socket]:
         """The listening sockets (one per address the host resolves to); OSError naming gateway.listen."""
@@ -97,11 +109,11 @@ class TlsListener:
         return sockets
 
     async def accept(self, sock: socket.socket, tg: TaskGroup) -> None:
-        """Accept connections until cancelled: past the cap each is closed before its handshake."""
+        """Accept connections until cancelled: past a cap each is closed before its handshake."""
         loop = asyncio.get_running_loop()
         while True:
             try:
-                connection, _ = await loop.sock_accept(sock)
+                connection, source = await loop.sock_accept(sock)
             except (ConnectionAbortedError, InterruptedError):
                 continue  # the client left before it was accepted
             except OSError as exc:
@@ -112,19 +124,34 @@ class TlsListener:
                 await anyio.sleep(ACCEPT_RETRY_S)
                 continue
             self._no_files.over("%s: accepting connections again", NAME)
-            if not self._guard.admit():
-                connection.close()
-                self._refused("listener_full")
+            address = str(source[0])
+            if self._closed_at_once(connection, address):
                 continue
-            tg.start_soon(self._handshake, connection)
+            self._handshaking[address] += 1
+            tg.start_soon(self._handshake, connection, address)
 
-    async def _handshake(self, connection: socket.socket) -> None:
-        """The TLS handshake of an admitted connection; its place is given back if it fails."""
+    def _closed_at_once(self, connection: socket.socket, address: str) -> bool:
+        """Whether a new connection is closed before its handshake: its source address has
+        MAX_HANDSHAKES_PER_ADDRESS handshakes in flight, or the listener holds its cap (else it is counted)."""
+        if self._handshaking[address] >= MAX_HANDSHAKES_PER_ADDRESS:
+            reason = "handshakes_per_address"
+        elif not self._guard.admit():
+            reason = "listener_full"
+        else:
+            return False
+        connection.close()
+        self._refused(reason)
+        return True
+
+    async def _handshake(self, connection: socket.socket, address: str) -> None:
+        """The TLS handshake of an admitted connection, within HANDSHAKE_TIMEOUT_S (never past the header
+        deadline); its place is given back if it fails."""
         made = False
         try:
             transport, _ = await asyncio.get_running_loop().connect_accepted_socket(
                 lambda: self._guard.admitted(self._handler()), connection, ssl=self._context,
-                ssl_handshake_timeout=self._guard.header_timeout_s, ssl_shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+                ssl_handshake_timeout=min(HANDSHAKE_TIMEOUT_S, self._guard.header_timeout_s),
+                ssl_shutdown_timeout=SHUTDOWN_TIMEOUT_S)
             made = True
         except OSError as exc:  # ssl.SSLError, a reset, the handshake's deadline: nothing was served
             log.debug("%s: a TLS handshake failed: %s", NAME, exc)
@@ -133,6 +160,9 @@ class TlsListener:
             log.exception("%s: a connection could not be set up", NAME)
             return
         finally:
+            self._handshaking[address] -= 1
+            if not self._handshaking[address]:
+                del self._handshaking[address]  # kept for the addresses handshaking now, not every one seen
             if not made:
                 self._guard.release()
                 connection.close()
@@ -142,10 +172,12 @@ class TlsListener:
 
 def _holding_nothing(gateway: Gateway, guard: ConnectionGuard) -> Callable[[asyncio.BaseTransport], None]:
     """What a connection is told once its handshake names its peer. One past its identity's own cap is answered
-    429 and closed at once, and gives its place in the listener back at once. One of an identity refused lately
-    (revoked, pending, outdated) must send its first request at once: a revoked worker may still say that
-    what the revoke cancelled has stopped, and a pending one may have been enabled since, but neither holds
-    a silent connection."""
+    429 and closed at once; it keeps its place in the listener until its socket is closed (its peer's answer to
+    the close, or SHUTDOWN_TIMEOUT_S): a place stands for an open socket, and places given back before their
+    sockets were gone would let refused sockets pile up past the cap and the open files it is sized for. One of
+    an identity refused lately (revoked, pending, outdated) must send its first request at once: a revoked
+    worker may still say that what the revoke cancelled has stopped, and a pending one may have been enabled
+    since, but neither holds a silent connection."""
 
     def admitted(transport: asyncio.BaseTransport) -> None:
         peer = peer_of(transport)
@@ -154,7 +186,6 @@ def _holding_nothing(gateway: Gateway, guard: ConnectionGuard) -> Callable[[asyn
         controls, most = gateway.controls, gateway.settings.max_connections_per_worker
         if not controls.join(peer.identity, transport, most=most, when_lost=guard.when_lost):
             gateway.metrics.connections_refused.inc(("too_many_connections",))
-            guard.let_go(transport)
             _answer_and_close(transport, 429, "too_many_connections", too_many_connections(peer.identity, most))
         elif controls.refusal_of(peer.identity) is not None:
             guard.hurry(transport, REFUSED_FIRST_REQUEST_S)

@@ -295,11 +295,12 @@ class Gateway:
         written = [PhaseNote(lease := lease_of(n.attempt_id, n.lease_token), n.phase,
                              None if n.progress is None else n.progress.model_dump(),
                              await self._deadline_s(worker.id, lease, n.phase)) for n in kept]
-        lost = await self.store.set_phase(written, now=self._clock()) if written else {}
+        now = self._clock()
+        lost = await self.store.set_phase(written, now=now) if written else {}
         for note, phase_note in zip(kept, written, strict=True):
             why = lost.get(note.attempt_id)
             if why is None:
-                self.reports.noted(worker.id, phase_note.lease.task_id, note)
+                self.reports.noted(worker.id, phase_note.lease.task_id, note, now=now)
             elif not isinstance(why, TaskCancelling) and \
                     (reason := await self._reason(phase_note.lease, why)) is not None:
                 await self.reports.lost(worker.id, phase_note.lease.task_id, note.attempt_id, reason)
@@ -344,8 +345,9 @@ class Gateway:
         return ack, ack.stored_now
 
     async def finish(self, worker: RemoteWorker, endings: Sequence[EndingIn]) -> dict[str, Any]:
-        taken = _acknowledgements(endings) if worker.state is WorkerState.REVOKED else endings
-        if not taken:
+        revoked = worker.state is WorkerState.REVOKED
+        taken = _acknowledgements(endings) if revoked else endings
+        if not (revoked and taken):  # what a revoked worker may still say is taken; a pending one holds nothing
             self.registry.refuse_unless_served(worker, write=True)
         mine = await self._owned(worker, taken)
         now = self._clock()
@@ -413,15 +415,15 @@ class Gateway:
         """Why a lease the store refused is gone: past its run deadline, cancelled, superseded (another attempt
         holds the task) or expired. None when the task its token names (unknown, or another's) has no such
         attempt: the caller is answered as for an attempt it does not hold, and nothing is published for that
-        task, so a worker learns nothing of tasks that are not its own."""
-        if isinstance(lost, DeadlinePassed):
+        task, so a worker learns nothing of tasks that are not its own. StoreUnavailable when the task cannot be
+        read: until the token's task is known to hold the attempt, nothing is said or published of either (the
+        worker sends its write again)."""
+        if isinstance(lost, DeadlinePassed):  # the store found it fenced on task, attempt and token
             return lost.reason
         try:
             task = await self.store.get(lease.task_id)
         except TaskNotFound:
             return None
-        except (StoreUnavailable, TidepoolError):
-            return "expired"
         if not any(a.id == lease.attempt_id for a in task.attempts):
             return None
         if task.state in (State.CANCELLING, State.CANCELLED):

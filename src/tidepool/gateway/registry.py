@@ -56,12 +56,15 @@ class WorkerRegistry:
                    version: str | None = None, min_version: str = "") -> RemoteWorker:
         """The caller's record, created at its first contact (pending, or enabled under auto enrollment).
         WorkerRefused worker_outdated for a version older than `min_version` (its record is not touched),
-        identity_conflict for a certificate of another CA than the one its identity is bound to."""
+        identity_conflict for a certificate of another CA than the one its identity is bound to, or of no CA of
+        the file at all (an intermediate's)."""
         now = self._clock()
         if peer.not_after <= now:  # checked at the handshake, but a keep-alive connection outlives it
             self._metrics.refused.inc(("certificate_expired",))
             raise WorkerRefused(peer.identity, "certificate_expired",
                                 f"its client certificate expired at {rfc3339(peer.not_after)}")
+        if not peer.issuer:
+            self._refuse_unbound(peer)
         if min_version:
             self._refuse_outdated(peer.identity, version, min_version)
         known = self._met.get(peer.identity)
@@ -86,6 +89,19 @@ class WorkerRegistry:
         if changes == self._changes:
             self._met[peer.identity] = (now, peer.fingerprint, worker)
         return worker
+
+    def _refuse_unbound(self, peer: Peer) -> None:
+        """WorkerRefused identity_conflict for a certificate no CA of the file signed itself (an intermediate
+        did): Python's ssl tells no verified chain, so the CA that anchors it is unknown, and an identity bound
+        to no CA would be anyone's whose CA the gateway trusts."""
+        self._metrics.refused.inc(("identity_conflict",))
+        self._tell_once(peer.identity, "no issuer", logging.WARNING, "worker %s refused: no CA of "
+                        "gateway.client_ca_file signed its certificate (%s) itself, so its identity cannot be bound "
+                        "to a CA; add the CA that did (an intermediate) to gateway.client_ca_file", peer.identity,
+                        peer.fingerprint)
+        raise WorkerRefused(peer.identity, "identity_conflict", "no CA of the gateway's client CA file signed its "
+                            "client certificate itself (an intermediate CA did?), so its identity cannot be bound "
+                            "to a CA: the gateway's operator adds that CA to the file")
 
     def _refuse_outdated(self, identity: str, version: str | None, min_version: str) -> None:
         """WorkerRefused worker_outdated unless `version` is min_version or newer, compared as numbers."""

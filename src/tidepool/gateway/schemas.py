@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from ..http.answers import Answer, ErrorBody, TaskDetailOut
 from ..http.bodies import JsonInt, integral
@@ -27,6 +27,20 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _one_each(items: list[Any]) -> list[Any]:
+    """A batch names each attempt once: written twice in one call, the second write of an attempt would be
+    refused behind the lease the first one moved (an ending) and its answer would hide the first one's."""
+    seen: set[str] = set()
+    for item in items:
+        if item.attempt_id in seen:
+            raise ValueError(f"attempt {item.attempt_id} is named twice: one entry per attempt")
+        seen.add(item.attempt_id)
+    return items
+
+
+OneEach = AfterValidator(_one_each)
+
+
 class AcquireIn(Body):
     types: list[str] = Field(max_length=1000, description="the task types the worker runs (names, not globs)")
     slots: list[list[Tag]] = Field(default_factory=list, max_length=MAX_SLOTS,
@@ -43,7 +57,7 @@ class LeaseIn(Body):
 
 
 class RenewIn(Body):
-    leases: list[LeaseIn] = Field(max_length=MAX_BATCH)
+    leases: Annotated[list[LeaseIn], OneEach] = Field(max_length=MAX_BATCH)
 
 
 class ProgressIn(Body):
@@ -57,7 +71,7 @@ class NoteIn(LeaseIn):
 
 
 class PhaseIn(Body):
-    notes: list[NoteIn] = Field(max_length=MAX_BATCH)
+    notes: Annotated[list[NoteIn], OneEach] = Field(max_length=MAX_BATCH)
 
 
 class ResultIn(LeaseIn):
@@ -91,7 +105,7 @@ class EndingIn(LeaseIn):
 
 
 class FinishIn(Body):
-    endings: list[EndingIn] = Field(max_length=MAX_BATCH)
+    endings: Annotated[list[EndingIn], OneEach] = Field(max_length=MAX_BATCH)
 
 
 # answers

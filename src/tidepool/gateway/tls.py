@@ -113,7 +113,9 @@ class Peer:
     fingerprint: str   # lowercase hex SHA-256 of the certificate's DER form
     not_after: float
     address: str | None
-    issuer: str = ""   # lowercase hex SHA-256 of the DER form of the CA certificate that signed it
+    # lowercase hex SHA-256 of the DER form of the CA certificate of client_ca_file that signed it; "" when
+    # none did itself (an intermediate did): the registry refuses such a peer, never binding it to no CA
+    issuer: str
 
 
 def peer_of(transport: Any) -> Peer | None:

@@ -73,13 +73,6 @@ class ConnectionGuard:
         """An admitted connection that never reached its protocol (its TLS handshake failed)."""
         self.open -= 1
 
-    def let_go(self, transport: asyncio.BaseTransport) -> None:
-        """A connection being closed gives its place back now, not once its peer has answered the close."""
-        connection = self._connections.get(transport)
-        if connection is not None and connection._counted:
-            connection._counted = False
-            self.open -= 1
-
     def hurry(self, transport: asyncio.BaseTransport, deadline_s: float) -> None:
         """The connection's first request must come within `deadline_s`: one of a caller that may hold no
         connection is not kept for the full header deadline."""

@@ -14,10 +14,11 @@ from .series import Counter, gauge
 ANSWERS = ("leased", "empty", "disabled")
 REFUSALS = ("expired", "cancelled", "revoked", "superseded", "pending", "sha256", "conflict", "identity_conflict",
             "outdated", "deadline", "result_quota")
-# listener_full: closed before the TLS handshake; too_many_connections: the identity's cap (429);
-# control_streams: an identity's oldest stream closed for a new one; certificate_*: a live connection closed
-CONNECTION_REFUSALS = ("listener_full", "too_many_connections", "control_streams", "certificate_expired",
-                       "certificate_untrusted")
+# listener_full, handshakes_per_address: closed before the TLS handshake (the listener's cap, its source
+# address's handshakes in flight); too_many_connections: the identity's cap (429); control_streams: an identity's
+# oldest stream closed for a new one; certificate_*: a live connection closed
+CONNECTION_REFUSALS = ("listener_full", "handshakes_per_address", "too_many_connections", "control_streams",
+                       "certificate_expired", "certificate_untrusted")
 
 
 class GatewayMetrics:

@@ -92,8 +92,8 @@ class StoreSettings(Section):
 def redacted_url(url: str) -> str:
     """A store URL as it may be printed (logs, messages, `config check`): its password, if any, as ***, whatever
     the scheme, also with no user (`postgresql://:pw@host`) or an `@` in the password (the host follows the
-    last one); a `password=` of the query (libpq takes one there too) as well. Where a URL is odd, more is
-    hidden rather than less."""
+    last one); a `password=` of the query (libpq takes one there too, quoted or not) as well. Where a URL is
+    odd, more is hidden rather than less."""
     scheme, sep, rest = url.partition("://")
     if sep:
         at = rest.rfind("@")
@@ -103,7 +103,10 @@ def redacted_url(url: str) -> str:
     return _PASSWORD_PARAMETER.sub(r"\1***", url)
 
 
-_PASSWORD_PARAMETER = re.compile(r"((?:ssl)?pass(?:word)?\s*=\s*)[^&\s]*", re.IGNORECASE)
+# A value quoted as libpq takes one ('a b', with \' inside) is hidden to its closing quote, or to the end
+# when there is none; an unquoted one to the next & or space.
+_PASSWORD_PARAMETER = re.compile(r"""((?:ssl)?pass(?:word)?\s*=\s*)"""
+                                 r"""(?:'(?:\\.|[^'\\])*'?|"(?:\\.|[^"\\])*"?|[^&\s]*)""", re.IGNORECASE)
 
 
 class PoolSettings(Section):

@@ -94,12 +94,13 @@ def endings(ends: Sequence[Ending]) -> Sequence[Ending]:
 
 
 def batch(result: ResultBatch) -> ResultBatch:
-    """A result batch with its payload made storable; its sha256 is then the stored payload's, so the same
-    batch sent again is the same batch."""
-    cleaned = payload(result.payload)
-    if cleaned is result.payload:
+    """A result batch with its plugin name, idempotency key and payload made storable; its sha256 is then the
+    stored payload's, so the same batch sent again is the same batch (its key cleaned the same way finds it)."""
+    plugin, key, cleaned = text(result.plugin), text(result.idempotency_key), payload(result.payload)
+    if plugin is result.plugin and key is result.idempotency_key and cleaned is result.payload:
         return result
-    return replace(result, payload=cleaned, sha256=sha256_of(cleaned))
+    digest = result.sha256 if cleaned is result.payload else sha256_of(cleaned)
+    return replace(result, plugin=plugin, idempotency_key=key, payload=cleaned, sha256=digest)
 
 
 def notes(written: Sequence[PhaseNote]) -> Sequence[PhaseNote]:

@@ -16,6 +16,9 @@ from tidepool.settings import redacted_url
     ("postgres://tp@db.example/tidepool?password=TopSecret99&schema=a", "postgres://tp@db.example/tidepool?password=***&schema=a"),
     ("postgresql://tp@db.example/t?sslpassword=TopSecret99", "postgresql://tp@db.example/t?sslpassword=***"),
     ("host=db.example password=TopSecret99", "host=db.example password=***"),  # not a URL at all
+    ("host=db.example password='Top Secret99' user=tp", "host=db.example password=*** user=tp"),  # quoted
+    ("host=db.example password='Top \\' Secret99' user=tp", "host=db.example password=*** user=tp"),
+    ("host=db.example password='Top Secret99", "host=db.example password=***"),  # unclosed: to the end
     ("postgresql://tp@db.example/tidepool", "postgresql://tp@db.example/tidepool"),  # nothing to hide
     ("sqlite:///var/lib/tidepool/tidepool.db", "sqlite:///var/lib/tidepool/tidepool.db"),
     ("https://gateway.example:8471", "https://gateway.example:8471"),
