@@ -4,7 +4,8 @@
     ├── ConfigError              a setting is missing, unknown or inconsistent (exit 2)
     ├── InvalidTransition        the lifecycle table forbids this move (nothing changed)
     ├── InvalidRequest           a submission names an unknown type or unserviceable tags (HTTP 400)
-    │   └── OutOfScope           a payload field names a target outside its plugin's scope (HTTP 400 out_of_scope)
+    │   ├── OutOfScope           a payload field names a target outside its plugin's scope (HTTP 400 out_of_scope)
+    │   └── DigestMismatch       bytes whose sha256 is not the one named (HTTP 400 digest_mismatch, nothing stored)
     ├── WorkerRefused            the registry refuses a remote worker's call (HTTP 403: worker_pending, ...)
     ├── LeaseGone                a remote worker's write behind a lease it no longer holds (HTTP 410 lease_lost)
     ├── StoreError
@@ -14,18 +15,20 @@
     │   ├── ScheduleNotFound     no schedule with this name (HTTP 404)
     │   ├── ScanNotFound         no scan with this id (HTTP 404)
     │   ├── WorkerNotFound       no remote worker with this identity in the registry (HTTP 404)
+    │   ├── BlobNotFound         no blob with this sha256 (HTTP 404)
+    │   ├── BlobTooLarge         a blob past artifacts.max_blob_bytes (HTTP 413 blob_too_large)
     │   ├── Conflict             a write contradicts an earlier one (HTTP 409)
     │   │   └── IssuerConflict   a certificate of another CA than the one its identity is bound to
     │   ├── QueueFull            pending + retry_wait is at pool.max_queued (HTTP 429)
     │   ├── RemoteNode           this node is a remote worker: the queue lives on its gateway (HTTP 409)
     │   ├── ValueRefused         the store cannot keep this value as it is (HTTP 422, never retried as an outage)
-    │   ├── QuotaExceeded        an attempt wrote past its quota of results (HTTP 413 result_quota)
+    │   ├── QuotaExceeded        an attempt wrote past a quota (HTTP 413 result_quota, artifact_quota)
     │   └── LeaseLost            the attempt's lease is stale, expired or taken over
     │       ├── TaskCancelling   the lease ended because a cancel was committed
     │       └── DeadlinePassed   the attempt ran past its run deadline: the store takes nothing more of it
     └── PluginError              a plugin failed; `code` says how, `retryable` whether to try again
         ├── InvalidArgument      a template value was refused before anything ran (not retried)
-        ├── LimitExceeded        a plugin breached memory_mb, cpu_s, nofile, max_output_kb or disk_mb
+        ├── LimitExceeded        a plugin breached memory_mb, cpu_s, nofile, disk_mb or max_blob_bytes (stdout)
         └── TargetRefused        a target outside the plugin's scope, found before anything reached it
 """
 
@@ -129,6 +132,33 @@ class WorkerNotFound(StoreError):
     def __init__(self, worker_id: str) -> None:
         super().__init__(f"worker {worker_id!r} not found")
         self.worker_id = worker_id
+
+
+class BlobNotFound(StoreError):
+    http_status, code = 404, "blob_not_found"
+
+    def __init__(self, sha256: str) -> None:
+        super().__init__(f"blob {sha256} not found")
+        self.sha256 = sha256
+
+
+class DigestMismatch(InvalidRequest):
+    """Bytes whose SHA-256 is not the one their sender named: nothing was stored."""
+
+    code = "digest_mismatch"
+
+    def __init__(self, expected: str, actual: str, field: str = "X-Content-SHA256") -> None:
+        super().__init__(field, f"the body's sha256 is {actual}, not {expected}; nothing was stored")
+
+
+class BlobTooLarge(StoreError):
+    """A blob past [artifacts] max_blob_bytes: nothing was stored."""
+
+    http_status, code = 413, "blob_too_large"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"a blob may hold at most {limit} bytes ([artifacts] max_blob_bytes); nothing was stored")
+        self.limit = limit
 
 
 class Conflict(StoreError):

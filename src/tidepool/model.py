@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -79,6 +80,18 @@ def cancel_deadline_error(deadline_s: float) -> TaskError:
 
 DEFAULT_ORGANIZATION = "default"
 ORGANIZATION_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"  # an organization's name: what a submit, a filter and a worker take
+FILE_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"    # an input's or an artifact's name: one path segment
+SHA256_PATTERN = r"^[0-9a-f]{64}$"               # a blob's name: the lowercase hex SHA-256 of its bytes
+_FILE_NAME = re.compile(FILE_NAME_PATTERN)
+
+
+def file_name_error(name: object) -> str | None:
+    """Why `name` cannot name an input or an artifact (it becomes a file of the workdir), else None."""
+    if not isinstance(name, str) or not _FILE_NAME.match(name):
+        return "must be 1 to 64 of A-Z a-z 0-9 . _ -"
+    if name in {".", ".."}:
+        return "must not be . or .."
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +107,7 @@ class NewTask:
     idempotency_key: str | None = None
     available_at: float | None = None
     organization: str = DEFAULT_ORGANIZATION  # which remote workers may see it (local workers serve every one)
+    inputs: dict[str, str] = field(default_factory=dict)  # file name -> sha256 of a stored blob
 
     def fingerprint(self) -> str:
         """What makes two submits with one idempotency key "the same body": every field but the key, the
@@ -107,6 +121,8 @@ class NewTask:
             body.append(self.available_at)
         if self.organization != DEFAULT_ORGANIZATION:  # likewise: the default hashes as before it existed
             body.append(["organization", self.organization])
+        if self.inputs:
+            body.append(["inputs", self.inputs])
         return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
@@ -141,6 +157,27 @@ class ResultBatch:
     stored_now: bool = field(default=False, compare=False)
 
 
+@dataclass(frozen=True, slots=True)
+class Blob:
+    """Immutable bytes, named by the lowercase hex SHA-256 of their content; stored whole and durable or not at all."""
+
+    sha256: str
+    size: int
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Artifact:
+    """A file an attempt recorded: one per (attempt, name), its bytes a blob."""
+
+    name: str
+    sha256: str
+    size: int
+    content_type: str | None
+    attempt_id: str
+    created_at: float
+
+
 @dataclass(slots=True)  # hot path: plain is 4x cheaper to build than frozen; treat as immutable
 class Task:
     id: str
@@ -165,6 +202,8 @@ class Task:
     attempts: tuple[Attempt, ...] = ()
     results: tuple[ResultBatch, ...] = ()
     organization: str = DEFAULT_ORGANIZATION
+    inputs: dict[str, str] = field(default_factory=dict)  # as submitted: file name -> sha256
+    artifacts: tuple[Artifact, ...] = ()                   # every attempt's, oldest first (get only)
 
 
 @dataclass(slots=True)  # hot path: plain is 4x cheaper to build than frozen; treat as immutable

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tidepool.errors import StoreUnavailable
+from tidepool.errors import BlobNotFound, StoreUnavailable
 from tidepool.events import Event, EventBus
 from tidepool.execution.pool import PoolStats
 from tidepool.lifecycle import RetryPolicy
@@ -215,3 +215,22 @@ async def test_retention_days_0_keeps_finished_tasks_for_good(tmp_path: Path) ->
         assert (await prune.pass_once()).pruned == 1  # and at once, on the first pass after the time
     finally:
         await store.close()
+
+
+async def _one_blob(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def test_each_pass_deletes_the_blobs_no_task_named_for_keep_unreferenced_s(setup: Setup) -> None:
+    setup.reconciler.config = ReconcilerConfig(keep_unreferenced_s=600.0)
+    named, _ = await setup.store.put_blob(_one_blob(b"sample"), now=T0, max_bytes=100)
+    orphan, _ = await setup.store.put_blob(_one_blob(b"orphan"), now=T0, max_bytes=100)
+    await setup.store.add(NewTask("scan", inputs={"sample": named.sha256}), now=T0)
+    setup.clock.now = T0 + 599
+    assert (await setup.reconciler.pass_once()).blobs == 0
+    setup.clock.now = T0 + 601
+    assert (await setup.reconciler.pass_once()).blobs == 1
+    assert await setup.store.get_blob(named.sha256) == named
+    with pytest.raises(BlobNotFound):
+        await setup.store.get_blob(orphan.sha256)
+    assert [e.data["blobs"] for e in setup.seen if e.name == "reconciler.pass"] == [0, 1]

@@ -25,6 +25,9 @@ Schema = dict[str, str]
 
 # What one store has and the other has not, and why: (the store that has it, the item) -> the reason.
 DECLARED: dict[tuple[str, str], str] = {
+    ("postgres", "table blob_chunks"):
+        "blobs' bytes live in the database, so every node and gateway of a fleet serves them; a SQLite store keeps "
+        "them in files beside the database",
     ("postgres", "table schema_version"):
         "nodes starting together migrate under a lock and read the version as a row; a SQLite file keeps its "
         "version in PRAGMA user_version",

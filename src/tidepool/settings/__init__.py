@@ -22,6 +22,7 @@ from .sections import *  # noqa: F403  (every section model is the package's to 
 from .sections import (
     BUILTIN_TYPES,
     ApiSettings,
+    ArtifactSettings,
     ExecutionSettings,
     GatewaySettings,
     GuardSettings,
@@ -56,6 +57,7 @@ class Settings(BaseSettings):
     retry: RetrySettings = RetrySettings()
     execution: ExecutionSettings = ExecutionSettings()
     reconciler: ReconcilerSettings = ReconcilerSettings()
+    artifacts: ArtifactSettings = ArtifactSettings()
     guards: GuardSettings = GuardSettings()
     api: ApiSettings = ApiSettings()
     gateway: GatewaySettings = GatewaySettings()

@@ -191,6 +191,16 @@ def _check_user(name: str) -> str:
 UserName = Annotated[str, AfterValidator(_check_user)]
 
 
+def _check_artifact_glob(pattern: str) -> str:
+    """A glob of a command's artifacts: relative to its work directory, and never out of it."""
+    if not pattern or pattern.startswith("/") or ".." in pattern.split("/"):
+        raise ValueError(f"{pattern!r} is not a glob relative to the work directory (no leading /, no ..)")
+    return pattern
+
+
+ArtifactGlob = Annotated[str, AfterValidator(_check_artifact_glob)]
+
+
 class ExecutionSettings(Section):
     timeout_s: float = Field(600.0, gt=0, description="Seconds a task's run phase (all its plugins) may take "
                              "when neither the task nor its type sets a timeout.")
@@ -213,6 +223,25 @@ class ExecutionSettings(Section):
     command_user: UserName = Field("", description="The unprivileged user (and its group) every command "
                                    "plugin runs as, unless the plugin names its own `user`; the daemon must run "
                                    "as root to switch. Empty: commands run as the daemon's user.")
+
+
+class ArtifactSettings(Section):
+    store: Literal["", "file", "postgres"] = Field("", description="Where blobs' bytes live: \"file\" (under "
+                                                    "node.state_dir/blobs, one node's) or \"postgres\" (in "
+                                                    "the database, so every node and gateway of a fleet "
+                                                    "serves them). Empty: file on SQLite, postgres on "
+                                                    "PostgreSQL.")
+    max_blob_bytes: int = Field(1 << 30, ge=1, description="Bytes one blob may hold (an upload, an input, an "
+                                "artifact, a command's whole stdout); past it 413 blob_too_large.")
+    max_per_attempt: int = Field(100, ge=1, description="Artifacts one attempt may record; past it 413 "
+                                 "artifact_quota.")
+    max_attempt_bytes: int = Field(1 << 30, ge=1, description="Bytes of the artifacts one attempt records, "
+                                   "all together; past it 413 artifact_quota.")
+    keep_unreferenced_s: float = Field(3600.0, ge=0, description="Seconds a blob that no task names is kept "
+                                       "before the reconciler deletes it (an upload waits this long for "
+                                       "the submit that names it).")
+    cache_mb: int = Field(2048, ge=0, description="MiB of inputs a remote worker keeps, by sha256, least "
+                          "recently used first out; 0: none kept beyond the attempt.")
 
 
 class ReconcilerSettings(Section):
@@ -359,8 +388,10 @@ class PluginSpec(Section):
     """A configured plugin: a command (argument list) or a Python callable by dotted path."""
 
     command: tuple[str, ...] | None = Field(None, description="The program and its arguments, run without a "
-                                            "shell: `{field}` is a top-level payload field, and `{task_id}`, "
-                                            "`{attempt}` and `{workdir}` are filled in. Set this or `python`.")
+                                            "shell: `{field}` is a top-level payload field, `{task_id}`, "
+                                            "`{attempt}` and `{workdir}` are filled in, and `{input:NAME}` is "
+                                            "the path of the task's input NAME (read-only, in the work "
+                                            "directory). Set this or `python`.")
     python: str | None = Field(None, description="An async function by dotted path, `package.module:function`, "
                                "called with the task's context. Set this or `command`.")
     timeout_s: float | None = Field(None, gt=0, description="Seconds one run of the plugin may take before it "
@@ -373,8 +404,15 @@ class PluginSpec(Section):
                                 "past it, the attempt fails `limit_exceeded`. Unset: no limit.")
     nofile: int | None = Field(None, gt=0, description="Open files each process of a command may hold. Unset: "
                                "the daemon's limit.")
-    max_output_kb: int = Field(10240, gt=0, description="The most a command may write to stdout, its result, "
-                               "in KiB; past it, the attempt fails `limit_exceeded`.")
+    max_output_kb: int = Field(10240, gt=0, description="KiB of a command's stdout its result keeps; past "
+                               "them the result keeps the first max_output_kb (marked `truncated`) and the whole "
+                               "stdout is the artifact `stdout`. Only stdout past `artifacts.max_blob_bytes` "
+                               "fails the attempt `limit_exceeded`.")
+    artifacts: tuple[ArtifactGlob, ...] = Field((), description="Globs of files, relative to the command's work "
+                                                "directory (`report.xml`, `out/*.pcap`, `**/*.json`), recorded "
+                                                "as the attempt's artifacts after the command ran, whatever its "
+                                                "exit status; each by its file's base name (a later match of a "
+                                                "name taken is left out, and logged).")
     scope: tuple[Cidr, ...] | None = Field(None, min_length=1, description="CIDR blocks the targets named by "
                                            "`scope_fields` must lie in (a name must resolve only into them), "
                                            "checked at submit and again right before the plugin starts; for "
@@ -407,6 +445,9 @@ class PluginSpec(Section):
         if self.python is not None and contained:
             raise ValueError(f"{', '.join(contained)}: only a command plugin can be held to them; a Python "
                              "plugin runs inside the daemon")
+        if self.python is not None and self.artifacts:
+            raise ValueError("artifacts: only a command plugin's files are collected; a Python plugin records "
+                             "its own with ctx.artifact()")
         return self
 
 
@@ -508,7 +549,9 @@ class ResourceSettings(Section):
                        "at a time.")
     plugin: str | None = Field(None, description="Dotted path (`package.module:object`) to an object with "
                                "async `start(slot)` and `stop(slot)` hooks, run as a task takes and gives back a "
-                               "slot. Unset: no hooks.")
+                               "slot; a hook of two arguments, `start(slot, values)`, gets the task's template "
+                               "values too (`input:NAME` the path of its input NAME, placed before the slot is "
+                               "taken). Unset: no hooks.")
 
 
 class ScheduleSettings(Section):

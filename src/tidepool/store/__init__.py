@@ -10,6 +10,7 @@ which are its gateway's.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
@@ -32,7 +33,7 @@ from .rows import SCHEMA_VERSION
 from .rules import LEASE_EXPIRED, UNWRITTEN_INTERRUPTION, retry_step
 
 if TYPE_CHECKING:
-    from ..settings.sections import StoreSettings
+    from ..settings.sections import ArtifactSettings, StoreSettings
 
 __all__ = [
     "LEASE_EXPIRED", "SCHEMA_VERSION", "UNWRITTEN_INTERRUPTION", "Acquired", "CancelAnswer", "Ended", "Ending",
@@ -41,9 +42,13 @@ __all__ = [
 ]
 
 
-def open_store(url: str, *, section: StoreSettings | None = None) -> Store:
+def open_store(url: str, *, section: StoreSettings | None = None, artifacts: ArtifactSettings | None = None,
+               blob_dir: Path | None = None) -> Store:
     """The adapter for a store URL (not yet opened); a gateway's (https://) takes its certificates from
-    `section`."""
+    `section`. Blobs' bytes go where `artifacts.store` says: "file" (the default on SQLite) keeps them in
+    `blob_dir` (node.state_dir/blobs; SQLite's default is beside its file), "postgres" (the default on
+    PostgreSQL) in the database; a SQLite queue cannot keep them in PostgreSQL."""
+    where = "" if artifacts is None else artifacts.store
     if url.startswith("https://"):
         from .remote import RemoteStore
 
@@ -54,11 +59,16 @@ def open_store(url: str, *, section: StoreSettings | None = None) -> Store:
     if url.startswith("sqlite:///"):
         from .sqlite import SqliteStore
 
-        return SqliteStore(url.removeprefix("sqlite:///"))
+        if where == "postgres":
+            raise ConfigError("config: artifacts.store: \"postgres\" needs a PostgreSQL store.url; a SQLite store "
+                              "keeps blobs in files (\"file\", or leave it empty)")
+        return SqliteStore(url.removeprefix("sqlite:///"), blob_dir=blob_dir)
     if url.startswith(("postgresql://", "postgres://")):
         from .postgres import PostgresStore
 
-        return PostgresStore(url)
+        if where == "file" and blob_dir is None:
+            raise ConfigError("config: artifacts.store: \"file\" needs node.state_dir for its blob directory")
+        return PostgresStore(url, blob_dir=blob_dir if where == "file" else None)
     if url == "memory://":
         from .memory import MemoryStore
 

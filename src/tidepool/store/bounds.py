@@ -3,16 +3,17 @@
 The run deadline is fixed when the attempt's run phase starts (its run timeout, the stop phase's bound and one
 lease later). A renewal never takes the lease past it, so past it every fenced write finds the lease over, and
 the reconciler's expiry finds a lease that ran to its deadline: that attempt ends timed_out, not expired. The
-quota counts an attempt's stored result batches and their payloads' bytes, in the transaction that stores one.
+quotas count an attempt's stored result batches and their payloads' bytes, and its artifacts and their bytes,
+in the transaction that stores one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import QuotaExceeded
+from ..errors import BlobTooLarge, QuotaExceeded
 from ..model import AttemptStatus, Outcome, ResultBatch, TaskError, canonical_json
-from .port import ResultQuota
+from .port import ArtifactQuota, ResultQuota
 from .rules import expiry_outcome
 
 
@@ -71,4 +72,19 @@ def check_quota(quota: ResultQuota | None, *, task_id: str, attempt_id: str, cou
     if stored_bytes + adding > quota.max_bytes:
         raise QuotaExceeded("result_quota", f"task {task_id} attempt {attempt_id}: {adding} more bytes of results "
                             f"would take it past {quota.max_bytes} (max_result_bytes_per_attempt; "
+                            f"{stored_bytes} stored); nothing more is stored")
+
+
+def check_artifact_quota(quota: ArtifactQuota, *, task_id: str, attempt_id: str, count: int, stored_bytes: int,
+                         adding: int) -> None:
+    """BlobTooLarge or QuotaExceeded ("artifact_quota") when one more artifact of `adding` bytes would take the
+    attempt past its quota."""
+    if adding > quota.max_blob_bytes:
+        raise BlobTooLarge(quota.max_blob_bytes)
+    if count + 1 > quota.max_count:
+        raise QuotaExceeded("artifact_quota", f"task {task_id} attempt {attempt_id}: it recorded {count} artifacts, "
+                            "its quota ([artifacts] max_per_attempt); nothing more is stored")
+    if stored_bytes + adding > quota.max_bytes:
+        raise QuotaExceeded("artifact_quota", f"task {task_id} attempt {attempt_id}: {adding} more bytes of "
+                            f"artifacts would take it past {quota.max_bytes} ([artifacts] max_attempt_bytes; "
                             f"{stored_bytes} stored); nothing more is stored")

@@ -10,8 +10,9 @@ upkeep use QueuePort; an adapter of a whole store is both, Store.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Protocol
 
 import anyio
@@ -20,6 +21,8 @@ from anyio.abc import TaskStatus
 from ..errors import LeaseLost, TidepoolError
 from ..lifecycle import RetryPolicy
 from ..model import (
+    Artifact,
+    Blob,
     CertSeen,
     Claimed,
     ClaimFilter,
@@ -58,6 +61,15 @@ class ResultQuota:
 
     max_results: int
     max_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactQuota:
+    """What one attempt may record as artifacts: how many, their bytes together, and one blob's bytes."""
+
+    max_count: int
+    max_bytes: int
+    max_blob_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +210,16 @@ class LeaseVerbs(Protocol):
         The acknowledged batch comes back, its stored_now saying whether this call stored it. With `quota`, a
         new batch that would take its attempt past it raises QuotaExceeded ("result_quota") and changes nothing;
         a batch sent again is no new batch."""
+    async def place_input(self, lease: Lease, sha256: str, path: Path) -> None:
+        """Write the bytes of blob `sha256`, an input of the leased task, to the new file `path` (streamed, never
+        whole in memory). BlobNotFound if the store has no such blob; a remote worker's adapter fetches it
+        from its gateway (which answers only for a task the caller holds a live lease on) into its cache."""
+    async def record_artifact(self, lease: Lease, name: str, source: Path | bytes, *, content_type: str | None,
+                              now: float, quota: ArtifactQuota) -> Artifact:
+        """Store `source` (a file, streamed; or bytes) as a blob and record it as the attempt's artifact `name`,
+        fenced like a result. Once per (attempt, name): the same sha256 again is the earlier record, another is
+        Conflict. BlobTooLarge past quota.max_blob_bytes, QuotaExceeded ("artifact_quota") past the count or
+        bytes of quota; neither stores anything."""
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
         """End the attempt; the task's new state. finish_many of this one ending, its error raised."""
     async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
@@ -371,6 +393,32 @@ class RemoteWorkerVerbs(Protocol):
         left out."""
 
 
+class BlobVerbs(Protocol):
+    """Blobs and artifacts (each adapter's blobs.py). A blob is visible only once whole and durable; its bytes
+    live in files under node.state_dir/blobs or in the database ([artifacts] store), its record with the
+    queue, so that a blob a task names is never deleted under it."""
+
+    async def put_blob(self, chunks: AsyncIterable[bytes], *, now: float, max_bytes: int,
+                       expect: str | None = None) -> tuple[Blob, bool]:
+        """Store the bytes `chunks` yields as a blob: (the blob, whether this call created it). DigestMismatch
+        when `expect` is not their sha256, BlobTooLarge past `max_bytes`; either stores nothing."""
+    async def get_blob(self, sha256: str) -> Blob:
+        """BlobNotFound if unknown."""
+    def read_blob(self, sha256: str, *, start: int = 0, stop: int | None = None) -> AsyncIterator[bytes]:
+        """The blob's bytes [start, stop) in chunks of at most 1 MiB. BlobNotFound (at the first chunk)."""
+    async def list_artifacts(self, task_id: str) -> list[Artifact]:
+        """The task's artifacts, every attempt's, oldest first; TaskNotFound if unknown."""
+    async def note_artifact(self, lease: Lease, name: str, blob: Blob, *, content_type: str | None, now: float,
+                            quota: ArtifactQuota, identity: str | None = None) -> Artifact:
+        """record_artifact for a blob stored already (a gateway's upload): the same fence, idempotence and
+        quotas; with `identity`, the attempt must be that remote worker's too (else LeaseLost)."""
+    async def leased_blob(self, identity: str, sha256: str, *, now: float) -> bool:
+        """Whether `identity` holds a live lease on a task that names blob `sha256` as an input."""
+    async def prune_blobs(self, *, before: float, now: float) -> int:
+        """Delete the blobs created before `before` that no task names (as an input or an artifact); a blob a
+        submit names in the meantime is kept, whichever commits first. How many were deleted."""
+
+
 class WorkerPort(LeaseVerbs, Protocol):
     """What execution/ may call: a worker's verbs, and the wake-ups of work another node made claimable. An
     adapter that reaches the store from afar (a remote worker's gateway) implements this side whole."""
@@ -384,7 +432,7 @@ class WorkerPort(LeaseVerbs, Protocol):
         """
 
 
-class QueuePort(TaskVerbs, ScheduleVerbs, UpkeepVerbs, ScanVerbs, RemoteWorkerVerbs, Protocol):
+class QueuePort(TaskVerbs, ScheduleVerbs, UpkeepVerbs, ScanVerbs, RemoteWorkerVerbs, BlobVerbs, Protocol):
     """The rest: the store's lifecycle and the queue's verbs, for the daemon, its API and its upkeep."""
 
     async def open(self, *, migrate: bool = True) -> int:

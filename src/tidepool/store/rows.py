@@ -20,6 +20,7 @@ from typing import Any
 from .. import schedules
 from ..lifecycle import Event, step
 from ..model import (
+    Artifact,
     Attempt,
     AttemptStatus,
     CertSeen,
@@ -51,12 +52,15 @@ from ..schedules import Schedule
 from .port import Node, ScanMove
 
 # The schema both adapters build, step by step: 1 tasks, attempts and results; 2 schedules; 3 nodes; 4 remote
-# workers and the tasks' organizations; 5 scans; 6 what a gateway that does not trust its workers keeps.
-SCHEMA_VERSION = 6
+# workers and the tasks' organizations; 5 scans; 6 what a gateway that does not trust its workers keeps; 7 blobs,
+# the tasks' inputs and their artifacts.
+SCHEMA_VERSION = 7
 
 TASK_COLUMNS = ("id, type, payload, priority, state, phase, progress, attempt, max_attempts, interruptions, "
                 "timeout_s, required_tags, idempotency_key, node_id, error, created_at, updated_at, "
-                "available_at, finished_at, organization")
+                "available_at, finished_at, organization, inputs")
+TASK_WIDTH = len(TASK_COLUMNS.split(", "))  # where what a query selects after a task's columns starts
+ARTIFACT_COLUMNS = "name, sha256, size, content_type, attempt_id, created_at"
 ATTEMPT_COLUMNS = ("id, task_id, number, node_id, worker_id, status, started_at, finished_at, error, exit_status, "
                    "stderr_tail, deadline_at")
 RESULT_COLUMNS = "plugin, sequence, idempotency_key, sha256, final, payload, attempt_id"
@@ -97,6 +101,7 @@ def task_of(row: Sequence[Any], *, required_tags: Sequence[str], attempts: tuple
         required_tags=tuple(required_tags), idempotency_key=row[12], node_id=node_id,
         error=None if row[14] is None or leased_by else error_of(row[14]), created_at=row[15],
         updated_at=updated_at, available_at=row[17], finished_at=row[18], attempts=attempts, organization=row[19],
+        inputs=loads(row[20]),
     )
 
 
@@ -104,6 +109,11 @@ def attempt_of(r: Sequence[Any]) -> Attempt:
     """An Attempt from an ATTEMPT_COLUMNS row."""
     err = None if r[8] is None else error_of(r[8])
     return Attempt(r[0], r[1], r[2], r[3], r[4], AttemptStatus(r[5]), r[6], r[7], err, r[9], r[10], r[11])
+
+
+def artifact_of(row: Sequence[Any]) -> Artifact:
+    """An Artifact from an ARTIFACT_COLUMNS row."""
+    return Artifact(row[0], row[1], row[2], row[3], row[4], row[5])
 
 
 def result_of(row: Sequence[Any]) -> ResultBatch:

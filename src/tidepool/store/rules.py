@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import Conflict, InvalidRequest, InvalidTransition, IssuerConflict, QueueFull, TidepoolError
@@ -34,6 +34,7 @@ from ..model import (
     TaskError,
     WorkerChange,
     WorkerState,
+    file_name_error,
 )
 from .port import Ending, Enroll, WorkerPort
 
@@ -132,6 +133,31 @@ def step_retry_refused(task_id: str, scan_id: str, index: int) -> str:
     """Why a scan step's task is not retried on its own: out of its scan's order, its scope would be wrong."""
     return (f"task {task_id} is job {index} of scan {scan_id}; retry the job instead "
             f"(POST /v1/scans/{scan_id}/jobs/{index}/retry), so the steps after it run again")
+
+
+# files in and out of tasks
+
+def check_inputs(inputs: Mapping[str, str], known: Collection[str]) -> None:
+    """InvalidRequest naming the first input whose blob is not among `known`: a submit naming it queues nothing."""
+    for name, sha256 in inputs.items():
+        if sha256 not in known:
+            raise InvalidRequest(f"inputs.{name}", f"no blob {sha256}; upload it first (POST /v1/blobs)")
+
+
+def check_artifact_name(name: str) -> None:
+    """InvalidRequest (field `name`) for a name that is not one path segment: it becomes a file of a workdir."""
+    error = file_name_error(name)
+    if error is not None:
+        raise InvalidRequest("name", f"artifact name {name!r} {error}")
+
+
+def step_inputs(scan_inputs: Mapping[str, str], earlier: Iterable[Iterable[tuple[str, str]]]) -> dict[str, str]:
+    """A scan step's task's inputs: the scan's, then each earlier job's artifacts (name, sha256) in job order,
+    a later one of the same name winning, so a step reads what the steps before it wrote."""
+    inputs = dict(scan_inputs)
+    for artifacts in earlier:
+        inputs.update(artifacts)
+    return inputs
 
 
 # the worker registry

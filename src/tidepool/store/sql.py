@@ -5,7 +5,7 @@ A migration is `NNN_what.sql`; its number is the schema version it brings the st
 the files' and a gap is an error. A query file holds sections, each opened by a `-- name: X` line. A query
 may name what both adapters share, filled in when the file is loaded: the state sets of `rules` as
 `{queued}`, `{active}`, `{working}`, `{terminal}`, `{unfinished}`, and the column lists of `rows` as
-`{task_columns}`, `{attempt_columns}`, `{result_columns}`, `{schedule_columns}`, `{node_columns}`,
+`{task_columns}`, `{attempt_columns}`, `{result_columns}`, `{artifact_columns}`, `{schedule_columns}`, `{node_columns}`,
 `{worker_columns}` and `{scan_columns}`. Any other text stays as it is: a `{marks}` for the adapter to
 fill per call (a list of `?` marks, say), or braces of PostgreSQL's own.
 """
@@ -20,7 +20,8 @@ from . import rows, rules
 SHARED = {"queued": rules.QUEUED_SQL, "active": rules.ACTIVE_SQL, "working": rules.WORKING_SQL,
           "terminal": rules.TERMINAL_SQL, "unfinished": rules.UNFINISHED_SQL, "task_columns": rows.TASK_COLUMNS,
           "attempt_columns": rows.ATTEMPT_COLUMNS, "result_columns": rows.RESULT_COLUMNS,
-          "schedule_columns": rows.SCHEDULE_COLUMNS, "node_columns": rows.NODE_COLUMNS,
+          "schedule_columns": rows.SCHEDULE_COLUMNS,
+          "artifact_columns": rows.ARTIFACT_COLUMNS, "node_columns": rows.NODE_COLUMNS,
           "worker_columns": rows.WORKER_COLUMNS, "scan_columns": rows.SCAN_COLUMNS}
 NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 SHARED_NAME = re.compile(r"\{(" + "|".join(SHARED) + r")\}")

@@ -25,7 +25,7 @@ from ..model import CANCELLED_ON_REQUEST, State, TaskError, cancel_deadline_erro
 from ..store import LEASE_EXPIRED, UNWRITTEN_INTERRUPTION, Expired, Store
 
 if TYPE_CHECKING:
-    from ..settings import ExecutionSettings, ReconcilerSettings, TypeSettings
+    from ..settings import ArtifactSettings, ExecutionSettings, ReconcilerSettings, TypeSettings
 
 log = logging.getLogger("tidepool.reconciler")
 # the event's error of an attempt the store ended at its run deadline (the task's own says when it passed)
@@ -40,13 +40,17 @@ class ReconcilerConfig:
     unserviceable_after_s: float = 60.0  # execution.prepare_timeout_s: how long the fleet may lack a tag set
     # the task types whose attempts run past their run deadline are retried, as a timeout of theirs is
     retry_on_timeout: frozenset[str] = field(default_factory=frozenset)
+    keep_unreferenced_s: float = 3600.0  # [artifacts]: how long a blob no task names waits for one
 
     @classmethod
     def of(cls, section: ReconcilerSettings, execution: ExecutionSettings,
-           types: Mapping[str, TypeSettings] | None = None) -> ReconcilerConfig:
+           types: Mapping[str, TypeSettings] | None = None,
+           artifacts: ArtifactSettings | None = None) -> ReconcilerConfig:
         retried = frozenset(name for name, t in (types or {}).items() if t.retry_on_timeout)
+        keep_s = cls.keep_unreferenced_s if artifacts is None else artifacts.keep_unreferenced_s
         return cls(section.interval_s, execution.cancel_deadline_s, section.retention_days,
-                   unserviceable_after_s=execution.prepare_timeout_s, retry_on_timeout=retried)
+                   unserviceable_after_s=execution.prepare_timeout_s, retry_on_timeout=retried,
+                   keep_unreferenced_s=keep_s)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class PassReport:
     pruned: int = 0
     unserviceable: int = 0
     scans: int = 0  # scans moved on that were left between steps
+    blobs: int = 0  # blobs deleted that no task named any more
 
 
 class Reconciler:
@@ -75,9 +80,9 @@ class Reconciler:
         self._outage = Outage(log)  # the store did not answer: said once, not every pass
 
     def configure(self, section: ReconcilerSettings, execution: ExecutionSettings,
-                  types: Mapping[str, TypeSettings] | None = None) -> None:
+                  types: Mapping[str, TypeSettings] | None = None, artifacts: ArtifactSettings | None = None) -> None:
         """A reload's settings, from the next pass on."""
-        self.config = ReconcilerConfig.of(section, execution, types)
+        self.config = ReconcilerConfig.of(section, execution, types, artifacts)
 
     async def recover(self, *, node_id: str, instance_id: str,
                       interrupted: frozenset[str] = frozenset()) -> list[Expired]:
@@ -128,12 +133,14 @@ class Reconciler:
         pruned = 0
         if self.config.retention_days > 0:  # 0: keep every task for good
             pruned = await self._store.prune(before=now - self.config.retention_days * 86400)
+        # after the tasks' pruning, which lets go of the blobs its tasks named
+        blobs = await self._store.prune_blobs(before=now - self.config.keep_unreferenced_s, now=now)
         report = PassReport(len(expired), promoted, len(cancelled), pruned, unserviceable,
-                            len({m.scan_id for m in moved}))
+                            len({m.scan_id for m in moved}), blobs)
         self._events.publish("reconciler.pass", **report.__dict__)  # every pass, idle too: a stalled one shows
         if report != PassReport():
             log.info("reconciler: %d expired, %d promoted, %d cancel deadlines, %d pruned, %d unserviceable, "
-                     "%d scans moved on", *report.__dict__.values())
+                     "%d scans moved on, %d blobs deleted", *report.__dict__.values())
         return report
 
     async def _fail_unserviceable(self, now: float) -> int:

@@ -8,7 +8,8 @@ durable stores' are.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from pathlib import Path
 
 import anyio
 from anyio.abc import TaskStatus
@@ -16,6 +17,8 @@ from anyio.abc import TaskStatus
 from ...errors import LeaseLost, TidepoolError
 from ...lifecycle import RetryPolicy
 from ...model import (
+    Artifact,
+    Blob,
     CertSeen,
     Claimed,
     ClaimFilter,
@@ -32,8 +35,10 @@ from ...model import (
 from ...scans import NewScan, Scan, ScanState
 from ...schedules import Fired, Schedule
 from .. import values
+from ..digests import CHUNK, Digest, source_chunks
 from ..port import (
     Acquired,
+    ArtifactQuota,
     CancelAnswer,
     Ended,
     Ending,
@@ -50,7 +55,7 @@ from ..port import (
     ScanPage,
 )
 from ..rules import finish_alone
-from . import leases, scans, schedules, tasks, upkeep, workers
+from . import blobs, leases, scans, schedules, tasks, upkeep, workers
 from .database import Database
 from .leases import renew as renew_leases  # renew's argument has the port's name, `leases`, as the module has
 
@@ -110,6 +115,16 @@ class MemoryStore:
     async def finish_many(self, endings: Sequence[Ending], *, policy: RetryPolicy) -> list[State | TidepoolError]:
         endings = values.endings(endings)  # what any worker writes, made storable alike on every store
         return leases.finish_many(self._db, endings, policy=policy)
+
+    async def place_input(self, lease: Lease, sha256: str, path: Path) -> None:
+        data = blobs.input_bytes(self._db, lease, sha256)
+        await anyio.to_thread.run_sync(_write_new, path, data)
+
+    async def record_artifact(self, lease: Lease, name: str, source: Path | bytes, *, content_type: str | None,
+                              now: float, quota: ArtifactQuota) -> Artifact:
+        data, digest = await _collected(source_chunks(source), quota.max_blob_bytes)
+        return blobs.record_artifact(self._db, lease, name, data, digest.sha256, content_type=content_type,
+                                     now=now, quota=quota)
 
     # schedules
 
@@ -218,6 +233,37 @@ class MemoryStore:
     async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
         return workers.attempt_owners(self._db, attempt_ids)
 
+    # blobs
+
+    async def put_blob(self, chunks: AsyncIterable[bytes], *, now: float, max_bytes: int,
+                       expect: str | None = None) -> tuple[Blob, bool]:
+        data, digest = await _collected(chunks, max_bytes)
+        digest.check(expect)
+        return blobs.put_blob(self._db, data, digest.sha256, now=now)
+
+    async def get_blob(self, sha256: str) -> Blob:
+        return blobs.get_blob(self._db, sha256)
+
+    async def read_blob(self, sha256: str, *, start: int = 0, stop: int | None = None) -> AsyncIterator[bytes]:
+        data = blobs.blob_bytes(self._db, sha256)
+        stop = len(data) if stop is None else min(stop, len(data))
+        for at in range(start, stop, CHUNK):
+            yield data[at:min(at + CHUNK, stop)]
+
+    async def list_artifacts(self, task_id: str) -> list[Artifact]:
+        return blobs.list_artifacts(self._db, task_id)
+
+    async def note_artifact(self, lease: Lease, name: str, blob: Blob, *, content_type: str | None, now: float,
+                            quota: ArtifactQuota, identity: str | None = None) -> Artifact:
+        return blobs.note_artifact(self._db, lease, name, blob, content_type=content_type, now=now, quota=quota,
+                                   identity=identity)
+
+    async def leased_blob(self, identity: str, sha256: str, *, now: float) -> bool:
+        return blobs.leased_blob(self._db, identity, sha256, now=now)
+
+    async def prune_blobs(self, *, before: float, now: float) -> int:
+        return blobs.prune_blobs(self._db, before=before, now=now)
+
     # the store's lifecycle: one process, nothing persists and nothing to hear
 
     async def open(self, *, migrate: bool = True) -> int:
@@ -233,3 +279,17 @@ class MemoryStore:
                     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         await anyio.sleep_forever()
+
+
+async def _collected(chunks: AsyncIterable[bytes], max_bytes: int) -> tuple[bytes, Digest]:
+    """The bytes whole (this store holds everything in memory) and their digest, BlobTooLarge past max_bytes."""
+    digest, parts = Digest(max_bytes), []
+    async for chunk in chunks:
+        digest.update(chunk)
+        parts.append(chunk)
+    return b"".join(parts), digest
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    with path.open("xb") as file:
+        file.write(data)

@@ -14,7 +14,9 @@ from typing import Any
 from ...model import (
     CANCELLED_ON_REQUEST,
     QUEUED,
+    Artifact,
     Attempt,
+    Blob,
     Lease,
     NewTask,
     RemoteWorker,
@@ -38,6 +40,7 @@ class TaskRow:
     cancel_requested_at: float | None = None
     attempts: list[Attempt] = dataclasses.field(default_factory=list)
     results: list[ResultBatch] = dataclasses.field(default_factory=list)
+    artifacts: list[Artifact] = dataclasses.field(default_factory=list)  # every attempt's, oldest first
     scan: tuple[str, int, int] | None = None  # a scan step's task: (scan id, job index, retry number)
 
     def update(self, **changes: Any) -> None:
@@ -82,6 +85,8 @@ class Database:
     workers: dict[str, RemoteWorker] = dataclasses.field(default_factory=dict)
     scans: dict[str, ScanRow] = dataclasses.field(default_factory=dict)
     scan_keys: dict[str, str] = dataclasses.field(default_factory=dict)  # idempotency key -> scan id
+    blobs: dict[str, Blob] = dataclasses.field(default_factory=dict)  # by sha256
+    blob_bytes: dict[str, bytes] = dataclasses.field(default_factory=dict)  # by sha256
     moves: list[ScanMove] = dataclasses.field(default_factory=list)  # made since the listener was last told
     listener: ScanListener | None = None
     new_id: Callable[[float], str] = new_id
@@ -94,7 +99,7 @@ def insert(db: Database, new: NewTask, now: float) -> Task:
         timeout_s=new.timeout_s, required_tags=tuple(sorted(new.required_tags)),
         idempotency_key=new.idempotency_key, node_id=None, error=None, created_at=now, updated_at=now,
         available_at=new.available_at if new.available_at is not None else now, finished_at=None,
-        organization=new.organization,
+        organization=new.organization, inputs=dict(new.inputs),
     )
     db.tasks[task.id] = TaskRow(task, new.fingerprint())
     if new.idempotency_key:

@@ -37,7 +37,7 @@ def renew(db: Database, leases: Sequence[Lease], *, now: float, lease_s: float) 
     lost: dict[str, LeaseLost] = {}
     for lease in leases:
         try:
-            row = _fenced(db, lease, now)
+            row = fenced(db, lease, now)
         except LeaseLost as exc:
             lost[lease.attempt_id] = exc
             continue
@@ -49,7 +49,7 @@ def set_phase(db: Database, notes: Sequence[PhaseNote], *, now: float) -> dict[s
     lost: dict[str, LeaseLost] = {}
     for note in notes:
         try:
-            row = _fenced(db, note.lease, now)
+            row = fenced(db, note.lease, now)
         except LeaseLost as exc:
             lost[note.lease.attempt_id] = exc
             continue
@@ -65,7 +65,7 @@ def set_phase(db: Database, notes: Sequence[PhaseNote], *, now: float) -> dict[s
 
 def record_result(db: Database, lease: Lease, batch: ResultBatch, *, now: float,
                   quota: ResultQuota | None = None) -> ResultBatch:
-    row = _fenced(db, lease, now)
+    row = fenced(db, lease, now)
     for other in db.tasks.values():
         for earlier in other.results:
             if earlier.idempotency_key == batch.idempotency_key:
@@ -84,7 +84,7 @@ def finish_many(db: Database, endings: Sequence[Ending], *, policy: RetryPolicy)
     results: list[State | TidepoolError] = []
     for e in endings:
         try:
-            row = _fenced(db, e.lease, e.now, ending=True)
+            row = fenced(db, e.lease, e.now, ending=True)
             end(db, row, e.outcome, now=e.now, policy=policy)
         except TidepoolError as exc:  # LeaseLost, InvalidTransition: nothing of this ending was written
             results.append(exc)
@@ -141,7 +141,7 @@ def end(db: Database, row: TaskRow, outcome: Outcome, *, now: float, policy: Ret
     scans.step_ended(db, row, now, outcome.scope)
 
 
-def _fenced(db: Database, lease: Lease, now: float, *, ending: bool = False) -> TaskRow:
+def fenced(db: Database, lease: Lease, now: float, *, ending: bool = False) -> TaskRow:
     """The row a worker's write may change: its lease live (or, for an ending, a cancel to acknowledge)."""
     row = db.tasks.get(lease.task_id)
     if row is None or row.lease is None or (row.lease.attempt_id, row.lease.token) != (lease.attempt_id, lease.token):

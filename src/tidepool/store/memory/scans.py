@@ -24,6 +24,7 @@ from ...scans import (
     step_task,
 )
 from ..port import ScanCancel, ScanListener, ScanMove, ScanPage
+from ..rules import check_inputs, step_inputs
 from .database import Database, JobRow, ScanRow, TaskRow, cancel, check_room, insert
 
 
@@ -34,6 +35,7 @@ def add_scan(db: Database, new: NewScan, *, now: float, max_queued: int | None) 
             raise Conflict(f"idempotency_key {new.idempotency_key!r} was used with another scan body")
         return _scan(db, row), False
     check_room(db, 1, max_queued)
+    check_inputs(new.inputs, db.blobs)
     row = ScanRow(db.new_id(now), new, new.fingerprint(), [JobRow(s) for s in new.steps], now, now)
     db.scans[row.id] = row
     if new.idempotency_key:
@@ -193,7 +195,8 @@ def _start(db: Database, row: ScanRow, index: int, now: float) -> Task:
     job.state, job.scope_before = JobState.STARTED, dict(row.scope)
     new: NewTask = step_task(job.step, payload=row.new.payload, scope=row.scope, priority=row.new.priority,
                              organization=row.new.organization)
-    task = insert(db, new, now)
+    earlier = [_artifacts(db, j.task_id).items() for j in row.jobs[:index]]
+    task = insert(db, dataclasses.replace(new, inputs=step_inputs(row.new.inputs, earlier)), now)
     db.tasks[task.id].scan = (row.id, index, job.tasks)
     job.task_id, job.tasks = task.id, job.tasks + 1
     return task
@@ -212,7 +215,7 @@ def _scan(db: Database, row: ScanRow) -> Scan:
     jobs = tuple(_job(db, i, j) for i, j in enumerate(row.jobs))
     return Scan(row.id, row.new.profile, shown_scan(row.state, jobs), row.new.organization, row.new.payload,
                 dict(row.scope), row.new.priority, row.new.continue_on_failure, row.new.idempotency_key, jobs,
-                row.created_at, row.updated_at, row.finished_at, row.cancel_requested_at)
+                row.created_at, row.updated_at, row.finished_at, row.cancel_requested_at, dict(row.new.inputs))
 
 
 def _task(db: Database, task_id: str | None) -> Task | None:
@@ -226,4 +229,10 @@ def _job(db: Database, index: int, job: JobRow) -> Job:
     state: State | None = None if row is None else row.task.state
     # the attempts its task has started, an interrupted one (given back to its count) included
     return Job(index, job.step.type, shown(job.state, state), job.task_id, 0 if row is None else len(row.attempts),
-               None if row is None else row.task.error, job.tasks)
+               None if row is None else row.task.error, job.tasks, _artifacts(db, job.task_id))
+
+
+def _artifacts(db: Database, task_id: str | None) -> dict[str, str]:
+    """A job's task's artifacts, name -> sha256: every attempt's, a later attempt's of the same name winning."""
+    row = None if task_id is None else db.tasks.get(task_id)
+    return {} if row is None else {a.name: a.sha256 for a in row.artifacts}

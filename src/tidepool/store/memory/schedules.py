@@ -9,6 +9,7 @@ from ...errors import Conflict, ScheduleNotFound
 from ...model import NewTask
 from ...scans import NewScan
 from ...schedules import Fired, Schedule
+from ..rules import check_inputs
 from . import scans
 from .database import Database, check_room, insert
 
@@ -49,6 +50,7 @@ def fire_schedules(db: Database, *, now: float, new_task: Callable[[Schedule, fl
         if new.idempotency_key in db.task_keys:
             return None
         check_room(db, 1, max_queued)
+        check_inputs(new.inputs, db.blobs)
         return insert(db, new, now).id
 
     def running(started: str) -> bool:

@@ -18,6 +18,7 @@ def add(db: Database, new: NewTask, *, now: float, max_queued: int | None) -> tu
     if existing is not None:
         return existing, False
     check_room(db, 1, max_queued)
+    rules.check_inputs(new.inputs, db.blobs)
     return insert(db, new, now), True
 
 
@@ -29,12 +30,15 @@ def add_many(db: Database, batch: Sequence[NewTask], *, now: float, max_queued: 
     fresh = [n for n in batch if n.idempotency_key not in existing]
     if fresh:  # a batch sent again whole is answered even when the queue is full
         check_room(db, len(fresh), max_queued)
+    for new in fresh:
+        rules.check_inputs(new.inputs, db.blobs)
     return rules.batch_answer(batch, existing, [insert(db, n, now).id for n in fresh])
 
 
 def get(db: Database, task_id: str) -> Task:
     row = _row(db, task_id)
-    return dataclasses.replace(row.task, attempts=tuple(row.attempts), results=tuple(row.results))
+    return dataclasses.replace(row.task, attempts=tuple(row.attempts), results=tuple(row.results),
+                               artifacts=tuple(row.artifacts))
 
 
 def list_tasks(db: Database, *, state: State | None, type: str | None, limit: int, cursor: str | None,

@@ -64,6 +64,9 @@ PING_EVERY_S = 5.0  # the LISTEN connection proves itself this often: a silent n
 RECONNECT = Backoff(first_s=0.1, cap_s=5.0)  # between attempts to re-establish the LISTEN connection
 MAX_WAKE = 1000  # a notification's count is a hint; no more wake-ups than this from one
 MAX_GROUP = 256  # calls per grouped statement
+# Uploads that hold a connection of their own at once; a further one waits for a place, so a burst of uploads
+# never takes the server's connections from the pools of the fleet's nodes.
+UPLOADS_AT_ONCE = 8
 log = logging.getLogger("tidepool.store.postgres")
 
 
@@ -90,6 +93,7 @@ class Database:
             "jit": "off",  # JIT costs more than these small statements
         }
         self._pool: Any = None
+        self.uploads = asyncio.Semaphore(UPLOADS_AT_ONCE)
 
     async def open(self, *, migrate: bool, to: int, functions: Sequence[str]) -> int:
         """Create the pool and bring the schema to version `to` (when `migrate`), redefining `functions` after

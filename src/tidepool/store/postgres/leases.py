@@ -103,7 +103,7 @@ class Leases:
                 None if quota is None else quota.max_results, size,
                 None if quota is None else quota.max_bytes)  # fmt: skip
             if not fenced:
-                raise await _why_lost(conn, lease, now)
+                raise await why_lost(conn, lease, now)
             if stored:
                 return replace(batch, attempt_id=lease.attempt_id, stored_now=True)
             earlier = await conn.fetchrow(SQL["earlier_result"], batch.idempotency_key)
@@ -216,7 +216,7 @@ class Leases:
         async with self._db.conn() as conn, conn.transaction():
             row = await conn.fetchrow(SQL["ending_row"], lease.task_id, lease.attempt_id, lease.token)
             if row is None or not may_end(State(row[0]), row[4], now):
-                raise await _why_lost(conn, lease, now)
+                raise await why_lost(conn, lease, now)
             if row[5] is not None and outcome.status is AttemptStatus.SUCCEEDED:  # a scan step's success
                 outcome = await scans.checked(conn, row[5], outcome)
             end = decide_end(State(row[0]), outcome, attempt=row[1], max_attempts=row[2], interruptions=row[3],
@@ -272,7 +272,7 @@ async def _lost(conn: Conn, leases: Sequence[Lease], kept: set[str], now: float)
     return {x.attempt_id: _why(x, found.get(x.attempt_id), now) for x in missed}
 
 
-async def _why_lost(conn: Conn, lease: Lease, now: float) -> LeaseLost:
+async def why_lost(conn: Conn, lease: Lease, now: float) -> LeaseLost:
     row = await conn.fetchrow(SQL["why_lost"], lease.task_id, lease.attempt_id, lease.token)
     return _why(lease, None if row is None else (lease.attempt_id, row[0], row[1]), now)
 

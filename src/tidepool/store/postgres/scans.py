@@ -8,6 +8,7 @@ fail_unserviceable leave their steps' scans to advance_scans, which the reconcil
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -18,6 +19,7 @@ from ...scans import JobState, NewScan, Scan, ScanState, ScopeRefused, job_state
 from .. import sql
 from ..port import ScanCancel, ScanMove, ScanPage
 from ..rows import Stored, Writes, job_values, loads, scan_of, scan_values, writes
+from ..rules import step_inputs
 from . import tasks
 from .database import Conn, Database
 
@@ -72,7 +74,7 @@ async def list_scans(db: Database, *, state: ScanState | None, profile: str | No
         jobs: dict[str, list[Any]] = {}
         for job in await conn.fetch(SQL["jobs"], [r[0] for r in rows[:limit]]):
             jobs.setdefault(job[0], []).append(job)
-    scans = [scan_of(r, jobs.get(r[0], [])) for r in rows[:limit]]
+        scans = await with_files(conn, [scan_of(r, jobs.get(r[0], [])) for r in rows[:limit]])
     return ScanPage(scans, scans[-1].id if len(rows) > limit else None)
 
 
@@ -117,6 +119,7 @@ async def insert(conn: Conn, new: NewScan, now: float, max_queued: int | None) -
         return existing, False
     if max_queued is not None:
         await tasks.check_queue_room(conn, 1, max_queued)
+    await tasks.hold_inputs(conn, [new.inputs])
     scan_id = new_id(now)
     if await conn.fetchval(SQL["insert_scan"], *scan_values(scan_id, new, now)) is None:
         # a submit of the same key beside this one committed first (the insert waited for it): it is seen now
@@ -124,6 +127,8 @@ async def insert(conn: Conn, new: NewScan, now: float, max_queued: int | None) -
             raise StoreUnavailable(f"idempotency_key {new.idempotency_key!r} changed hands during the submit; retry")
         return existing, False
     await conn.execute(SQL["insert_jobs"], scan_id, [j[2] for j in job_values(scan_id, new)])
+    if new.inputs:
+        await conn.execute(SQL["insert_scan_inputs"], scan_id, list(new.inputs), list(new.inputs.values()))
     await _start(conn, scan_id, now)
     return await _read(conn, scan_id), True
 
@@ -226,7 +231,27 @@ async def _read(conn: Conn, scan_id: str) -> Scan:
     scan = await stored(conn, scan_id, lock=False)
     if scan is None:
         raise ScanNotFound(scan_id)
-    return scan_of(scan.row, scan.jobs)
+    return (await with_files(conn, [scan_of(scan.row, scan.jobs)]))[0]
+
+
+async def with_files(conn: Conn, scans: list[Scan]) -> list[Scan]:
+    """The scans with their inputs and their jobs' artifacts (each job's latest task's, name -> sha256)."""
+    ids = [s.id for s in scans]
+    inputs: dict[str, dict[str, str]] = {}
+    artifacts: dict[tuple[str, int], dict[str, str]] = {}
+    for scan_id, name, sha in await conn.fetch(SQL["scan_inputs"], ids):
+        inputs.setdefault(scan_id, {})[name] = sha
+    for scan_id, index, name, sha in await conn.fetch(SQL["job_artifacts"], ids):
+        artifacts.setdefault((scan_id, index), {})[name] = sha
+    return [replace(s, inputs=inputs.get(s.id, {}),
+                    jobs=tuple(replace(j, artifacts=artifacts.get((s.id, j.index), {})) for j in s.jobs))
+            for s in scans]
+
+
+async def inputs_of_step(conn: Conn, scan: Stored, index: int) -> dict[str, str]:
+    """Job `index`'s task's inputs: the scan's, then the artifacts of each job before it, in job order."""
+    shown = (await with_files(conn, [scan_of(scan.row, scan.jobs)]))[0]
+    return step_inputs(shown.inputs, [j.artifacts.items() for j in shown.jobs[:index]])
 
 
 async def _stored(conn: Conn, scan_id: str) -> Stored:
@@ -298,9 +323,11 @@ async def apply(conn: Conn, moves: Moves, scan: Stored, w: Writes, now: float) -
     if w.start is not None:
         index, task, scope_before, retry = w.start
         task_id = new_id(now)
+        inputs = await inputs_of_step(conn, scan, index)
         await conn.execute(SQL["insert_step"], task_id, task.type, canonical_json(task.payload), task.priority,
                            task.max_attempts, task.timeout_s, sorted(task.required_tags), now, task.organization,
-                           scan.id, index, retry)
+                           scan.id, index, retry, json.dumps(inputs))
+        await tasks.insert_inputs(conn, [(task_id, inputs)])
         await conn.execute(SQL["start_job"], task_id, scope_before, scan.id, index)
         if move is not None:
             move = replace(move, task_id=task_id)

@@ -8,7 +8,7 @@ gateway.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -18,8 +18,8 @@ from ...errors import Conflict, StoreUnavailable, TaskNotFound
 from ...model import CANCELLED_ON_REQUEST, NewTask, State, Task, new_id
 from .. import sql
 from ..port import CancelAnswer, Page, ScanMove
-from ..rows import attempt_of, error_text, result_of, task_of
-from ..rules import batch_answer, cancel_step, check_room, retry_step, step_retry_refused
+from ..rows import TASK_WIDTH, artifact_of, attempt_of, error_text, result_of, task_of
+from ..rules import batch_answer, cancel_step, check_inputs, check_room, retry_step, step_retry_refused
 from .database import Conn, Database
 
 SQL = sql.queries(__package__, "tasks.sql")
@@ -63,13 +63,14 @@ class Cancel:
 
 async def add(db: Database, new: NewTask, *, now: float, max_queued: int | None) -> tuple[Task, bool]:
     async with db.conn() as conn:
-        if max_queued is None:
+        if max_queued is None and not new.inputs:
             return await _insert(conn, new, now)
         async with conn.transaction():
-            found = await _existing(conn, new)  # a known task is returned even when the queue is full
-            if found is not None:
-                return found, False
-            await check_queue_room(conn, 1, max_queued)
+            if max_queued is not None:
+                found = await _existing(conn, new)  # a known task is returned even when the queue is full
+                if found is not None:
+                    return found, False
+                await check_queue_room(conn, 1, max_queued)
             return await _insert(conn, new, now)
 
 
@@ -100,11 +101,14 @@ async def _add_many(conn: Conn, batch: Sequence[NewTask], keyed: dict[str, NewTa
             if r["fingerprint"] != keyed[r["idempotency_key"]].fingerprint():
                 raise Conflict(f"idempotency_key {r['idempotency_key']!r} was used with another body")
             known[r["idempotency_key"]] = r["id"]
-    rows = [_insert_args(n, now) for n in batch if n.idempotency_key not in known]
+    fresh = [n for n in batch if n.idempotency_key not in known]
+    rows = [_insert_args(n, now) for n in fresh]
     if rows:
         if max_queued is not None:
             await check_queue_room(conn, len(rows), max_queued)
+        await hold_inputs(conn, [n.inputs for n in fresh])
         await conn.executemany(SQL["insert_many"], rows)
+        await insert_inputs(conn, [(r[0], n.inputs) for r, n in zip(rows, fresh, strict=True)])
         await notify(conn, len(rows))
     return batch_answer(batch, known, (r[0] for r in rows))
 
@@ -122,9 +126,12 @@ async def _existing(conn: Conn, new: NewTask) -> Task | None:
 
 
 async def _insert(conn: Conn, new: NewTask, now: float) -> tuple[Task, bool]:
-    """Insert, or find the task that holds this idempotency key (maybe committed by another node just now)."""
+    """Insert, or find the task that holds this idempotency key (maybe committed by another node just now).
+    A task with inputs is inserted inside the caller's transaction."""
+    await hold_inputs(conn, [new.inputs])
     row = await conn.fetchrow(SQL["insert"], *_insert_args(new, now))
     if row is not None:
+        await insert_inputs(conn, [(row[0], new.inputs)])
         return task_of(row, required_tags=row[11]), True
     found = await _existing(conn, new)
     if found is None:  # that task was pruned in between: rare enough to report, not to loop on
@@ -134,14 +141,37 @@ async def _insert(conn: Conn, new: NewTask, now: float) -> tuple[Task, bool]:
 
 async def inserted(conn: Conn, new: NewTask, now: float, task_id: str) -> bool:
     """Insert `new` as task `task_id`, notified at commit; False when its idempotency key is taken already."""
-    return await conn.fetchrow(SQL["insert"], *_insert_args(new, now, task_id)) is not None
+    await hold_inputs(conn, [new.inputs])
+    if await conn.fetchrow(SQL["insert"], *_insert_args(new, now, task_id)) is None:
+        return False
+    await insert_inputs(conn, [(task_id, new.inputs)])
+    return True
+
+
+async def hold_inputs(conn: Conn, inputs: Sequence[Mapping[str, str]]) -> None:
+    """InvalidRequest naming the first input that is no blob. The blobs named are held until the caller's
+    transaction ends, so a pruning beside it either skips them or deleted them first: never a task that
+    names a blob gone."""
+    named = sorted({sha for each in inputs for sha in each.values()})
+    if not named:
+        return
+    known = {r[0] for r in await conn.fetch(SQL["hold_blobs"], named)}
+    for each in inputs:
+        check_inputs(each, known)
+
+
+async def insert_inputs(conn: Conn, inputs: Sequence[tuple[str, Mapping[str, str]]]) -> None:
+    """The rows that name each task's input blobs: their foreign keys hold the blobs against the pruning."""
+    rows = [(task_id, name, sha) for task_id, named in inputs for name, sha in named.items()]
+    if rows:
+        await conn.execute(SQL["insert_inputs"], *(list(column) for column in zip(*rows, strict=True)))
 
 
 def _insert_args(new: NewTask, now: float, task_id: str | None = None) -> tuple[Any, ...]:
     available_at = new.available_at if new.available_at is not None else now
     return (task_id or new_id(now), new.type, json.dumps(new.payload), new.priority, new.max_attempts, new.timeout_s,
             sorted(new.required_tags), new.idempotency_key, new.fingerprint(), now, available_at,
-            new.organization)  # fmt: skip
+            new.organization, json.dumps(new.inputs))  # fmt: skip
 
 
 async def check_queue_room(conn: Conn, n: int, max_queued: int) -> None:
@@ -168,7 +198,8 @@ async def get(db: Database, task_id: str) -> Task:
         row = await conn.fetchrow(SQL["get"], task_id)
     if row is None:
         raise TaskNotFound(task_id)
-    return replace(_task(row), results=tuple(result_of(r) for r in row[21]))
+    return replace(_task(row), results=tuple(result_of(r) for r in row[TASK_WIDTH + 1]),
+                   artifacts=tuple(artifact_of(a) for a in row[TASK_WIDTH + 2]))
 
 
 async def list_tasks(db: Database, *, state: State | None, type: str | None, limit: int, cursor: str | None,
@@ -200,7 +231,7 @@ async def organization_counts(db: Database) -> dict[str, int]:
 
 def _task(row: Any) -> Task:
     """A task from a row of its columns followed by its attempts."""
-    return task_of(row, required_tags=row[11], attempts=tuple(attempt_of(a) for a in row[20]))
+    return task_of(row, required_tags=row[11], attempts=tuple(attempt_of(a) for a in row[TASK_WIDTH]))
 
 
 # cancels and retries

@@ -5,13 +5,15 @@ refuse here.
 RemoteStore is each port verb in turn, as a call into the module of its noun: the HTTPS session with
 the gateway (database.py), the worker verbs and which leases are still live here (leases.py), the
 worker's standing and the control stream that carries it (workers.py), and the queue's verbs that
-refuse (tasks.py, schedules.py, upkeep.py, scans.py).
+refuse (tasks.py, schedules.py, upkeep.py, scans.py); the inputs it fetches into its cache and the artifacts
+it uploads (blobs.py, whose queue verbs refuse too).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from pathlib import Path
 
 import anyio
 from anyio.abc import TaskStatus
@@ -19,6 +21,8 @@ from anyio.abc import TaskStatus
 from ...errors import LeaseLost, TidepoolError
 from ...lifecycle import RetryPolicy
 from ...model import (
+    Artifact,
+    Blob,
     CertSeen,
     Claimed,
     ClaimFilter,
@@ -37,6 +41,7 @@ from ...schedules import Fired, Schedule
 from .. import values
 from ..port import (
     Acquired,
+    ArtifactQuota,
     CancelAnswer,
     Ended,
     Ending,
@@ -53,7 +58,8 @@ from ..port import (
     ScanPage,
 )
 from ..rules import finish_alone
-from . import scans, schedules, tasks, upkeep, workers
+from . import blobs, scans, schedules, tasks, upkeep, workers
+from .blobs import GatewayBlobs
 from .database import Calls, Refusal, Wire, client_tls
 from .leases import GatewayLeases, HeldAttempt, LeaseTerms
 from .workers import ControlStream, Standing
@@ -70,6 +76,7 @@ class RemoteStore:
         self._wake_max: Callable[[], None] = lambda: None
         self.standing = Standing(on_enabled=lambda: self._wake_max(), on_revoked=lambda: self._leases.revoked())
         self._leases = GatewayLeases(url, self._calls, self.standing, monotonic=monotonic, clock=clock)
+        self._blobs = GatewayBlobs(self._wire, self._calls, self._leases)
         self._control = ControlStream(self._wire, self.standing, cancel=self._leases.cancel,
                                       wake_max=lambda: self._wake_max())
 
@@ -87,6 +94,10 @@ class RemoteStore:
         """A reload: the files read again (a rotated certificate, a new CA bundle), for the connections made
         from now on; ConfigError naming the key, and nothing changed, when one cannot be loaded."""
         self._wire.tls = client_tls(cert_file=cert_file, key_file=key_file, ca_file=ca_file)
+
+    def keep_inputs(self, root: Path, *, cache_mb: int) -> None:
+        """Keep fetched inputs under `root` ([artifacts] cache_mb of them); else none is kept beyond its place."""
+        self._blobs.cache.use(root, max_bytes=cache_mb << 20)
 
     def stop_acquiring(self) -> None:
         """A drain: claim nothing more; a parked acquire comes back with what the gateway leased meanwhile."""
@@ -108,6 +119,13 @@ class RemoteStore:
                             quota: ResultQuota | None = None) -> ResultBatch:
         # the gateway holds it to its own quota
         return await self._leases.record_result(lease, values.batch(batch), now=now)
+
+    async def place_input(self, lease: Lease, sha256: str, path: Path) -> None:
+        await self._blobs.place_input(lease, sha256, path)
+
+    async def record_artifact(self, lease: Lease, name: str, source: Path | bytes, *, content_type: str | None,
+                              now: float, quota: ArtifactQuota) -> Artifact:
+        return await self._blobs.record_artifact(lease, name, source, content_type=content_type, quota=quota)
 
     async def finish(self, lease: Lease, outcome: Outcome, *, now: float, policy: RetryPolicy) -> State:
         return await finish_alone(self, lease, outcome, now=now, policy=policy)
@@ -247,6 +265,31 @@ class RemoteStore:
 
     async def attempt_owners(self, attempt_ids: Sequence[str]) -> dict[str, str]:
         return await workers.attempt_owners(self.url)
+
+    # blobs
+
+    async def put_blob(self, chunks: AsyncIterable[bytes], *, now: float, max_bytes: int,
+                       expect: str | None = None) -> tuple[Blob, bool]:
+        return await blobs.put_blob(self.url)
+
+    async def get_blob(self, sha256: str) -> Blob:
+        return await blobs.get_blob(self.url)
+
+    def read_blob(self, sha256: str, *, start: int = 0, stop: int | None = None) -> AsyncIterator[bytes]:
+        return blobs.read_blob(self.url)
+
+    async def list_artifacts(self, task_id: str) -> list[Artifact]:
+        return await blobs.list_artifacts(self.url)
+
+    async def note_artifact(self, lease: Lease, name: str, blob: Blob, *, content_type: str | None, now: float,
+                            quota: ArtifactQuota, identity: str | None = None) -> Artifact:
+        return await blobs.note_artifact(self.url)
+
+    async def leased_blob(self, identity: str, sha256: str, *, now: float) -> bool:
+        return await blobs.leased_blob(self.url)
+
+    async def prune_blobs(self, *, before: float, now: float) -> int:
+        return await blobs.prune_blobs(self.url)
 
     # wake-ups
 

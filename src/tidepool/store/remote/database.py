@@ -132,12 +132,19 @@ class Calls:
         try:
             answer = await self._wire.post(path, body, timeout_s=timeout_s)
         except StoreUnavailable as exc:
-            self.gone = str(exc)
-            self._away.failing("%s; trying again with backoff", exc)
+            self.failed(exc)
             raise
+        self.answered()
+        return answer
+
+    def failed(self, exc: StoreUnavailable) -> None:
+        """The gateway did not answer a call: said once for the outage, and by the readiness probe."""
+        self.gone = str(exc)
+        self._away.failing("%s; trying again with backoff", exc)
+
+    def answered(self) -> None:
         self.gone = None
         self._away.over("gateway %s answers again", self._wire.url)
-        return answer
 
     async def post_within(self, path: str, body: dict[str, Any], *, budget_s: float) -> Answer:
         """A write answered 200, tried again with backoff while the gateway is away (a restart), for at most
@@ -226,4 +233,5 @@ def task_of(data: dict[str, Any]) -> Task:
         error=TaskError(error["code"], error["message"]) if isinstance(error, dict) else None,
         created_at=instant(data["created_at"]), updated_at=instant(data["updated_at"]),
         available_at=instant(data["available_at"]),
-        finished_at=instant(data["finished_at"]) if data.get("finished_at") else None)
+        finished_at=instant(data["finished_at"]) if data.get("finished_at") else None,
+        inputs={str(name): str(sha) for name, sha in (data.get("inputs") or {}).items()})

@@ -315,6 +315,20 @@ class GatewayLeases:
         self._standing.refused(exc)
         return {x.attempt_id: self._live.lost(x, exc.code) for x in leases}
 
+    # for the blobs' calls (blobs.py), fenced by the same leases
+
+    def time_left(self, lease: Lease) -> float:
+        """Seconds the lease lasts here; 0 or less once nothing more may be sent for it."""
+        return self._live.time_left(lease.attempt_id) if self._live.alive(lease.attempt_id) else 0.0
+
+    def lost(self, lease: Lease, answer: Answer) -> LeaseLost:
+        """The gateway's 410 for this lease, as the other writes take it."""
+        return self._live.lost(lease, _reason(answer))
+
+    def refused(self, lease: Lease, exc: Refusal) -> LeaseLost:
+        """The registry's refusal of this worker, as the other writes take it."""
+        return self._refused([lease], exc)[lease.attempt_id]
+
 
 def _ending(e: Ending) -> dict[str, Any]:
     ending: dict[str, Any] = {"attempt_id": e.lease.attempt_id, "lease_token": e.lease.token,

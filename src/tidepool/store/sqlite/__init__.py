@@ -1,5 +1,8 @@
 """The embedded SQLite store: WAL with synchronous=FULL, one writer thread that group-commits.
 
+Blobs' bytes are files beside the database, in `blob_dir` (the daemon passes node.state_dir/blobs; by default
+the directory `blobs` next to the database file); their rows are in the database with the rest.
+
 Each verb is a call into the module of its noun (tasks, leases, schedules, upkeep, scans, workers), whose
 writes run as ops of the writer thread, many to a transaction, and whose reads run on the reader connection;
 each module's statements are in the .sql file of its name. The file, its writer and its reader are database.py's.
@@ -8,7 +11,7 @@ each module's statements are in the .sql file of its name. The file, its writer 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -20,6 +23,8 @@ from anyio.abc import TaskStatus
 from ...errors import LeaseLost, StoreUnavailable, TidepoolError
 from ...lifecycle import RetryPolicy
 from ...model import (
+    Artifact,
+    Blob,
     CertSeen,
     Claimed,
     ClaimFilter,
@@ -36,8 +41,11 @@ from ...model import (
 from ...scans import NewScan, Scan, ScanState
 from ...schedules import Fired, Schedule
 from .. import values
+from ..blobfiles import BlobFiles
+from ..digests import source_chunks, source_size, write_new
 from ..port import (
     Acquired,
+    ArtifactQuota,
     CancelAnswer,
     Ended,
     Ending,
@@ -54,7 +62,7 @@ from ..port import (
     ScanPage,
 )
 from ..rules import finish_alone
-from . import leases, scans, schedules, tasks, upkeep, workers
+from . import blobs, leases, scans, schedules, tasks, upkeep, workers
 from .database import Batch, Database, Writer
 from .leases import renew as renew_leases  # renew's own argument is named leases
 
@@ -62,8 +70,10 @@ T = TypeVar("T")
 
 
 class SqliteStore:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, blob_dir: str | Path | None = None) -> None:
         self.path = Path(path)
+        self.blob_dir = Path(blob_dir) if blob_dir is not None else self.path.parent / "blobs"
+        self._files = BlobFiles(self.blob_dir)
         self._db = Database(self.path)
         self._writer = Writer(self._db)
         self._reader: sqlite3.Connection | None = None
@@ -129,6 +139,18 @@ class SqliteStore:
         except StoreUnavailable as exc:  # the transaction failed as a whole (or the store is closed): none written
             return [exc] * len(endings)
         return results
+
+    async def place_input(self, lease: Lease, sha256: str, path: Path) -> None:
+        await self._read(partial(blobs.check_input, lease=lease, sha256=sha256))
+        await write_new(path, self.read_blob(sha256))
+
+    async def record_artifact(self, lease: Lease, name: str, source: Path | bytes, *, content_type: str | None,
+                              now: float, quota: ArtifactQuota) -> Artifact:
+        # judged before the bytes are stored, so a refused artifact leaves no blob either
+        await self._read(partial(blobs.admit, lease=lease, name=name, sha256=None, size=source_size(source), now=now,
+                                 quota=quota))
+        blob, _ = await self.put_blob(source_chunks(source), now=now, max_bytes=quota.max_blob_bytes)
+        return await self.note_artifact(lease, name, blob, content_type=content_type, now=now, quota=quota)
 
     # schedules
 
@@ -247,10 +269,51 @@ class SqliteStore:
             return {}
         return await self._read(partial(workers.attempt_owners, attempt_ids=list(attempt_ids)))
 
+    # blobs: the file is in place before its row commits, the row gone before its file is
+
+    async def put_blob(self, chunks: AsyncIterable[bytes], *, now: float, max_bytes: int,
+                       expect: str | None = None) -> tuple[Blob, bool]:
+        staged = await self._files.stage(chunks, max_bytes=max_bytes)
+        try:
+            staged.digest.check(expect)
+        except BaseException:
+            await self._files.discard(staged)
+            raise
+        async with self._files.lock:
+            await self._files.place(staged)
+            return await self._write(partial(blobs.put_blob, sha256=staged.digest.sha256, size=staged.digest.size,
+                                             now=now))
+
+    async def get_blob(self, sha256: str) -> Blob:
+        return await self._read(partial(blobs.get_blob, sha256=sha256))
+
+    async def read_blob(self, sha256: str, *, start: int = 0, stop: int | None = None) -> AsyncIterator[bytes]:
+        await self.get_blob(sha256)
+        async for chunk in self._files.read(sha256, start=start, stop=stop):
+            yield chunk
+
+    async def list_artifacts(self, task_id: str) -> list[Artifact]:
+        return await self._read(partial(blobs.list_artifacts, task_id=task_id))
+
+    async def note_artifact(self, lease: Lease, name: str, blob: Blob, *, content_type: str | None, now: float,
+                            quota: ArtifactQuota, identity: str | None = None) -> Artifact:
+        return await self._write(partial(blobs.note_artifact, lease=lease, name=name, blob=blob,
+                                         content_type=content_type, now=now, quota=quota, identity=identity))
+
+    async def leased_blob(self, identity: str, sha256: str, *, now: float) -> bool:
+        return await self._read(partial(blobs.leased_blob, identity=identity, sha256=sha256, now=now))
+
+    async def prune_blobs(self, *, before: float, now: float) -> int:
+        async with self._files.lock:
+            gone = await self._write(partial(blobs.prune_blobs, before=before))
+            await self._files.delete(gone)
+        return len(gone)
+
     # the adapter's lifecycle
 
     async def open(self, *, migrate: bool = True) -> int:
         conn, found = await anyio.to_thread.run_sync(self._db.connect_writer, migrate)
+        await self._files.open()
         self._reader = await anyio.to_thread.run_sync(self._db.connect_reader)
         self._writer.start(conn)
         return found

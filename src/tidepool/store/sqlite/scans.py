@@ -24,7 +24,7 @@ from ...scans import JobState, NewScan, Scan, ScanState, ScopeRefused, job_state
 from .. import sql
 from ..port import ScanCancel, ScanMove, ScanPage
 from ..rows import Stored, Writes, job_values, loads, scan_of, scan_values, writes
-from ..rules import check_room
+from ..rules import check_room, step_inputs
 from . import tasks
 from .database import FILE_FAULTS, Batch, chunks, error_code, marks
 
@@ -47,9 +47,11 @@ def add_scan(conn: sqlite3.Connection, batch: Batch, *, new: NewScan, now: float
             return get_scan(conn, found[0]), False
     if max_queued is not None:
         check_room(tasks.queued(conn, batch), 1, max_queued)
+    tasks.check_known(conn, list(new.inputs.values()), [new.inputs])
     scan_id = new_id(now)
     conn.execute(Q["insert_scan"], scan_values(scan_id, new, now))
     conn.executemany(Q["insert_job"], job_values(scan_id, new))
+    conn.executemany(Q["insert_scan_input"], [(scan_id, name, sha) for name, sha in new.inputs.items()])
     _start(conn, batch, scan_id, now)
     return get_scan(conn, scan_id), True
 
@@ -60,7 +62,7 @@ def add_scan(conn: sqlite3.Connection, batch: Batch, *, new: NewScan, now: float
 def get_scan(conn: sqlite3.Connection, scan_id: str) -> Scan:
     with one_snapshot(conn):
         scan = known(conn, scan_id)
-    return scan_of(scan.row, scan.jobs)
+        return with_files(conn, [scan_of(scan.row, scan.jobs)])[0]
 
 
 def list_scans(conn: sqlite3.Connection, *, state: ScanState | None, profile: str | None, limit: int,
@@ -260,15 +262,18 @@ def apply(conn: sqlite3.Connection, batch: Batch, scan: Stored, w: Writes, now: 
 def apply_all(conn: sqlite3.Connection, batch: Batch, planned: Sequence[tuple[Stored, Writes, float]]) -> None:
     """The scans' moves written, each statement run once for the lot (executemany)."""
     jobs, steps, starts, scans = [], [], [], []
+    step_files: list[tuple[str, dict[str, str]]] = []
     for scan, w, now in planned:
         jobs += [(state.value, scan.id, index) for index, state in w.jobs]
         move = w.move
         if w.start is not None:
             index, task, scope_before, retry = w.start
             task_id = new_id(now)
+            inputs = inputs_of_step(conn, scan, index)
             steps.append((task_id, task.type, canonical_json(task.payload), task.priority, task.max_attempts,
                           task.timeout_s, json.dumps(sorted(task.required_tags)), now, now, now, task.organization,
-                          scan.id, index, retry))
+                          scan.id, index, retry, json.dumps(inputs)))
+            step_files.append((task_id, inputs))
             starts.append((task_id, scope_before, scan.id, index))
             if move is not None:
                 move = replace(move, task_id=task_id)
@@ -277,6 +282,7 @@ def apply_all(conn: sqlite3.Connection, batch: Batch, planned: Sequence[tuple[St
             batch.moves.append(move)
     conn.executemany(Q["set_job"], jobs)
     conn.executemany(Q["insert_step"], steps)
+    tasks.insert_inputs(conn, step_files)
     conn.executemany(Q["start_job"], starts)
     conn.executemany(Q["move_scan"], scans)
     if batch.queued is not None:
@@ -341,8 +347,28 @@ def _page(conn: sqlite3.Connection, *, state: ScanState | None, profile: str | N
             args.append(value)
     rows = conn.execute(Q["list_scans"].format(where=" AND ".join(where)), (*args, limit + 1)).fetchall()
     jobs = _jobs(conn, [r[0] for r in rows[:limit]])
-    scans = [scan_of(r, jobs.get(r[0], [])) for r in rows[:limit]]
+    scans = with_files(conn, [scan_of(r, jobs.get(r[0], [])) for r in rows[:limit]])
     return ScanPage(scans, scans[-1].id if len(rows) > limit else None)
+
+
+def with_files(conn: sqlite3.Connection, scans: list[Scan]) -> list[Scan]:
+    """The scans with their inputs and their jobs' artifacts (each job's latest task's, name -> sha256)."""
+    inputs: dict[str, dict[str, str]] = {}
+    artifacts: dict[tuple[str, int], dict[str, str]] = {}
+    for chunk in chunks([s.id for s in scans]):
+        for scan_id, name, sha in conn.execute(Q["scan_inputs"].format(marks=marks(len(chunk))), chunk):
+            inputs.setdefault(scan_id, {})[name] = sha
+        for scan_id, index, name, sha in conn.execute(Q["job_artifacts"].format(marks=marks(len(chunk))), chunk):
+            artifacts.setdefault((scan_id, index), {})[name] = sha
+    return [replace(s, inputs=inputs.get(s.id, {}),
+                    jobs=tuple(replace(j, artifacts=artifacts.get((s.id, j.index), {})) for j in s.jobs))
+            for s in scans]
+
+
+def inputs_of_step(conn: sqlite3.Connection, scan: Stored, index: int) -> dict[str, str]:
+    """Job `index`'s task's inputs: the scan's, then the artifacts of each job before it, in job order."""
+    shown = with_files(conn, [scan_of(scan.row, scan.jobs)])[0]
+    return step_inputs(shown.inputs, [j.artifacts.items() for j in shown.jobs[:index]])
 
 
 def _jobs(conn: sqlite3.Connection, scan_ids: list[str]) -> dict[str, list[Any]]:

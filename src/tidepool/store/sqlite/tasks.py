@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeAlias
 
 from ...errors import Conflict, TaskNotFound
-from ...model import CANCELLED_ON_REQUEST, Attempt, NewTask, State, Task, new_id
+from ...model import CANCELLED_ON_REQUEST, Artifact, Attempt, NewTask, State, Task, new_id
 from .. import sql
 from ..port import CancelAnswer, Page
-from ..rows import attempt_of, error_text, result_of
-from ..rules import batch_answer, cancel_step, check_room, retry_step, step_retry_refused
+from ..rows import artifact_of, attempt_of, error_text, result_of
+from ..rules import batch_answer, cancel_step, check_inputs, check_room, retry_step, step_retry_refused
 from .database import Batch, chunks, marks, task_of
 
 Q = sql.queries(__package__, "tasks.sql")
@@ -57,7 +57,12 @@ def get(conn: sqlite3.Connection, task_id: str) -> Task:
     """The task with its attempts and results."""
     task = task_with_attempts(conn, task_id)
     results = conn.execute(Q["results_of_task"], (task_id,)).fetchall()
-    return replace(task, results=tuple(result_of(r) for r in results))
+    return replace(task, results=tuple(result_of(r) for r in results), artifacts=tuple(artifacts_of(conn, task_id)))
+
+
+def artifacts_of(conn: sqlite3.Connection, task_id: str) -> list[Artifact]:
+    """Every attempt's artifacts, oldest first."""
+    return [artifact_of(r) for r in conn.execute(Q["artifacts_of_task"], (task_id,))]
 
 
 def list_tasks(conn: sqlite3.Connection, *, state: State | None, type: str | None, limit: int,
@@ -140,12 +145,32 @@ def make_room(conn: sqlite3.Connection, batch: Batch, n: int, max_queued: int | 
 
 
 def insert(conn: sqlite3.Connection, new: Sequence[NewTask], now: float) -> list[str]:
+    """The tasks' rows and their inputs' (InvalidRequest for an input that is no blob: the op inserts nothing)."""
+    check_known(conn, [sha for n in new for sha in n.inputs.values()], [n.inputs for n in new])
     rows = [(new_id(now), n.type, json.dumps(n.payload), n.priority, n.max_attempts, n.timeout_s,
              json.dumps(sorted(n.required_tags)) if n.required_tags else "[]", n.idempotency_key,
-             n.fingerprint(), now, now, n.available_at if n.available_at is not None else now, n.organization)
+             n.fingerprint(), now, now, n.available_at if n.available_at is not None else now, n.organization,
+             json.dumps(n.inputs))
             for n in new]
     conn.executemany(Q["insert_task"], rows)
+    insert_inputs(conn, [(r[0], n.inputs) for r, n in zip(rows, new, strict=True)])
     return [r[0] for r in rows]
+
+
+def check_known(conn: sqlite3.Connection, sha256s: Sequence[str], inputs: Sequence[Mapping[str, str]]) -> None:
+    """InvalidRequest naming the first of `inputs` whose blob the store has not."""
+    if not sha256s:
+        return
+    known = {r[0] for chunk in chunks(sorted(set(sha256s)))
+             for r in conn.execute(Q["known_blobs"].format(marks=marks(len(chunk))), chunk)}
+    for named in inputs:
+        check_inputs(named, known)
+
+
+def insert_inputs(conn: sqlite3.Connection, inputs: Sequence[tuple[str, Mapping[str, str]]]) -> None:
+    """The rows that name each task's input blobs, which the pruning of blobs reads."""
+    conn.executemany(Q["insert_input"], [(task_id, name, sha) for task_id, named in inputs
+                                          for name, sha in named.items()])
 
 
 # rows

@@ -78,7 +78,10 @@ def finish_cancels(conn: sqlite3.Connection, batch: Batch, *, now: float, deadli
 def prune(conn: sqlite3.Connection, batch: Batch, *, before: float) -> int:
     conn.execute(Q["prune_results"], (before,))
     conn.execute(Q["prune_attempts"], (before,))
+    conn.execute(Q["prune_inputs"], (before,))
+    conn.execute(Q["prune_artifacts"], (before,))
     conn.execute(Q["prune_nodes"], (before,))
+    conn.execute(Q["prune_scan_inputs"], (before,))
     conn.execute(Q["prune_jobs"], (before,))
     conn.execute(Q["prune_scans"], (before,))
     return int(conn.execute(Q["prune_tasks"], (before,)).rowcount)

@@ -35,7 +35,8 @@ RETURNS TABLE (
     slot bigint, id text, type text, payload text, priority bigint, state text, phase text, progress text,
     attempt integer, max_attempts integer, interruptions integer, timeout_s double precision,
     required_tags text[], idempotency_key text, node_id text, error text, created_at double precision,
-    updated_at double precision, available_at double precision, finished_at double precision, organization text)
+    updated_at double precision, available_at double precision, finished_at double precision, organization text,
+    inputs text)
 LANGUAGE plpgsql
 SET enable_sort = off
 SET jit = off
@@ -80,7 +81,7 @@ BEGIN
         RETURNING p.n, p_worker_ids[p.n] AS worker_id, t.attempt_rows, t.lease_attempt_id, t.lease_instance, t.id,
             t.type, t.payload, t.priority, t.state, t.phase, t.progress, t.attempt, t.max_attempts,
             t.interruptions, t.timeout_s, t.required_tags, t.idempotency_key, t.node_id, t.error,
-            t.created_at, t.updated_at, t.available_at, t.finished_at, t.organization
+            t.created_at, t.updated_at, t.available_at, t.finished_at, t.organization, t.inputs
     ), started AS (
         INSERT INTO attempts (id, task_id, number, node_id, instance_id, worker_id, status, started_at)
         SELECT l.lease_attempt_id, l.id, l.attempt_rows, l.node_id, l.lease_instance, l.worker_id, 'leased',
@@ -89,7 +90,7 @@ BEGIN
     )
     SELECT l.n::bigint, l.id, l.type, l.payload, l.priority, l.state, l.phase, l.progress, l.attempt,
         l.max_attempts, l.interruptions, l.timeout_s, l.required_tags, l.idempotency_key, l.node_id, l.error,
-        l.created_at, l.updated_at, l.available_at, l.finished_at, l.organization
+        l.created_at, l.updated_at, l.available_at, l.finished_at, l.organization, l.inputs
     FROM leased l ORDER BY l.n;
 END
 $claim$;

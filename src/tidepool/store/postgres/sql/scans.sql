@@ -31,9 +31,21 @@ SELECT $1, idx - 1, step, 'waiting' FROM unnest($2::text[]) WITH ORDINALITY AS s
 -- name: insert_step
 -- A step's task, notified at commit like any submit.
 INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags, idempotency_key,
-                   fingerprint, created_at, updated_at, available_at, organization, scan_id, scan_index, scan_retry)
-VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, NULL, '', $8, $8, $8, $9, $10, $11, $12)
+                   fingerprint, created_at, updated_at, available_at, organization, scan_id, scan_index, scan_retry,
+                   inputs)
+VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, NULL, '', $8, $8, $8, $9, $10, $11, $12, $13)
 RETURNING pg_notify(current_setting('tidepool.channel'), '1')
+
+-- name: insert_scan_inputs
+INSERT INTO scan_inputs (scan_id, name, sha256) SELECT $1, * FROM unnest($2::text[], $3::text[])
+
+-- name: scan_inputs
+SELECT scan_id, name, sha256 FROM scan_inputs WHERE scan_id = ANY($1::text[]) ORDER BY scan_id, name
+
+-- name: job_artifacts
+-- The artifacts of the scans' jobs' latest tasks, oldest first: a later attempt's of one name wins.
+SELECT j.scan_id, j.idx, a.name, a.sha256 FROM scan_jobs j JOIN artifacts a ON a.task_id = j.task_id
+WHERE j.scan_id = ANY($1::text[]) ORDER BY j.scan_id, j.idx, a.created_at, a.attempt_id
 
 -- name: start_job
 UPDATE scan_jobs SET state = 'started', task_id = $1, tasks = tasks + 1, scope_before = $2

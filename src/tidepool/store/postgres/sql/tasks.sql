@@ -3,14 +3,17 @@
 -- object is needed to notify and the statements are the same for every schema.
 
 -- name: get
--- One statement, one consistent snapshot: the task with its attempts and results.
+-- One statement, one consistent snapshot: the task with its attempts, results and artifacts.
 SELECT {task_columns},
     ARRAY(
         SELECT ROW({attempt_columns})
         FROM attempts a WHERE a.task_id = t.id ORDER BY a.number),
     ARRAY(
         SELECT ROW({result_columns})
-        FROM results r WHERE r.task_id = t.id ORDER BY r.created_at, r.sequence)
+        FROM results r WHERE r.task_id = t.id ORDER BY r.created_at, r.sequence),
+    ARRAY(
+        SELECT ROW({artifact_columns})
+        FROM artifacts f WHERE f.task_id = t.id ORDER BY f.created_at, f.attempt_id, f.name)
 FROM tasks t WHERE id = $1
 
 -- name: list_tasks
@@ -31,17 +34,25 @@ WHERE state IN {unfinished} GROUP BY organization
 
 -- name: insert_many
 INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags,
-                   idempotency_key, fingerprint, created_at, updated_at, available_at, organization)
-VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10, $10, $11, $12)
+                   idempotency_key, fingerprint, created_at, updated_at, available_at, organization, inputs)
+VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10, $10, $11, $12, $13)
 
 -- name: insert
 -- One task, notified at commit; nothing when its idempotency key is taken already.
 INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags,
-                   idempotency_key, fingerprint, created_at, updated_at, available_at, organization)
-VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10, $10, $11, $12)
+                   idempotency_key, fingerprint, created_at, updated_at, available_at, organization, inputs)
+VALUES ($1, $2, $3, $4, 'pending', $5, $6, $7, $8, $9, $10, $10, $11, $12, $13)
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING {task_columns},
     pg_notify(current_setting('tidepool.channel'), '1')
+
+-- name: hold_blobs
+-- The blobs a submit names, held until its transaction ends: a pruning beside it skips them, or, having
+-- locked them first, deletes them before this reads, which then finds them unknown.
+SELECT sha256 FROM blobs WHERE sha256 = ANY($1::text[]) FOR KEY SHARE
+
+-- name: insert_inputs
+INSERT INTO task_inputs (task_id, name, sha256) SELECT * FROM unnest($1::text[], $2::text[], $3::text[])
 
 -- name: notify
 SELECT pg_notify(current_setting('tidepool.channel'), $1)

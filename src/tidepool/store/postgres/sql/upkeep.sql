@@ -60,6 +60,10 @@ WITH old AS (
     DELETE FROM results WHERE task_id IN (SELECT id FROM old)
 ), a AS (
     DELETE FROM attempts WHERE task_id IN (SELECT id FROM old)
+), i AS (
+    DELETE FROM task_inputs WHERE task_id IN (SELECT id FROM old)
+), f AS (
+    DELETE FROM artifacts WHERE task_id IN (SELECT id FROM old)
 ), t AS (
     DELETE FROM tasks WHERE id IN (SELECT id FROM old) RETURNING 1
 )
@@ -74,6 +78,8 @@ WITH old AS (
     SELECT id FROM scans WHERE finished_at < $1 LIMIT $2 FOR UPDATE SKIP LOCKED
 ), j AS (
     DELETE FROM scan_jobs WHERE scan_id IN (SELECT id FROM old)
+), i AS (
+    DELETE FROM scan_inputs WHERE scan_id IN (SELECT id FROM old)
 ), s AS (
     DELETE FROM scans WHERE id IN (SELECT id FROM old) RETURNING 1
 )

@@ -25,8 +25,20 @@ INSERT INTO scan_jobs (scan_id, idx, step, state) VALUES (?, ?, ?, 'waiting')
 
 -- name: insert_step
 INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags, idempotency_key,
-                   fingerprint, created_at, updated_at, available_at, organization, scan_id, scan_index, scan_retry)
-VALUES (?, ?, ?, ?, 'pending', ?, ?, ?, NULL, '', ?, ?, ?, ?, ?, ?, ?)
+                   fingerprint, created_at, updated_at, available_at, organization, scan_id, scan_index, scan_retry,
+                   inputs)
+VALUES (?, ?, ?, ?, 'pending', ?, ?, ?, NULL, '', ?, ?, ?, ?, ?, ?, ?, ?)
+
+-- name: insert_scan_input
+INSERT INTO scan_inputs (scan_id, name, sha256) VALUES (?, ?, ?)
+
+-- name: scan_inputs
+SELECT scan_id, name, sha256 FROM scan_inputs WHERE scan_id IN ({marks}) ORDER BY scan_id, name
+
+-- name: job_artifacts
+-- The artifacts of the scans' jobs' latest tasks, oldest first: a later attempt's of one name wins.
+SELECT j.scan_id, j.idx, a.name, a.sha256 FROM scan_jobs j JOIN artifacts a ON a.task_id = j.task_id
+WHERE j.scan_id IN ({marks}) ORDER BY j.scan_id, j.idx, a.created_at, a.attempt_id
 
 -- name: start_job
 UPDATE scan_jobs SET state = 'started', task_id = ?, tasks = tasks + 1, scope_before = ? WHERE scan_id = ? AND idx = ?

@@ -12,8 +12,17 @@ SELECT idempotency_key, id, fingerprint FROM tasks WHERE idempotency_key IN ({ma
 
 -- name: insert_task
 INSERT INTO tasks (id, type, payload, priority, state, max_attempts, timeout_s, required_tags, idempotency_key,
-                   fingerprint, created_at, updated_at, available_at, organization)
-VALUES (?, ?, ?, ?, 'pending', ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                   fingerprint, created_at, updated_at, available_at, organization, inputs)
+VALUES (?, ?, ?, ?, 'pending', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+
+-- name: known_blobs
+SELECT sha256 FROM blobs WHERE sha256 IN ({marks})
+
+-- name: insert_input
+INSERT INTO task_inputs (task_id, name, sha256) VALUES (?, ?, ?)
+
+-- name: artifacts_of_task
+SELECT {artifact_columns} FROM artifacts WHERE task_id = ? ORDER BY created_at, attempt_id, name
 
 -- name: task_state
 SELECT state, type, scan_id, scan_index FROM tasks WHERE id = ?

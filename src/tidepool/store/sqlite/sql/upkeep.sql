@@ -34,6 +34,15 @@ DELETE FROM results WHERE task_id IN (SELECT id FROM tasks WHERE finished_at < ?
 -- name: prune_attempts
 DELETE FROM attempts WHERE task_id IN (SELECT id FROM tasks WHERE finished_at < ? AND state IN {terminal})
 
+-- name: prune_inputs
+DELETE FROM task_inputs WHERE task_id IN (SELECT id FROM tasks WHERE finished_at < ? AND state IN {terminal})
+
+-- name: prune_artifacts
+DELETE FROM artifacts WHERE task_id IN (SELECT id FROM tasks WHERE finished_at < ? AND state IN {terminal})
+
+-- name: prune_scan_inputs
+DELETE FROM scan_inputs WHERE scan_id IN (SELECT id FROM scans WHERE finished_at < ?)
+
 -- name: prune_nodes
 DELETE FROM nodes WHERE heartbeat_at < ?
 
