@@ -104,6 +104,7 @@ class NewScan:
     organization: str = DEFAULT_ORGANIZATION
     continue_on_failure: bool = False
     idempotency_key: str | None = None
+    inputs: dict[str, str] = field(default_factory=dict)  # file name -> sha256: every step's task gets them
 
     def __post_init__(self) -> None:
         if not self.steps:
@@ -114,7 +115,9 @@ class NewScan:
         steps are the profile's, not the body's: a config reload between two tries is the same scan."""
         if self.idempotency_key is None:
             return ""
-        body = [self.profile, self.payload, self.priority, self.organization]
+        body: list[Any] = [self.profile, self.payload, self.priority, self.organization]
+        if self.inputs:  # appended, so that bodies without inputs hash as they always have
+            body.append(["inputs", self.inputs])
         return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
@@ -131,6 +134,7 @@ class Job:
     attempts: int = 0
     error: TaskError | None = None
     tasks: int = 0
+    artifacts: dict[str, str] = field(default_factory=dict)  # its latest task's artifacts: name -> sha256
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +153,7 @@ class Scan:
     updated_at: float
     finished_at: float | None
     cancel_requested_at: float | None = None
+    inputs: dict[str, str] = field(default_factory=dict)  # as submitted: file name -> sha256
 
 
 # the rules

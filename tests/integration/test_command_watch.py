@@ -226,7 +226,7 @@ def test_only_the_spawn_failures_a_retry_may_get_past_are_retryable(cause: int, 
 
 
 @pytest.mark.parametrize(("argument", "why"), [
-    ("BEGIN {print 1}", "placeholder in 'BEGIN {print 1}' must be a plain {name}"),
+    ("BEGIN {print 1}", "placeholder in 'BEGIN {print 1}' must be a plain {name} or {input:NAME}"),
     ("BEGIN {", "bad template 'BEGIN {': Single '{' encountered in format string"),
 ])
 def test_a_literal_brace_in_a_command_is_a_config_error_that_says_how_to_write_one(argument: str, why: str) -> None:

@@ -25,8 +25,8 @@ from tidepool.errors import ConfigError
 from tidepool.execution.context import TaskContext
 from tidepool.execution.resources import ResourcePool
 from tidepool.model import AttemptStatus, State, Task
-from tidepool.plugins import Plugin
-from tidepool.settings import PluginSpec, ResourceSettings, TypeSettings
+from tidepool.plugins import Plugin, Registry
+from tidepool.settings import PluginSpec, PluginsSettings, ResourceSettings, TypeSettings
 from tidepool.store.sqlite import SqliteStore
 
 from ..process_trees import RECORD, TREE, gone, pids
@@ -159,14 +159,17 @@ async def test_memory_past_the_budget_kills_the_tree_and_names_memory_mb(sqlite_
     assert all(gone(pid) for pid in pids(pidfile).values())
 
 
-async def test_a_stdout_flood_is_capped_and_names_max_output_kb(sqlite_store: SqliteStore, tmp_path: Path) -> None:
-    registry = registry_of({"flood": command(tmp_path, FLOOD, max_output_kb=64)},
-                           {"flood": TypeSettings(plugins=("flood",))})
+async def test_a_stdout_flood_past_the_blob_limit_kills_the_tree_and_names_max_blob_bytes(
+        sqlite_store: SqliteStore, tmp_path: Path) -> None:
+    defs = {"flood": command(tmp_path, FLOOD + "time.sleep(60)\n", max_output_kb=64)}
+    registry = Registry.from_settings(PluginsSettings(defs=defs), {"flood": TypeSettings(plugins=("flood",))},
+                                      kill_grace_s=GRACE_S, max_blob_bytes=1 << 20)
     async with running_node(sqlite_store, {}, registry=registry, work_root=tmp_path / "work") as node:
         task = await node.finished(await node.submit("flood", {"pidfile": str(tmp_path / "pids")}, max_attempts=1))
     assert task.state is State.FAILED
     code, message = error_of(task)
-    assert code == "limit_exceeded" and message.startswith("max_output_kb exceeded")
+    assert code == "limit_exceeded" and message.startswith("max_blob_bytes exceeded")
+    assert all(gone(pid) for pid in pids(tmp_path / "pids").values())
 
 
 async def test_a_payload_value_starting_with_a_dash_is_refused_before_anything_runs(sqlite_store: SqliteStore,

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
 from typing import Any
 
 import anyio.lowlevel
 
 from ..errors import InvalidArgument
-from ..model import ResultBatch, Task, sha256_of
+from ..model import Artifact, ResultBatch, Task, file_name_error, sha256_of
 from ..store import values
 from .resources import Slot
 
@@ -23,11 +24,13 @@ class TaskContext:
 
     `scope` is shared by the attempt's plugins: what an earlier one puts there, later ones see.
     `resource` is the slot acquired in the prepare phase, None for a task that needs no tags.
+    `inputs` is each input's file, name -> path, placed read-only in the work directory before the run.
     """
 
     def __init__(self, task: Task, *, attempt_id: str, workdir: str, resource: Slot | None = None,
                  report_progress: Callable[[TaskContext, float, str], None],
-                 store_result: Callable[[ResultBatch], Awaitable[ResultBatch]]) -> None:
+                 store_result: Callable[[ResultBatch], Awaitable[ResultBatch]],
+                 store_artifact: Callable[[str, Path | bytes, str | None], Awaitable[Artifact]]) -> None:
         self.task = task
         self.attempt_id = attempt_id
         self._workdir = workdir
@@ -37,6 +40,8 @@ class TaskContext:
         self._log: logging.LoggerAdapter[logging.Logger] | None = None
         self._report_progress = report_progress
         self._store_result = store_result
+        self._store_artifact = store_artifact
+        self.inputs: dict[str, Path] = {}
         self._sequence: dict[str, int] = {}
         self.workdir_used = False             # set once a plugin asks for workdir; the stop phase removes it
         self.exit_status: int | None = None   # set by command plugins, kept on the attempt
@@ -88,6 +93,31 @@ class TaskContext:
         if ack != batch and self._sequence[self.plugin] == sequence + 1:
             self._sequence[self.plugin] = sequence  # an earlier batch acknowledged: this number is still free
         return ack
+
+    async def artifact(self, name: str, source: Path | str | bytes, *, content_type: str | None = None) -> Artifact:
+        """Record `source` (a file of the work directory, or bytes) as the attempt's artifact `name`. Once per
+        name: the same bytes again are the earlier record, other bytes Conflict. Past [artifacts]'
+        quotas, QuotaExceeded (artifact_quota) or BlobTooLarge, and nothing is recorded: the attempt may
+        still finish. A bad name, or a path outside the work directory (by `..` or a link), InvalidArgument."""
+        if (why := file_name_error(name)) is not None:
+            raise InvalidArgument(f"artifact {name!r}", why)
+        if not isinstance(source, bytes):
+            source = await anyio.to_thread.run_sync(self._in_workdir, name, source)
+        return await self._store_artifact(name, source, content_type)
+
+    def _in_workdir(self, name: str, source: Path | str) -> Path:
+        """The file `source` (relative: to the work directory) is, links followed, if it lies inside the work
+        directory: the store reads that path, never the link that led there."""
+        root = Path(self._workdir).resolve()
+        try:
+            path = (root / source).resolve(strict=True)  # an absolute source stays itself
+        except (OSError, RuntimeError) as exc:  # RuntimeError: a loop of links
+            raise InvalidArgument(f"artifact {name!r}", f"cannot read {str(source)!r}: {exc}") from None
+        if not path.is_relative_to(root):
+            raise InvalidArgument(f"artifact {name!r}", f"{str(source)!r} is outside the work directory {root}")
+        if not path.is_file():
+            raise InvalidArgument(f"artifact {name!r}", f"{str(source)!r} is not a regular file")
+        return path
 
 
 _PLUGIN_LOG = logging.getLogger("tidepool.plugin")

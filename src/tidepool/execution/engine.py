@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,13 +23,26 @@ import anyio
 import anyio.lowlevel
 
 from ..backoff import Backoff
-from ..errors import PluginError, QuotaExceeded, StoreUnavailable, ValueRefused
+from ..errors import BlobTooLarge, PluginError, QuotaExceeded, StoreUnavailable, ValueRefused
 from ..events import EventBus
 from ..lifecycle import RetryPolicy
-from ..model import CANCELLED_ON_REQUEST, AttemptStatus, Claimed, Outcome, Phase, ResultBatch, Task, TaskError
+from ..model import (
+    CANCELLED_ON_REQUEST,
+    Artifact,
+    AttemptStatus,
+    Claimed,
+    Outcome,
+    Phase,
+    ResultBatch,
+    Task,
+    TaskError,
+)
 from ..plugins import PluginDef, Registry, denied
-from ..store.port import ResultQuota, WorkerPort
+from ..plugins.command.template import template_values
+from ..settings import ArtifactSettings
+from ..store.port import ArtifactQuota, ResultQuota, WorkerPort
 from .context import TaskContext
+from .inputs import place_inputs
 from .leases import Held, LeaseKeeper
 from .outcomes import Outcomes
 from .resources import ResourcePool, Slot
@@ -50,12 +63,18 @@ class EngineConfig:
     prepare_timeout_s: float = 60.0
     stop_timeout_s: float = 30.0
     result_quota: ResultQuota | None = None  # what one attempt may store; a remote worker's gateway sets its own
+    artifact_quota: ArtifactQuota = field(default_factory=lambda: artifact_quota(ArtifactSettings()))
 
     @classmethod
-    def of(cls, section: ExecutionSettings) -> EngineConfig:
+    def of(cls, section: ExecutionSettings, artifacts: ArtifactSettings) -> EngineConfig:
         return cls(timeout_s=section.timeout_s, prepare_timeout_s=section.prepare_timeout_s,
                    stop_timeout_s=section.stop_timeout_s,
-                   result_quota=ResultQuota(section.max_results_per_attempt, section.max_result_bytes_per_attempt))
+                   result_quota=ResultQuota(section.max_results_per_attempt, section.max_result_bytes_per_attempt),
+                   artifact_quota=artifact_quota(artifacts))
+
+
+def artifact_quota(section: ArtifactSettings) -> ArtifactQuota:
+    return ArtifactQuota(section.max_per_attempt, section.max_attempt_bytes, section.max_blob_bytes)
 
 
 class Engine:
@@ -76,10 +95,11 @@ class Engine:
         self._over_quota: set[str] = set()  # attempts whose plugins met their result quota: said once each
         self.outcomes = Outcomes(store, leases, events, policy=lambda: self.policy, clock=clock)
 
-    def configure(self, registry: Registry, execution: ExecutionSettings, retry: RetrySettings) -> None:
-        """A reload's task types, deadlines and retry policy, for the attempts that start from now on."""
+    def configure(self, registry: Registry, execution: ExecutionSettings, retry: RetrySettings,
+                  artifacts: ArtifactSettings) -> None:
+        """A reload's task types, deadlines, quotas and retry policy, for the attempts that start from now on."""
         self.registry = registry
-        self.config = EngineConfig.of(execution)
+        self.config = EngineConfig.of(execution, artifacts)
         self.policy = retry.policy()
 
     def plugins_since_asked(self) -> dict[str, str]:
@@ -110,7 +130,8 @@ class Engine:
         # and every object of the attempt would wait for the cycle collector (measured: ~10 per task).
         ctx = TaskContext(task, attempt_id=lease.attempt_id, workdir=f"{self._work_root}/{lease.attempt_id}",
                           report_progress=partial(self._progress, held, worker_id),
-                          store_result=partial(self._result, held, worker_id))
+                          store_result=partial(self._result, held, worker_id),
+                          store_artifact=partial(self._artifact, held))
         self._running[lease.attempt_id] = (ctx, held, worker_id)
         try:
             outcome = await self._attempt(ctx, held, worker_id)
@@ -119,7 +140,7 @@ class Engine:
                 self._leases.release(held)
             raise
         finally:
-            self._over_quota.discard(lease.attempt_id)
+            self._over_quota.difference_update((lease.attempt_id, f"{lease.attempt_id}:artifacts"))
         if self._running.pop(lease.attempt_id, None) is not None:  # else abandoned at shutdown, posted already
             self.outcomes.conclude(task, held, outcome, worker_id)
 
@@ -164,9 +185,11 @@ class Engine:
         try:
             plugins = self.registry.plugins_for(task.type)
             self._enter(ctx, held, worker_id, Phase.PREPARE)
+            if task.inputs:  # before the slot: its machinery's start hook may take them to the VM
+                ctx.inputs = await place_inputs(self._store, held, task, ctx.workdir)
             tags = self._required_tags(task)
             if tags:  # the host-only fast path skips this: no await, no scope
-                ctx.resource = await self._acquire(task, tags)
+                ctx.resource = await self._acquire(ctx, tags)
             await _cancelled_yet(held)
             # The store holds the attempt to a deadline of its own past this one, the stop phase and a lease
             # later: a worker whose own timeout failed it cannot keep the task past that.
@@ -228,12 +251,15 @@ class Engine:
         type_tags = self.registry.required_tags(task.type)
         return type_tags.union(task.required_tags) if task.required_tags else type_tags
 
-    async def _acquire(self, task: Task, tags: frozenset[str]) -> Slot:
+    async def _acquire(self, ctx: TaskContext, tags: frozenset[str]) -> Slot:
         if self.resources is None:
             raise PluginError(f"task needs tags {sorted(tags)} but this node has no resources",
                               code="unserviceable", retryable=False)
-        slot = await self.resources.acquire(tags, timeout_s=self.config.prepare_timeout_s)
-        log.debug("task %s holds resource %s", task.id, slot)
+        # The hooks get what a command's placeholders get: a start hook may copy {input:sample} into the VM.
+        values = template_values(ctx.payload, task_id=ctx.task.id, attempt=ctx.task.attempt,
+                                 workdir=f"{self._work_root}/{ctx.attempt_id}", inputs=ctx.inputs)
+        slot = await self.resources.acquire(tags, timeout_s=self.config.prepare_timeout_s, values=values)
+        log.debug("task %s holds resource %s", ctx.task.id, slot)
         return slot
 
     def _has_cleanup(self, ctx: TaskContext) -> bool:
@@ -285,12 +311,37 @@ class Engine:
                              sequence=ack.sequence, idempotency_key=ack.idempotency_key, final=ack.final)
         return ack
 
+    async def _artifact(self, held: Held, name: str, source: Path | bytes, content_type: str | None) -> Artifact:
+        """Record a plugin's artifact; a store that does not answer is tried again as for results."""
+        for wait in RESULT_RETRY.delays():  # without end: the lease keeper ends the wait with the lease
+            try:
+                artifact = await self._store.record_artifact(held.lease, name, source, content_type=content_type,
+                                                             now=self._clock(), quota=self.config.artifact_quota)
+                break
+            except StoreUnavailable:
+                if held.why is not None:
+                    raise
+            except (QuotaExceeded, BlobTooLarge) as exc:
+                self._said_artifact_refused(held.lease.task_id, held.lease.attempt_id, name, exc)
+                raise
+            await anyio.sleep(wait)
+        log.debug("task %s attempt %s: artifact %s recorded (%s, %d bytes)", held.lease.task_id,
+                  held.lease.attempt_id, name, artifact.sha256, artifact.size)
+        return artifact
+
     def _said_over_quota(self, task_id: str, attempt_id: str, exc: QuotaExceeded) -> None:
         """One line per attempt: a plugin that goes on emitting past its quota is refused every time."""
         if attempt_id not in self._over_quota:
             self._over_quota.add(attempt_id)
             log.warning("task %s attempt %s: result refused, over its quota (%s); the plugin's emit raises "
                         "QuotaExceeded from now on", task_id, attempt_id, exc)
+
+    def _said_artifact_refused(self, task_id: str, attempt_id: str, name: str, exc: Exception) -> None:
+        """One line per attempt, as for results: a plugin may go on offering artifacts past its quota."""
+        if f"{attempt_id}:artifacts" not in self._over_quota:
+            self._over_quota.add(f"{attempt_id}:artifacts")
+            log.warning("task %s attempt %s: artifact %s refused (%s); the plugin's artifact() raises from now "
+                        "on for each one past [artifacts]' quotas", task_id, attempt_id, name, exc)
 
     def _run_timeout_s(self, task: Task) -> float:
         """The task's own timeout, else its type's, else execution.timeout_s."""

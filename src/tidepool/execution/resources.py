@@ -11,6 +11,11 @@ module `"pkg.mod"`) with two coroutine functions, `async start(slot)` and `async
 licence server); `stop` runs in the task's stop phase before the slot is released (power the VM
 off). `stop` is called only for a slot whose `start` returned; a `start` that fails or is cancelled
 must clean up after itself. A class is instantiated once, with no arguments, when the node starts.
+
+A hook that takes a second argument, `async start(slot, values)`, gets the task's placeholders as a command
+template does (payload fields, `task_id`, `attempt`, `workdir`, and `input:NAME` the path of each input,
+placed before the slot is taken): `render_argv(["vmcopy", "{input:sample}"], values)` builds its command,
+and so the sample reaches the VM in prepare. `stop` gets the same values as its `start`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import asyncio
 import collections
 import contextlib
 import importlib
+import inspect
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -84,7 +90,7 @@ class ResourcePool:
         self._free: dict[Slot, None] = {Slot(name, i, self._tags[name]): None
                                          for name, n in self._counts.items() for i in range(n)}
         self._in_use: set[Slot] = set()
-        self._started: set[Slot] = set()
+        self._started: dict[Slot, Mapping[str, object]] = {}  # started slots, with their task's values
         self._waiters: collections.deque[_Waiter] = collections.deque()
         self._free_tag_sets: tuple[frozenset[str], ...] | None = None
         self._promised: collections.Counter[frozenset[str]] = collections.Counter()  # see claiming()
@@ -153,8 +159,10 @@ class ResourcePool:
 
     # acquire and release
 
-    async def acquire(self, required_tags: Iterable[str], *, timeout_s: float) -> Slot:
-        """A free slot whose tags include required_tags, started; waits up to timeout_s in all.
+    async def acquire(self, required_tags: Iterable[str], *, timeout_s: float,
+                      values: Mapping[str, object] | None = None) -> Slot:
+        """A free slot whose tags include required_tags, started (with the task's placeholder `values`, for
+        hooks that take them); waits up to timeout_s in all.
 
         Raises PluginError "unserviceable" (not retried) at once when no slot of this node could
         ever serve the tags, and "prepare_timeout" (retried) when none came free in time.
@@ -167,7 +175,7 @@ class ResourcePool:
         slot = None
         with anyio.move_on_after(timeout_s) as scope:
             slot = self._take(required) or await self._wait(required)
-            await self._start(slot)
+            await self._start(slot, values or {})
             return slot
         assert scope.cancelled_caught
         if slot is not None:  # a slot was free; its start hook overran (and the slot went back)
@@ -181,9 +189,9 @@ class ResourcePool:
         machinery = self._machinery.get(slot.name)
         if machinery is None or slot not in self._started:
             return
-        self._started.discard(slot)
+        values = self._started.pop(slot)
         try:
-            await machinery.stop(slot)
+            await _call_hook(machinery.stop, slot, values)
         except Exception:
             log.exception("resource %s: machinery stop hook failed", slot)
 
@@ -191,7 +199,7 @@ class ResourcePool:
         """Give the slot back: to the first waiter it can serve, else to the free list. Idempotent."""
         if slot not in self._in_use:
             return
-        self._started.discard(slot)
+        self._started.pop(slot, None)
         for waiter in self._waiters:
             if waiter.required <= slot.tags:
                 self._waiters.remove(waiter)
@@ -231,19 +239,19 @@ class ResourcePool:
         assert waiter.slot is not None
         return waiter.slot
 
-    async def _start(self, slot: Slot) -> None:
+    async def _start(self, slot: Slot, values: Mapping[str, object]) -> None:
         machinery = self._machinery.get(slot.name)
         if machinery is None:
             return
         try:
-            await machinery.start(slot)
+            await _call_hook(machinery.start, slot, values)
         except BaseException as exc:
             self.release(slot)
             if isinstance(exc, Exception):
                 raise PluginError(f"resource {slot}: machinery start hook failed: {type(exc).__name__}: {exc}",
                                   code="resource_start_failed") from exc
             raise
-        self._started.add(slot)
+        self._started[slot] = values
 
     def _changed(self) -> None:
         self._free_tag_sets = None
@@ -268,3 +276,16 @@ def load_machinery(path: str, *, key: str) -> Machinery:
     if not isinstance(obj, Machinery):
         raise ConfigError(f"config: {key}: {path!r} has no async start(slot) and stop(slot)")
     return obj
+
+
+async def _call_hook(hook: Callable[..., Any], slot: Slot, values: Mapping[str, object]) -> None:
+    """`hook(slot, values)` for a hook that takes the values, else `hook(slot)` as hooks always were."""
+    await (hook(slot, values) if _takes_values(hook) else hook(slot))
+
+
+def _takes_values(hook: Callable[..., Any]) -> bool:
+    try:
+        inspect.signature(hook).bind(None, None)
+    except (TypeError, ValueError):  # ValueError: no signature to read; called as hooks always were
+        return False
+    return True

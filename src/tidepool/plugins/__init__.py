@@ -27,6 +27,7 @@ from ..errors import ConfigError, PluginError
 from ..settings import (
     ENTRY_POINT_GROUP,
     SCOPED_BUILTINS,
+    ArtifactSettings,
     PluginSpec,
     PluginsSettings,
     TypeSettings,
@@ -37,6 +38,7 @@ from .scope import Scope, plugin_scope
 
 Plugin = Callable[[PluginContext], Awaitable[None]]
 RESERVED = frozenset({"allow", "deny"})
+MAX_BLOB_BYTES: int = ArtifactSettings.model_fields["max_blob_bytes"].default  # a command's stdout at most
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,10 @@ class Registry:
 
     @classmethod
     def from_settings(cls, settings: PluginsSettings, types: Mapping[str, TypeSettings], *,
-                      kill_grace_s: float, scope: tuple[str, ...] = (), command_user: str = "") -> Registry:
-        """`scope`: execution.scope, the CIDRs of every plugin that names none of its own."""
+                      kill_grace_s: float, scope: tuple[str, ...] = (), command_user: str = "",
+                      max_blob_bytes: int = MAX_BLOB_BYTES) -> Registry:
+        """`scope`: execution.scope, the CIDRs of every plugin that names none of its own; `max_blob_bytes`:
+        artifacts.max_blob_bytes, the most a command's stdout may be."""
         from .builtin import BUILTINS, command_plugin, scoped_builtin
 
         known: dict[str, PluginDef] = {name: PluginDef(name, fn) for name, fn in BUILTINS.items()}
@@ -84,7 +88,8 @@ class Registry:
             if registry.allowed(name):  # a denied plugin is never imported nor built
                 registry._plugins[name] = _from_spec(name, spec, kill_grace_s=kill_grace_s,
                                                      command_user=command_user, command_plugin=command_plugin,
-                                                     scope=plugin_scope(name, spec, scope))
+                                                     scope=plugin_scope(name, spec, scope),
+                                                     max_blob_bytes=max_blob_bytes)
         for type_name, type_settings in types.items():
             for plugin in type_settings.plugins:
                 registry._check(type_name, plugin, load=True)
@@ -142,12 +147,12 @@ def denied(plugin: str, type_name: str) -> PluginError:
 
 
 def _from_spec(name: str, spec: PluginSpec, *, kill_grace_s: float, command_user: str,
-               command_plugin: Callable[..., Plugin], scope: Scope | None) -> PluginDef:
+               command_plugin: Callable[..., Plugin], scope: Scope | None, max_blob_bytes: int) -> PluginDef:
     if spec.python is not None:
         run = load_dotted(spec.python, key=f"plugins.{name}.python")
         return PluginDef(name, run if scope is None else _held_to(scope, run), spec.timeout_s)
     return PluginDef(name, command_plugin(name, spec, kill_grace_s=kill_grace_s, command_user=command_user,
-                                          scope=scope), spec.timeout_s)
+                                          scope=scope, max_blob_bytes=max_blob_bytes), spec.timeout_s)
 
 
 def _held_to(scope: Scope, run: Plugin) -> Plugin:

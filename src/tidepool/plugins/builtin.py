@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from ..errors import ConfigError, InvalidArgument, LimitExceeded, PluginError
+from ..errors import BlobTooLarge, ConfigError, Conflict, InvalidArgument, LimitExceeded, PluginError, QuotaExceeded
 from ..settings import PluginSpec
-from . import Plugin
+from . import MAX_BLOB_BYTES, Plugin
 from .command import CommandLimits, check_template, ran_out_of_files, render_argv, run_command, scrubbed_env
+from .command.artifacts import find_artifacts
 from .command.confinement import confinement, hand_over
+from .command.template import template_values
 from .context import PluginContext
 from .netprobe import http_probe as probe_url
 from .netprobe import probe_web_ports, validate_ports, validate_target
 from .netprobe import tcp_connect as scan_ports
 from .scope import Scope
 
+log = logging.getLogger("tidepool.plugins")
+STDOUT_ARTIFACT = "stdout"  # a command's whole stdout, once it passed max_output_kb
 
 async def noop(ctx: PluginContext) -> None:
     """Does nothing: measures the pool itself."""
@@ -100,37 +105,44 @@ def _float(ctx: PluginContext, name: str, default: float) -> float:
 
 
 def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float, command_user: str = "",
-                   scope: Scope | None = None) -> Plugin:
+                   scope: Scope | None = None, max_blob_bytes: int = MAX_BLOB_BYTES) -> Plugin:
     """A plugin that runs spec.command (an argument list, never a shell) in its own process tree, as its own
     user (`user`, else `command_user`) when one is named; with a scope, the targets its payload names are
-    checked against it right before the command starts."""
+    checked against it right before the command starts. Its stdout past max_output_kb and the files its
+    `artifacts` globs match become the attempt's artifacts; stdout past `max_blob_bytes` is a breach."""
     assert spec.command is not None
     try:
         check_template(spec.command)
     except InvalidArgument as exc:
         raise ConfigError(f"config: plugins.{name}.{exc}") from None
     limits = CommandLimits(memory_mb=spec.memory_mb, cpu_s=spec.cpu_s, nofile=spec.nofile,
-                           max_output_kb=spec.max_output_kb, disk_mb=spec.disk_mb)
+                           max_output_kb=spec.max_output_kb, disk_mb=spec.disk_mb, max_stdout_bytes=max_blob_bytes)
     confined = confinement(network=spec.network, user=spec.user or command_user or None, key=f"plugins.{name}",
                            user_key=f"plugins.{name}.user" if spec.user else "execution.command_user")
     run_as = confined.run_as
     extra_env = dict(spec.env) if run_as is None else {"HOME": run_as.home, **spec.env}
 
     async def run(ctx: PluginContext) -> None:
-        # A command of its own user reaches its work directory only as its current directory: the daemon's
-        # state directory above it is the daemon's alone.
-        values: dict[str, Any] = {**ctx.payload, "task_id": ctx.task.id, "attempt": ctx.task.attempt,
-                                  "workdir": ctx.workdir if run_as is None else "."}
-        argv = render_argv(spec.command or (), values)
+        argv = render_argv(spec.command or (), _values(ctx, own_user=run_as is not None))
         workdir = Path(ctx.workdir)
         await anyio.to_thread.run_sync(lambda: workdir.mkdir(parents=True, exist_ok=True))
         if scope is not None:  # names are resolved now, not at submit: one that moved since is caught here
             await scope.check_payload(ctx.payload)
         if run_as is not None:
             await anyio.to_thread.run_sync(hand_over, workdir, run_as)
-        result = await run_command(argv, env=scrubbed_env(extra_env), workdir=workdir, limits=limits,
-                                   kill_grace_s=kill_grace_s, on_end=partial(_keep_on_attempt, ctx),
-                                   confinement=confined)
+        try:
+            result = await run_command(argv, env=scrubbed_env(extra_env), workdir=workdir, limits=limits,
+                                       kill_grace_s=kill_grace_s, on_end=partial(_keep_on_attempt, ctx),
+                                       confinement=confined)
+        except LimitExceeded:  # what it wrote before the breach is kept all the same
+            await _record_files(ctx, name, workdir, spec.artifacts)
+            raise
+        taken = []
+        # The result keeps only the head of a stdout past max_output_kb: its whole is an artifact.
+        if result.stdout_dropped and result.stdout_file is not None \
+                and await _record(ctx, name, STDOUT_ARTIFACT, result.stdout_file, content_type="text/plain"):
+            taken.append(STDOUT_ARTIFACT)
+        await _record_files(ctx, name, workdir, spec.artifacts, taken=taken)
         # A failed run's output is kept to look at, but it is not the plugin's result: a task retried to
         # success has one final result per plugin, that of the attempt that succeeded.
         await ctx.emit(result.result_payload(), final=result.exit_status == 0)
@@ -143,6 +155,39 @@ def command_plugin(name: str, spec: PluginSpec, *, kill_grace_s: float, command_
 
     run.__name__ = name
     return run
+
+
+def _values(ctx: PluginContext, *, own_user: bool) -> dict[str, Any]:
+    """The template's values. A command of its own user reaches its work directory only as its current
+    directory (the daemon's state directory above it is the daemon's alone), so its paths are relative."""
+    if not own_user:
+        return template_values(ctx.payload, task_id=ctx.task.id, attempt=ctx.task.attempt, workdir=ctx.workdir,
+                               inputs=ctx.inputs)
+    inputs = {name: str(path.relative_to(ctx.workdir)) for name, path in ctx.inputs.items()}
+    return template_values(ctx.payload, task_id=ctx.task.id, attempt=ctx.task.attempt, workdir=".", inputs=inputs)
+
+
+async def _record_files(ctx: PluginContext, plugin: str, workdir: Path, globs: tuple[str, ...], *,
+                        taken: list[str] | None = None) -> None:
+    """Record the files the plugin's `artifacts` globs match, each that can be; say why of each left out."""
+    if not globs:
+        return
+    found = await anyio.to_thread.run_sync(partial(find_artifacts, workdir, globs, taken=taken or ()))
+    for why in found.refused:
+        log.warning("task %s plugin %s: artifact %s; left out", ctx.task.id, plugin, why)
+    for name, path in found.files:
+        await _record(ctx, plugin, name, path)
+
+
+async def _record(ctx: PluginContext, plugin: str, name: str, path: Path, *, content_type: str | None = None) -> bool:
+    """Record one artifact; whether it was. One the store refuses (past a quota, too big, a name taken by
+    another file) is logged and left out: the command's result and its other files still count."""
+    try:
+        await ctx.artifact(name, path, content_type=content_type)
+    except (QuotaExceeded, BlobTooLarge, Conflict, InvalidArgument) as exc:
+        log.warning("task %s plugin %s: artifact %s refused: %s; left out", ctx.task.id, plugin, name, exc)
+        return False
+    return True
 
 
 def _keep_on_attempt(ctx: PluginContext, exit_status: int | None, stderr_tail: str) -> None:

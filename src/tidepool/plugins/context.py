@@ -6,14 +6,17 @@ the registry and the built-in plugins are written against this much only.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
-from ..model import ResultBatch, Task
+from ..model import Artifact, ResultBatch, Task
 
 
 class PluginContext(Protocol):
     """One attempt as its plugins see it: its task and payload, a scope shared by its plugins, its own work
-    directory, progress and results to report, and the last command's exit status and stderr tail to keep."""
+    directory and the task's inputs placed in it, progress, results and artifacts to report, and the last
+    command's exit status and stderr tail to keep."""
 
     exit_status: int | None
     stderr_tail: str | None
@@ -30,6 +33,12 @@ class PluginContext(Protocol):
     @property
     def workdir(self) -> str: ...
 
+    @property
+    def inputs(self) -> Mapping[str, Path]: ...
+
     def progress(self, fraction: float, message: str = "") -> None: ...
 
     async def emit(self, result: Any, *, final: bool = False, key: str | None = None) -> ResultBatch: ...
+
+    async def artifact(self, name: str, source: Path | str | bytes, *,
+                       content_type: str | None = None) -> Artifact: ...

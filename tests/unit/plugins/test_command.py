@@ -35,6 +35,7 @@ from tidepool.plugins.command import (
     scrubbed_env,
     spawn,
 )
+from tidepool.plugins.command.template import input_names, template_values
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -91,6 +92,16 @@ FLOOD = (
 record("leader")
 chunk = b"y" * 65536
 for _ in range(800):  # 50 MiB
+    sys.stdout.buffer.write(chunk)
+"""
+)
+
+FLOOD_FOREVER = (
+    RECORD
+    + """
+record("leader")
+chunk = b"y" * 65536
+while True:
     sys.stdout.buffer.write(chunk)
 """
 )
@@ -179,6 +190,18 @@ def test_render_substitutes_names_and_leaves_literals_alone() -> None:
     assert render_argv(template, values) == ["nmap", "-oX", "-", "-p443", "10.0.0.1", "/w/out-t1-2", "{x}"]
 
 
+def test_an_input_renders_as_its_path_and_a_payload_key_cannot_stand_in_for_one() -> None:
+    values = template_values({"target": "h", "input:sample": "/etc/shadow"}, task_id="t1", attempt=1,
+                             workdir="/w", inputs={"hosts.txt": Path("/w/inputs/hosts.txt")})
+    assert render_argv(["wc", "-l", "{input:hosts.txt}", "{target}"], values) == [
+        "wc", "-l", "/w/inputs/hosts.txt", "h"]
+    with pytest.raises(InvalidArgument) as caught:
+        render_argv(["cat", "{input:sample}"], values)
+    assert caught.value.field == "inputs.sample"
+    assert "its inputs: hosts.txt" in str(caught.value)
+    assert input_names(["x", "{input:a}-{input:b.txt}", "{target}"]) == {"a", "b.txt"}
+
+
 @pytest.mark.parametrize(
     ("template", "values", "field"),
     [
@@ -197,6 +220,10 @@ def test_render_substitutes_names_and_leaves_literals_alone() -> None:
         (["{target!r}"], {"target": "a"}, "command[0]"),
         (["{target:>9}"], {"target": "a"}, "command[0]"),
         (["{target"], {"target": "a"}, "command[0]"),
+        (["{input:sample}"], {"input:other": "/w/inputs/other"}, "inputs.sample"),
+        (["{input:}"], {}, "command[0]"),
+        (["{input:../x}"], {}, "command[0]"),
+        (["{input!r:x}"], {}, "command[0]"),
     ],
 )
 def test_render_refuses_with_the_field_named(
@@ -323,7 +350,7 @@ async def test_a_daemon_the_command_left_holding_stdout_is_killed_and_the_run_en
     assert set(pids) == {"daemon"}
     await _assert_gone_by(pids, anyio.current_time() + 1)
     assert result.result_payload() == {"done": True}
-    # The pipe stays open while the daemon lives: were it not found, the run would end only at the cleanup slack.
+    # Its stderr pipe stays open while the daemon lives: were it not found, the run would end only at the cleanup slack.
     assert took < GRACE_S + runner.CLEANUP_SLACK_S
 
 
@@ -409,7 +436,7 @@ async def test_memory_over_budget_kills_the_tree(tmp_path: Path) -> None:
     await _assert_gone_by(pids, anyio.current_time() + 1)
 
 
-async def test_stdout_flood_is_capped_with_bounded_parent_memory(tmp_path: Path) -> None:
+async def test_a_stdout_flood_keeps_its_head_for_the_result_and_all_of_it_in_the_spool(tmp_path: Path) -> None:
     me = psutil.Process()
     baseline = me.memory_info().rss
     peak = baseline
@@ -422,12 +449,48 @@ async def test_stdout_flood_is_capped_with_bounded_parent_memory(tmp_path: Path)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(sample)
-        with pytest.raises(LimitExceeded) as caught:
-            await _run(_script(tmp_path, FLOOD), tmp_path, max_output_kb=1024)
+        result = await _run(_script(tmp_path, FLOOD), tmp_path, max_output_kb=1024)
         tg.cancel_scope.cancel()
-    assert caught.value.limit == "max_output_kb"
-    assert peak - baseline < 20 << 20
+    assert result.exit_status == 0
+    assert result.stdout == b"y" * (1 << 20)
+    assert result.stdout_dropped == (50 << 20) - (1 << 20)
+    assert result.result_payload() == {"text": "y" * (1 << 20), "truncated": True, "stdout_bytes": 50 << 20}
+    assert result.stdout_file == tmp_path / ".tidepool" / "stdout"
+    assert result.stdout_file.read_bytes() == b"y" * (50 << 20)
+    assert peak - baseline < 20 << 20  # the daemon never held the flood: the child wrote it to the file
+
+
+async def test_stdout_past_its_cap_kills_the_tree_naming_the_blob_limit(tmp_path: Path) -> None:
+    with pytest.raises(LimitExceeded) as caught:
+        await _run(_script(tmp_path, FLOOD_FOREVER), tmp_path, max_output_kb=64, max_stdout_bytes=4 << 20)
+    assert caught.value.limit == "max_blob_bytes"
+    assert caught.value.code == "limit_exceeded"
     await _assert_gone_by(_pids(tmp_path), anyio.current_time() + 1)
+
+
+async def test_stdout_of_a_quick_exit_past_its_cap_is_a_breach_too(tmp_path: Path) -> None:
+    with pytest.raises(LimitExceeded) as caught:
+        await _run([PY, "-c", "import sys; sys.stdout.write('y' * 100000)"], tmp_path, max_stdout_bytes=99999)
+    assert caught.value.limit == "max_blob_bytes"
+
+
+async def test_a_link_where_the_spool_goes_is_replaced_never_written_through(tmp_path: Path) -> None:
+    # A command of its own user owns the work directory; a second command must not write through its links.
+    (tmp_path / ".tidepool").mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (tmp_path / ".tidepool" / "stdout").symlink_to(victim)
+    result = await _run([PY, "-c", "print('out')"], tmp_path)
+    assert result.stdout == b"out\n"
+    assert victim.read_text() == "keep me"
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / ".tidepool" / "stdout").unlink()
+    (tmp_path / ".tidepool").rmdir()
+    (tmp_path / ".tidepool").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(PluginError) as caught:
+        await _run([PY, "-c", "print('out')"], tmp_path)
+    assert (caught.value.code, caught.value.retryable) == ("spawn_failed", False)  # ENOTDIR: it would again
+    assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 async def test_cpu_time_limit(tmp_path: Path) -> None:
@@ -575,7 +638,7 @@ Scenario = Callable[[Path], Coroutine[Any, Any, None]]
         test_a_child_ignoring_sigterm_is_sigkilled_after_the_grace,
         test_asyncio_native_timeout_kills_the_child,
         test_memory_over_budget_kills_the_tree,
-        test_stdout_flood_is_capped_with_bounded_parent_memory,
+        test_a_stdout_flood_keeps_its_head_for_the_result_and_all_of_it_in_the_spool,
         test_cpu_time_limit,
     ],
     ids=lambda scenario: scenario.__name__.removeprefix("test_"),

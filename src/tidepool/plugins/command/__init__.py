@@ -1,8 +1,9 @@
 """Command plugins' runner: an external program in its own process tree, limited, watched, and killed whole.
 
 template renders the argument list; spawn starts the child with a scrubbed environment and its rlimits;
-output keeps its stdout and stderr within bounds; processes shares one scan of the host's process table
-among all commands; tree finds, measures and kills a command's processes; runner ties one run together.
+output spools its stdout and keeps its stderr within bounds; processes shares one scan of the host's process
+table among all commands; tree finds, measures and kills a command's processes; runner ties one run together;
+artifacts finds the files a command's globs name once it has run.
 """
 
 from .output import CommandResult

@@ -143,18 +143,21 @@ def rlimits(*, cpu_s: float | None, nofile: int | None) -> dict[int, tuple[int, 
 
 async def spawn(
     argv: list[str], protocol: asyncio.SubprocessProtocol, *, env: dict[str, str], workdir: Path, limits: Rlimits,
-    confinement: Confinement = NOT_CONFINED,
+    stdout: int, confinement: Confinement = NOT_CONFINED,
 ) -> asyncio.SubprocessTransport:
     """Start argv in its own session and process group, in `workdir`, under `limits` and `confinement` from its
-    first instruction; PluginError "spawn_failed" if it cannot start."""
+    first instruction, its stdout the file descriptor `stdout`; PluginError "spawn_failed" if it cannot start."""
     try:
         if not limits and not confinement.needed:
-            return await _exec(argv, protocol, env=env, workdir=workdir, stdin=asyncio.subprocess.DEVNULL)
+            return await _exec(argv, protocol, env=env, workdir=workdir, stdin=asyncio.subprocess.DEVNULL,
+                               stdout=stdout)
         if not confinement.needed and (prlimit := _prlimit_program()) is not None:
             command = _under_prlimit(prlimit, argv, limits, env=env, workdir=workdir)
-            return await _exec(command, protocol, env=env, workdir=workdir, stdin=asyncio.subprocess.DEVNULL)
+            return await _exec(command, protocol, env=env, workdir=workdir, stdin=asyncio.subprocess.DEVNULL,
+                               stdout=stdout)
         command = [*launcher_command(), _program(argv[0], env, workdir), *argv[1:]]
-        transport = await _exec(command, protocol, env=env, workdir=workdir, stdin=asyncio.subprocess.PIPE)
+        transport = await _exec(command, protocol, env=env, workdir=workdir, stdin=asyncio.subprocess.PIPE,
+                                stdout=stdout)
     except OSError as exc:
         raise _spawn_failed(argv[0], exc) from exc
     try:
@@ -167,15 +170,16 @@ async def spawn(
 
 
 async def _exec(
-    command: list[str], protocol: asyncio.SubprocessProtocol, *, env: dict[str, str], workdir: Path, stdin: int
+    command: list[str], protocol: asyncio.SubprocessProtocol, *, env: dict[str, str], workdir: Path, stdin: int,
+    stdout: int,
 ) -> asyncio.SubprocessTransport:
-    # loop.subprocess_exec (what create_subprocess_exec wraps) hands the output to the protocol as it
-    # arrives, so nothing is buffered beyond its caps, and gives a transport we may close.
+    # loop.subprocess_exec (what create_subprocess_exec wraps) hands stderr to the protocol as it arrives, so
+    # nothing is buffered beyond its cap, and gives a transport we may close. stdout goes to its file whole.
     transport, _ = await asyncio.get_running_loop().subprocess_exec(
         lambda: protocol,
         *command,
         stdin=stdin,
-        stdout=asyncio.subprocess.PIPE,
+        stdout=stdout,
         stderr=asyncio.subprocess.PIPE,
         cwd=str(workdir),
         env=env,
