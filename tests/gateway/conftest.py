@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import ssl
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -17,6 +18,7 @@ import anyio
 import pytest
 
 from tidepool.gateway import pki
+from tidepool.model import NewTask
 from tidepool.node.daemon import Daemon
 from tidepool.settings import Settings, parse
 
@@ -141,6 +143,28 @@ def expiring_context(lab: pki.Lab, name: str = "brief", *, left_s: float = 2.0) 
 def lease_of(lease: dict[str, Any]) -> dict[str, str]:
     """The two fields that name a lease in a worker's renew, progress, result or finish."""
     return {"attempt_id": lease["attempt_id"], "lease_token": lease["lease_token"]}
+
+
+def sha_of(data: bytes) -> str:
+    """A blob's name: the sha256 of its bytes."""
+    return hashlib.sha256(data).hexdigest()
+
+
+async def stored(node: Node, data: bytes) -> str:
+    """`data` stored as a blob of the gateway's store; its sha256."""
+    async def chunks() -> AsyncIterator[bytes]:
+        yield data
+
+    blob, _ = await node.daemon.store.put_blob(chunks(), now=time.time(), max_bytes=1 << 30)
+    return blob.sha256
+
+
+async def with_input(node: Node, data: bytes) -> tuple[str, str]:
+    """A task of the gateway's queue (type noop, one attempt) whose input `sample` is `data`: (its id, the blob's
+    sha256). Submitted to the store: a submit's inputs are the API's."""
+    blob = await stored(node, data)
+    task, _ = await node.daemon.store.add(NewTask("noop", max_attempts=1, inputs={"sample": blob}), now=time.time())
+    return task.id, blob
 
 
 def sha256(payload: Any) -> str:

@@ -50,7 +50,7 @@ from ..model import (
     rfc3339,
     sha256_of,
 )
-from ..settings import GatewaySettings, LeaseSettings
+from ..settings import ArtifactSettings, GatewaySettings, LeaseSettings
 from ..store import Acquired, Ending, PhaseNote, Store
 from ..store.bounds import RunDeadline
 from ..store.port import ResultQuota
@@ -71,8 +71,10 @@ NOT_YOURS = "superseded"  # the reason given for an attempt the caller does not 
 class Gateway:
     def __init__(self, store: Store, events: EventBus, *, settings: GatewaySettings, lease: LeaseSettings,
                  policy: Callable[[], RetryPolicy], max_body_kb: int = 1024,
-                 clock: Callable[[], float] = time.time, deadline: RunDeadline | None = None) -> None:
+                 clock: Callable[[], float] = time.time, deadline: RunDeadline | None = None,
+                 artifacts: ArtifactSettings | None = None) -> None:
         self.store = store
+        self.artifacts = artifacts or ArtifactSettings()  # what one attempt may upload (files.py)
         self.events = events
         self.settings = settings
         self.lease = lease
@@ -90,9 +92,15 @@ class Gateway:
         self.metrics = GatewayMetrics(held=lambda: len(self.parking), streams=self.controls.open_streams)
         self.registry = WorkerRegistry(store, events, self.controls, self.parking, self.metrics, clock=clock)
 
-    def configure(self, settings: GatewaySettings, lease: LeaseSettings, deadline: RunDeadline | None = None) -> None:
+    def configure(self, settings: GatewaySettings, lease: LeaseSettings, deadline: RunDeadline | None = None,
+                  artifacts: ArtifactSettings | None = None) -> None:
         self.settings, self.lease = settings, lease
+        self.artifacts = artifacts or self.artifacts
         self.deadline = deadline or self.deadline
+
+    def now(self) -> float:
+        """The gateway's clock: what its writes are judged at."""
+        return self._clock()
 
     def wake(self, n: int = 1) -> None:
         """n tasks became claimable: parked acquires first, then the control streams of the others."""

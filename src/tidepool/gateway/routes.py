@@ -4,20 +4,25 @@ that refuses unknown fields, its errors JSON as the /v1 API's (a lost lease's wi
 from __future__ import annotations
 
 import logging
+import re
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
+import anyio
 from aiohttp import web
+from pydantic import ValidationError
 
 from ..client import API_HEADER
-from ..errors import LeaseGone, WorkerRefused
-from ..http.bodies import parse
+from ..errors import InvalidRequest, LeaseGone, StoreError, WorkerRefused
+from ..http.answers import ArtifactOut
+from ..http.bodies import BODY_TIMEOUT_S, parse
 from ..http.guard import ConnectionGuard
 from ..http.refusals import Refusal, error, errors_as_json
-from ..model import RemoteWorker, WorkerState
+from ..model import SHA256_PATTERN, RemoteWorker, WorkerState, file_name_error
+from . import files
 from .control import ControlStream, frame, too_many_connections
 from .protocol import Gateway
-from .schemas import AcquireIn, FinishIn, PhaseIn, RenewIn, ResultIn
+from .schemas import AcquireIn, FinishIn, LeaseIn, PhaseIn, RenewIn, ResultIn
 from .tls import peer_of
 from .trust import CHECK_EVERY_S, Trust
 
@@ -30,6 +35,8 @@ TRUST: web.AppKey[Trust] = web.AppKey("gateway_trust")
 KEEP_ALIVE_S = CHECK_EVERY_S
 # A disabled worker keeps its connection (it renews and finishes what it runs): it only gets no control stream.
 KEEPS_ITS_CONNECTION = frozenset({"worker_disabled"})
+CHUNK = 1 << 20  # a blob moves in chunks of at most 1 MiB, never whole in memory
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
 def _refusals(request: web.Request, exc: Exception) -> web.StreamResponse | None:
@@ -134,6 +141,85 @@ async def finish(request: web.Request) -> web.Response:
     return web.json_response(await gateway.finish(worker, body.endings))
 
 
+async def blob(request: web.Request) -> web.StreamResponse:
+    """A blob's bytes (one range of them with a Range header), for a worker whose live lease names it."""
+    gateway = request.app[GATEWAY]
+    worker = await _caller(request)
+    found = await files.leased_blob(gateway, worker, request.match_info["sha256"])
+    start, stop = _range(request.headers.get("Range"), found.size)
+    chunks = gateway.store.read_blob(found.sha256, start=start, stop=stop)
+    first = await anext(aiter(chunks), b"")  # a store that fails now is still answered 503
+    headers = {"ETag": f'"{found.sha256}"', "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+    if (start, stop) != (0, found.size):
+        headers["Content-Range"] = f"bytes {start}-{stop - 1}/{found.size}"
+    response = web.StreamResponse(status=200 if "Content-Range" not in headers else 206, headers=headers)
+    response.content_length = stop - start
+    await response.prepare(request)
+    try:
+        await response.write(first)
+        async for chunk in chunks:
+            await response.write(chunk)
+    except StoreError as exc:  # the answer has begun: cut short, so the worker sees a short body and asks again
+        log.warning("worker %s: blob %s cut short: %s", worker.id, found.sha256, exc)
+        response.force_close()
+        return response
+    await response.write_eof()
+    return response
+
+
+def _range(header: str | None, size: int) -> tuple[int, int]:
+    """[start, stop) of a Range header's one range (bytes=a-b, a-, -n); the whole blob without one."""
+    if header is None:
+        return 0, size
+    match = _RANGE.match(header.strip())
+    if match is None or match.groups() == ("", ""):
+        raise Refusal(416, "range_not_satisfiable", "Range: one range of bytes=START-END, START- or -LENGTH")
+    first, last = match.groups()
+    if first == "":
+        start, stop = max(0, size - int(last)), size
+    else:
+        start, stop = int(first), min(size, int(last) + 1) if last else size
+    if start >= stop:
+        raise Refusal(416, "range_not_satisfiable", f"the blob holds {size} bytes")
+    return start, stop
+
+
+async def artifact(request: web.Request) -> web.Response:
+    """Record the body as the attempt's artifact `name`: fenced (name, identity, lease, quota) before a byte of
+    the body is read, stored whole and its digest checked before it is recorded."""
+    gateway = request.app[GATEWAY]
+    worker = await _caller(request)
+    attempt_id, name = request.match_info["attempt_id"], request.match_info["name"]
+    if (why := file_name_error(name)) is not None:
+        raise InvalidRequest("name", why)
+    try:
+        named = LeaseIn(attempt_id=attempt_id, lease_token=request.headers.get("X-Lease-Token", ""))
+    except ValidationError:
+        raise InvalidRequest("X-Lease-Token", "required: the lease token of the attempt the path names") from None
+    if not re.match(SHA256_PATTERN, expect := request.headers.get("X-Content-SHA256", "")):
+        raise InvalidRequest("X-Content-SHA256", "required: the lowercase hex SHA-256 of the body")
+    lease = await files.held(gateway, worker, named)
+    recorded = await files.check_quota(gateway, lease, name, request.content_length)
+    content_type = request.headers.get("Content-Type")
+    done = await files.record(gateway, worker, lease, name, _body(request), expect=expect,
+                              content_type=content_type[:200] if content_type else None)
+    return web.json_response(ArtifactOut.model_validate(done).to_json(), status=200 if recorded else 201)
+
+
+async def _body(request: web.Request) -> AsyncIterator[bytes]:
+    """The request body in chunks of at most 1 MiB; a body that stalls for BODY_TIMEOUT_S is cut off (a large
+    one may take long in all, but never stands still that long)."""
+    while True:
+        try:
+            with anyio.fail_after(BODY_TIMEOUT_S):
+                chunk = await request.content.read(CHUNK)
+        except TimeoutError:
+            raise Refusal(408, "request_timeout", f"the body stalled for {BODY_TIMEOUT_S}s") from None
+        if not chunk:
+            return
+        yield chunk
+
+
 async def control(request: web.Request) -> web.StreamResponse:
     """The worker's control stream: its state first, then cancel, worker and wake events as they happen, until
     the worker drops it, a newer one of its own replaces it, or the gateway ends it (revoked, its certificate
@@ -207,4 +293,6 @@ def build_app(gateway: Gateway, guard: ConnectionGuard, trust: Trust, *, max_bod
     app.router.add_post("/w1/results", results)
     app.router.add_post("/w1/finish", finish)
     app.router.add_get("/w1/control", control, allow_head=False)
+    app.router.add_get("/w1/blobs/{sha256}", blob, allow_head=False)
+    app.router.add_put("/w1/artifacts/{attempt_id}/{name}", artifact)
     return app

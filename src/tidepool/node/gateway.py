@@ -26,7 +26,8 @@ class NodeGateway:
     def __init__(self, store: Store, events: EventBus, settings: Settings,
                  policy: Callable[[], RetryPolicy]) -> None:
         self.gateway = Gateway(store, events, settings=settings.gateway, lease=settings.lease,
-                               policy=policy, max_body_kb=settings.api.max_body_kb, deadline=run_deadline(settings))
+                               policy=policy, max_body_kb=settings.api.max_body_kb, deadline=run_deadline(settings),
+                               artifacts=settings.artifacts)
         self.watch = Watch(self.gateway)
         events.listen(self.watch.on_event)
         self.credentials: Credentials | None = None  # the listener's TLS, when it listens
@@ -42,7 +43,7 @@ class NodeGateway:
                                    pool_workers=settings.pool.max_workers))
 
     def configure(self, new: Settings) -> None:
-        self.gateway.configure(new.gateway, new.lease, run_deadline(new))
+        self.gateway.configure(new.gateway, new.lease, run_deadline(new), new.artifacts)
         if self.credentials is not None:  # new connections get the files' certificates; live ones keep theirs
             self.credentials.reload(new.gateway)
 

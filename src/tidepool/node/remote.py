@@ -5,12 +5,13 @@ resources, guards and lease keeper are the same parts as on any node."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterable, AsyncIterator
 
 from ..api.operations import NodesView, ScheduleView
 from ..errors import RemoteNode
 from ..execution.leases import LeaseKeeper
 from ..execution.waker import Waker
-from ..model import NewTask, State, Task
+from ..model import Artifact, Blob, NewTask, State, Task
 from ..plugins import command
 from ..schedules import Schedule
 from ..settings import redacted_url
@@ -57,6 +58,19 @@ class RemoteOperations(NodeOperations):
         raise self._gateway()
 
     async def nodes_view(self) -> NodesView:
+        raise self._gateway()
+
+    async def put_blob(self, chunks: AsyncIterable[bytes], *, expect: str | None = None) -> tuple[Blob, bool]:
+        raise self._gateway()
+
+    async def get_blob(self, sha256: str) -> Blob:
+        raise self._gateway()
+
+    async def read_blob(self, sha256: str, *, start: int = 0, stop: int | None = None) -> AsyncIterator[bytes]:
+        raise self._gateway()
+        yield b""  # an async generator, as the node's read_blob answers one
+
+    async def list_artifacts(self, task_id: str) -> list[Artifact]:
         raise self._gateway()
 
     async def schedules_view(self) -> list[ScheduleView]:
