@@ -7,17 +7,24 @@ import contextlib
 import json
 import os
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Sequence
+from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import quote, urlencode
 
 import aiohttp
 from yarl import URL
 
 TERMINAL = frozenset({"completed", "failed", "timed_out", "cancelled"})
+CHUNK_BYTES = 1 << 20  # files go up and come down in pieces of this, never whole in memory
+# A transfer may take as long as it takes, but never sits silent for longer than this.
+TRANSFER_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=60)
 # Every answer of a daemon carries it: what tells a daemon's answer from a proxy's or another service's
 # on the port, whose JSON would otherwise be read as the daemon's.
 API_HEADER = ("Tidepool-API", "v1")
+
+
+Artifacts = list[dict[str, Any]]  # named here: within Client, `list` is a method
 
 
 class ApiError(Exception):
@@ -119,6 +126,41 @@ class Client:
     async def retry(self, task_id: str) -> str:
         state: str = (await self.request("POST", f"/v1/tasks/{_segment(task_id)}/retry"))["state"]
         return state
+
+    async def upload(self, path: Path, *, sha256: str | None = None,
+                     on_bytes: Callable[[int], None] | None = None) -> dict[str, Any]:
+        """Upload the file at `path` as a blob, streamed: {sha256, size}. With `sha256` (the file's, as the caller
+        computed it) the daemon stores nothing unless the bytes it got have that digest. `on_bytes` hears each
+        piece's length as it is sent."""
+        headers = {"Content-Type": "application/octet-stream", **({"X-Content-SHA256": sha256} if sha256 else {})}
+        with path.open("rb") as file:  # opened first: a file that cannot be read is the caller's OSError
+            try:
+                async with self._session.post(self._base + "/v1/blobs", data=_pieces(file, on_bytes),
+                                              headers=headers, timeout=TRANSFER_TIMEOUT) as response:
+                    blob: dict[str, Any] = self._answer(response, await response.read())
+                    return blob
+            except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+                raise Unreachable(f"no tidepool daemon answered at {self.url}: {_reason(exc)}") from None
+
+    async def artifacts(self, task_id: str) -> Artifacts:
+        """The task's artifacts, every attempt's, oldest first."""
+        listed: Artifacts = (await self.request("GET", f"/v1/tasks/{_segment(task_id)}/artifacts"))["artifacts"]
+        return listed
+
+    async def download(self, path: str, write: Callable[[bytes], object]) -> int:
+        """GET `path` (a blob's or an artifact's route), each piece of its body handed to `write` as it comes (never
+        the whole in memory): how many bytes came."""
+        came = 0
+        try:
+            async with self._session.get(self._base + path, timeout=TRANSFER_TIMEOUT) as response:
+                if response.status >= 400 or response.headers.get(API_HEADER[0]) != API_HEADER[1]:
+                    self._answer(response, await response.read())  # ApiError or Unreachable, as it is
+                async for piece in response.content.iter_chunked(CHUNK_BYTES):
+                    write(piece)
+                    came += len(piece)
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            raise Unreachable(f"no tidepool daemon answered at {self.url}: {_reason(exc)}") from None
+        return came
 
     async def submit_scan(self, profile: str, payload: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
         """Start a scan of `profile`; options: priority, organization, idempotency_key."""
@@ -256,6 +298,14 @@ async def _parsed(lines: AsyncIterable[bytes]) -> AsyncGenerator[dict[str, Any],
                 fields = {"event": name} if event_id is None else {"id": event_id, "event": name}
                 yield {**json.loads("\n".join(data)), **fields}
             event_id, name, data = None, "message", []
+
+
+async def _pieces(file: BinaryIO, on_bytes: Callable[[int], None] | None) -> AsyncIterator[bytes]:
+    """The file's bytes, a piece at a time (a read of one piece is quick enough not to matter to the loop)."""
+    while piece := file.read(CHUNK_BYTES):
+        yield piece
+        if on_bytes is not None:
+            on_bytes(len(piece))
 
 
 def _reason(exc: BaseException) -> str:

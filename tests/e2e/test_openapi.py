@@ -42,6 +42,8 @@ DOCUMENTED_ROUTES = {
     ("post", "/v1/schedules"),
     ("delete", "/v1/schedules/{name}"), ("post", "/v1/schedules/{name}/pause"),
     ("post", "/v1/schedules/{name}/resume"), ("get", "/healthz"), ("get", "/readyz"),
+    ("post", "/v1/blobs"), ("get", "/v1/blobs/{sha256}"), ("head", "/v1/blobs/{sha256}"),
+    ("get", "/v1/tasks/{id}/artifacts"), ("get", "/v1/tasks/{id}/artifacts/{name}"),
 }
 
 

@@ -14,7 +14,7 @@ from ..http.guard import KEEPALIVE_TIMEOUT_S, ConnectionGuard, GuardedSite
 from ..http.openapi import ServerPaths
 from ..http.refusals import error, errors_as_json, http_code
 from ..settings import api_address
-from . import node, openapi, scans, schedules, stream, tasks, workers
+from . import blobs, node, openapi, scans, schedules, stream, tasks, workers
 from .auth import TOKEN, holds_token, require_token
 from .browsers import browser_guard, no_framing
 from .operations import DAEMON, Operations
@@ -72,6 +72,10 @@ def build_app(daemon: Operations, fanout: stream.Fanout, *, token: str | None = 
     app.router.add_get("/v1/tasks/{id}", tasks.get_task)
     app.router.add_post("/v1/tasks/{id}/cancel", tasks.cancel)
     app.router.add_post("/v1/tasks/{id}/retry", tasks.retry)
+    app.router.add_get("/v1/tasks/{id}/artifacts", blobs.list_artifacts)
+    app.router.add_get("/v1/tasks/{id}/artifacts/{name}", blobs.get_artifact)
+    app.router.add_post("/v1/blobs", blobs.upload)
+    app.router.add_get("/v1/blobs/{sha256}", blobs.download)  # and HEAD
     app.router.add_get("/v1/pool", node.get_pool)
     app.router.add_patch("/v1/pool", node.patch_pool)
     app.router.add_get("/v1/nodes", node.list_nodes)

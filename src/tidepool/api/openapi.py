@@ -16,9 +16,10 @@ from .. import __version__
 from ..events import EVENT_NAMES
 from ..http.answers import ErrorOut, TaskDetailOut
 from ..http.openapi import Operation, ServerPaths
-from ..model import ORGANIZATION_PATTERN, State
+from ..model import FILE_NAME_PATTERN, ORGANIZATION_PATTERN, SHA256_PATTERN, State
 from ..scans import ScanState
 from .auth import TOKEN
+from .blobs import ArtifactsOut, BlobOut
 from .listing import CURSOR_PATTERN, MAX_LIST_LIMIT
 from .node import HealthOut, NodesOut, PoolOut, PoolPatch
 from .operations import DAEMON
@@ -35,6 +36,7 @@ ERRORS = {"400": "invalid input, naming the field", "401": "missing or wrong bea
           "404": "no such task, schedule or scan", "408": "the body did not arrive in time",
           "409": "conflicts with the task's or scan's state, an earlier submit or the node's (draining)",
           "413": "body over api.max_body_kb", "415": "body is not application/json",
+          "416": "the Range lies past the end of the bytes",
           "429": "queue over pool.max_queued", "503": "store unavailable, or too many event streams"}
 BODY_ERRORS = ("400", "408", "413", "415")
 # Routes the document leaves out: the dashboard, its files, the metrics text and the document itself.
@@ -50,6 +52,15 @@ TASK_ID = _param("id", "path", {"type": "string"}, required=True)
 WORKER_ID = _param("id", "path", {"type": "string"}, required=True,
                    description="the worker's identity: its certificate's common name")
 NAME = _param("name", "path", {"type": "string"}, required=True)
+SHA256 = _param("sha256", "path", {"type": "string", "pattern": SHA256_PATTERN}, required=True,
+                description="the blob's name: the lowercase hex SHA-256 of its bytes")
+ARTIFACT = (TASK_ID, _param("name", "path", {"type": "string", "pattern": FILE_NAME_PATTERN}, required=True),
+            _param("attempt", "query", {"type": "string", "minLength": 1},
+                   description="the attempt whose artifact to send (default: the newest attempt's)"))
+UPLOAD = (_param("X-Content-SHA256", "header", {"type": "string", "pattern": SHA256_PATTERN},
+                 description="the body's sha256: if the bytes differ, 400 digest_mismatch and nothing stored"),)
+BYTES = "application/octet-stream"
+RANGED = "the bytes; one `Range: bytes=a-b` (or a-, -n) answers 206 with that range, past the end 416"
 EVENT_ID = {"type": "string", "pattern": "^[0-9]{0,20}$"}
 # What a stream's `type` filter may name: every event, each family's glob, and all of them. (The stream takes
 # any glob that matches an event, and comma-separated lists; these are the forms the document promises.)
@@ -82,7 +93,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/tasks"): Operation(
         "submitTask", "submit a task (200: its idempotency_key found it submitted already)",
         {"201": TaskDetailOut, "200": TaskDetailOut}, SUBMIT_ERRORS, body=SubmitTask,
-        links={"id": ("getTask", "cancelTask", "retryTask")}),
+        links={"id": ("getTask", "cancelTask", "retryTask", "listArtifacts")}),
     ("get", "/v1/tasks"): Operation(
         "listTasks", "list tasks, newest first", {"200": PageOut}, ("400", "503"), params=LISTING),
     ("post", "/v1/tasks/batch"): Operation(
@@ -111,6 +122,25 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/scans/{id}/jobs/{index}/retry"): Operation(
         "retryScanJob", "run an ended scan again from a failed, timed-out or cancelled job", {"202": ScanOut},
         (*BODY_ERRORS, "404", "409", "429", "503"), params=[SCAN_ID, JOB_INDEX]),
+    ("get", "/v1/tasks/{id}/artifacts"): Operation(
+        "listArtifacts", "the files its attempts recorded, oldest first", {"200": ArtifactsOut}, ("404", "503"),
+        params=[TASK_ID]),
+    ("get", "/v1/tasks/{id}/artifacts/{name}"): Operation(
+        "getArtifact", f"an artifact's bytes, the newest attempt's unless one is named: {RANGED}",
+        {"200": None, "206": None}, ("400", "404", "416", "503"), params=ARTIFACT, media=BYTES,
+        said={"404": "no such task, or it has no artifact of that name (of that attempt)"}),
+    ("post", "/v1/blobs"): Operation(
+        "uploadBlob", "store bytes as a blob, named by their sha256 (200: it was stored already)",
+        {"201": BlobOut, "200": BlobOut}, ("400", "408", "413", "415", "503"), params=UPLOAD, bytes_body=BYTES,
+        links={"sha256": ("getBlob", "headBlob")},
+        said={"413": "the blob is over artifacts.max_blob_bytes: nothing stored",
+              "415": "body is not application/octet-stream"}),
+    ("get", "/v1/blobs/{sha256}"): Operation(
+        "getBlob", f"a blob's {RANGED}", {"200": None, "206": None}, ("400", "404", "416", "503"), params=[SHA256],
+        media=BYTES, said={"404": "no blob of that sha256"}),
+    ("head", "/v1/blobs/{sha256}"): Operation(
+        "headBlob", "whether a blob is stored, and its size (Content-Length)", {"200": None},
+        ("400", "404", "503"), params=[SHA256], said={"404": "no blob of that sha256"}),
     ("get", "/v1/pool"): Operation("getPool", "pool and queue figures", {"200": PoolOut}, ("503",)),
     ("patch", "/v1/pool"): Operation(
         "resizePool", "change pool sizes live", {"200": PoolOut}, (*BODY_ERRORS, "409", "503"), body=PoolPatch),
@@ -229,6 +259,8 @@ def _operation(op: Operation, *, bearer: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"operationId": op.id, "summary": op.summary, "responses": responses}
     if op.body is not None:
         out["requestBody"] = {"required": True, **_content(op.body)}
+    if op.bytes_body is not None:
+        out["requestBody"] = {"required": True, "content": {op.bytes_body: {"schema": BINARY}}}
     if op.params:
         out["parameters"] = list(op.params)
     if bearer and op.open:
@@ -236,7 +268,12 @@ def _operation(op: Operation, *, bearer: bool) -> dict[str, Any]:
     return out
 
 
+BINARY = {"type": "string", "format": "binary"}
+
+
 def _answer(description: str, model: type[BaseModel] | None, media: str = "application/json") -> dict[str, Any]:
+    if model is None and media != "application/json":  # raw bytes
+        return {"description": description, "content": {media: {"schema": BINARY}}}
     return {"description": description, **({} if model is None else _content(model, media))}
 
 

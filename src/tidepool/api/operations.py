@@ -9,15 +9,15 @@ a test may serve any object that has these members.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
 if TYPE_CHECKING:
     from ..events import EventBus
-    from ..model import NewTask, RemoteWorker, State, Task, WorkerChange
+    from ..model import Artifact, Blob, NewTask, RemoteWorker, State, Task, WorkerChange
     from ..scans import Scan, ScanState
     from ..schedules import Schedule
     from ..store.port import Node, Page, ScanPage
@@ -39,6 +39,7 @@ class ScanRequest:
     priority: int = 0
     organization: str = "default"
     idempotency_key: str | None = None
+    inputs: dict[str, str] = field(default_factory=dict)  # file name -> sha256 of a stored blob
 
 
 class ScanOps(Protocol):
@@ -185,6 +186,27 @@ class Operations(Protocol):
     async def retry(self, task_id: str) -> Task: ...
 
     async def pool_view(self) -> PoolView: ...
+
+    @property
+    def max_blob_bytes(self) -> int:
+        """The most bytes one blob may hold ([artifacts] max_blob_bytes)."""
+        ...
+
+    async def put_blob(self, chunks: AsyncIterable[bytes], *, expect: str | None = None) -> tuple[Blob, bool]:
+        """Store an upload as a blob: the blob, and whether this call created it. DigestMismatch, BlobTooLarge."""
+        ...
+
+    async def get_blob(self, sha256: str) -> Blob:
+        """BlobNotFound if unknown."""
+        ...
+
+    def read_blob(self, sha256: str, *, start: int = 0, stop: int | None = None) -> AsyncIterator[bytes]:
+        """The blob's bytes [start, stop), streamed in chunks."""
+        ...
+
+    async def list_artifacts(self, task_id: str) -> list[Artifact]:
+        """The task's artifacts, every attempt's, oldest first; TaskNotFound if unknown."""
+        ...
 
     def resize(self, **sizes: Any) -> None:
         """ValueError when the sizes contradict each other; Conflict while the node drains."""

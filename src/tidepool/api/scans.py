@@ -13,6 +13,7 @@ from ..http.bodies import JsonInt, no_body, parse
 from ..http.refusals import Refusal
 from ..model import DEFAULT_ORGANIZATION, ORGANIZATION_PATTERN
 from ..scans import Scan, ScanState
+from .blobs import checked_inputs, inputs_field
 from .listing import cursor_of, limit_of, one_each
 from .operations import DAEMON, ScanRequest
 
@@ -33,6 +34,7 @@ class SubmitScan(BaseModel):
     organization: str = Field(DEFAULT_ORGANIZATION, pattern=ORGANIZATION_PATTERN,
                               description="every step's task has it: which remote workers may run them")
     idempotency_key: str | None = Field(None, min_length=1, max_length=512, pattern=NO_NUL)
+    inputs: dict[str, str] = inputs_field()
 
 
 class JobOut(Answer):
@@ -44,6 +46,8 @@ class JobOut(Answer):
     task_id: str | None
     attempts: int = Field(description="attempts its latest task has started")
     error: TaskErrorOut | None
+    artifacts: dict[str, str] = Field(description="its latest task's artifacts: name -> sha256 (the later "
+                                      "steps get them as inputs)")
 
 
 class ScanOut(Answer):
@@ -52,6 +56,7 @@ class ScanOut(Answer):
     state: ScanState
     organization: str
     payload: dict[str, Any]
+    inputs: dict[str, str] = Field(description="as submitted: file name -> sha256; every step's task gets them")
     scope: dict[str, Any] = Field(description="what its steps learned so far (ctx.scope), merged at the top level")
     jobs: list[JobOut]
     created_at: Instant
@@ -75,7 +80,8 @@ class ScanStateOut(Answer):
 async def submit(request: web.Request) -> web.Response:
     body = await parse(request, SubmitScan)
     scan, created = await request.app[DAEMON].scans.submit(
-        ScanRequest(body.profile, body.payload, body.priority, body.organization, body.idempotency_key))
+        ScanRequest(body.profile, body.payload, body.priority, body.organization, body.idempotency_key,
+                    checked_inputs(body.inputs)))
     return web.json_response(ScanOut.of(scan).to_json(), status=201 if created else 200)
 
 

@@ -17,6 +17,7 @@ from ..http.bodies import JsonInt, integral, no_body, parse
 from ..http.refusals import Refusal
 from ..model import DEFAULT_ORGANIZATION, ORGANIZATION_PATTERN, NewTask, State
 from ..settings import Tag
+from .blobs import checked_inputs, inputs_field
 from .listing import cursor_of, limit_of, one_each
 from .operations import DAEMON
 
@@ -44,6 +45,7 @@ class SubmitTask(BaseModel):
     organization: str = Field(DEFAULT_ORGANIZATION, pattern=ORGANIZATION_PATTERN,
                               description="whose task it is: a remote worker takes only the organizations it is "
                                           "assigned (a node's own workers take every one)")
+    inputs: dict[str, str] = inputs_field()
 
     @field_validator("available_at")
     @classmethod
@@ -58,11 +60,12 @@ class SubmitTask(BaseModel):
                                        "latest": f"{LATEST:%Y-%m-%dT%H:%M:%SZ}"})
         return at
 
-    def to_new(self, *, default_max_attempts: int) -> NewTask:
+    def to_new(self, *, default_max_attempts: int, field: str = "inputs") -> NewTask:
+        """`field`: what a bad input is named by (a batch's task says which it is)."""
         available = None if self.available_at is None else self.available_at.timestamp()
         return NewTask(self.type, self.payload, self.priority, self.max_attempts or default_max_attempts,
                        self.timeout_s, tuple(sorted(set(self.required_tags))), self.idempotency_key, available,
-                       self.organization)
+                       self.organization, checked_inputs(self.inputs, field))
 
 
 class SubmitBatch(BaseModel):
@@ -99,7 +102,8 @@ async def submit(request: web.Request) -> web.Response:
 async def submit_batch(request: web.Request) -> web.Response:
     daemon = request.app[DAEMON]
     body = await parse(request, SubmitBatch)
-    news = [t.to_new(default_max_attempts=daemon.max_attempts_for(t.type)) for t in body.tasks]
+    news = [t.to_new(default_max_attempts=daemon.max_attempts_for(t.type), field=f"tasks.{i}.inputs")
+            for i, t in enumerate(body.tasks)]
     added = await daemon.submit_many(news)
     # 200 for a batch resubmitted whole (every task found by its idempotency_key), as a single submit
     return web.json_response({"ids": [task_id for task_id, _ in added]},

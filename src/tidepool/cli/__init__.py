@@ -11,7 +11,7 @@ from pathlib import Path
 from .. import settings as settings_mod
 from ..errors import ConfigError, SchemaMismatch, StoreUnavailable
 from ..settings import Settings
-from . import events, fleet, pki, scans, schedules, tasks, workers
+from . import events, files, fleet, pki, scans, schedules, tasks, workers
 from .daemon import EXIT_GRACE_S, cmd_config, cmd_migrate, cmd_run
 from .output import OK, TASK_FAILED, UNREACHABLE, USAGE, fatal
 from .talk import add_client_options, exit_code
@@ -62,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add("run", cmd_run, "run the daemon in the foreground", common=local)
     tasks.add_commands(add)
+    files.add_commands(add)
     fleet.add_commands(add)
     schedules.add_commands(add)
     scans.add_commands(add)

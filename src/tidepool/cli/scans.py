@@ -21,6 +21,7 @@ from rich.text import Text
 from ..client import ApiError, Client, Unreachable
 from ..settings import Settings
 from ..settings.profiles import SCAN_VERBS
+from .files import InputError, add_input_option, parse_inputs, upload_inputs
 from .output import (
     ERR,
     OK,
@@ -50,10 +51,16 @@ def cmd_scan(args: argparse.Namespace, settings: Settings) -> int:
     except (OSError, ValueError) as exc:
         print(f"tidepool: --payload: {exc}", file=sys.stderr)
         return USAGE
+    try:
+        files = parse_inputs(args.input)
+    except InputError as exc:
+        print(f"tidepool: {exc}", file=sys.stderr)
+        return USAGE
 
     async def body(client: Client) -> int:
+        inputs = await upload_inputs(client, files)
         scan = await client.submit_scan(args.profile, payload, priority=args.priority, organization=args.organization,
-                                        idempotency_key=args.key)
+                                        idempotency_key=args.key, inputs=inputs or None)
         print(visible(scan["id"]))
         if not args.wait:
             return OK
@@ -154,12 +161,15 @@ def cmd_scan_show(args: argparse.Namespace, settings: Settings) -> int:
         for key in ("id", "profile", "state", "organization", "payload", "created_at", "finished_at"):
             facts.add_row(key, text(fact(key, scan[key]), SCAN_STYLE.get(scan[key], "") if key == "state" else ""))
         console.print(facts)
-        steps = Table("#", "step", "state", "attempts", "task", "error", title="steps")
+        steps = Table("#", "step", "state", "attempts", "task", "error", "artifacts", title="steps")
         for job in scan["jobs"]:
             steps.add_row(*map(text, (str(job["index"]), job["step"], job["state"], str(job["attempts"]),
-                                      job["task_id"] or "-", fact("error", job["error"]))),
+                                      job["task_id"] or "-", fact("error", job["error"]),
+                                      " ".join(job.get("artifacts", {})) or "-")),
                           style=SCAN_STYLE.get(job["state"], ""))
         console.print(steps)
+        for name, sha256 in scan.get("inputs", {}).items():
+            console.print(text(f"input {name} sha256 {sha256}"))
         console.print(text("found (the scope its steps handed on):"))
         console.print(Pretty(scan["scope"], indent_guides=False) if scan["scope"] else text("  nothing yet"))
         for task in tasks:
@@ -204,6 +214,7 @@ def add_commands(add: Any) -> None:
     p.add_argument("--priority", type=int)
     p.add_argument("--organization")
     p.add_argument("--key", help="idempotency key")
+    add_input_option(p)
     p.add_argument("--wait", action="store_true",
                    help="follow the scan step by step to its end; exit 1 unless it succeeded")
     p = add("scans", cmd_scans, "list scans with their steps, newest first", json=True)

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from ..client import Client
 from ..settings import Settings
+from .files import InputError, add_input_option, artifact_rows, parse_inputs, upload_inputs
 from .ids import resolve, short_forms
 from .output import (
     ERR,
@@ -43,11 +44,17 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         print(f"tidepool: --payload: {exc}", file=sys.stderr)
         return USAGE
     tags = [t.strip() for t in (args.tags or "").split(",") if t.strip()]
+    try:
+        files = parse_inputs(args.input)
+    except InputError as exc:
+        print(f"tidepool: {exc}", file=sys.stderr)
+        return USAGE
 
     async def body(client: Client) -> int:
+        inputs = await upload_inputs(client, files)
         task = await client.submit(args.type, payload, priority=args.priority, max_attempts=args.max_attempts,
                                    idempotency_key=args.key, required_tags=tags or None,
-                                   organization=args.organization)
+                                   organization=args.organization, inputs=inputs or None)
         print(visible(task["id"]))
         if not args.wait:
             return OK
@@ -143,6 +150,12 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
         console.print(attempts)
         for r in task["results"]:
             console.print(text(f"result {result_line(r)}"))
+        for name, sha256 in task.get("inputs", {}).items():  # .get: as for organization
+            console.print(text(f"input {name} sha256 {sha256}"))
+        if task.get("artifacts"):
+            artifacts = artifact_rows(task["artifacts"])
+            artifacts.title = "artifacts (tidepool fetch TASK NAME)"
+            console.print(artifacts)
         return OK
 
     return with_client(args, settings, body)
@@ -197,6 +210,7 @@ def add_commands(add: Any) -> None:
     p.add_argument("--key", help="idempotency key")
     p.add_argument("--tags", help="required resource tags, comma separated")
     p.add_argument("--organization", help="whose task it is (default: default)")
+    add_input_option(p)
     p.add_argument("--wait", action="store_true", help="follow the task to its end; exit 1 unless completed")
     p = add("show", cmd_show, "show one task", json=True)
     p.add_argument("task_id", help="its id, or enough of its first digits to name one task")

@@ -79,6 +79,17 @@ class ResultOut(Answer):
     payload: Any
 
 
+class ArtifactOut(Answer):
+    """A file an attempt recorded; its bytes are GET /v1/tasks/{id}/artifacts/{name}."""
+
+    name: str
+    sha256: str
+    size: int
+    content_type: str | None
+    attempt_id: str
+    created_at: Instant
+
+
 class TaskOut(Answer):
     """A task as listings show it: without its results."""
 
@@ -118,6 +129,8 @@ class TaskDetailOut(TaskOut):
     """A task with its results, as GET /v1/tasks/{id} and a submit answer it."""
 
     results: list[ResultOut]
+    inputs: dict[str, str] = Field(description="as submitted: file name -> sha256 of its blob")
+    artifacts: list[ArtifactOut] = Field(description="every attempt's, oldest first")
 
     @classmethod
     def of(cls, task: Task) -> Self:

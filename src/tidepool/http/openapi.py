@@ -18,10 +18,11 @@ class Operation:
     ok: Mapping[str, type[BaseModel] | None]  # status -> the answer's model (None: no body)
     errors: tuple[str, ...] = ()
     body: type[BaseModel] | None = None
+    bytes_body: str | None = None  # the media type of a body of raw bytes (an upload), in place of a model
     params: Sequence[dict[str, Any]] = ()
     open: bool = False          # answered without the token
     route: str | None = None    # the router's path, when one route serves several documented paths
-    media: str = "application/json"
+    media: str = "application/json"  # of its answers; another with no model: raw bytes (a download)
     # a field of the answer -> the operations that take it as their parameter of that name
     links: Mapping[str, Sequence[str]] = field(default_factory=dict)
     # an error status -> what it means for this operation, where the document's own words do not fit

@@ -6,7 +6,7 @@ actions, the workers' kinds and reasons, and so on. The families come from a reg
 own, so several daemons in one process (tests) do not clash. Durations are measured between event
 timestamps. The gauges read at scrape time are the pool's workers and the host guards; the scans'
 series count scans created and ended, and their steps ended, by profile (every profile this node defines
-at zero before its first scan).
+at zero before its first scan); the blobs' count bytes stored, received and sent (metrics.blobs).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from ..errors import StoreUnavailable
 from ..events import Event, EventBus
 from ..model import TERMINAL, Phase, State
+from .blobs import BlobMetrics
 from .series import UNKNOWN, Counter, Histogram, gauge
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    300.0)
 KILL_REASONS = {"timeout": "timeout", "cancelled": "cancel"}  # error code -> plugin kill reason
-LIMITS = ("memory_mb", "cpu_s", "nofile", "max_output_kb", "disk_mb")
+LIMITS = ("memory_mb", "cpu_s", "nofile", "max_blob_bytes", "disk_mb")
 # The label values each series is exported with from the start (task types are read at each scrape).
 TERMINAL_STATES = tuple(sorted(state.value for state in TERMINAL))
 RECONCILER_ACTIONS = ("expired", "promoted", "cancelled", "pruned", "unserviceable")
@@ -119,11 +120,12 @@ class Metrics:
                                          "reason (overlap, missed, queue_full, refused).", "schedule", "reason")
         self.scans = ScanMetrics()
         self.scans_created, self.scans_finished, self.scan_steps = self.scans.series
+        self.blobs = BlobMetrics()
         self._series = (self.created, self.finished, self.retries, self.task_duration, self.phase_duration,
                         self.plugin_duration, self.pickup_latency, self.lease_renewals, self.lease_renewal_errors,
                         self.lease_losses, self.reconciler_actions, self.reconciler_passes, self.plugin_kills,
                         self.workers_started, self.workers_stopped, self.reloads, self.schedule_fired,
-                        self.schedule_skipped, *self.scans.series)
+                        self.schedule_skipped, *self.scans.series, *self.blobs.series)
         self._tripped = dict.fromkeys(GUARDS, 0)
         # task id -> [attempt start, current phase, phase start, stopped while a plugin ran]
         self._open: dict[str, list[Any]] = {}

@@ -72,7 +72,8 @@ class Daemon:
         self.instance_id = new_id()
         self.started_at = time.time()
         self.status = NodeStatus()
-        self.store = open_store(settings.store.url, section=settings.store)
+        self.store = open_store(settings.store.url, section=settings.store, artifacts=settings.artifacts,
+                                blob_dir=settings.node.state_dir / "blobs")
         # A remote worker: its store is a gateway, which runs the reconciler and scheduler where the queue is.
         self.remote = self.store if isinstance(self.store, RemoteStore) else None
         self.events = EventBus(first_id=first_id_of_this_run())
@@ -116,7 +117,8 @@ class Daemon:
                                   renew_every_s=settings.lease.renew_every_s,
                                   fence_after_s=fence_after_s(settings.node.heartbeat_s),
                                   on_fence=partial(_hurry_commands, settings.node.heartbeat_s))
-        self.engine = Engine(self.store, registry, self.leases, self.events, config=EngineConfig.of(settings.execution),
+        self.engine = Engine(self.store, registry, self.leases, self.events,
+                             config=EngineConfig.of(settings.execution, settings.artifacts),
                              policy=settings.retry.policy(), work_root=self.work_root, resources=self.resources)
         self.claims = Claims(settings.claimed_types(), resources=self.resources, guards=self.guards)
         self.pool = Pool(self.store, self.engine, self.leases, self.events, config=PoolConfig.of(settings.pool),
@@ -131,7 +133,7 @@ class Daemon:
         self.store.on_scan_moves(self.ops.scans.moved)
         self.reconciler = Reconciler(self.store, self.events,
                                      config=ReconcilerConfig.of(settings.reconciler, settings.execution,
-                                                                settings.all_types),
+                                                                settings.all_types, settings.artifacts),
                                      policy=lambda: self.engine.policy, wake=self.waker.wake,
                                      fleet_tags=self.ops.fleet_tag_sets)
         self.scheduler = Scheduler(self.store, self.events, node_id=self.node_id, new_task=self.ops.scheduled_task,
@@ -175,6 +177,8 @@ class Daemon:
         config's schedules."""
         if self.remote is not None:  # its attempts and schedules are the gateway's: only this host's leftovers
             await clear_leftovers(self.work_root)
+            self.remote.keep_inputs(self.settings.node.state_dir.absolute() / "cache",
+                                    cache_mb=self.settings.artifacts.cache_mb)
             return
         await self.store.lock_node(self.node_id, self.instance_id)  # PostgreSQL: one process per node id
         await self.reconciler.recover(node_id=self.node_id, instance_id=self.instance_id,
@@ -329,6 +333,8 @@ class Daemon:
             if self.remote is not None:  # a rotated certificate is presented from the next connection on
                 self.remote.use_certificates(cert_file=new.store.cert_file, key_file=new.store.key_file,
                                              ca_file=new.store.ca_file)
+                self.remote.keep_inputs(self.settings.node.state_dir.absolute() / "cache",
+                                        cache_mb=new.artifacts.cache_mb)  # node.state_dir takes a restart
         except Exception as exc:  # a plugin module may raise anything on import: the node must live on
             self.metrics.reloaded(ok=False)
             log.error("reload of %s rejected, keeping the running config: %s", where, reload.rejection(exc),
@@ -353,10 +359,10 @@ class Daemon:
     def _configure(self, new: Settings, registry: Registry) -> bool:
         """Each part takes its own sections of the new settings; whether the pool's sizes changed."""
         self.ops.configure(new, registry)  # submits check types against the new ones too
-        self.engine.configure(registry, new.execution, new.retry)
+        self.engine.configure(registry, new.execution, new.retry, new.artifacts)
         if self.remote is None:  # a remote worker's leases last as its gateway says
             self.leases.configure(lease_s=new.lease.duration_s, renew_every_s=new.lease.renew_every_s)
-        self.reconciler.configure(new.reconciler, new.execution, new.all_types)
+        self.reconciler.configure(new.reconciler, new.execution, new.all_types, new.artifacts)
         self.guards.configure(new.guards)
         self.claims.configure(new.claimed_types())
         self.scheduler.configure(new.pool)

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,8 @@ from ..gateway.registry import WorkerRegistry
 from ..metrics.exporter import Metrics
 from ..model import (
     CANCELLED_ON_REQUEST,
+    Artifact,
+    Blob,
     NewTask,
     RemoteWorker,
     State,
@@ -229,6 +231,30 @@ class NodeOperations:
         self._parts.waker.wake(1)
         log.info("task %s retried by request -> %s", task_id, task.state.value)
         return task
+
+    # blobs and artifacts
+
+    @property
+    def max_blob_bytes(self) -> int:
+        return self._settings.artifacts.max_blob_bytes
+
+    async def put_blob(self, chunks: AsyncIterable[bytes], *, expect: str | None = None) -> tuple[Blob, bool]:
+        blobs = self._parts.metrics.blobs
+        blob, created = await self._store.put_blob(blobs.count_in(chunks), now=time.time(),
+                                                   max_bytes=self.max_blob_bytes, expect=expect)
+        if created:
+            blobs.stored.inc((), blob.size)
+            log.info("blob %s stored: %d bytes", blob.sha256, blob.size)
+        return blob, created
+
+    async def get_blob(self, sha256: str) -> Blob:
+        return await self._store.get_blob(sha256)
+
+    def read_blob(self, sha256: str, *, start: int = 0, stop: int | None = None) -> AsyncIterator[bytes]:
+        return self._parts.metrics.blobs.count_out(self._store.read_blob(sha256, start=start, stop=stop))
+
+    async def list_artifacts(self, task_id: str) -> list[Artifact]:
+        return await self._store.list_artifacts(task_id)
 
     # the pool and the fleet
 
@@ -436,7 +462,7 @@ class ScanOperations:
         steps = tuple(self._step(step) for step in profile.steps)
         self._check_payload(steps[0].type, request.payload)  # later steps' payloads hold what the earlier learn
         return NewScan(request.profile, steps, dict(request.payload), request.priority, request.organization,
-                       profile.continue_on_failure, request.idempotency_key)
+                       profile.continue_on_failure, request.idempotency_key, dict(request.inputs))
 
     def scheduled(self, schedule: Schedule, tick: float) -> NewScan:
         """A profile schedule's scan for a tick, as a submit of its profile makes one; one per tick."""

@@ -25,7 +25,8 @@ def check_startable(settings: Settings) -> None:
     """What a daemon of these settings would refuse before it starts anything, by the calls it starts with
     (`tidepool config check`): the store URL, each type's plugins with allow/deny, the resource slots, the
     API's token. Nothing is opened, bound or connected; ConfigError names what is wrong."""
-    open_store(settings.store.url, section=settings.store)
+    open_store(settings.store.url, section=settings.store, artifacts=settings.artifacts,
+               blob_dir=settings.node.state_dir / "blobs")
     plugin_registry(settings)
     ResourcePool.from_settings(settings.resources)
     load_token(settings.api.token_file, settings.api.listen)
@@ -112,7 +113,8 @@ def plugin_registry(settings: Settings) -> Registry:
     the users commands run as are checked first, execution.command_user even on a node with no command."""
     check_secrets(settings)
     return Registry.from_settings(settings.plugins, settings.all_types, kill_grace_s=settings.execution.kill_grace_s,
-                                  scope=settings.execution.scope, command_user=settings.execution.command_user)
+                                  scope=settings.execution.scope, command_user=settings.execution.command_user,
+                                  max_blob_bytes=settings.artifacts.max_blob_bytes)
 
 
 def say_left_out(settings: Settings) -> None:

@@ -15,6 +15,7 @@ from yarl import URL
 
 from ..errors import InvalidArgument, InvalidRequest, OutOfScope, TargetRefused
 from ..plugins.command import render_argv
+from ..plugins.command.template import input_names
 from ..plugins.scope import Resolved, Scope, plugin_scope
 from ..settings import Settings
 
@@ -27,21 +28,28 @@ class PayloadCheck:
     commands (most of them) costs one dict look-up."""
 
     def __init__(self, settings: Settings) -> None:
-        self._commands: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
+        self._commands: dict[str, list[tuple[str, tuple[str, ...], dict[str, str]]]] = {}
         for task_type, task_settings in settings.all_types.items():
             specs = [(plugin, settings.plugins.defs.get(plugin)) for plugin in task_settings.plugins]
-            commands = [(plugin, spec.command) for plugin, spec in specs if spec and spec.command is not None]
+            commands = [(plugin, spec.command, _input_stand_ins(spec.command)) for plugin, spec in specs
+                        if spec and spec.command is not None]
             if commands:
                 self._commands[task_type] = commands
 
     def __call__(self, task_type: str, payload: Mapping[str, Any]) -> None:
         """InvalidRequest naming the payload field a command plugin of `task_type` could not put in its
         arguments: a placeholder with no value, a value starting with "-", one that is not a string or number."""
-        for plugin, command in self._commands.get(task_type, ()):
+        for plugin, command, inputs in self._commands.get(task_type, ()):
             try:
-                render_argv(command, {**payload, **STAND_INS})
+                render_argv(command, {**payload, **STAND_INS, **inputs})
             except InvalidArgument as exc:
                 raise InvalidRequest(exc.field, f"{str(exc).split(': ', 1)[1]} (plugin {plugin}'s command)") from None
+
+
+def _input_stand_ins(command: tuple[str, ...]) -> dict[str, str]:
+    """A path for each `{input:NAME}`: a scan's step gets inputs from the steps before it, which no submit
+    knows yet, so an input is checked only when the attempt starts (a missing one fails it, naming it)."""
+    return {f"input:{name}": f"/work/inputs/{name}" for name in input_names(command)}
 
 
 class ScopeCheck:

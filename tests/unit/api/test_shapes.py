@@ -3,6 +3,7 @@ what each shape writes, that it is what the document says, and the document's ow
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jsonschema_rs
@@ -28,7 +29,7 @@ from tidepool.execution.guards import GuardStats
 from tidepool.execution.pool import PoolStats
 from tidepool.execution.resources import ResourceStats
 from tidepool.http.answers import Answer, TaskDetailOut, TaskOut
-from tidepool.model import Attempt, AttemptStatus, Phase, ResultBatch, State, Task, TaskError
+from tidepool.model import Artifact, Attempt, AttemptStatus, Phase, ResultBatch, State, Task, TaskError
 from tidepool.scans import Job, JobState, Scan, ScanState
 from tidepool.schedules import Schedule
 from tidepool.store import Node
@@ -92,12 +93,26 @@ def test_a_task_in_a_listing_has_every_field_but_its_results() -> None:
 
 def test_a_single_task_shows_as_final_only_the_results_of_an_attempt_that_did_not_fail() -> None:
     body = _conforms(TaskDetailOut.of(_task()))
-    assert list(body) == [*TASK, "results"] and {k: body[k] for k in TASK} == TASK
+    assert list(body) == [*TASK, "results", "inputs", "artifacts"] and {k: body[k] for k in TASK} == TASK
     assert body["results"] == [
         {"plugin": "p", "sequence": 1, "idempotency_key": "k1", "sha256": "s1", "final": False, "attempt_id": "a1",
          "payload": {"n": 1}},
         {"plugin": "p", "sequence": 2, "idempotency_key": "k2", "sha256": "s2", "final": True, "attempt_id": "a2",
          "payload": [2.5]}]
+
+
+def test_a_single_task_shows_its_inputs_and_every_attempt_s_artifacts() -> None:
+    sha = "ab" * 32
+    task = dataclasses.replace(_task(), inputs={"sample": sha}, artifacts=(
+        Artifact("report.xml", sha, 12, "application/xml", "a1", T0 + 2),
+        Artifact("stdout", sha, 3, None, "a2", T0 + 4)))
+    body = _conforms(TaskDetailOut.of(task))
+    assert body["inputs"] == {"sample": sha}
+    assert body["artifacts"] == [
+        {"name": "report.xml", "sha256": sha, "size": 12, "content_type": "application/xml", "attempt_id": "a1",
+         "created_at": "2023-11-14T22:13:22.250000Z"},
+        {"name": "stdout", "sha256": sha, "size": 3, "content_type": None, "attempt_id": "a2",
+         "created_at": "2023-11-14T22:13:24.250000Z"}]
 
 
 def test_a_node_shows_its_liveness_at_the_time_asked() -> None:
@@ -183,17 +198,19 @@ def test_the_states_of_the_document_are_the_models() -> None:
 
 
 def test_a_scan_shows_its_jobs_in_order_a_job_not_come_yet_without_a_task() -> None:
-    jobs = (Job(0, "tcp_connect", JobState.FAILED, "t1", 3, TaskError("resolve_failed", "no such host", False), 1),
+    sha = "cd" * 32
+    jobs = (Job(0, "tcp_connect", JobState.FAILED, "t1", 3, TaskError("resolve_failed", "no such host", False), 1,
+                {"out.txt": sha}),
             Job(1, "http_probe", JobState.SKIPPED))
     scan = Scan("s1", "discover", ScanState.FAILED, "default", {"target": "x"}, {"open_ports": [80]}, 0, False, None,
-                jobs, T0, T0 + 1, T0 + 1)
+                jobs, T0, T0 + 1, T0 + 1, inputs={"targets": sha})
     assert _conforms(ScanOut.of(scan)) == {
         "id": "s1", "profile": "discover", "state": "failed", "organization": "default", "payload": {"target": "x"},
-        "scope": {"open_ports": [80]},
+        "inputs": {"targets": sha}, "scope": {"open_ports": [80]},
         "jobs": [{"index": 0, "step": "tcp_connect", "state": "failed", "task_id": "t1", "attempts": 3,
-                  "error": {"code": "resolve_failed", "message": "no such host"}},
+                  "error": {"code": "resolve_failed", "message": "no such host"}, "artifacts": {"out.txt": sha}},
                  {"index": 1, "step": "http_probe", "state": "skipped", "task_id": None, "attempts": 0,
-                  "error": None}],
+                  "error": None, "artifacts": {}}],
         "created_at": "2023-11-14T22:13:20.250000Z", "updated_at": "2023-11-14T22:13:21.250000Z",
         "finished_at": "2023-11-14T22:13:21.250000Z"}
 

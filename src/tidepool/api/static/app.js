@@ -225,6 +225,7 @@ async function loadDetail() {
     detailState = task.state;
     showAttempts(task.attempts);
     $("detail-results").replaceChildren(...resultBlocks(task.results));
+    showFiles(task);
     setText("detail-body", JSON.stringify({ state: task.state, phase: task.phase, error: task.error,
       attempts: task.attempts, results: task.results, payload: task.payload }, null, 2));
   } catch (err) {
@@ -245,6 +246,64 @@ function showAttempts(attempts) {
     tr.append(cell(String(a.number)), cell(a.status), cell(a.worker_id || ""), cell(toSecond(a.started_at)),
       cell(toSecond(a.finished_at)), cell(a.exit_status == null ? "" : String(a.exit_status)), cell(error));
     tr.cells[1].className = "state state-" + a.status;
+    return tr;
+  }));
+}
+
+// A link that downloads a file of the API. The API wants the token in a header, which a plain link cannot send:
+// the click fetches the bytes with it and hands them to the browser as a download under the file's name.
+function downloadLink(href, name) {
+  const a = document.createElement("a");
+  a.href = href;
+  a.textContent = name;
+  a.className = "download";
+  a.dataset.name = name;
+  a.addEventListener("click", async (event) => {
+    event.preventDefault();
+    event.stopPropagation();  // a link in a clickable row does not also open the row
+    try {
+      const res = await fetch(href, { headers: headers() }).catch(() => { throw new Error(UNREACHABLE); });
+      if (res.status === 401) throw new Error(NEED_TOKEN);
+      if (!res.ok) throw new Error(`daemon answered ${res.status} for ${name}`);
+      const url = URL.createObjectURL(await res.blob());
+      const save = document.createElement("a");
+      save.href = url;
+      save.download = name;
+      document.body.appendChild(save);
+      save.click();
+      save.remove();
+      setTimeout(() => URL.revokeObjectURL(url), 60000);
+    } catch (err) {
+      a.title = err.message;
+      a.classList.add("failed");
+    }
+  });
+  return a;
+}
+
+function artifactHref(taskId, name, attemptId) {
+  const path = `/v1/tasks/${encodeURIComponent(taskId)}/artifacts/${encodeURIComponent(name)}`;
+  return attemptId ? `${path}?attempt=${encodeURIComponent(attemptId)}` : path;
+}
+
+// The task's inputs (as submitted) and every attempt's artifacts, each a download.
+function showFiles(task) {
+  const rows = [];
+  for (const [name, sha256] of Object.entries(task.inputs || {})) {
+    rows.push([downloadLink("/v1/blobs/" + sha256, name), "input", "", "", "", sha256]);
+  }
+  for (const a of task.artifacts || []) {
+    rows.push([downloadLink(artifactHref(task.id, a.name, a.attempt_id), a.name), "artifact", String(a.size),
+      a.content_type || "", a.attempt_id, a.sha256]);
+  }
+  $("detail-files-none").hidden = rows.length > 0;
+  $("detail-files").hidden = rows.length === 0;
+  $("detail-files").tBodies[0].replaceChildren(...rows.map((cells) => {
+    const tr = document.createElement("tr");
+    for (const c of cells) {
+      if (typeof c === "string") tr.appendChild(cell(c));
+      else { const td = document.createElement("td"); td.appendChild(c); tr.appendChild(td); }
+    }
     return tr;
   }));
 }

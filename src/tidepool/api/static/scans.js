@@ -1,7 +1,7 @@
 // The Scans view: each scan (GET /v1/scans) with its steps as a row of job states; a step opens its task in
 // the task detail, a scan its jobs, what its steps found (its scope) and each step's results. Refreshed by the
 // scan.* events and a periodic fetch. A daemon without the route (404) shows no view. Uses app.js's api,
-// report, selectTask, resultBlocks, toSecond and $; data goes in as text only.
+// report, selectTask, resultBlocks, toSecond, downloadLink, artifactHref and $; data goes in as text only.
 "use strict";
 
 const SCANS_PERIOD_MS = 5000;
@@ -123,8 +123,12 @@ function showScan(scan) {
     const tr = document.createElement("tr");
     tr.dataset.index = job.index;
     const error = job.error ? `${job.error.code}: ${job.error.message}` : "";
+    const files = document.createElement("td");
+    for (const name of Object.keys(job.artifacts || {})) {  // its latest task's, the newest attempt's of each
+      files.append(downloadLink(artifactHref(job.task_id, name), name), " ");
+    }
     tr.append(td(String(job.index)), td(job.step), td(job.state, "job-state job-" + job.state),
-      td(String(job.attempts ?? "")), td(error), td(job.task_id || "not created yet"));
+      td(String(job.attempts ?? "")), td(error), td(job.task_id || "not created yet"), files);
     if (job.task_id) tr.addEventListener("click", () => openTask(job.task_id));
     else tr.className = "inert";
     return tr;
