@@ -24,7 +24,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 # each takes --summary PATH
 BENCHES = ("throughput.py", "latency.py", "w2.py", "elasticity.py", "api_load.py", "pg_throughput.py", "scans.py",
-           "gateway.py", "recovery.py", "gateway_fleet.py", "containment.py")
+           "gateway.py", "recovery.py", "gateway_fleet.py", "containment.py", "blobs.py")
 SERVICES = {"PostgreSQL": ("127.0.0.1", 5432), "Redis": ("127.0.0.1", 6379)}  # peers.py's PG_URL, REDIS_URL
 
 
