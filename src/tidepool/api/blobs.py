@@ -8,22 +8,19 @@ store reads it. A blob is named by the lowercase hex SHA-256 of its bytes, which
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-import anyio
 from aiohttp import web
 from pydantic import Field
 
 from ..errors import BlobTooLarge
 from ..http.answers import Answer, ArtifactOut
-from ..http.bodies import BODY_TIMEOUT_S
+from ..http.bodies import streamed
 from ..http.refusals import Refusal, error
 from ..model import FILE_NAME_PATTERN, SHA256_PATTERN, Artifact, file_name_error
 from .listing import one_each
 from .operations import DAEMON
 
-CHUNK_BYTES = 1 << 20  # what the store takes at a time: an upload is read in pieces of at most this
 MAX_INPUTS = 100
 _SHA256 = re.compile(SHA256_PATTERN)
 # One range of bytes, as RFC 9110 writes it: a-b, a- (to the end) or -n (the last n). Several ranges in one
@@ -80,22 +77,8 @@ async def upload(request: web.Request) -> web.Response:
                                               "digits)")
     if request.content_length is not None and request.content_length > daemon.max_blob_bytes:
         raise BlobTooLarge(daemon.max_blob_bytes)  # said before a byte is read
-    blob, created = await daemon.put_blob(_chunks(request), expect=expect)
+    blob, created = await daemon.put_blob(streamed(request), expect=expect)
     return web.json_response(BlobOut.model_validate(blob).to_json(), status=201 if created else 200)
-
-
-async def _chunks(request: web.Request) -> AsyncIterator[bytes]:
-    """The body as it arrives; a client that sends nothing for BODY_TIMEOUT_S is cut off (a big upload may
-    take long as a whole, but it never stalls)."""
-    while True:
-        try:
-            with anyio.fail_after(BODY_TIMEOUT_S):
-                chunk = await request.content.read(CHUNK_BYTES)
-        except TimeoutError:
-            raise Refusal(408, "request_timeout", f"the body stalled for {BODY_TIMEOUT_S}s") from None
-        if not chunk:
-            return
-        yield chunk
 
 
 async def download(request: web.Request) -> web.StreamResponse:

@@ -6,16 +6,15 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
-import anyio
 from aiohttp import web
 from pydantic import ValidationError
 
 from ..client import API_HEADER
 from ..errors import InvalidRequest, LeaseGone, StoreError, WorkerRefused
 from ..http.answers import ArtifactOut
-from ..http.bodies import BODY_TIMEOUT_S, parse
+from ..http.bodies import parse, streamed
 from ..http.guard import ConnectionGuard
 from ..http.refusals import Refusal, error, errors_as_json
 from ..model import SHA256_PATTERN, RemoteWorker, WorkerState, file_name_error
@@ -35,7 +34,6 @@ TRUST: web.AppKey[Trust] = web.AppKey("gateway_trust")
 KEEP_ALIVE_S = CHECK_EVERY_S
 # A disabled worker keeps its connection (it renews and finishes what it runs): it only gets no control stream.
 KEEPS_ITS_CONNECTION = frozenset({"worker_disabled"})
-CHUNK = 1 << 20  # a blob moves in chunks of at most 1 MiB, never whole in memory
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
@@ -201,23 +199,9 @@ async def artifact(request: web.Request) -> web.Response:
     lease = await files.held(gateway, worker, named)
     recorded = await files.check_quota(gateway, lease, name, request.content_length)
     content_type = request.headers.get("Content-Type")
-    done = await files.record(gateway, worker, lease, name, _body(request), expect=expect,
+    done = await files.record(gateway, worker, lease, name, streamed(request), expect=expect,
                               content_type=content_type[:200] if content_type else None)
     return web.json_response(ArtifactOut.model_validate(done).to_json(), status=200 if recorded else 201)
-
-
-async def _body(request: web.Request) -> AsyncIterator[bytes]:
-    """The request body in chunks of at most 1 MiB; a body that stalls for BODY_TIMEOUT_S is cut off (a large
-    one may take long in all, but never stands still that long)."""
-    while True:
-        try:
-            with anyio.fail_after(BODY_TIMEOUT_S):
-                chunk = await request.content.read(CHUNK)
-        except TimeoutError:
-            raise Refusal(408, "request_timeout", f"the body stalled for {BODY_TIMEOUT_S}s") from None
-        if not chunk:
-            return
-        yield chunk
 
 
 async def control(request: web.Request) -> web.StreamResponse:

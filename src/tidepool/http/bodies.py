@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import AsyncIterator
 from typing import Annotated, TypeVar
 
 import anyio
@@ -17,6 +18,7 @@ from .refusals import Refusal
 
 M = TypeVar("M", bound=BaseModel)
 BODY_TIMEOUT_S = 30.0
+STREAMED_CHUNK = 1 << 20  # a streamed body is read in pieces of at most 1 MiB, never whole in memory
 
 
 def integral(value: object) -> object:
@@ -105,3 +107,17 @@ def _finite(text: str) -> float:
     if math.isinf(value):
         raise ValueError(f"the number {text[:40]} is beyond a 64-bit float")
     return value
+
+
+async def streamed(request: web.Request) -> AsyncIterator[bytes]:
+    """The body as it arrives, in pieces of at most STREAMED_CHUNK; a client that sends nothing for
+    BODY_TIMEOUT_S is cut off (a big upload may take long as a whole, but it never stalls)."""
+    while True:
+        try:
+            with anyio.fail_after(BODY_TIMEOUT_S):
+                chunk = await request.content.read(STREAMED_CHUNK)
+        except TimeoutError:
+            raise Refusal(408, "request_timeout", f"the body stalled for {BODY_TIMEOUT_S}s") from None
+        if not chunk:
+            return
+        yield chunk

@@ -45,9 +45,9 @@ class BlobFiles:
     async def open(self) -> None:
         await anyio.to_thread.run_sync(self._open)
 
-    async def stage(self, chunks: AsyncIterable[bytes], *, max_bytes: int) -> Staged:
+    async def stage(self, chunks: AsyncIterable[bytes], *, max_bytes: int, expect: str | None) -> Staged:
         """Write the bytes to a new file under tmp/ (each write in a thread), fsynced; removed again if anything
-        fails, BlobTooLarge past max_bytes."""
+        fails: BlobTooLarge past max_bytes, DigestMismatch when their sha256 is not `expect`."""
         digest, path = Digest(max_bytes), self._tmp / uuid.uuid4().hex
         try:
             file: BinaryIO = await anyio.to_thread.run_sync(path.open, "xb")
@@ -57,6 +57,7 @@ class BlobFiles:
             async for chunk in chunks:
                 digest.update(chunk)
                 await anyio.to_thread.run_sync(file.write, chunk)
+            digest.check(expect)
             await anyio.to_thread.run_sync(_flush, file)
         except BaseException:
             file.close()

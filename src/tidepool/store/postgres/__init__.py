@@ -271,12 +271,7 @@ class PostgresStore:
                        expect: str | None = None) -> tuple[Blob, bool]:
         if self._files is None:
             return await blobs.put_chunks(self._db, chunks, now=now, max_bytes=max_bytes, expect=expect)
-        staged = await self._files.stage(chunks, max_bytes=max_bytes)
-        try:
-            staged.digest.check(expect)
-        except BaseException:
-            await self._files.discard(staged)
-            raise
+        staged = await self._files.stage(chunks, max_bytes=max_bytes, expect=expect)
         async with self._files.lock:
             await self._files.place(staged)
             return await blobs.put_row(self._db, staged.digest, now=now)

@@ -273,12 +273,7 @@ class SqliteStore:
 
     async def put_blob(self, chunks: AsyncIterable[bytes], *, now: float, max_bytes: int,
                        expect: str | None = None) -> tuple[Blob, bool]:
-        staged = await self._files.stage(chunks, max_bytes=max_bytes)
-        try:
-            staged.digest.check(expect)
-        except BaseException:
-            await self._files.discard(staged)
-            raise
+        staged = await self._files.stage(chunks, max_bytes=max_bytes, expect=expect)
         async with self._files.lock:
             await self._files.place(staged)
             return await self._write(partial(blobs.put_blob, sha256=staged.digest.sha256, size=staged.digest.size,
