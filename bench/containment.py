@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from _harness import Figure, arguments, median, report, reproduce, temp_dir
+from _harness import Figure, arguments, median, report, reproduce, spread, temp_dir
 from tidepool.plugins.command import CommandLimits, run_command
 from tidepool.plugins.command.disk import used_bytes
 from tidepool.plugins.command.spawn import Confinement
@@ -58,12 +58,17 @@ def main(argv: list[str] | None = None) -> int:
             used_bytes(big)
             walks.append(time.perf_counter() - started)
     b = "containment"
+    plain_ms, isolated_ms = [1000 * v for v in plain], [1000 * v for v in isolated]
+    costs = [i - p for p, i in zip(plain_ms, isolated_ms, strict=True)]
+    ratios = [i / p for p, i in zip(plain_ms, isolated_ms, strict=True)]
+    each = f"of {args.commands} commands each"
     figures = [
-        Figure(b, "a `true` command, network host", 1000 * median(plain), "ms", f"median of 3 x {args.commands}"),
-        Figure(b, "a `true` command, network none", 1000 * median(isolated), "ms", f"median of 3 x {args.commands}"),
-        Figure(b, "network none's start-up cost", 1000 * (median(isolated) - median(plain)), "ms", "per command"),
+        Figure(b, "a `true` command, network host", median(plain_ms), "ms", f"{spread(plain_ms, 1)} {each}"),
+        Figure(b, "a `true` command, network none", median(isolated_ms), "ms", f"{spread(isolated_ms, 1)} {each}"),
+        Figure(b, "network none's start-up cost", median(costs), "ms", f"per command, {spread(costs, 1)}"),
+        Figure(b, "network none / host", median(ratios), "x", f"per run, {spread(ratios, 2)}"),
         Figure(b, f"disk_mb poll, {args.files:,} files", 1000 * median(walks), "ms",
-               f"median of {args.walks} walks, in a worker thread"),
+               f"{spread([1000 * w for w in walks], 1)} walks, in a worker thread"),
     ]
     report("containment: network = \"none\" at start-up, disk_mb per poll", figures,
            reproduce("containment.py", args, DEFAULTS), args.summary)
