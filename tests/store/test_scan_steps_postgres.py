@@ -71,7 +71,7 @@ async def test_steps_of_several_scans_in_one_finish_end_together_and_each_scan_m
     with statements_of(store, monkeypatch) as statements:
         assert await store.finish_many(ends, policy=POLICY) == [State.COMPLETED] * 5
     complete, begin, lock, write, commit = statements  # whatever the number of steps
-    assert "scan_id IS NULL" in complete and (begin, commit) == ("BEGIN;", "COMMIT;")
+    assert "scan_id IS NULL" in complete and "BEGIN;" in begin and commit == "COMMIT"
     assert lock.startswith(LOCK_STEPS) and "INSERT INTO tasks" in write
     for i, (scan_id, claimed) in enumerate(steps):
         scan = await store.get_scan(scan_id)

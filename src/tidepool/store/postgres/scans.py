@@ -310,21 +310,20 @@ async def succeeded(conn: Conn, told: Told, ends: Sequence[Success]) -> set[str]
 
 async def _succeeded(conn: Conn, told: Told, ends: Sequence[Success]) -> set[str]:
     moves: Moves = []
-    transaction = conn.transaction()
-    await transaction.start()
+    await conn.execute(SQL["begin_steps"])
     try:
         done = await _move_all(conn, moves, ends)
     except Exception as exc:
         if isinstance(exc, DRIVER_ERRORS) and not isinstance(exc, asyncpg.PostgresError):
             raise  # the connection is lost: whether anything landed is for the callers' own paths to find out
-        await transaction.rollback()
+        await conn.execute("ROLLBACK")
         # the server refused a statement (a deadlock, say), or a bug: each ends on its own, and a bug here
         # would otherwise send every round the slow way unseen
         shown = [lease.attempt_id for lease, _, _ in ends[:SHOWN]]
         log.warning("%d bare successes (attempts %s%s) did not end together as scan steps: each ends on its "
                     "own", len(ends), ", ".join(shown), ", ..." if len(ends) > SHOWN else "", exc_info=exc)
         return set()
-    await transaction.commit()
+    await conn.execute("COMMIT")
     told(moves)
     return done
 

@@ -84,13 +84,21 @@ WHERE s.state = 'running' AND NOT EXISTS (
     WHERE j.scan_id = s.id AND j.state = 'started' AND t.state NOT IN {terminal})
 LIMIT $1 FOR UPDATE OF s SKIP LOCKED
 
+-- name: begin_steps
+-- The transaction of lock_steps and steps_succeeded, which read and write a few rows of big tables by key: their
+-- joins to the arrays they are given go by index. On the statistics of a young or busy queue the planner would
+-- otherwise hash-join whole tables to them (every task, job and scan read for each round's few).
+BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off
+
 -- name: lock_steps
 -- The bare step successes of a grouped finish, locked behind their fences (as `complete` does for plain tasks)
 -- in task id order; then, once every one of those task rows is held (the array_agg's subquery runs to its end
 -- before the scans are read), their scans' rows in scan id order: the task rows before the scan rows, as every
 -- transaction that moves a scan takes them. Each row: the step's attempt id, task id and job index, its
 -- scan's columns (NULL when the scan is gone), its scan's jobs (the `jobs` columns, by index), the scan's
--- inputs and its jobs' artifacts (`scan_inputs` and `job_artifacts`).
+-- inputs and its jobs' artifacts (`scan_inputs` and `job_artifacts`). The tasks and artifacts of each scan's jobs
+-- are looked up by key (LATERAL, kept apart by OFFSET 0): on the statistics of a young or busy queue the
+-- planner would otherwise join them whole, reading the tasks table once per scan.
 WITH l AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::float8[]) AS l(id, attempt_id, token, now)
 ), locked AS MATERIALIZED (
@@ -105,9 +113,11 @@ WITH l AS (
 SELECT locked.lease_attempt_id, locked.id, locked.scan_index, held.*,
     ARRAY(SELECT ROW(j.scan_id, j.idx, j.step, j.state, j.task_id, j.tasks, j.scope_before, t.state,
                      t.attempt_rows, t.error)
-          FROM scan_jobs j LEFT JOIN tasks t ON t.id = j.task_id WHERE j.scan_id = held.id ORDER BY j.idx),
+          FROM scan_jobs j LEFT JOIN LATERAL (SELECT * FROM tasks t WHERE t.id = j.task_id OFFSET 0) t ON true
+          WHERE j.scan_id = held.id ORDER BY j.idx),
     ARRAY(SELECT ROW(i.name, i.sha256) FROM scan_inputs i WHERE i.scan_id = held.id ORDER BY i.name),
-    ARRAY(SELECT ROW(j.idx, a.name, a.sha256) FROM scan_jobs j JOIN artifacts a ON a.task_id = j.task_id
+    ARRAY(SELECT ROW(j.idx, a.name, a.sha256)
+          FROM scan_jobs j CROSS JOIN LATERAL (SELECT * FROM artifacts a WHERE a.task_id = j.task_id OFFSET 0) a
           WHERE j.scan_id = held.id ORDER BY j.idx, a.created_at, a.attempt_id)
 FROM locked LEFT JOIN held ON held.id = locked.scan_id
 
