@@ -187,3 +187,21 @@ async def waiting(store: Store, n: int) -> None:
     finally:
         await admin.close()
 
+
+
+async def test_a_step_whose_scan_was_cancelled_before_its_finish_ends_alone_and_its_scan_cancelled(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    steps = await first_steps(store, 3)
+    target = steps[1][0]
+    assert (await store.cancel_scan(target, now=T0 + 1)).state is ScanState.RUNNING  # its task is stopping
+    ends = [Ending(c.lease, learned(i=i), T0 + 2) for i, (_, c) in enumerate(steps)]
+    with statements_of(store, monkeypatch) as statements:
+        answers = await store.finish_many(ends, policy=POLICY)
+    assert answers == [State.COMPLETED, State.CANCELLED, State.COMPLETED]
+    assert counted(statements, LOCK_STEPS) == 1 and counted(statements, ENDING_ROW) == 1
+    scan = await store.get_scan(target)
+    assert scan.state is ScanState.CANCELLED and states(scan) == ["cancelled", "skipped", "skipped"]
+    assert scan.scope == {} and scan.jobs[1].task_id is None
+    for i in (0, 2):
+        other = await store.get_scan(steps[i][0])
+        assert states(other) == ["success", "queued", "waiting"] and other.scope == {"i": i}

@@ -38,6 +38,9 @@ STEPS_CHUNK = 256  # step successes ended together per transaction: bounded lock
 SCAN_WIDTH = len(SCAN_COLUMNS.split(", "))
 SHOWN = 5  # attempt ids a warning names: a chunk's 256 would flood the log
 Success = tuple[Lease, float, Outcome]  # a bare success: its lease, its end time, how it ended
+# a step's end as planned: its attempt and task ids, how it ended, its scan, the scan's move, its end time, and the
+# next step's inputs
+Planned = tuple[str, str, Outcome, Stored, Writes, float, dict[str, str]]
 log = logging.getLogger("tidepool.store.postgres")
 
 
@@ -298,7 +301,7 @@ async def checked(conn: Conn, scan_id: str, outcome: Outcome) -> Outcome:
 
 async def succeeded(conn: Conn, told: Told, ends: Sequence[Success]) -> set[str]:
     """Bare successes the plain grouped completion refused: the scan steps among them ended and their scans
-    moved on together, a transaction per chunk of two statements for the lot (a task outside scans or a lost
+    moved on together, two statements for the lot in a transaction per chunk (a task outside scans or a lost
     lease is left as it is); the attempt ids done. One that is not plain (a scope its scan refuses, a task that
     is not its job's live one, two of one scan, a scan gone) is left too, for the one-by-one way, which says
     why."""
@@ -337,7 +340,7 @@ async def _move_all(conn: Conn, moves: Moves, ends: Sequence[Success]) -> set[st
                             [lease.attempt_id for lease, _, _ in ends], [lease.token for lease, _, _ in ends],
                             [now for _, now, _ in ends])
     per_scan = Counter(row[3] for row in rows)
-    planned: list[tuple[str, str, Outcome, Stored, Writes, float, dict[str, str]]] = []
+    planned: list[Planned] = []
     for row in rows:
         attempt_id, task_id, index, scan_id = row[0], row[1], row[2], row[3]
         if scan_id is None or per_scan[scan_id] > 1:
@@ -366,8 +369,7 @@ def _step_inputs(scan_inputs: Sequence[Any], artifacts: Sequence[Any], index: in
     return step_inputs(dict(scan_inputs), [by_job.get(i, []) for i in range(index)])
 
 
-async def _write_all(conn: Conn, moves: Moves,
-                     planned: Sequence[tuple[str, str, Outcome, Stored, Writes, float, dict[str, str]]]) -> None:
+async def _write_all(conn: Conn, moves: Moves, planned: Sequence[Planned]) -> None:
     """steps_succeeded's arrays, one element per row each kind writes."""
     ends: list[tuple[Any, ...]] = []
     jobs: list[tuple[Any, ...]] = []
