@@ -30,7 +30,7 @@ from .database import Conn, Database, Group, said
 SQL = sql.queries(__package__, "leases.sql")
 CLAIM_FUNCTION = SQL["claim_function"]  # defined after the migrations, whenever a schema is migrated
 MAX_CLAIM_GROUPS = 64  # claim filters remembered; tag sets change as resource slots come and go
-Completion = tuple[Lease, float, dict[str, Any] | None]  # a bare success: its lease, its end time, its progress
+Completion = scans.Success  # a bare success: its lease, its end time, how it ended (its progress, a step's scope)
 log = logging.getLogger("tidepool.store.postgres")
 
 
@@ -133,7 +133,7 @@ class Leases:
         fast = [i for i, ok in enumerate(completable_at_once(endings)) if ok]
         if fast:
             try:
-                done = await self._complete_group([(endings[i].lease, endings[i].now, endings[i].outcome.progress)
+                done = await self._complete_group([(endings[i].lease, endings[i].now, endings[i].outcome)
                                                    for i in fast])
             except (StoreUnavailable, ValueRefused):  # perhaps written, or one refused: their own paths find out
                 done = [False] * len(fast)
@@ -146,7 +146,7 @@ class Leases:
             if answer is None:
                 by_task.setdefault(endings[i].lease.task_id, []).append(i)
 
-        tried = set(fast)  # the grouped completion refused them (a scan's step, say): not asked twice
+        tried = set(fast)  # the grouped completion refused them (a scope its scan refuses, say): not asked twice
 
         async def end(indexes: list[int]) -> None:
             for i in indexes:
@@ -210,7 +210,7 @@ class Leases:
 
     async def _finish(self, ending: Ending, policy: RetryPolicy, *, grouped: bool = True) -> State:
         lease, outcome, now = ending.lease, ending.outcome, ending.now
-        if grouped and completable_at_once([ending])[0] and await self._completions((lease, now, outcome.progress)):
+        if grouped and completable_at_once([ending])[0] and await self._completions((lease, now, outcome)):
             return State.COMPLETED
         moves: scans.Moves = []
         async with self._db.conn() as conn, conn.transaction():
@@ -232,12 +232,16 @@ class Leases:
         return end.state
 
     async def _complete_group(self, calls: list[Completion]) -> list[bool]:
-        """Bare successes of many workers, fenced and completed in one statement; False: the slow path."""
+        """Bare successes of many workers, fenced and completed in one statement, the scan steps among them
+        (which that refuses) then together with their scans' moves; False: the slow path."""
         leases = [lease for lease, _, _ in calls]
         async with self._db.conn(rows=len(calls)) as conn:
             done = await conn.fetch(SQL["complete"], *_lease_arrays(leases), [now for _, now, _ in calls],
-                                    [progress_text(p) for _, _, p in calls])
-        completed = {r[0] for r in done}
+                                    [progress_text(o.progress) for _, _, o in calls])
+            completed = {r[0] for r in done}
+            if len(completed) < len(calls):
+                completed |= await scans.succeeded(conn, self._told,
+                                                   [c for c in calls if c[0].attempt_id not in completed])
         return [lease.attempt_id in completed for lease in leases]
 
 

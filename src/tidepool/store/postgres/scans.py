@@ -2,32 +2,46 @@
 
 Every transaction that moves a scan holds its row (FOR UPDATE), taken after the row of the task it moves
 with, so a step's end, a cancel and the reconciler of several nodes queue behind each other. A step's next
-task is inserted and notified in the transaction that ended the step before it. finish_cancels and
-fail_unserviceable leave their steps' scans to advance_scans, which the reconciler runs right after them.
+task is inserted and notified in the transaction that ended the step before it. The bare step successes of
+a grouped finish end together (succeeded): a few statements for the lot, whatever their number.
+finish_cancels and fail_unserviceable leave their steps' scans to advance_scans, which the reconciler runs
+right after them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+import asyncpg  # type: ignore[import-untyped, unused-ignore]  # typed when asyncpg-stubs is installed
+
 from ...errors import Conflict, InvalidRequest, ScanNotFound, StoreUnavailable
-from ...model import AttemptStatus, Outcome, State, canonical_json, new_id
+from ...model import AttemptStatus, Lease, Outcome, State, canonical_json, new_id
 from ...scans import JobState, NewScan, Scan, ScanState, ScopeRefused, job_state_of, merge_scope, retry_from
 from .. import sql
 from ..port import ScanCancel, ScanMove, ScanPage
-from ..rows import Stored, Writes, job_values, loads, scan_of, scan_values, writes
-from ..rules import step_inputs
+from ..rows import SCAN_COLUMNS, Stored, Writes, job_values, loads, scan_of, scan_values, writes
+from ..rules import progress_text, step_inputs
 from . import tasks
-from .database import Conn, Database
+from .database import DRIVER_ERRORS, Conn, Database
 
 SQL = sql.queries(__package__, "scans.sql")
 Moves = list[ScanMove]
 LOCK_TRIES = 5  # a cancel's tries at locking the live task of a scan that keeps moving on
 ONE_SNAPSHOT: dict[str, Any] = {"isolation": "repeatable_read", "readonly": True}  # scans and jobs as of one time
 SWEEP = 500  # scans moved on per reconciler transaction: bounded locks per step
+STEPS_CHUNK = 256  # step successes ended together per transaction: bounded locks, as a grouped completion's
+SCAN_WIDTH = len(SCAN_COLUMNS.split(", "))
+SHOWN = 5  # attempt ids a warning names: a chunk's 256 would flood the log
+Success = tuple[Lease, float, Outcome]  # a bare success: its lease, its end time, how it ended
+# a step's end as planned: its attempt and task ids, how it ended, its scan, the scan's move, its end time, and the
+# next step's inputs
+Planned = tuple[str, str, Outcome, Stored, Writes, float, dict[str, str]]
+log = logging.getLogger("tidepool.store.postgres")
 
 
 class Told:
@@ -283,6 +297,109 @@ async def checked(conn: Conn, scan_id: str, outcome: Outcome) -> Outcome:
     except ScopeRefused as exc:
         return replace(outcome, status=AttemptStatus.FAILED, error=exc.error)
     return outcome
+
+
+async def succeeded(conn: Conn, told: Told, ends: Sequence[Success]) -> set[str]:
+    """Bare successes the plain grouped completion refused: the scan steps among them ended and their scans
+    moved on together, two statements for the lot in a transaction per chunk (a task outside scans or a lost
+    lease is left as it is); the attempt ids done. One that is not plain (a scope its scan refuses, a task that
+    is not its job's live one, two of one scan, a scan gone) is left too, for the one-by-one way, which says
+    why."""
+    done: set[str] = set()
+    for i in range(0, len(ends), STEPS_CHUNK):
+        done |= await _succeeded(conn, told, ends[i:i + STEPS_CHUNK])
+    return done
+
+
+async def _succeeded(conn: Conn, told: Told, ends: Sequence[Success]) -> set[str]:
+    moves: Moves = []
+    await conn.execute(SQL["begin_steps"])
+    try:
+        done = await _move_all(conn, moves, ends)
+    except Exception as exc:
+        if isinstance(exc, DRIVER_ERRORS) and not isinstance(exc, asyncpg.PostgresError):
+            raise  # the connection is lost: whether anything landed is for the callers' own paths to find out
+        await conn.execute("ROLLBACK")
+        # the server refused a statement (a deadlock, say), or a bug: each ends on its own, and a bug here
+        # would otherwise send every round the slow way unseen
+        shown = [lease.attempt_id for lease, _, _ in ends[:SHOWN]]
+        log.warning("%d bare successes (attempts %s%s) did not end together as scan steps: each ends on its "
+                    "own", len(ends), ", ".join(shown), ", ..." if len(ends) > SHOWN else "", exc_info=exc)
+        return set()
+    await conn.execute("COMMIT")
+    told(moves)
+    return done
+
+
+async def _move_all(conn: Conn, moves: Moves, ends: Sequence[Success]) -> set[str]:
+    """The steps among `ends` locked with their scans, the plain ones planned, their writes sent as one
+    statement; the attempt ids written. The others keep their task rows locked until this transaction ends,
+    unchanged."""
+    by_attempt = {lease.attempt_id: (lease, now, outcome) for lease, now, outcome in ends}
+    rows = await conn.fetch(SQL["lock_steps"], [lease.task_id for lease, _, _ in ends],
+                            [lease.attempt_id for lease, _, _ in ends], [lease.token for lease, _, _ in ends],
+                            [now for _, now, _ in ends])
+    per_scan = Counter(row[3] for row in rows)
+    planned: list[Planned] = []
+    for row in rows:
+        attempt_id, task_id, index, scan_id = row[0], row[1], row[2], row[3]
+        if scan_id is None or per_scan[scan_id] > 1:
+            continue
+        scan = Stored(row[3:3 + SCAN_WIDTH], row[3 + SCAN_WIDTH])
+        _, now, outcome = by_attempt[attempt_id]
+        if not scan.is_current(index, task_id):
+            continue
+        try:
+            w = writes(scan, now=now, ended=(index, JobState.SUCCESS), learned=outcome.scope)
+        except ScopeRefused:
+            continue
+        inputs = {} if w.start is None else _step_inputs(row[4 + SCAN_WIDTH], row[5 + SCAN_WIDTH], w.start[0])
+        planned.append((attempt_id, task_id, outcome, scan, w, now, inputs))
+    if planned:
+        await _write_all(conn, moves, planned)
+    return {p[0] for p in planned}
+
+
+def _step_inputs(scan_inputs: Sequence[Any], artifacts: Sequence[Any], index: int) -> dict[str, str]:
+    """Job `index`'s task's inputs from lock_steps' arrays: the scan's, then the artifacts of each job before
+    it, in job order."""
+    by_job: dict[int, list[tuple[str, str]]] = {}
+    for job, name, sha in artifacts:
+        by_job.setdefault(job, []).append((name, sha))
+    return step_inputs(dict(scan_inputs), [by_job.get(i, []) for i in range(index)])
+
+
+async def _write_all(conn: Conn, moves: Moves, planned: Sequence[Planned]) -> None:
+    """steps_succeeded's arrays, one element per row each kind writes."""
+    ends: list[tuple[Any, ...]] = []
+    jobs: list[tuple[Any, ...]] = []
+    steps: list[tuple[Any, ...]] = []
+    files: list[tuple[str, str, str]] = []
+    scans: list[tuple[Any, ...]] = []
+    for attempt_id, task_id, outcome, scan, w, now, inputs in planned:
+        ends.append((task_id, attempt_id, now, progress_text(outcome.progress)))
+        jobs += [(scan.id, index, state.value, None, None) for index, state in w.jobs]
+        move = w.move
+        if w.start is not None:
+            index, task, scope_before, retry = w.start
+            step_id = new_id(now)
+            steps.append((step_id, task.type, canonical_json(task.payload), task.priority, task.max_attempts,
+                          task.timeout_s, json.dumps(sorted(task.required_tags)), now, task.organization, scan.id,
+                          index, retry, json.dumps(inputs)))
+            files += [(step_id, name, sha) for name, sha in inputs.items()]
+            jobs.append((scan.id, index, JobState.STARTED.value, step_id, scope_before))
+            if move is not None:
+                move = replace(move, task_id=step_id)
+        scans.append((scan.id, w.state.value, w.scope, now, w.finished_at))
+        if move is not None:
+            moves.append(move)
+    await conn.execute(SQL["steps_succeeded"], *_columns(ends, 4), *_columns(jobs, 5), *_columns(steps, 13),
+                       *_columns(files, 3), *_columns(scans, 5))
+
+
+def _columns(rows: Sequence[Sequence[Any]], width: int) -> list[list[Any]]:
+    """Rows as the parallel arrays unnest() takes: one list per column, empty ones when there are no rows."""
+    return [list(column) for column in zip(*rows, strict=True)] if rows else [[] for _ in range(width)]
 
 
 async def stored(conn: Conn, scan_id: str, *, lock: bool = True) -> Stored | None:
