@@ -19,6 +19,7 @@ from collections.abc import AsyncIterable
 from ..errors import BlobNotFound, BlobTooLarge, LeaseGone, LeaseLost, QuotaExceeded
 from ..http.refusals import Refusal
 from ..model import SHA256_PATTERN, Artifact, Blob, Lease, RemoteWorker
+from ..store.bounds import check_artifact_quota
 from ..store.port import ArtifactQuota
 from .attempts import lease_of
 from .protocol import Gateway
@@ -71,13 +72,8 @@ async def check_quota(gateway: Gateway, lease: Lease, name: str, size: int | Non
     mine = [a for a in await gateway.store.list_artifacts(lease.task_id) if a.attempt_id == lease.attempt_id]
     if any(a.name == name for a in mine):
         return True
-    if len(mine) >= quota.max_count:
-        raise QuotaExceeded("artifact_quota", f"attempt {lease.attempt_id} has recorded {len(mine)} artifacts, the "
-                                              "most it may ([artifacts] max_per_attempt); nothing was stored")
-    if size is not None and sum(a.size for a in mine) + size > quota.max_bytes:
-        raise QuotaExceeded("artifact_quota", f"attempt {lease.attempt_id}: its artifacts would pass "
-                                              f"{quota.max_bytes} bytes ([artifacts] max_attempt_bytes); nothing "
-                                              "was stored")
+    check_artifact_quota(quota, task_id=lease.task_id, attempt_id=lease.attempt_id, count=len(mine),
+                         stored_bytes=sum(a.size for a in mine), adding=size or 0)  # no length: its count alone
     return False
 
 

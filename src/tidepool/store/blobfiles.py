@@ -1,10 +1,11 @@
 """A directory of blob files: `<root>/<aa>/<sha256>`, each written whole to `<root>/tmp/`, fsynced and renamed
 into place, so a blob's file exists only complete and durable; whatever a crash left in tmp/ is removed at open.
 
-The records of the blobs live in the queue's database; a store that keeps its bytes here writes the file before
-the record and deletes the record before the file. `lock` is held around both steps of each, so that a pruning
-that deletes a blob cannot unlink the file a put of the same bytes has just renamed into place (one process
-owns a directory: a node's lock keeps a second daemon of its id away).
+The records of the blobs live in the queue's database, written by the store through `put` and `prune`: the
+file goes in place before its record is written, and the records go before their files. One lock is held
+around both steps of each, so that a pruning that deletes a blob cannot unlink the file a put of the same
+bytes has just renamed into place (one process owns a directory: a node's lock keeps a second daemon of its
+id away).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -26,6 +27,7 @@ from ..errors import BlobNotFound, StoreUnavailable
 from .digests import CHUNK, Digest
 
 log = logging.getLogger("tidepool.store")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +41,13 @@ class Staged:
 class BlobFiles:
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.lock = anyio.Lock()
+        self._lock = anyio.Lock()
         self._tmp = root / "tmp"
 
     async def open(self) -> None:
         await anyio.to_thread.run_sync(self._open)
 
-    async def stage(self, chunks: AsyncIterable[bytes], *, max_bytes: int, expect: str | None) -> Staged:
+    async def _stage(self, chunks: AsyncIterable[bytes], *, max_bytes: int, expect: str | None) -> Staged:
         """Write the bytes to a new file under tmp/ (each write in a thread), fsynced; removed again if anything
         fails: BlobTooLarge past max_bytes, DigestMismatch when their sha256 is not `expect`."""
         digest, path = Digest(max_bytes), self._tmp / uuid.uuid4().hex
@@ -62,22 +64,27 @@ class BlobFiles:
         except BaseException:
             file.close()
             with anyio.CancelScope(shield=True):
-                await self.discard(Staged(path, digest))
+                await anyio.to_thread.run_sync(_unlink, path)
             raise
         file.close()
         return Staged(path, digest)
 
-    async def place(self, staged: Staged) -> None:
-        """Rename staged bytes into place as their blob's file (the caller holds `lock`); a file there already
-        holds the same bytes, complete, and stays."""
-        await anyio.to_thread.run_sync(self._place, staged)
+    async def put(self, chunks: AsyncIterable[bytes], *, max_bytes: int, expect: str | None,
+                  record: Callable[[Digest], Awaitable[R]]) -> R:
+        """Stage the bytes, rename them into place as their blob's file (a file there already holds the same
+        bytes, complete, and stays), then `record(digest)` writes the blob's record: what it answers."""
+        staged = await self._stage(chunks, max_bytes=max_bytes, expect=expect)
+        async with self._lock:
+            await anyio.to_thread.run_sync(self._place, staged)
+            return await record(staged.digest)
 
-    async def discard(self, staged: Staged) -> None:
-        await anyio.to_thread.run_sync(_unlink, staged.path)
-
-    async def delete(self, sha256s: list[str]) -> None:
-        """Unlink these blobs' files (the caller holds `lock`, and has deleted their records)."""
-        await anyio.to_thread.run_sync(self._delete, sha256s)
+    async def prune(self, delete_records: Callable[[], Awaitable[list[str]]]) -> int:
+        """`delete_records()` deletes the records of the blobs to go and names them; their files go next. How
+        many went."""
+        async with self._lock:
+            gone = await delete_records()
+            await anyio.to_thread.run_sync(self._delete, gone)
+        return len(gone)
 
     async def read(self, sha256: str, *, start: int = 0, stop: int | None = None) -> AsyncIterator[bytes]:
         """The file's bytes [start, stop), each chunk of at most CHUNK read in a thread; BlobNotFound without it."""

@@ -151,6 +151,12 @@ def check_artifact_name(name: str) -> None:
         raise InvalidRequest("name", f"artifact name {name!r} {error}")
 
 
+def artifact_taken(lease: Lease, name: str, recorded_sha256: str) -> Conflict:
+    """An attempt's artifact `name` offered again with other bytes than it was recorded with."""
+    return Conflict(f"task {lease.task_id} attempt {lease.attempt_id}: artifact {name!r} was recorded with sha256 "
+                    f"{recorded_sha256}")
+
+
 def step_inputs(scan_inputs: Mapping[str, str], earlier: Iterable[Iterable[tuple[str, str]]]) -> dict[str, str]:
     """A scan step's task's inputs: the scan's, then each earlier job's artifacts (name, sha256) in job order,
     a later one of the same name winning, so a step reads what the steps before it wrote."""

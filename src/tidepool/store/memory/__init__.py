@@ -35,7 +35,7 @@ from ...model import (
 from ...scans import NewScan, Scan, ScanState
 from ...schedules import Fired, Schedule
 from .. import values
-from ..digests import CHUNK, Digest, source_chunks
+from ..digests import CHUNK, Digest, source_chunks, write_new
 from ..port import (
     Acquired,
     ArtifactQuota,
@@ -117,8 +117,7 @@ class MemoryStore:
         return leases.finish_many(self._db, endings, policy=policy)
 
     async def place_input(self, lease: Lease, sha256: str, path: Path) -> None:
-        data = blobs.input_bytes(self._db, lease, sha256)
-        await anyio.to_thread.run_sync(_write_new, path, data)
+        await write_new(path, source_chunks(blobs.input_bytes(self._db, lease, sha256)))
 
     async def record_artifact(self, lease: Lease, name: str, source: Path | bytes, *, content_type: str | None,
                               now: float, quota: ArtifactQuota) -> Artifact:
@@ -288,8 +287,3 @@ async def _collected(chunks: AsyncIterable[bytes], max_bytes: int) -> tuple[byte
         digest.update(chunk)
         parts.append(chunk)
     return b"".join(parts), digest
-
-
-def _write_new(path: Path, data: bytes) -> None:
-    with path.open("xb") as file:
-        file.write(data)

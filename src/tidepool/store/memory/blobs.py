@@ -3,11 +3,11 @@ rows (so pruning a task takes them with it), and a submit's inputs checked again
 
 from __future__ import annotations
 
-from ...errors import BlobNotFound, Conflict, LeaseLost, TaskNotFound
+from ...errors import BlobNotFound, LeaseLost, TaskNotFound
 from ...model import Artifact, Blob, Lease, State
 from ..bounds import check_artifact_quota
 from ..port import ArtifactQuota
-from ..rules import check_artifact_name
+from ..rules import artifact_taken, check_artifact_name
 from .database import Database, TaskRow
 from .leases import fenced
 
@@ -76,8 +76,7 @@ def admit(db: Database, lease: Lease, name: str, sha256: str, size: int, *, now:
     earlier = next((a for a in mine if a.name == name), None)
     if earlier is not None:
         if earlier.sha256 != sha256:
-            raise Conflict(f"task {lease.task_id} attempt {lease.attempt_id}: artifact {name!r} was recorded with "
-                           f"sha256 {earlier.sha256}")
+            raise artifact_taken(lease, name, earlier.sha256)
         return row, earlier
     check_artifact_quota(quota, task_id=lease.task_id, attempt_id=lease.attempt_id, count=len(mine),
                          stored_bytes=sum(a.size for a in mine), adding=size)

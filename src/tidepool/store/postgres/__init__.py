@@ -21,6 +21,7 @@ Driver: asyncpg, chosen by bench/pg_driver.py: with the WAL flush taken out of t
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -271,10 +272,8 @@ class PostgresStore:
                        expect: str | None = None) -> tuple[Blob, bool]:
         if self._files is None:
             return await blobs.put_chunks(self._db, chunks, now=now, max_bytes=max_bytes, expect=expect)
-        staged = await self._files.stage(chunks, max_bytes=max_bytes, expect=expect)
-        async with self._files.lock:
-            await self._files.place(staged)
-            return await blobs.put_row(self._db, staged.digest, now=now)
+        return await self._files.put(chunks, max_bytes=max_bytes, expect=expect,
+                                     record=partial(blobs.put_row, self._db, now=now))
 
     async def get_blob(self, sha256: str) -> Blob:
         return await blobs.get_blob(self._db, sha256)
@@ -300,10 +299,7 @@ class PostgresStore:
     async def prune_blobs(self, *, before: float, now: float) -> int:
         if self._files is None:
             return len(await blobs.prune_blobs(self._db, before=before))
-        async with self._files.lock:
-            gone = await blobs.prune_blobs(self._db, before=before)
-            await self._files.delete(gone)
-        return len(gone)
+        return await self._files.prune(partial(blobs.prune_blobs, self._db, before=before))
 
     # the adapter's lifecycle, and what it hears
 

@@ -16,14 +16,14 @@ from collections.abc import AsyncIterable, AsyncIterator
 
 import asyncpg  # type: ignore[import-untyped, unused-ignore]  # typed when asyncpg-stubs is installed
 
-from ...errors import BlobNotFound, Conflict, LeaseLost, StoreUnavailable, TaskNotFound
+from ...errors import BlobNotFound, LeaseLost, StoreUnavailable, TaskNotFound
 from ...model import Artifact, Blob, Lease
 from .. import sql
 from ..bounds import check_artifact_quota
 from ..digests import CHUNK, Digest, rechunked
 from ..port import ArtifactQuota
 from ..rows import artifact_of
-from ..rules import check_artifact_name
+from ..rules import artifact_taken, check_artifact_name
 from .database import DRIVER_ERRORS, Conn, Database, said
 from .leases import why_lost
 
@@ -133,8 +133,7 @@ async def admit(conn: Conn, lease: Lease, name: str, sha256: str | None, size: i
     earlier = await conn.fetchrow(SQL["artifact_by_name"], lease.attempt_id, name)
     if earlier is not None:
         if sha256 is not None and earlier[1] != sha256:
-            raise Conflict(f"task {lease.task_id} attempt {lease.attempt_id}: artifact {name!r} was recorded with "
-                           f"sha256 {earlier[1]}")
+            raise artifact_taken(lease, name, earlier[1])
         return artifact_of(earlier)
     count, stored = await conn.fetchrow(SQL["artifact_counts"], lease.attempt_id)
     check_artifact_quota(quota, task_id=lease.task_id, attempt_id=lease.attempt_id, count=count,

@@ -42,7 +42,7 @@ from ...scans import NewScan, Scan, ScanState
 from ...schedules import Fired, Schedule
 from .. import values
 from ..blobfiles import BlobFiles
-from ..digests import source_chunks, source_size, write_new
+from ..digests import Digest, source_chunks, source_size, write_new
 from ..port import (
     Acquired,
     ArtifactQuota,
@@ -273,11 +273,10 @@ class SqliteStore:
 
     async def put_blob(self, chunks: AsyncIterable[bytes], *, now: float, max_bytes: int,
                        expect: str | None = None) -> tuple[Blob, bool]:
-        staged = await self._files.stage(chunks, max_bytes=max_bytes, expect=expect)
-        async with self._files.lock:
-            await self._files.place(staged)
-            return await self._write(partial(blobs.put_blob, sha256=staged.digest.sha256, size=staged.digest.size,
-                                             now=now))
+        async def record(digest: Digest) -> tuple[Blob, bool]:
+            return await self._write(partial(blobs.put_blob, sha256=digest.sha256, size=digest.size, now=now))
+
+        return await self._files.put(chunks, max_bytes=max_bytes, expect=expect, record=record)
 
     async def get_blob(self, sha256: str) -> Blob:
         return await self._read(partial(blobs.get_blob, sha256=sha256))
@@ -299,10 +298,7 @@ class SqliteStore:
         return await self._read(partial(blobs.leased_blob, identity=identity, sha256=sha256, now=now))
 
     async def prune_blobs(self, *, before: float, now: float) -> int:
-        async with self._files.lock:
-            gone = await self._write(partial(blobs.prune_blobs, before=before))
-            await self._files.delete(gone)
-        return len(gone)
+        return await self._files.prune(partial(self._write, partial(blobs.prune_blobs, before=before)))
 
     # the adapter's lifecycle
 

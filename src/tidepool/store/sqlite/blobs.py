@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import sqlite3
 
-from ...errors import BlobNotFound, Conflict, LeaseLost, TaskNotFound
+from ...errors import BlobNotFound, LeaseLost, TaskNotFound
 from ...model import Artifact, Blob, Lease, State
 from .. import sql
 from ..bounds import check_artifact_quota
 from ..port import ArtifactQuota
 from ..rows import artifact_of
-from ..rules import check_artifact_name
+from ..rules import artifact_taken, check_artifact_name
 from . import tasks
 from .database import Batch
 from .leases import fence, why_lost
@@ -71,8 +71,7 @@ def admit(conn: sqlite3.Connection, *, lease: Lease, name: str, sha256: str | No
     earlier = conn.execute(Q["artifact_by_name"], (lease.attempt_id, name)).fetchone()
     if earlier is not None:
         if sha256 is not None and earlier[1] != sha256:
-            raise Conflict(f"task {lease.task_id} attempt {lease.attempt_id}: artifact {name!r} was recorded with "
-                           f"sha256 {earlier[1]}")
+            raise artifact_taken(lease, name, earlier[1])
         return artifact_of(earlier)
     count, stored = conn.execute(Q["artifact_counts"], (lease.attempt_id,)).fetchone()
     check_artifact_quota(quota, task_id=lease.task_id, attempt_id=lease.attempt_id, count=count,
