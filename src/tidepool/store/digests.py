@@ -4,7 +4,7 @@ read, or a body re-cut, in chunks of at most 1 MiB, so that no adapter ever hold
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -52,7 +52,7 @@ async def rechunked(chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
         yield bytes(buffer)
 
 
-async def source_chunks(source: Path | bytes) -> AsyncIterator[bytes]:
+async def source_chunks(source: Path | bytes) -> AsyncGenerator[bytes, None]:
     """An artifact's bytes: a file read in chunks (each read in a thread: the disk may be slow), or bytes cut."""
     if isinstance(source, bytes):
         for at in range(0, len(source), CHUNK):

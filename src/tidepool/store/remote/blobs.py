@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import os
 import re
 import shutil
 from collections import Counter, OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from ...errors import (
     ValueRefused,
 )
 from ...model import SHA256_PATTERN, Artifact, Blob, Lease, file_name_error, new_id
+from ..digests import CHUNK, source_chunks
 from ..port import ArtifactQuota
 from .database import (
     CONNECT_TIMEOUT_S,
@@ -56,7 +56,6 @@ from .database import (
 )
 from .leases import GatewayLeases, ended_here
 
-CHUNK = 1 << 20  # bytes move in chunks of at most 1 MiB, never whole in memory
 _SHA256 = re.compile(SHA256_PATTERN)
 _LIMIT = re.compile(r"at most (\d+) bytes")
 _ACTUAL = re.compile(r"sha256 is ([0-9a-f]{64})")
@@ -216,7 +215,7 @@ class GatewayBlobs:
                    **({"Content-Type": content_type} if content_type else {})}
         try:
             # closed however the call ends: the gateway may answer (a lost lease, a quota) before it is all read
-            async with _body(source) as body, self._wire.session().put(
+            async with contextlib.aclosing(source_chunks(source)) as body, self._wire.session().put(
                     self._wire.url + path, data=body, headers=headers, ssl=self._wire.tls, timeout=_streaming(),
                     skip_auto_headers=("Content-Type",)) as r:
                 answer = checked(Answer(r.status, parse_json(await r.read())), path, self._wire.url)
@@ -262,30 +261,6 @@ def _digest(source: Path | bytes) -> tuple[str, int]:
             digest.update(chunk)
             size += len(chunk)
     return digest.hexdigest(), size
-
-
-@contextlib.asynccontextmanager
-async def _body(source: Path | bytes) -> AsyncIterator[io.BytesIO | AsyncIterator[bytes]]:
-    if isinstance(source, bytes):
-        yield io.BytesIO(source)
-        return
-    async with _chunks(source) as chunks:
-        yield chunks
-
-
-@contextlib.asynccontextmanager
-async def _chunks(source: Path) -> AsyncIterator[AsyncIterator[bytes]]:
-    """The file's bytes in chunks, the file closed at the end of the block."""
-    async with await anyio.open_file(source, "rb") as f:
-        async def read() -> AsyncGenerator[bytes, None]:
-            while chunk := await f.read(CHUNK):
-                yield chunk
-
-        chunks = read()
-        try:
-            yield chunks
-        finally:
-            await chunks.aclose()
 
 
 # the queue's blob verbs: the blobs are the gateway's, so each refuses here as the queue's other verbs do
