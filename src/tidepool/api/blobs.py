@@ -8,14 +8,16 @@ store reads it. A blob is named by the lowercase hex SHA-256 of its bytes, which
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any
 
 from aiohttp import web
 from pydantic import Field
 
 from ..errors import BlobTooLarge
+from ..http import downloads
 from ..http.answers import Answer, ArtifactOut
 from ..http.bodies import streamed
+from ..http.downloads import byte_range
 from ..http.refusals import Refusal, error
 from ..model import FILE_NAME_PATTERN, SHA256_PATTERN, Artifact, file_name_error
 from .listing import one_each
@@ -23,9 +25,6 @@ from .operations import DAEMON
 
 MAX_INPUTS = 100
 _SHA256 = re.compile(SHA256_PATTERN)
-# One range of bytes, as RFC 9110 writes it: a-b, a- (to the end) or -n (the last n). Several ranges in one
-# request are not served: such a header is ignored and the whole blob sent, as the RFC allows.
-_RANGE = re.compile(r"bytes=(?:(\d{1,19})-(\d{0,19})|-(\d{1,19}))")
 
 
 def inputs_field() -> Any:
@@ -121,39 +120,13 @@ async def send_blob(request: web.Request, sha256: str, size: int, content_type: 
                     disposition: str | None = None) -> web.StreamResponse:
     """The blob's bytes as the answer: 200 whole, 206 one range, 416 a range past its end; a HEAD, the
     headers alone."""
-    headers = {"ETag": f'"{sha256}"', "Accept-Ranges": "bytes", "Content-Type": content_type}
-    if disposition is not None:
-        headers["Content-Disposition"] = disposition
-    span = _range(request.headers.get("Range"), size)
+    span = byte_range(request.headers.get("Range"), size)
     if span is False:
         refused = error(416, "range_not_satisfiable", f"Range: {request.headers['Range'][:80]} lies past the "
                                                       f"end of its {size} bytes")
         refused.headers["Content-Range"] = f"bytes */{size}"
         return refused
-    start, stop = span or (0, size)
-    response = web.StreamResponse(status=206 if span else 200, headers=headers)
-    if span:
-        response.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
-    response.content_length = stop - start
-    await response.prepare(request)
-    if request.method != "HEAD" and stop > start:
-        async for chunk in request.app[DAEMON].read_blob(sha256, start=start, stop=stop):
-            await response.write(chunk)
-    await response.write_eof()
-    return response
-
-
-def _range(header: str | None, size: int) -> tuple[int, int] | Literal[False] | None:
-    """[start, stop) of a one-range Range header; None to send it whole (no header, or one not served); False
-    when the range lies past the blob's end (416)."""
-    if header is None or not (match := _RANGE.fullmatch(header.strip())):
-        return None
-    first, last, suffix = match.groups()
-    if suffix is not None:
-        n = int(suffix)
-        return (max(size - n, 0), size) if n and size else False
-    start = int(first)
-    stop = size if not last else min(int(last) + 1, size)
-    if last and int(last) < start:
-        return None  # not a range at all (RFC 9110: an invalid one is ignored)
-    return (start, stop) if start < size else False
+    daemon = request.app[DAEMON]
+    return await downloads.send_blob(request, lambda start, stop: daemon.read_blob(sha256, start=start, stop=stop),
+                                     sha256=sha256, size=size, span=span, content_type=content_type,
+                                     reader="an API client", disposition=disposition)

@@ -12,9 +12,10 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from ..client import API_HEADER
-from ..errors import InvalidRequest, LeaseGone, StoreError, WorkerRefused
+from ..errors import InvalidRequest, LeaseGone, WorkerRefused
 from ..http.answers import ArtifactOut
 from ..http.bodies import parse, streamed
+from ..http.downloads import byte_range, send_blob
 from ..http.guard import ConnectionGuard
 from ..http.refusals import Refusal, error, errors_as_json
 from ..model import SHA256_PATTERN, RemoteWorker, WorkerState, file_name_error
@@ -34,7 +35,6 @@ TRUST: web.AppKey[Trust] = web.AppKey("gateway_trust")
 KEEP_ALIVE_S = CHECK_EVERY_S
 # A disabled worker keeps its connection (it renews and finishes what it runs): it only gets no control stream.
 KEEPS_ITS_CONNECTION = frozenset({"worker_disabled"})
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
 def _refusals(request: web.Request, exc: Exception) -> web.StreamResponse | None:
@@ -144,42 +144,20 @@ async def blob(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     worker = await _caller(request)
     found = await files.leased_blob(gateway, worker, request.match_info["sha256"])
-    start, stop = _range(request.headers.get("Range"), found.size)
-    chunks = gateway.store.read_blob(found.sha256, start=start, stop=stop)
-    first = await anext(aiter(chunks), b"")  # a store that fails now is still answered 503
-    headers = {"ETag": f'"{found.sha256}"', "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
-    if (start, stop) != (0, found.size):
-        headers["Content-Range"] = f"bytes {start}-{stop - 1}/{found.size}"
-    response = web.StreamResponse(status=200 if "Content-Range" not in headers else 206, headers=headers)
-    response.content_length = stop - start
-    await response.prepare(request)
-    try:
-        await response.write(first)
-        async for chunk in chunks:
-            await response.write(chunk)
-    except StoreError as exc:  # the answer has begun: cut short, so the worker sees a short body and asks again
-        log.warning("worker %s: blob %s cut short: %s", worker.id, found.sha256, exc)
-        response.force_close()
-        return response
-    await response.write_eof()
-    return response
+    return await send_blob(request, lambda start, stop: gateway.store.read_blob(found.sha256, start=start, stop=stop),
+                           sha256=found.sha256, size=found.size, span=_range(request.headers.get("Range"), found.size),
+                           content_type="application/octet-stream", reader=f"worker {worker.id}")
 
 
-def _range(header: str | None, size: int) -> tuple[int, int]:
-    """[start, stop) of a Range header's one range (bytes=a-b, a-, -n); the whole blob without one."""
-    if header is None:
-        return 0, size
-    match = _RANGE.match(header.strip())
-    if match is None or match.groups() == ("", ""):
+def _range(header: str | None, size: int) -> tuple[int, int] | None:
+    """[start, stop) of a Range header's one range (bytes=a-b, a-, -n); None for the whole blob. A worker is
+    told of a range it cannot have rather than sent what it did not ask for."""
+    span = byte_range(header, size) if header is not None else None
+    if header is not None and span is None:
         raise Refusal(416, "range_not_satisfiable", "Range: one range of bytes=START-END, START- or -LENGTH")
-    first, last = match.groups()
-    if first == "":
-        start, stop = max(0, size - int(last)), size
-    else:
-        start, stop = int(first), min(size, int(last) + 1) if last else size
-    if start >= stop:
+    if span is False:
         raise Refusal(416, "range_not_satisfiable", f"the blob holds {size} bytes")
-    return start, stop
+    return None if span == (0, size) else span
 
 
 async def artifact(request: web.Request) -> web.Response:
