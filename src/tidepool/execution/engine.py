@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.lowlevel
 
-from ..backoff import Backoff
-from ..errors import BlobTooLarge, PluginError, QuotaExceeded, StoreUnavailable, ValueRefused
+from ..errors import BlobTooLarge, PluginError, QuotaExceeded, ValueRefused
 from ..events import EventBus
 from ..lifecycle import RetryPolicy
 from ..model import (
@@ -31,6 +30,7 @@ from ..model import (
     Artifact,
     AttemptStatus,
     Claimed,
+    Lease,
     Outcome,
     Phase,
     ResultBatch,
@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tidepool.engine")
 MAX_RAN = 10_000  # plugins remembered between two supervisor ticks, for the held-up loop's warning
-RESULT_RETRY = Backoff(0.1, 1.0)  # between tries of a result write while the store does not answer
 FENCED = TaskError("interrupted", "stopped by its node's fence: no heartbeat saved, the fleet would run it elsewhere")
 
 
@@ -92,7 +91,7 @@ class Engine:
         self._clock = clock
         self._running: dict[str, tuple[TaskContext, Held, str]] = {}  # started, outcome not posted yet
         self._ran: dict[str, str] = {}  # task id -> plugin, of what ran since plugins_since_asked() was
-        self._over_quota: set[str] = set()  # attempts whose plugins met their result quota: said once each
+        self._said: set[tuple[str, str]] = set()  # (attempt, results|artifacts) refused past a quota: said once
         self.outcomes = Outcomes(store, leases, events, policy=lambda: self.policy, clock=clock)
 
     def configure(self, registry: Registry, execution: ExecutionSettings, retry: RetrySettings,
@@ -140,7 +139,7 @@ class Engine:
                 self._leases.release(held)
             raise
         finally:
-            self._over_quota.difference_update((lease.attempt_id, f"{lease.attempt_id}:artifacts"))
+            self._said.difference_update({(lease.attempt_id, "results"), (lease.attempt_id, "artifacts")})
         if self._running.pop(lease.attempt_id, None) is not None:  # else abandoned at shutdown, posted already
             self.outcomes.conclude(task, held, outcome, worker_id)
 
@@ -290,58 +289,42 @@ class Engine:
         holds the lease: an outage costs the plugin a wait, never its attempt (the fence keeps a retry safe).
         Once the lease keeper gives the lease up it cancels the attempt, this wait included: its end is the
         lease's, not the plugin's (no StoreUnavailable for the plugin to take for its own failure)."""
-        for wait in RESULT_RETRY.delays():  # without end: the lease keeper ends the wait with the lease
-            try:
-                ack = await self._store.record_result(held.lease, batch, now=self._clock(),
-                                                      quota=self.config.result_quota)
-                break
-            except StoreUnavailable:
-                if held.why is not None:
-                    raise
-            except QuotaExceeded as exc:
-                self._said_over_quota(held.lease.task_id, held.lease.attempt_id, exc)
-                raise
-            except ValueRefused as exc:  # sent again it would be refused again: the plugin's emit fails
-                log.error("task %s attempt %s: result %s refused by the store: %s", held.lease.task_id,
-                          held.lease.attempt_id, batch.idempotency_key, exc)
-                raise PluginError(f"the store refused a value of result {batch.sequence} of {batch.plugin}",
-                                  code=exc.code, retryable=False) from exc
-            await anyio.sleep(wait)
+        try:
+            ack = await held.asking(lambda: self._store.record_result(held.lease, batch, now=self._clock(),
+                                                                      quota=self.config.result_quota))
+        except QuotaExceeded as exc:
+            self._said_refused(held.lease, "results", f"result refused, over its quota ({exc}); the plugin's emit "
+                                                      "raises QuotaExceeded from now on")
+            raise
+        except ValueRefused as exc:  # sent again it would be refused again: the plugin's emit fails
+            log.error("task %s attempt %s: result %s refused by the store: %s", held.lease.task_id,
+                      held.lease.attempt_id, batch.idempotency_key, exc)
+            raise PluginError(f"the store refused a value of result {batch.sequence} of {batch.plugin}",
+                              code=exc.code, retryable=False) from exc
         self._events.publish("task.result", task_id=held.lease.task_id, worker_id=worker_id, plugin=ack.plugin,
                              sequence=ack.sequence, idempotency_key=ack.idempotency_key, final=ack.final)
         return ack
 
     async def _artifact(self, held: Held, name: str, source: Path | bytes, content_type: str | None) -> Artifact:
-        """Record a plugin's artifact; a store that does not answer is tried again as for results."""
-        for wait in RESULT_RETRY.delays():  # without end: the lease keeper ends the wait with the lease
-            try:
-                artifact = await self._store.record_artifact(held.lease, name, source, content_type=content_type,
-                                                             now=self._clock(), quota=self.config.artifact_quota)
-                break
-            except StoreUnavailable:
-                if held.why is not None:
-                    raise
-            except (QuotaExceeded, BlobTooLarge) as exc:
-                self._said_artifact_refused(held.lease.task_id, held.lease.attempt_id, name, exc)
-                raise
-            await anyio.sleep(wait)
+        """Record a plugin's artifact; a store that does not answer is asked again, as for results."""
+        try:
+            artifact = await held.asking(lambda: self._store.record_artifact(
+                held.lease, name, source, content_type=content_type, now=self._clock(),
+                quota=self.config.artifact_quota))
+        except (QuotaExceeded, BlobTooLarge) as exc:
+            self._said_refused(held.lease, "artifacts", f"artifact {name} refused ({exc}); the plugin's artifact() "
+                                                        "raises from now on for each one past [artifacts]' quotas")
+            raise
         log.debug("task %s attempt %s: artifact %s recorded (%s, %d bytes)", held.lease.task_id,
                   held.lease.attempt_id, name, artifact.sha256, artifact.size)
         return artifact
 
-    def _said_over_quota(self, task_id: str, attempt_id: str, exc: QuotaExceeded) -> None:
-        """One line per attempt: a plugin that goes on emitting past its quota is refused every time."""
-        if attempt_id not in self._over_quota:
-            self._over_quota.add(attempt_id)
-            log.warning("task %s attempt %s: result refused, over its quota (%s); the plugin's emit raises "
-                        "QuotaExceeded from now on", task_id, attempt_id, exc)
-
-    def _said_artifact_refused(self, task_id: str, attempt_id: str, name: str, exc: Exception) -> None:
-        """One line per attempt, as for results: a plugin may go on offering artifacts past its quota."""
-        if f"{attempt_id}:artifacts" not in self._over_quota:
-            self._over_quota.add(f"{attempt_id}:artifacts")
-            log.warning("task %s attempt %s: artifact %s refused (%s); the plugin's artifact() raises from now "
-                        "on for each one past [artifacts]' quotas", task_id, attempt_id, name, exc)
+    def _said_refused(self, lease: Lease, what: str, line: str) -> None:
+        """One line per attempt and kind (results, artifacts): a plugin may go on offering them past its quota,
+        refused every time."""
+        if (lease.attempt_id, what) not in self._said:
+            self._said.add((lease.attempt_id, what))
+            log.warning("task %s attempt %s: %s", lease.task_id, lease.attempt_id, line)
 
     def _run_timeout_s(self, task: Task) -> float:
         """The task's own timeout, else its type's, else execution.timeout_s."""

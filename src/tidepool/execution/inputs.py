@@ -13,14 +13,12 @@ from pathlib import Path
 
 import anyio
 
-from ..backoff import Backoff
 from ..errors import BlobNotFound, InvalidArgument, PluginError, StoreUnavailable
 from ..model import Task, file_name_error
 from ..store.port import WorkerPort
 from .leases import Held
 
 INPUTS_DIR = "inputs"
-PLACE_RETRY = Backoff(0.1, 1.0)  # between tries while the store does not answer
 
 
 def input_paths(task: Task, workdir: str) -> dict[str, Path]:
@@ -41,17 +39,17 @@ async def place_inputs(store: WorkerPort, held: Held, task: Task, workdir: str) 
 
 
 async def _place(store: WorkerPort, held: Held, name: str, sha256: str, path: Path) -> None:
-    for wait in PLACE_RETRY.delays():  # without end: the lease keeper ends the wait with the lease
+    async def once() -> None:
         try:
             await store.place_input(held.lease, sha256, path)
-            return
-        except BlobNotFound:
-            raise PluginError(f"input {name}: the store has no blob {sha256} (deleted since the submit, or "
-                              "never uploaded there); submit the task again with its file",
-                              code="inputs_unavailable", retryable=False) from None
         except StoreUnavailable:
-            if held.why is not None:
-                raise
-        with contextlib.suppress(FileNotFoundError):  # what a try cut short left: the next writes it anew
-            await anyio.to_thread.run_sync(path.unlink)
-        await anyio.sleep(wait)
+            with contextlib.suppress(FileNotFoundError):  # what a try cut short left: the next writes it anew
+                await anyio.to_thread.run_sync(path.unlink)
+            raise
+
+    try:
+        await held.asking(once)
+    except BlobNotFound:
+        raise PluginError(f"input {name}: the store has no blob {sha256} (deleted since the submit, or never "
+                          "uploaded there); submit the task again with its file",
+                          code="inputs_unavailable", retryable=False) from None

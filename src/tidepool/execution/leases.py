@@ -17,18 +17,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import anyio
 from anyio.abc import TaskStatus
 
+from ..backoff import Backoff
 from ..errors import LeaseLost, StoreUnavailable, TaskCancelling, ValueRefused
 from ..logs import Outage
 from ..model import Lease, Phase
 from ..store.port import PhaseNote, WorkerPort
 
 log = logging.getLogger("tidepool.leases")
+T = TypeVar("T")
+STORE_RETRY = Backoff(0.1, 1.0)  # between tries of an attempt's store call while the store does not answer
 GIVE_UP_SHARE = 0.25  # of lease_s: a lease is given up up to this long before the store would expire it
 
 
@@ -47,6 +51,19 @@ class Held:
     # Called when stopped before its attempt started (a task in the handoff): no scope is entered yet
     # to cancel, so whoever holds the task must end it now rather than at its turn.
     waiting: Callable[[Held], None] | None = None
+
+    async def asking(self, call: Callable[[], Awaitable[T]]) -> T:
+        """call() until the store answers it: one that does not answer is asked again for as long as this lease
+        is held (an outage costs the attempt a wait, never its run; the fence keeps a try again safe). Once the
+        lease keeper gives the lease up it cancels the attempt, this wait included."""
+        for wait in STORE_RETRY.delays():
+            try:
+                return await call()
+            except StoreUnavailable:
+                if self.why is not None:
+                    raise
+            await anyio.sleep(wait)
+        raise AssertionError("STORE_RETRY has no end")
 
     def stop(self, why: str) -> None:
         if self.why is None:
