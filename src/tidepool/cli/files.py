@@ -21,7 +21,7 @@ from urllib.parse import quote
 
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-from ..client import CHUNK_BYTES, Client
+from ..client import Client
 from ..model import file_name_error
 from ..settings import Settings
 from .ids import resolve
@@ -60,11 +60,8 @@ def parse_inputs(given: list[str]) -> dict[str, Path]:
 
 
 def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as file:
-        while piece := file.read(CHUNK_BYTES):
-            digest.update(piece)
-    return digest.hexdigest()
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 async def upload_inputs(client: Client, inputs: dict[str, Path]) -> dict[str, str]:
